@@ -1,0 +1,467 @@
+"""Capacity manager: how many draft slots to verify this step (host, stale) and which ones (device, fresh).
+
+The split follows the paper's production scheduler (§5.2) and vLLM's adaptive verification:
+
+* **Budget (host, stale).** ``choose_budget`` takes a *global* argmax of expected accepted tokens per ms,
+  ``Θ(n) = (num_sampling + sum of the n best survivals) / step_cost_ms(R, nondraft + n)``, over every
+  ``n``. The survivals come from confidences one or two steps old that are already on the host, so
+  planning never waits on the device. A global argmax (not the paper's early stop) is needed because the
+  profiled cost is a staircase and Θ is not unimodal; it stays lossless because the *count* depends only
+  on information from earlier steps (the "causal barrier"), never on this step's sampled drafts.
+* **Allocation (device, fresh).** ``allocate`` spends that count on the globally best ``(request,
+  position)`` slots by *current* prefix survival. Survival is non-increasing along a request's drafts,
+  so the winners form a prefix per request. Ties break by (position, request), independent of values,
+  so tensor-parallel ranks with bitwise-different confidences still agree wherever values tie. Shapes
+  are fixed (full sort + rank < budget), so one CUDA graph replays any budget without a host sync.
+
+``schedule_paper`` is the paper's Algorithm 1 (greedy with early stop on fresh values), kept for the
+simulator and as an option; ``SaturationPolicy`` stops paying for the draft pass when verification
+stops paying; ``CapacityManager`` ties the pieces together for an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from dspark_cli.core.sps import SpsCurve
+from dspark_cli.errors import DsparkError
+
+Mode = Literal["none", "mask", "varlen"]
+Policy = Literal["argmax", "paper", "threshold"]
+MODES: tuple[str, ...] = ("none", "mask", "varlen")
+POLICIES: tuple[str, ...] = ("argmax", "paper", "threshold")
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """Capacity-manager settings (validated on construction; bad values raise :class:`DsparkError`).
+
+    ``mode``: ``none`` verifies every draft (no capacity manager), ``mask`` keeps the uniform batch and
+    marks pruned slots as padding, ``varlen`` compacts the verify batch. ``policy`` picks the budget rule.
+    """
+
+    mode: Mode = "none"
+    policy: Policy = "argmax"
+    budget_frac: float = 1.0  # hard cap: budget <= floor(budget_frac * total drafts)
+    threshold: float = 0.0  # policy="threshold": admit slots with survival >= threshold
+    min_predicted_gain: float = 0.0  # trim only if Θ(best) >= Θ(full) * (1 + gain)
+    saturation_patience: int = 8  # consecutive non-paying steps before drafting pauses (0 = never)
+    resume_every: int = 16  # while paused, one probe step with drafting every N steps
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise DsparkError(f"capacity mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.policy not in POLICIES:
+            raise DsparkError(f"capacity policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _check_float("budget_frac", self.budget_frac, 0.0, 1.0)
+        _check_float("threshold", self.threshold, 0.0, 1.0)
+        _check_float("min_predicted_gain", self.min_predicted_gain, 0.0, math.inf)
+        _check_int("saturation_patience", self.saturation_patience, 0)
+        _check_int("resume_every", self.resume_every, 1)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> CapacityConfig:
+        """Build from a mapping of field names; unknown keys are refused (typos must not pass silently)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise DsparkError(f"unknown capacity setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**obj)
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
+        rng = f"[{lo}, {hi}]" if math.isfinite(hi) else f">= {lo} and finite"
+        raise DsparkError(f"capacity setting {name} must be a number in {rng}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise DsparkError(f"capacity setting {name} must be an integer >= {lo}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------- survival
+
+
+def prefix_survival(conf: torch.Tensor) -> torch.Tensor:
+    """a[r, j] = prod_{i<=j} c[r, i]: the probability that draft j and all before it are accepted.
+
+    Confidences are clamped to [0, 1] first so a slightly out-of-range head output cannot make survival
+    rise along a request (which would break the prefix shape of the allocation).
+    """
+    return torch.cumprod(conf.float().clamp(0.0, 1.0), dim=-1)
+
+
+def _np_survival(conf: np.ndarray) -> np.ndarray:
+    return np.cumprod(np.clip(np.asarray(conf, dtype=np.float64), 0.0, 1.0), axis=-1)
+
+
+def _valid_mask(shape: tuple[int, int], num_drafts: np.ndarray | None) -> np.ndarray:
+    r, k = shape
+    if num_drafts is None:
+        return np.ones((r, k), dtype=bool)
+    nd = np.clip(np.asarray(num_drafts, dtype=np.int64).reshape(r), 0, k)
+    return np.arange(k)[None, :] < nd[:, None]
+
+
+# ---------------------------------------------------------------------------------------------- Algorithm 1
+
+
+def schedule_paper(
+    confidences: torch.Tensor | np.ndarray,
+    sps: SpsCurve,
+    num_drafts: np.ndarray | torch.Tensor | None = None,
+    num_nondraft_tokens: int | None = None,
+    num_sampling: int | None = None,
+) -> np.ndarray:
+    """The paper's Algorithm 1: greedy admission by prefix survival with early stop.
+
+    Slots ``(r, j)`` with survival > 0 are walked in descending survival (ties by position, then
+    request); each admission adds one batch token and its survival to τ. The walk stops at the first
+    admission that does not strictly improve Θ = τ / step_cost_ms(R, B), so ties favour shorter
+    verification. Stopping early is what makes it lossless on fresh confidences: the decision to admit
+    token k never looks at c_{k+1}, which depends on the sampled x_k (paper App. A).
+
+    ``B`` starts at R (every request verifies its anchor/bonus slot) unless ``num_nondraft_tokens`` says
+    otherwise; τ starts at ``num_sampling`` (default R). Returns verify lengths ``ℓ[R]`` (int64).
+    """
+    conf = confidences.detach().float().cpu().numpy() if isinstance(confidences, torch.Tensor) else confidences
+    conf = np.asarray(conf, dtype=np.float64)
+    if conf.ndim != 2:
+        raise ValueError(f"confidences must be [R, K], got shape {conf.shape}")
+    r, k = conf.shape
+    if isinstance(num_drafts, torch.Tensor):
+        num_drafts = num_drafts.cpu().numpy()
+    surv = _np_survival(conf)
+    valid = _valid_mask((r, k), num_drafts) & (surv > 0)
+    lengths = np.zeros(r, dtype=np.int64)
+    if r == 0:
+        return lengths
+    # Position-major flat index j*R + r; a stable descending sort breaks value ties by (position, request).
+    flat = surv.T.reshape(-1)
+    flat_valid = valid.T.reshape(-1)
+    cand = np.flatnonzero(flat_valid)
+    order = cand[np.argsort(-flat[cand], kind="stable")]
+    b = r if num_nondraft_tokens is None else int(num_nondraft_tokens)
+    tau = float(r if num_sampling is None else num_sampling)
+    best = tau / sps.step_cost_ms(r, b)
+    current = np.zeros(r, dtype=np.int64)
+    for idx in order:
+        j, req = divmod(int(idx), r)
+        current[req] = j + 1
+        b += 1
+        tau += float(flat[idx])
+        theta = tau / sps.step_cost_ms(r, b)
+        if theta > best:
+            best = theta
+            lengths[:] = current
+        else:
+            break
+    return lengths
+
+
+# ---------------------------------------------------------------------------------------------- budget
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """One step's budget and the predictions behind it (engines and the simulator log these).
+
+    Θ values are expected accepted tokens (bonus included) per millisecond.
+    """
+
+    budget: int  # draft slots to verify this step
+    theta_best: float  # Θ at the chosen budget
+    theta_all: float  # Θ verifying every draft
+    theta_no_draft: float  # Θ without the draft pass at all (plain decoding)
+    step_ms: float  # predicted step cost at the chosen budget
+    total_drafts: int  # drafts available this step
+
+    @property
+    def pays(self) -> bool:
+        """Whether drafting is worth its cost this step (budget > 0 and beats plain decoding)."""
+        return self.budget > 0 and self.theta_best > self.theta_no_draft
+
+
+def choose_budget(
+    stale_survival: np.ndarray,
+    num_drafts: np.ndarray,
+    num_nondraft_tokens: int,
+    num_sampling: int,
+    sps: SpsCurve,
+    cfg: CapacityConfig,
+) -> BudgetDecision:
+    """Pick this step's verify budget on the host from stale survival; see the module docstring.
+
+    ``stale_survival[R, K]`` is prefix survival from earlier steps (rows of new requests are all ones),
+    ``num_drafts[R]`` the drafts each request carries this step, ``num_nondraft_tokens`` every batch
+    token that is not a draft (bonus/anchor tokens and prefill chunks), ``num_sampling`` the requests that
+    will emit a token this step. Θ(n) is evaluated for every n in one vectorised cost lookup; the first
+    maximum wins, so ties pick the smaller budget.
+    """
+    surv = np.asarray(stale_survival, dtype=np.float64)
+    if surv.ndim != 2:
+        raise ValueError(f"stale_survival must be [R, K], got shape {surv.shape}")
+    r, k = surv.shape
+    valid = _valid_mask((r, k), num_drafts)
+    total = int(valid.sum())
+    vals = np.sort(np.clip(surv[valid], 0.0, 1.0))[::-1]
+    tau = float(num_sampling) + np.concatenate(([0.0], np.cumsum(vals)))
+    n = np.arange(total + 1)
+    cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + n), dtype=np.float64)
+    theta = tau / cost
+    no_draft_cost = float(sps.step_cost_ms(r, num_nondraft_tokens, drafting=False))
+    theta_no_draft = float(num_sampling) / no_draft_cost
+
+    if cfg.mode == "none":
+        budget = total
+    else:
+        cap = min(total, int(math.floor(cfg.budget_frac * total + 1e-9)))
+        if cfg.policy == "threshold":
+            budget = min(cap, int((vals >= cfg.threshold).sum()))
+        elif cfg.policy == "paper":
+            # Early stop along the sorted stale survivals: the first n whose Θ does not beat Θ(n-1) ends it.
+            worse = np.flatnonzero(theta[1 : cap + 1] <= theta[:cap])
+            budget = int(worse[0]) if len(worse) else cap
+        else:
+            budget = int(np.argmax(theta[: cap + 1]))
+        if cfg.min_predicted_gain > 0 and budget < cap and theta[budget] < theta[cap] * (1 + cfg.min_predicted_gain):
+            budget = cap  # the predicted win is within the model's error: keep the full draft
+    return BudgetDecision(
+        budget=budget,
+        theta_best=float(theta[budget]),
+        theta_all=float(theta[total]),
+        theta_no_draft=theta_no_draft,
+        step_ms=float(cost[budget]),
+        total_drafts=total,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- allocation
+
+
+def allocate(
+    survival: torch.Tensor, num_drafts: torch.Tensor, budget: torch.Tensor | int
+) -> torch.Tensor:
+    """Admit the top-``budget`` slots by fresh survival; returns admitted drafts per request ``[R]`` int32.
+
+    Valid slots are ``j < num_drafts[r]`` with survival > 0. The flat order is position-major (index
+    ``j*R + r``) and the sort is stable and descending, so equal values rank by (position, request)
+    whatever the values are. Survival is made non-increasing along each row (``cummin``) so the admitted
+    set is a prefix per request even for hand-made inputs, and the per-row count is the verify length.
+    Fixed shapes and no host reads: capturable in a CUDA graph, ``budget`` may be a 0-d device tensor.
+    """
+    r, k = survival.shape
+    device = survival.device
+    surv = survival.float()
+    surv = torch.where(torch.isnan(surv), torch.zeros_like(surv), surv)
+    surv = torch.cummin(surv, dim=1).values
+    pos = torch.arange(k, device=device)
+    valid = (pos.unsqueeze(0) < num_drafts.to(device).long().unsqueeze(1)) & (surv > 0)
+    keyed = torch.where(valid, surv, torch.full_like(surv, -1.0))
+    flat = keyed.t().reshape(-1)
+    order = torch.sort(flat, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(0, order, torch.arange(r * k, device=device))
+    admit = (rank < budget) & valid.t().reshape(-1)
+    return admit.view(k, r).sum(dim=0, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------- saturation
+
+
+class SaturationPolicy:
+    """Stop paying for the draft pass while verification does not pay, and probe to come back.
+
+    A step *does not pay* when its budget is 0 or Θ at the chosen budget is no better than plain decoding
+    (``BudgetDecision.pays`` is False). After ``patience`` consecutive such steps drafting pauses
+    (``drafting_enabled`` False: engines skip the draft pass and decode one token per request).
+
+    Resume rule, checked by :meth:`begin_step` at the start of every step while paused:
+
+    * **load fell**: when the number of running requests is <= 3/4 of the count at which drafting
+      paused, drafting resumes at once (the contention that made it unprofitable is gone);
+    * **probe**: every ``resume_every``-th paused step drafts once; if that step's decision pays
+      (reported through :meth:`observe`), drafting resumes, otherwise the pause continues.
+
+    ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
+    """
+
+    def __init__(self, patience: int, resume_every: int) -> None:
+        _check_int("saturation_patience", patience, 0)
+        _check_int("resume_every", resume_every, 1)
+        self.patience = patience
+        self.resume_every = resume_every
+        self._streak = 0
+        self._paused = False
+        self._paused_running = 0
+        self._paused_steps = 0
+        self._probing = False
+
+    @property
+    def drafting_enabled(self) -> bool:
+        return not self._paused
+
+    @property
+    def probing(self) -> bool:
+        return self._probing
+
+    def begin_step(self, num_running: int) -> bool:
+        """Whether this step drafts (always while enabled; resumes or probes while paused)."""
+        if not self._paused:
+            return True
+        if num_running <= 0.75 * self._paused_running:
+            self._resume()
+            return True
+        self._paused_steps += 1
+        self._probing = self._paused_steps % self.resume_every == 0
+        return self._probing
+
+    def observe(self, pays: bool | BudgetDecision, num_running: int = 0) -> None:
+        """Report whether a drafting step paid; ``num_running`` is remembered if this pauses drafting."""
+        paid = pays.pays if isinstance(pays, BudgetDecision) else bool(pays)
+        if self._paused:
+            if self._probing and paid:
+                self._resume()
+            self._probing = False
+            return
+        if paid:
+            self._streak = 0
+            return
+        self._streak += 1
+        if self.patience > 0 and self._streak >= self.patience:
+            self._paused = True
+            self._paused_running = num_running
+            self._paused_steps = 0
+            self._streak = 0
+
+    def _resume(self) -> None:
+        self._paused = False
+        self._probing = False
+        self._streak = 0
+        self._paused_steps = 0
+
+
+# ---------------------------------------------------------------------------------------------- manager
+
+
+class CapacityManager:
+    """What an engine holds: config, curve, the confidence buffers and the saturation policy.
+
+    Per step, in this order:
+
+    1. ``begin_step(num_running)`` -> draft this step or not (saturation policy);
+    2. after the draft pass, ``record_confidences(slots, conf)`` with the (STS-calibrated) confidences;
+       this scatters them into the device buffer and starts an async copy to a pinned host buffer;
+    3. ``plan(slots_np, num_drafts_np, num_nondraft_tokens, num_sampling)`` chooses the budget on the
+       host from the snapshot taken by the *previous* ``record_confidences`` (one step stale, or two if
+       ``plan`` runs before this step's record) -- never this step's values, whose Markov dependence on
+       the sampled drafts would leak into the count; waiting on that copy's event costs nothing because
+       it was issued a whole step earlier;
+    4. ``allocate(slots, num_drafts, budget)`` spends the budget on the device with fresh survival.
+
+    Slots are engine-owned rows (0..max_slots-1). ``add_request(slot)`` marks a slot fresh: its device
+    row and both host rows become 1 (unknown = "certainly accepted", as vLLM/SGLang do), and a snapshot
+    taken before the add is ignored for that slot, so a reused slot never inherits its old occupant.
+    """
+
+    def __init__(
+        self,
+        cfg: CapacityConfig,
+        curve: SpsCurve,
+        num_spec_tokens: int,
+        max_slots: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_spec_tokens < 1 or max_slots < 1:
+            raise DsparkError("capacity manager needs num_spec_tokens >= 1 and max_slots >= 1")
+        self.cfg = cfg
+        self.curve = curve
+        self.k = num_spec_tokens
+        self.max_slots = max_slots
+        self.device = torch.device(device)
+        self.saturation = SaturationPolicy(cfg.saturation_patience, cfg.resume_every)
+        self.conf = torch.ones(max_slots, num_spec_tokens, dtype=torch.float32, device=self.device)
+        pin = self.device.type == "cuda"
+        self._host = [
+            torch.ones(max_slots, num_spec_tokens, dtype=torch.float32, pin_memory=pin) for _ in range(2)
+        ]
+        self._events: list[Any] = [None, None]
+        self._host_record_id = [0, 0]  # which record_confidences call each host buffer holds
+        self._num_records = 0
+        self._write = 0  # host buffer the next record fills
+        self._added_at = np.full(max_slots, -1, dtype=np.int64)
+        self.last_decision: BudgetDecision | None = None
+
+    # -- saturation
+    @property
+    def drafting_enabled(self) -> bool:
+        return self.cfg.mode == "none" or self.saturation.drafting_enabled
+
+    def begin_step(self, num_running: int) -> bool:
+        if self.cfg.mode == "none":
+            return True
+        return self.saturation.begin_step(num_running)
+
+    # -- confidences
+    def add_request(self, slot: int) -> None:
+        self.conf[slot].fill_(1.0)
+        for buf in self._host:
+            buf[slot].fill_(1.0)
+        self._added_at[slot] = self._num_records
+
+    def record_confidences(self, slots: torch.Tensor, conf: torch.Tensor) -> None:
+        """Store this step's confidences ``conf[R, K]`` for ``slots[R]`` (device) and snapshot to the host."""
+        self.conf.index_copy_(0, slots.to(self.device).long(), conf.to(self.device, torch.float32))
+        w = self._write
+        self._num_records += 1
+        if self.device.type == "cuda":
+            self._host[w].copy_(self.conf, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._events[w] = event
+        else:
+            self._host[w].copy_(self.conf)
+        self._host_record_id[w] = self._num_records
+        self._write = 1 - w
+
+    def stale_confidences(self, slots_np: np.ndarray) -> np.ndarray:
+        """Host confidences for ``slots_np`` from the snapshot before the latest one (ones for new slots)."""
+        slots_np = np.asarray(slots_np, dtype=np.int64)
+        read = self._write  # the buffer the next record will overwrite holds the older snapshot
+        event = self._events[read]
+        if event is not None:
+            event.synchronize()  # issued a step ago: already complete in practice
+        snap_id = self._host_record_id[read]
+        rows = self._host[read].numpy()[slots_np].copy()
+        rows[self._added_at[slots_np] >= snap_id] = 1.0
+        return rows
+
+    # -- planning and allocation
+    def plan(
+        self,
+        slots_np: np.ndarray,
+        num_drafts_np: np.ndarray,
+        num_nondraft_tokens: int,
+        num_sampling: int,
+    ) -> BudgetDecision:
+        stale = self.stale_confidences(slots_np)
+        decision = choose_budget(
+            _np_survival(stale), num_drafts_np, num_nondraft_tokens, num_sampling, self.curve, self.cfg
+        )
+        if self.cfg.mode != "none":
+            self.saturation.observe(decision, num_running=len(slots_np))
+        self.last_decision = decision
+        return decision
+
+    def allocate(self, slots: torch.Tensor, num_drafts: torch.Tensor, budget: torch.Tensor | int) -> torch.Tensor:
+        fresh = self.conf.index_select(0, slots.to(self.device).long())
+        return allocate(prefix_survival(fresh), num_drafts, budget)

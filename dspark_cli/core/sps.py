@@ -1,0 +1,392 @@
+"""The profiled step-cost curve the capacity manager prices batches with (``sps_curve.json``).
+
+The budget argmax compares expected accepted tokens per millisecond across budgets, so the curve must
+price a batch the way the engine actually runs it:
+
+* At or below the largest captured CUDA-graph size a batch of ``t`` tokens replays the graph of the next
+  captured size, so it pays that size's cost (a staircase that rounds UP: 121 tokens run the 128 graph).
+  Pricing the real token count instead would make tokens look free right before a riser.
+* Above the capture limit the engine runs eagerly; cost is interpolated linearly only between points
+  profiled above the limit, because the graph -> eager jump is a real discontinuity that a line through
+  the last graph point would smear out.
+* Past the last profiled point the last two points are extrapolated linearly (costs keep rising).
+
+A step costs ``draft(num_reqs) + verify(tokens) + overhead_ms``: drafting depends on how many requests
+draft, not on how many drafts get verified, and the fixed per-step overhead matters because the objective
+is a ratio (leaving it out makes every token look expensive and over-prunes below the contention knee).
+
+Curves are validated when loaded or built from measurements. A flat ("inert") verify curve is refused: it
+would pin the argmax to verify-all and the scheduler would silently do nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from dspark_cli.errors import DsparkError
+from dspark_cli.fileio import atomic_write_json
+
+SPS_CURVE_VERSION = 1
+# A point this far below the running maximum is a measurement error, not timing noise to smooth away.
+MAX_DROP_FRACTION = 0.25
+# max/min verify cost below this ratio means the curve carries no load signal (argmax pinned to verify-all).
+MIN_COST_RATIO = 1.02
+# Floor on a verify cost so extrapolation can never produce zero or negative prices.
+MIN_VERIFY_MS = 1e-6
+
+_FIX_HINT = "re-profile with `dspark profile-sps` or fix the file"
+
+
+class SpsCurveError(DsparkError):
+    """A step-cost curve that cannot be used; the message names the source and the problem on one line."""
+
+
+def _fail(source: str, problem: str) -> SpsCurveError:
+    return SpsCurveError(f"{source}: {problem}; {_FIX_HINT}")
+
+
+def _clean_points(
+    points: Any, what: str, source: str, *, require_rise: bool, allow_empty: bool
+) -> tuple[tuple[int, float], ...]:
+    """Validate ``[[x, ms], ...]``, sort by x, drop exact duplicates and repair noise with a running max.
+
+    Refuses (with :class:`SpsCurveError`) anything the repair would have to invent rather than smooth:
+    non-integer or non-positive x, non-finite or non-positive costs, conflicting duplicates, a point far
+    below its predecessor, and -- for the verify curve -- a curve that barely rises at all.
+    """
+    if points is None or (isinstance(points, Sequence) and len(points) == 0):
+        if allow_empty:
+            return ()
+        raise _fail(source, f"{what} is empty")
+    if isinstance(points, (str, bytes)) or not isinstance(points, Iterable):
+        raise _fail(source, f"{what} must be a list of [x, value] pairs")
+    by_x: dict[int, float] = {}
+    for i, item in enumerate(points):
+        if isinstance(item, np.ndarray):
+            item = item.tolist()
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise _fail(source, f"{what}[{i}] must be an [x, value] pair, got {item!r}")
+        x_raw, y_raw = item
+        if isinstance(x_raw, bool) or isinstance(y_raw, bool):
+            raise _fail(source, f"{what}[{i}] holds a boolean, expected numbers")
+        try:
+            x_f, y = float(x_raw), float(y_raw)
+        except (TypeError, ValueError):
+            raise _fail(source, f"{what}[{i}] must hold numbers, got {item!r}") from None
+        if not math.isfinite(x_f) or x_f != int(x_f) or x_f <= 0:
+            raise _fail(source, f"{what}[{i}] has x={x_raw!r}; x must be a positive integer")
+        if not math.isfinite(y):
+            raise _fail(source, f"{what}[{i}] has a non-finite value {y_raw!r}")
+        if y <= 0:
+            raise _fail(source, f"{what}[{i}] has a non-positive value {y!r}")
+        x = int(x_f)
+        if x in by_x and by_x[x] != y:
+            raise _fail(source, f"{what} lists x={x} twice with different values ({by_x[x]!r} and {y!r})")
+        by_x[x] = y
+    xs = sorted(by_x)
+    repaired: list[tuple[int, float]] = []
+    running = 0.0
+    prev_x = 0
+    for x in xs:
+        y = by_x[x]
+        if running > 0 and y < (1.0 - MAX_DROP_FRACTION) * running:
+            raise _fail(
+                source,
+                f"{what} is not monotone: {y:.4g} ms at x={x} is {100 * (1 - y / running):.0f}% below "
+                f"{running:.4g} ms at x={prev_x} (more than noise)",
+            )
+        if y >= running:
+            running, prev_x = y, x
+        repaired.append((x, running))
+    if require_rise:
+        costs = [y for _, y in repaired]
+        ratio = max(costs) / min(costs)
+        if ratio < MIN_COST_RATIO:
+            raise _fail(
+                source,
+                f"{what} is flat (cost rises only {100 * (ratio - 1):.2f}% from {xs[0]} to {xs[-1]} tokens), "
+                "so the budget argmax would always verify every draft",
+            )
+    return tuple(repaired)
+
+
+def _clean_capture_sizes(sizes: Any, source: str) -> tuple[int, ...]:
+    if sizes is None:
+        return ()
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise _fail(source, "capture_sizes must be a list of positive integers")
+    out: set[int] = set()
+    for s in sizes:
+        if isinstance(s, bool):
+            raise _fail(source, f"capture_sizes holds a boolean {s!r}")
+        try:
+            f = float(s)
+        except (TypeError, ValueError):
+            raise _fail(source, f"capture_sizes holds {s!r}; expected positive integers") from None
+        if not math.isfinite(f) or f != int(f) or f <= 0:
+            raise _fail(source, f"capture_sizes holds {s!r}; expected positive integers")
+        out.add(int(f))
+    return tuple(sorted(out))
+
+
+def _clean_overhead(value: Any, source: str) -> float:
+    if isinstance(value, bool):
+        raise _fail(source, "overhead_ms must be a number")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise _fail(source, f"overhead_ms must be a number, got {value!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise _fail(source, f"overhead_ms must be finite and >= 0, got {value!r}")
+    return v
+
+
+def _linear(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise-linear through (xs, ys): clamped below xs[0], extrapolated from the last two points above."""
+    out = np.interp(x, xs, ys)
+    if len(xs) >= 2:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        beyond = x > xs[-1]
+        out = np.where(beyond, ys[-1] + slope * (x - xs[-1]), out)
+    return out
+
+
+def _as_float_array(x: Any) -> tuple[np.ndarray, bool]:
+    arr = np.asarray(x, dtype=np.float64)
+    return arr, arr.ndim == 0
+
+
+@dataclass(frozen=True)
+class SpsCurve:
+    """Step cost of the engine as a function of batch tokens (verify) and drafting requests (draft).
+
+    Build it with :meth:`load`, :meth:`from_dict` or :meth:`from_points`; the constructor validates too,
+    so an ``SpsCurve`` in hand is always usable. Cost lookups accept scalars or numpy arrays (the budget
+    argmax prices every candidate budget in one call).
+    """
+
+    verify_ms: tuple[tuple[int, float], ...]
+    draft_ms: tuple[tuple[int, float], ...] = ()
+    overhead_ms: float = 0.0
+    capture_sizes: tuple[int, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # Lookup tables derived in __post_init__ (kept out of equality/repr).
+    _vx: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _vy: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _stair_x: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _stair_y: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _eager_x: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _eager_y: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _eager_slope: float = field(init=False, repr=False, compare=False, hash=False)
+    _dx: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _dy: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        source = "SpsCurve"
+        verify = _clean_points(self.verify_ms, "verify_curve_ms", source, require_rise=True, allow_empty=False)
+        draft = _clean_points(self.draft_ms, "draft_curve_ms", source, require_rise=False, allow_empty=True)
+        set_ = object.__setattr__
+        set_(self, "verify_ms", verify)
+        set_(self, "draft_ms", draft)
+        set_(self, "overhead_ms", _clean_overhead(self.overhead_ms, source))
+        set_(self, "capture_sizes", _clean_capture_sizes(self.capture_sizes, source))
+        set_(self, "meta", dict(self.meta) if isinstance(self.meta, dict) else {})
+
+        vx = np.array([x for x, _ in verify], dtype=np.float64)
+        vy = np.array([y for _, y in verify], dtype=np.float64)
+        set_(self, "_vx", vx)
+        set_(self, "_vy", vy)
+        caps = np.array(self.capture_sizes, dtype=np.float64)
+        if len(caps):
+            limit = caps[-1]
+            in_graph = vx <= limit
+            # Price each captured size from the points profiled inside the graph regime (exact when the
+            # profiler measured every size, as it does); fall back to all points if none were.
+            gx, gy = (vx[in_graph], vy[in_graph]) if in_graph.any() else (vx, vy)
+            stair = np.maximum.accumulate(np.maximum(_linear(caps, gx, gy), MIN_VERIFY_MS))
+            above = vx > limit
+            # Eager region: only points above the limit are joined (no line across the graph->eager jump);
+            # with none, the staircase's own last two points extend it.
+            ex, ey = (vx[above], vy[above]) if above.any() else (vx, vy)
+        else:
+            stair = np.zeros(0)
+            ex, ey = vx, vy
+        # Slope past the last point: from the last two eager points, else the last two points overall.
+        sx, sy = (ex, ey) if len(ex) >= 2 else (vx, vy)
+        slope = (sy[-1] - sy[-2]) / (sx[-1] - sx[-2])
+        set_(self, "_eager_slope", float(slope))
+        set_(self, "_stair_x", caps)
+        set_(self, "_stair_y", stair)
+        set_(self, "_eager_x", ex)
+        set_(self, "_eager_y", ey)
+        set_(self, "_dx", np.array([x for x, _ in draft], dtype=np.float64))
+        set_(self, "_dy", np.array([y for _, y in draft], dtype=np.float64))
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_points(
+        cls,
+        verify_ms: Iterable[tuple[int, float]] | np.ndarray,
+        draft_ms: Iterable[tuple[int, float]] | np.ndarray = (),
+        overhead_ms: float = 0.0,
+        capture_sizes: Iterable[int] = (),
+        meta: dict[str, Any] | None = None,
+        source: str = "measured SPS curve",
+    ) -> SpsCurve:
+        """Build a curve from measured (medians of) step timings; validates and repairs like :meth:`load`."""
+        meta = dict(meta or {})
+        verify = _clean_points(
+            list(verify_ms), "verify_curve_ms", source, require_rise=True, allow_empty=False
+        )
+        draft = _clean_points(list(draft_ms), "draft_curve_ms", source, require_rise=False, allow_empty=True)
+        return cls(
+            verify_ms=verify,
+            draft_ms=draft,
+            overhead_ms=_clean_overhead(overhead_ms, source),
+            capture_sizes=_clean_capture_sizes(list(capture_sizes), source),
+            meta=meta,
+        )
+
+    @classmethod
+    def from_dict(cls, obj: Any, source: str = "<dict>") -> SpsCurve:
+        """Parse the SPEC §3 object, or the seed's plain ``[[tokens, steps_per_sec], ...]`` list.
+
+        The seed's list profiled one breakpoint per captured size, so its token counts become the capture
+        sizes, its verify cost is ``1000 / sps`` ms, and it prices neither drafting nor overhead.
+        """
+        if isinstance(obj, list):
+            verify = _sps_to_ms(obj, "dspark_sps_curve", source, overhead_ms=0.0)
+            verify = _clean_points(verify, "dspark_sps_curve", source, require_rise=True, allow_empty=False)
+            caps = [x for x, _ in verify]
+            return cls.from_points(verify, (), 0.0, caps, {"format": "seed-list"}, source)
+        if not isinstance(obj, dict):
+            raise _fail(source, "expected a JSON object or a [[tokens, steps_per_sec], ...] list")
+        version = obj.get("version", SPS_CURVE_VERSION)
+        if version != SPS_CURVE_VERSION:
+            raise _fail(source, f"unsupported version {version!r} (this build reads version {SPS_CURVE_VERSION})")
+        overhead = _clean_overhead(obj.get("overhead_ms", 0.0), source)
+        if obj.get("verify_curve_ms") is not None:
+            verify = obj["verify_curve_ms"]
+            what = "verify_curve_ms"
+        elif obj.get("dspark_sps_curve") is not None:
+            verify = _sps_to_ms(obj["dspark_sps_curve"], "dspark_sps_curve", source, overhead_ms=overhead)
+            what = "dspark_sps_curve"
+        else:
+            raise _fail(source, "has neither verify_curve_ms nor dspark_sps_curve")
+        verify = _clean_points(verify, what, source, require_rise=True, allow_empty=False)
+        meta = obj.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise _fail(source, "meta must be an object")
+        caps = obj.get("capture_sizes")
+        if caps is None and obj.get("verify_curve_ms") is None:
+            caps = [x for x, _ in verify]
+        return cls.from_points(verify, obj.get("draft_curve_ms") or (), overhead, caps or (), meta, source)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SpsCurve:
+        """Read ``sps_curve.json`` (SPEC §3 object or the seed's plain list); one-line error on any problem."""
+        p = Path(path)
+        try:
+            raw = p.read_bytes()
+        except OSError as exc:
+            raise SpsCurveError(f"{p}: cannot read the SPS curve ({exc.strerror or exc})") from None
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise _fail(str(p), f"not valid JSON ({exc})") from None
+        return cls.from_dict(obj, source=str(p))
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """SPEC §3 object; ``dspark_sps_curve`` keeps the seed's ``[[tokens, steps_per_sec]]`` readers working."""
+        return {
+            "version": SPS_CURVE_VERSION,
+            "dspark_sps_curve": [[x, 1000.0 / (y + self.overhead_ms)] for x, y in self.verify_ms],
+            "verify_curve_ms": [[x, y] for x, y in self.verify_ms],
+            "draft_curve_ms": [[x, y] for x, y in self.draft_ms],
+            "overhead_ms": self.overhead_ms,
+            "capture_sizes": list(self.capture_sizes),
+            "meta": dict(self.meta),
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+    # ------------------------------------------------------------------ lookups
+
+    @property
+    def capture_limit(self) -> int:
+        """Largest captured size (0 when the curve has no staircase region)."""
+        return self.capture_sizes[-1] if self.capture_sizes else 0
+
+    def verify_cost_ms(self, tokens: Any) -> Any:
+        """Cost of a target forward over ``tokens`` batch tokens (scalar in, float out; array in, array out)."""
+        t, scalar = _as_float_array(tokens)
+        beyond = np.maximum(t - self._eager_x[-1], 0.0) * self._eager_slope
+        eager = np.maximum(np.interp(t, self._eager_x, self._eager_y) + beyond, MIN_VERIFY_MS)
+        if len(self._stair_x):
+            idx = np.clip(np.searchsorted(self._stair_x, t, side="left"), 0, len(self._stair_x) - 1)
+            out = np.where(t <= self._stair_x[-1], self._stair_y[idx], eager)
+        else:
+            out = eager
+        return float(out) if scalar else out
+
+    def draft_cost_ms(self, num_reqs: Any) -> Any:
+        """Cost of the draft pass for ``num_reqs`` drafting requests; 0 when drafting is not priced."""
+        n, scalar = _as_float_array(num_reqs)
+        if len(self._dx) == 0:
+            out = np.zeros_like(n)
+        else:
+            out = np.maximum(_linear(n, self._dx, self._dy), 0.0)
+            out = np.where(n <= 0, 0.0, out)
+        return float(out) if scalar else out
+
+    def step_cost_ms(self, num_reqs: Any, tokens: Any, drafting: bool = True) -> Any:
+        """Whole-step cost: ``draft(num_reqs)`` (if drafting) + ``verify(tokens)`` + ``overhead_ms``."""
+        cost = self.verify_cost_ms(tokens) + self.overhead_ms
+        if drafting:
+            cost = cost + self.draft_cost_ms(num_reqs)
+        return cost
+
+    def steps_per_sec(self, num_reqs: Any, tokens: Any, drafting: bool = True) -> Any:
+        return 1000.0 / self.step_cost_ms(num_reqs, tokens, drafting)
+
+
+def _sps_to_ms(points: Any, what: str, source: str, overhead_ms: float) -> list[tuple[int, float]]:
+    """Turn ``[[tokens, steps_per_sec]]`` into verify ``[[tokens, ms]]`` (minus the step overhead)."""
+    clean = _clean_sps_values(points, what, source)
+    out = []
+    for x, sps in clean:
+        ms = 1000.0 / sps - overhead_ms
+        if ms <= 0:
+            raise _fail(source, f"{what} at {x} tokens implies a step faster than overhead_ms={overhead_ms}")
+        out.append((x, ms))
+    return out
+
+
+def _clean_sps_values(points: Any, what: str, source: str) -> list[tuple[Any, float]]:
+    if not isinstance(points, list) or len(points) == 0:
+        raise _fail(source, f"{what} is empty" if isinstance(points, list) else f"{what} must be a list")
+    out = []
+    for i, item in enumerate(points):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise _fail(source, f"{what}[{i}] must be a [tokens, steps_per_sec] pair, got {item!r}")
+        x, s = item
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise _fail(source, f"{what}[{i}] must hold numbers, got {item!r}")
+        if not math.isfinite(s):
+            raise _fail(source, f"{what}[{i}] has a non-finite value {s!r}")
+        if s <= 0:
+            raise _fail(source, f"{what}[{i}] has a non-positive value {s!r}")
+        out.append((x, float(s)))
+    return out

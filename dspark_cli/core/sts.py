@@ -1,0 +1,378 @@
+"""Sequential Temperature Scaling (STS) of the confidence head: offline fit, online refit, ``sts.json``.
+
+The scheduler needs absolute survival magnitudes (Θ adds them up), and raw heads are over-confident.
+A per-position temperature ``T_k`` maps a raw probability to ``sigmoid(logit(c_k) / T_k)``; it preserves
+order (AUC is unchanged) and only fixes magnitude.
+
+Two fits, deliberately different:
+
+* **Offline** (:func:`fit_sts`, the paper's STS): for k = 1..K left to right, pick ``T_k`` minimising the
+  ECE of the *cumulative* survival ``prod_{i<=k} sigmoid(logit(c_i)/T_i)`` against "token k is inside
+  the accepted prefix", earlier temperatures frozen. Fitting the product is what the scheduler consumes,
+  and per-position errors compound geometrically along it. The cumulative label of position k is
+  observed exactly when position k was verified (``k <= v``): then it is ``k <= a`` -- a rejection
+  before k makes it a known 0. (The SPEC's ``k <= min(a+1, v)`` is when the *conditional* label is known;
+  using it here would keep only rows whose prefix survived, and the product would then be fitted
+  against a conditional rate, biasing every T_k for k >= 2.)
+* **Online** (:class:`OnlineSTS`): decayed per-position counters of the *conditional* outcome -- position
+  k is a trial iff ``k <= min(a+1, v)`` (it was tested with its prefix accepted), a hit iff ``k <= a`` --
+  which is exactly what the head predicts. Calibrating each conditional factor calibrates the product
+  without keeping per-row history on the device, so counters stay fixed-size, updates need no host
+  sync, and a refit is a fixed-shape reduction. Censoring by what was verified keeps pruned slots
+  (never tested) out of the counts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+
+from dspark_cli.errors import DsparkError
+from dspark_cli.fileio import atomic_write_json
+
+STS_VERSION = 1
+PROB_EPS = 1e-6
+
+
+def default_grid() -> np.ndarray:
+    """256 log-spaced temperatures in [0.05, 20] plus exactly 1.0 (so calibration can be a no-op)."""
+    return np.unique(np.concatenate([np.geomspace(0.05, 20.0, 256), [1.0]]))
+
+
+def _grid_by_closeness_to_one(grid: np.ndarray | Sequence[float] | None) -> np.ndarray:
+    g = default_grid() if grid is None else np.asarray(grid, dtype=np.float64).reshape(-1)
+    if len(g) == 0 or not np.all(np.isfinite(g)) or np.any(g <= 0):
+        raise DsparkError("STS temperature grid must be a non-empty list of finite positive numbers")
+    # argmin returns the first minimum, so ordering by |log T| makes exact ECE ties prefer T nearest 1.
+    return g[np.argsort(np.abs(np.log(g)), kind="stable")]
+
+
+def _logit_np(c: np.ndarray) -> np.ndarray:
+    c = np.clip(np.asarray(c, dtype=np.float64), PROB_EPS, 1.0 - PROB_EPS)
+    return np.log(c) - np.log1p(-c)
+
+
+def _sigmoid_np(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def ece(prob: np.ndarray, label: np.ndarray, bins: int = 20) -> float:
+    """Expected calibration error with equal-width bins: sum_b |sum p - sum y| / n."""
+    prob = np.asarray(prob, dtype=np.float64)
+    if prob.size == 0:
+        return float("nan")
+    return float(_ece_grid(prob[None, :], np.asarray(label, dtype=np.float64), bins)[0])
+
+
+def _ece_grid(prob: np.ndarray, label: np.ndarray, bins: int) -> np.ndarray:
+    """ECE of each row of ``prob[G, n]`` against the shared ``label[n]`` (one bincount for all rows)."""
+    g, n = prob.shape
+    idx = np.minimum((prob * bins).astype(np.int64), bins - 1) + bins * np.arange(g)[:, None]
+    diff = prob - label[None, :]
+    sums = np.bincount(idx.reshape(-1), weights=diff.reshape(-1), minlength=g * bins).reshape(g, bins)
+    return np.abs(sums).sum(axis=1) / n
+
+
+def _auc(score: np.ndarray, label: np.ndarray) -> float:
+    """Mann-Whitney AUC with average ranks for ties; NaN when only one class is present."""
+    pos = label.astype(bool)
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(score, kind="mergesort")
+    sorted_s = score[order]
+    ranks = np.empty(len(score), dtype=np.float64)
+    # Average rank per run of equal scores.
+    starts = np.flatnonzero(np.r_[True, sorted_s[1:] != sorted_s[:-1]])
+    ends = np.r_[starts[1:], len(score)]
+    avg = (starts + ends + 1) / 2.0
+    ranks[order] = np.repeat(avg, ends - starts)
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def _nan_to_none(values: Sequence[float]) -> list[float | None]:
+    return [None if (v is None or not math.isfinite(v)) else float(v) for v in values]
+
+
+@dataclass
+class StsFit:
+    """Result of :func:`fit_sts`: per-position temperatures and calibration metrics (NaN = no data)."""
+
+    temperatures: list[float]
+    ece_before: list[float]
+    ece_after: list[float]
+    auc: list[float]
+    num_rows: int
+    rows_per_position: list[int] = field(default_factory=list)
+    bins: int = 20
+
+    def to_dict(self) -> dict[str, Any]:
+        temps = [float(t) for t in self.temperatures]
+        return {
+            "version": STS_VERSION,
+            "temperatures": temps,
+            "sts_temperatures": list(temps),
+            "ece_before": _nan_to_none(self.ece_before),
+            "ece_after": _nan_to_none(self.ece_after),
+            "auc": _nan_to_none(self.auc),
+            "num_rows": int(self.num_rows),
+            "rows_per_position": [int(x) for x in self.rows_per_position],
+            "bins": int(self.bins),
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+
+def fit_sts(
+    conf: np.ndarray,
+    verified: np.ndarray,
+    accepted: np.ndarray,
+    bins: int = 20,
+    grid: np.ndarray | Sequence[float] | None = None,
+) -> StsFit:
+    """Offline sequential temperature scaling; see the module docstring for the labels used.
+
+    ``conf[N, K]`` are raw head probabilities, ``verified[N]``/``accepted[N]`` the outcome counts
+    (0 <= a <= v <= K). Positions with no observed rows keep T = 1.
+    """
+    conf = np.asarray(conf, dtype=np.float64)
+    if conf.ndim != 2:
+        raise DsparkError(f"STS fit needs confidences shaped [rows, positions], got {conf.shape}")
+    n_rows, k_pos = conf.shape
+    v = np.asarray(verified, dtype=np.int64).reshape(-1)
+    a = np.asarray(accepted, dtype=np.int64).reshape(-1)
+    if len(v) != n_rows or len(a) != n_rows:
+        raise DsparkError("STS fit needs one verified and one accepted count per confidence row")
+    if bins < 1:
+        raise DsparkError(f"STS fit needs bins >= 1, got {bins}")
+    grid_sorted = _grid_by_closeness_to_one(grid)
+    logits = _logit_np(conf)
+    raw = np.clip(conf, PROB_EPS, 1.0 - PROB_EPS)
+    pos = np.arange(1, k_pos + 1)
+    known_cum = pos[None, :] <= v[:, None]  # cumulative label observed iff position k was verified
+    label_cum = (pos[None, :] <= a[:, None]).astype(np.float64)
+    known_cond = pos[None, :] <= np.minimum(a + 1, v)[:, None]
+
+    temps = np.ones(k_pos)
+    ece_before = np.full(k_pos, np.nan)
+    ece_after = np.full(k_pos, np.nan)
+    auc = np.full(k_pos, np.nan)
+    rows = np.zeros(k_pos, dtype=np.int64)
+    raw_cum = np.ones(n_rows)
+    cal_cum = np.ones(n_rows)
+    # Bound the [G, n] working set so a million-row fit stays within a few hundred MB.
+    chunk = max(1, int(4_000_000 // max(1, n_rows)))
+    for k in range(k_pos):
+        raw_cum = raw_cum * raw[:, k]
+        m = known_cum[:, k]
+        rows[k] = int(m.sum())
+        mc = known_cond[:, k]
+        if mc.any():
+            auc[k] = _auc(conf[mc, k], label_cum[mc, k])
+        if rows[k] > 0:
+            y = label_cum[m, k]
+            prev = cal_cum[m]
+            lk = logits[m, k]
+            ece_before[k] = ece(raw_cum[m], y, bins)
+            scores = np.empty(len(grid_sorted))
+            for s in range(0, len(grid_sorted), chunk):
+                t = grid_sorted[s : s + chunk]
+                p = prev[None, :] * _sigmoid_np(lk[None, :] / t[:, None])
+                scores[s : s + chunk] = _ece_grid(p, y, bins)
+            temps[k] = grid_sorted[int(np.argmin(scores))]
+        cal_cum = cal_cum * _sigmoid_np(logits[:, k] / temps[k])
+        if rows[k] > 0:
+            ece_after[k] = ece(cal_cum[m], label_cum[m, k], bins)
+    return StsFit(
+        temperatures=temps.tolist(),
+        ece_before=ece_before.tolist(),
+        ece_after=ece_after.tolist(),
+        auc=auc.tolist(),
+        num_rows=n_rows,
+        rows_per_position=rows.tolist(),
+        bins=bins,
+    )
+
+
+def load_sts(path: str | os.PathLike[str], num_positions: int | None = None) -> tuple[float, ...]:
+    """Read per-position temperatures from ``sts.json`` (``temperatures`` or ``sts_temperatures``).
+
+    With ``num_positions`` the table must cover that many positions; a longer table is cut to the first
+    ``num_positions`` (positions mean the same thing whatever K the engine runs).
+    """
+    p = Path(path)
+    try:
+        obj = orjson.loads(p.read_bytes())
+    except OSError as exc:
+        raise DsparkError(f"{p}: cannot read STS temperatures ({exc.strerror or exc})") from None
+    except orjson.JSONDecodeError as exc:
+        raise DsparkError(f"{p}: not valid JSON ({exc}); re-run `dspark calibrate`") from None
+    if not isinstance(obj, dict):
+        raise DsparkError(f"{p}: expected a JSON object with a 'temperatures' list; re-run `dspark calibrate`")
+    a, b = obj.get("temperatures"), obj.get("sts_temperatures")
+    if a is not None and b is not None and a != b:
+        raise DsparkError(f"{p}: 'temperatures' and 'sts_temperatures' differ; keep one of them")
+    temps = a if a is not None else b
+    if not isinstance(temps, list) or len(temps) == 0:
+        raise DsparkError(f"{p}: needs a non-empty 'temperatures' (or 'sts_temperatures') list")
+    out = []
+    for i, t in enumerate(temps):
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise DsparkError(f"{p}: temperature {i + 1} is {t!r}; temperatures must be finite and > 0")
+        out.append(float(t))
+    if num_positions is not None:
+        if len(out) < num_positions:
+            raise DsparkError(
+                f"{p}: has {len(out)} temperatures but the engine drafts {num_positions} tokens; "
+                "re-run `dspark calibrate` with traces from this draft length"
+            )
+        out = out[:num_positions]
+    return tuple(out)
+
+
+def _logit_t(conf: torch.Tensor) -> torch.Tensor:
+    c = conf.float().clamp(PROB_EPS, 1.0 - PROB_EPS)
+    return torch.log(c) - torch.log1p(-c)
+
+
+def apply_temperatures(conf: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(logit(c) / T)`` per position (last dim); device-agnostic and capture-safe."""
+    k = conf.shape[-1]
+    t = temperatures[:k].to(device=conf.device, dtype=torch.float32)
+    return torch.sigmoid(_logit_t(conf) / t)
+
+
+class OnlineSTS:
+    """Per-position temperatures refitted online from the rejection sampler's own outcomes.
+
+    Counters ``trials/hits/logit_sum[K, num_logit_bins]`` over fine bins of the raw logit are decayed by
+    ``decay`` per :meth:`record` and filled with one-hot sums (no atomics: bitwise reproducible, so TP
+    ranks fed the same outcomes agree). :meth:`refit` evaluates every grid temperature on the bin means
+    at once (fixed shapes, no host sync), picks the one minimising trial-weighted ECE of the conditional
+    calibrated probability, blends it toward the prior in log space with ``prior_weight`` pseudo-trials
+    (``log T = (n log T_fit + w log T_prior) / (n + w)``, so a position with little data stays at its
+    prior), and writes ``temperatures`` in place -- captured graphs hold its address. The conditional
+    per-position objective (vs the offline cumulative one) is explained in the module docstring.
+    """
+
+    def __init__(
+        self,
+        num_positions: int,
+        device: torch.device | str = "cpu",
+        decay: float = 0.999,
+        refit_interval: int = 64,
+        num_logit_bins: int = 64,
+        ece_bins: int = 20,
+        prior_weight: float = 64.0,
+        initial_temperatures: Sequence[float] | torch.Tensor | None = None,
+        logit_range: float = 12.0,
+        grid: np.ndarray | Sequence[float] | None = None,
+    ) -> None:
+        if num_positions < 1:
+            raise DsparkError("online STS needs num_positions >= 1")
+        if not (0.0 < decay <= 1.0):
+            raise DsparkError(f"online STS decay must be in (0, 1], got {decay}")
+        if refit_interval < 1 or num_logit_bins < 2 or ece_bins < 1 or prior_weight < 0 or logit_range <= 0:
+            raise DsparkError("online STS needs refit_interval >= 1, num_logit_bins >= 2, ece_bins >= 1, "
+                              "prior_weight >= 0 and logit_range > 0")
+        self.k = num_positions
+        self.device = torch.device(device)
+        self.decay = float(decay)
+        self.refit_interval = refit_interval
+        self.num_logit_bins = num_logit_bins
+        self.ece_bins = ece_bins
+        self.prior_weight = float(prior_weight)
+        self.logit_range = float(logit_range)
+        if initial_temperatures is None:
+            prior = torch.ones(num_positions)
+        else:
+            prior = torch.as_tensor(initial_temperatures, dtype=torch.float32).reshape(-1).cpu()
+            if len(prior) < num_positions or not torch.all(torch.isfinite(prior)) or torch.any(prior <= 0):
+                raise DsparkError(f"online STS needs {num_positions} finite positive initial temperatures")
+            prior = prior[:num_positions]
+        self.prior = prior.to(self.device, torch.float32)
+        self.temperatures = self.prior.clone()  # persistent: only ever updated with .copy_
+        self.grid = torch.as_tensor(_grid_by_closeness_to_one(grid), dtype=torch.float32, device=self.device)
+        shape = (num_positions, num_logit_bins)
+        self.trials = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.hits = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.logit_sum = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.last_ece = torch.zeros(num_positions, dtype=torch.float32, device=self.device)
+        self._positions = torch.arange(1, num_positions + 1, device=self.device)
+        edges = torch.linspace(-self.logit_range, self.logit_range, num_logit_bins + 1, device=self.device)
+        self._centres = 0.5 * (edges[1:] + edges[:-1])
+        self.steps = 0
+
+    def record(
+        self,
+        conf_raw: torch.Tensor,
+        verified: torch.Tensor,
+        accepted: torch.Tensor,
+        valid: torch.Tensor | None = None,
+    ) -> None:
+        """Fold one step's outcomes into the counters (device only, no host sync).
+
+        ``conf_raw[R, K]`` are the head's raw probabilities (before STS); position k (1-based) is a trial
+        iff ``k <= min(a+1, v)`` and a hit iff ``k <= a``; rows with ``valid`` False are ignored.
+        """
+        k = min(self.k, conf_raw.shape[-1])
+        logit = _logit_t(conf_raw[:, :k].to(self.device))
+        v = verified.to(self.device).long().unsqueeze(1)
+        a = accepted.to(self.device).long().unsqueeze(1)
+        pos = self._positions[:k].unsqueeze(0)
+        trial = pos <= torch.minimum(a + 1, v)
+        hit = pos <= a
+        if valid is not None:
+            ok = valid.to(self.device).bool().unsqueeze(1)
+            trial = trial & ok
+            hit = hit & ok
+        scaled = (logit + self.logit_range) * (self.num_logit_bins / (2.0 * self.logit_range))
+        idx = scaled.floor().clamp(0, self.num_logit_bins - 1).long()
+        onehot = torch.nn.functional.one_hot(idx, self.num_logit_bins).float()  # [R, k, bins]
+        tw = trial.float().unsqueeze(-1) * onehot
+        self.trials.mul_(self.decay)
+        self.hits.mul_(self.decay)
+        self.logit_sum.mul_(self.decay)
+        self.trials[:k].add_(tw.sum(0))
+        self.hits[:k].add_((hit.float().unsqueeze(-1) * onehot).sum(0))
+        self.logit_sum[:k].add_((tw * logit.unsqueeze(-1)).sum(0))
+
+    def refit(self) -> torch.Tensor:
+        """Refit every position's temperature from the counters and write it into ``temperatures``."""
+        trials = self.trials
+        mean_logit = torch.where(trials > 0, self.logit_sum / trials.clamp_min(1e-12), self._centres.unsqueeze(0))
+        grid = self.grid.view(-1, 1, 1)
+        p = torch.sigmoid(mean_logit.unsqueeze(0) / grid)  # [G, K, bins]
+        ebin = (p * self.ece_bins).long().clamp(0, self.ece_bins - 1)
+        onehot = torch.nn.functional.one_hot(ebin, self.ece_bins).float()  # [G, K, bins, E]
+        diff = (trials.unsqueeze(0) * p - self.hits.unsqueeze(0)).unsqueeze(-1) * onehot
+        total = trials.sum(dim=1)  # [K]
+        ece_g = diff.sum(dim=2).abs().sum(dim=-1) / total.clamp_min(1e-12).unsqueeze(0)  # [G, K]
+        best = torch.argmin(ece_g, dim=0)  # first minimum: grid is ordered by closeness to T = 1
+        t_fit = self.grid[best]
+        w = self.prior_weight
+        log_t = (total * torch.log(t_fit) + w * torch.log(self.prior)) / (total + w).clamp_min(1e-12)
+        new_t = torch.where(total > 0, torch.exp(log_t), self.prior)
+        self.last_ece.copy_(ece_g.gather(0, best.unsqueeze(0)).squeeze(0))
+        self.temperatures.copy_(new_t)
+        return self.temperatures
+
+    def step(self) -> bool:
+        """Count a step; refit every ``refit_interval`` steps. Returns whether it refitted."""
+        self.steps += 1
+        if self.steps % self.refit_interval == 0:
+            self.refit()
+            return True
+        return False
+
+    def apply(self, conf: torch.Tensor) -> torch.Tensor:
+        return apply_temperatures(conf, self.temperatures)

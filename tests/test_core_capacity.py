@@ -1,0 +1,481 @@
+"""Capacity manager: Algorithm 1, budget argmax, device allocation, saturation and the engine-facing manager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_cli.core.capacity import (
+    BudgetDecision,
+    CapacityConfig,
+    CapacityManager,
+    SaturationPolicy,
+    allocate,
+    choose_budget,
+    prefix_survival,
+    schedule_paper,
+)
+from dspark_cli.core.sps import SpsCurve
+from dspark_cli.errors import DsparkError
+
+# The paper's appendix curve: SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45 (seed list: one breakpoint per size).
+APPENDIX = SpsCurve.from_dict([[1, 1.0], [2, 0.5], [3, 0.45]])
+# A staircase with a drafting price and overhead: Θ is not unimodal over the budget.
+STAIR = SpsCurve.from_points(
+    [(8, 10.0), (16, 10.5), (24, 14.0), (32, 14.5), (48, 22.0), (64, 23.0), (96, 40.0)],
+    draft_ms=[(1, 1.0), (16, 3.0)],
+    overhead_ms=1.0,
+    capture_sizes=[8, 16, 24, 32, 48, 64],
+)
+ARGMAX = CapacityConfig(mode="varlen", policy="argmax")
+
+TIE_VALUES = [0.0, 0.3, 0.5, 0.5, 0.9, 1.0]
+conf_matrix = st.integers(1, 6).flatmap(
+    lambda r: st.integers(1, 5).flatmap(
+        lambda k: st.tuples(
+            st.lists(st.lists(st.sampled_from(TIE_VALUES), min_size=k, max_size=k), min_size=r, max_size=r),
+            st.lists(st.integers(0, k), min_size=r, max_size=r),
+        )
+    )
+)
+
+
+def reference_allocation(surv: np.ndarray, nd: np.ndarray, budget: int) -> np.ndarray:
+    """Plain-Python definition: top-`budget` valid slots by (-value, position, request)."""
+    r, k = surv.shape
+    slots = [(-surv[i, j], j, i) for i in range(r) for j in range(k) if j < nd[i] and surv[i, j] > 0]
+    out = np.zeros(r, dtype=np.int64)
+    for _, _, i in sorted(slots)[:budget]:
+        out[i] += 1
+    return out
+
+
+def brute_force_budget(surv: np.ndarray, nd: np.ndarray, nondraft: int, sampling: int, curve: SpsCurve,
+                       cap_frac: float = 1.0) -> int:
+    r, k = surv.shape
+    vals = sorted((surv[i, j] for i in range(r) for j in range(k) if j < nd[i]), reverse=True)
+    cap = int(np.floor(cap_frac * len(vals) + 1e-9))
+    best_n, best = 0, -1.0
+    for n in range(cap + 1):
+        theta = (sampling + sum(vals[:n])) / curve.step_cost_ms(r, nondraft + n)
+        if theta > best + 1e-15:
+            best_n, best = n, theta
+    return best_n
+
+
+# ---------------------------------------------------------------------------------------------- survival
+
+
+def test_prefix_survival_is_a_clamped_cumprod() -> None:
+    conf = torch.tensor([[0.9, 0.5, 1.2], [-0.1, 0.8, 0.8]])
+    out = prefix_survival(conf)
+    assert torch.allclose(out, torch.tensor([[0.9, 0.45, 0.45], [0.0, 0.0, 0.0]]))
+    assert out.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------- Algorithm 1
+
+
+def test_paper_appendix_example_early_stop_vs_retrospective_argmax() -> None:
+    # Θ0 = 1.0, Θ1 = 1.8 * 0.5 = 0.9 <= Θ0: the walk stops before looking at c_2.
+    for c2 in (0.9, 0.0):
+        assert schedule_paper(np.array([[0.8, c2]]), APPENDIX).tolist() == [0]
+    # A retrospective global argmax over the FRESH values admits token 2 when c_2 = 0.9
+    # (Θ2 = (1 + 0.8 + 0.72) * 0.45 = 1.134) and refuses it when c_2 = 0 (Θ2 = 0.81): the decision on
+    # token 2 would depend on x_1 through c_2 -- the leak the paper's early stop prevents.
+    fresh_hi = prefix_survival(torch.tensor([[0.8, 0.9]])).numpy()
+    fresh_lo = prefix_survival(torch.tensor([[0.8, 0.0]])).numpy()
+    nd = np.array([2])
+    hi = choose_budget(fresh_hi, nd, 1, 1, APPENDIX, ARGMAX)
+    lo = choose_budget(fresh_lo, nd, 1, 1, APPENDIX, ARGMAX)
+    assert hi.budget == 2 and hi.theta_best * 1000 == pytest.approx(1.134)
+    assert lo.budget == 0 and lo.theta_best * 1000 == pytest.approx(1.0)
+    # The "paper" policy applies the same early stop to the (stale) survivals.
+    paper = CapacityConfig(mode="varlen", policy="paper")
+    assert choose_budget(fresh_hi, nd, 1, 1, APPENDIX, paper).budget == 0
+
+
+def test_paper_ties_stop_the_walk() -> None:
+    # Θ(1) == Θ(0) exactly: strict '>' keeps the shorter verification.
+    curve = SpsCurve.from_dict([[1, 1.0], [2, 0.5], [3, 0.2]])
+    assert schedule_paper(np.array([[1.0, 1.0]]), curve).tolist() == [0]
+    assert schedule_paper(np.array([[1.0, 1.0]]), SpsCurve.from_dict([[1, 1.0], [2, 0.9], [3, 0.8]])).tolist() == [2]
+
+
+@settings(max_examples=80, deadline=None)
+@given(conf_matrix)
+def test_paper_walk_matches_a_literal_transcription(data: tuple[list[list[float]], list[int]]) -> None:
+    conf, nd = np.array(data[0]), np.array(data[1])
+    r, k = conf.shape
+    surv = np.cumprod(conf, axis=1)
+    got = schedule_paper(torch.tensor(conf), STAIR, num_drafts=torch.tensor(nd))
+    # Literal Algorithm 1 from the reference pseudocode.
+    cand = sorted((-surv[i, j], j, i) for i in range(r) for j in range(k) if j < nd[i] and surv[i, j] > 0)
+    ell, best_ell = [0] * r, [0] * r
+    b, tau = r, float(r)
+    best = tau / STAIR.step_cost_ms(r, b)
+    for neg, j, i in cand:
+        ell[i] = j + 1
+        b += 1
+        tau += -neg
+        theta = tau / STAIR.step_cost_ms(r, b)
+        if theta > best:
+            best, best_ell = theta, list(ell)
+        else:
+            break
+    assert got.tolist() == best_ell
+    assert np.all(got <= nd)
+
+
+# ---------------------------------------------------------------------------------------------- budget
+
+
+@settings(max_examples=120, deadline=None)
+@given(conf_matrix, st.integers(0, 40), st.sampled_from([1.0, 0.5, 0.25]))
+def test_choose_budget_matches_brute_force(data: tuple[list[list[float]], list[int]], extra: int, frac: float) -> None:
+    conf, nd = np.array(data[0]), np.array(data[1])
+    surv = np.cumprod(conf, axis=1)
+    r = surv.shape[0]
+    cfg = CapacityConfig(mode="mask", budget_frac=frac)
+    d = choose_budget(surv, nd, r + extra, r, STAIR, cfg)
+    assert d.budget == brute_force_budget(surv, nd, r + extra, r, STAIR, frac)
+    assert d.budget <= int(np.floor(frac * nd.sum() + 1e-9))
+    assert d.total_drafts == int(nd.sum())
+    assert d.step_ms == pytest.approx(STAIR.step_cost_ms(r, r + extra + d.budget))
+    assert d.theta_no_draft == pytest.approx(r / STAIR.step_cost_ms(r, r + extra, drafting=False))
+
+
+def test_choose_budget_finds_the_global_max_past_a_shelf() -> None:
+    # 16 requests at survival 0.9 then 0.6: 16 + 8 tokens sits on a shelf; early stop parks before it.
+    surv = np.cumprod(np.full((16, 3), 0.9), axis=1)
+    nd = np.full(16, 3)
+    d = choose_budget(surv, nd, 16, 16, STAIR, ARGMAX)
+    assert d.budget == brute_force_budget(surv, nd, 16, 16, STAIR)
+    assert d.budget == 48
+    paper = choose_budget(surv, nd, 16, 16, STAIR, CapacityConfig(mode="mask", policy="paper"))
+    assert paper.budget == 0 and paper.theta_best < d.theta_best
+
+
+def test_first_maximum_wins_ties() -> None:
+    # Survival 0 adds nothing: Θ is flat or falling after n=1, so the smallest maximiser is taken.
+    flat = SpsCurve.from_points([(1, 1.0), (2, 1.0), (3, 1.0), (64, 10.0)], capture_sizes=[1, 2, 3])
+    d = choose_budget(np.array([[1.0, 0.0, 0.0]]), np.array([3]), 1, 1, flat, ARGMAX)
+    assert d.budget == 1
+
+
+def test_threshold_policy_counts_slots_and_respects_the_cap() -> None:
+    surv = np.array([[0.9, 0.7, 0.2], [0.95, 0.5, 0.1]])
+    nd = np.array([3, 3])
+    cfg = CapacityConfig(mode="mask", policy="threshold", threshold=0.5)
+    assert choose_budget(surv, nd, 2, 2, STAIR, cfg).budget == 4
+    capped = CapacityConfig(mode="mask", policy="threshold", threshold=0.5, budget_frac=0.5)
+    assert choose_budget(surv, nd, 2, 2, STAIR, capped).budget == 3
+
+
+def test_mode_none_verifies_every_draft() -> None:
+    surv = np.full((4, 3), 0.01)
+    d = choose_budget(surv, np.array([3, 3, 2, 0]), 4, 4, STAIR, CapacityConfig(mode="none", budget_frac=0.1))
+    assert d.budget == 8 and d.theta_best == d.theta_all
+
+
+def test_min_predicted_gain_keeps_the_full_draft_unless_trimming_wins_enough() -> None:
+    curve = SpsCurve.from_points([(1, 10.0), (2, 10.6), (64, 80.0)], capture_sizes=[1, 2])
+    nd = np.array([1])
+    surv = np.array([[0.05]])
+    # Θ(0) = 1/10 = 0.1 beats Θ(1) = 1.05/10.6 ≈ 0.0991: trimming predicts a gain of only ≈ 0.95 %.
+    plain = choose_budget(surv, nd, 1, 1, curve, ARGMAX)
+    assert plain.budget == 0
+    gain = (0.1 / (1.05 / 10.6)) - 1
+    keep = choose_budget(surv, nd, 1, 1, curve, CapacityConfig(mode="mask", min_predicted_gain=0.02))
+    assert keep.budget == 1 and keep.theta_best == pytest.approx(keep.theta_all)
+    trim = choose_budget(surv, nd, 1, 1, curve, CapacityConfig(mode="mask", min_predicted_gain=gain / 2))
+    assert trim.budget == 0
+
+
+def test_budget_decision_reports_predictions() -> None:
+    surv = np.cumprod(np.full((4, 3), 0.8), axis=1)
+    d = choose_budget(surv, np.full(4, 3), 4, 4, STAIR, ARGMAX)
+    assert isinstance(d, BudgetDecision)
+    n = np.arange(13)
+    vals = np.sort(surv.ravel())[::-1]
+    theta = (4 + np.r_[0, np.cumsum(vals)]) / STAIR.step_cost_ms(4, 4 + n)
+    assert d.theta_best == pytest.approx(theta.max())
+    assert d.theta_all == pytest.approx(theta[-1])
+
+
+def test_empty_batch() -> None:
+    d = choose_budget(np.zeros((0, 4)), np.zeros(0, dtype=int), 0, 0, STAIR, ARGMAX)
+    assert d.budget == 0 and d.total_drafts == 0
+    assert allocate(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), 3).shape == (0,)
+
+
+# ---------------------------------------------------------------------------------------------- allocation
+
+
+@settings(max_examples=150, deadline=None)
+@given(conf_matrix, st.integers(0, 40))
+def test_allocation_is_prefix_shaped_and_sums_to_the_budget(data: tuple[list[list[float]], list[int]],
+                                                            budget: int) -> None:
+    conf, nd = torch.tensor(data[0]), torch.tensor(data[1])
+    surv = prefix_survival(conf)
+    got = allocate(surv, nd, budget)
+    assert got.dtype == torch.int32
+    s, n = surv.numpy(), nd.numpy()
+    valid_pos = sum(int(((np.arange(s.shape[1]) < n[i]) & (s[i] > 0)).sum()) for i in range(len(n)))
+    assert int(got.sum()) == min(budget, valid_pos)
+    # Prefix-shaped: the admitted count per row covers only valid, positive slots from position 1.
+    for i in range(len(n)):
+        assert 0 <= int(got[i]) <= n[i]
+        assert np.all(s[i, : int(got[i])] > 0)
+    assert got.numpy().tolist() == reference_allocation(s, n, budget).tolist()
+    # A 0-d tensor budget (as replayed by a captured graph) gives the same answer.
+    assert torch.equal(allocate(surv, nd, torch.tensor(budget)), got)
+
+
+@settings(max_examples=100, deadline=None)
+@given(conf_matrix, st.integers(0, 40), st.randoms(use_true_random=False))
+def test_decisions_do_not_depend_on_request_order(data: tuple[list[list[float]], list[int]], budget: int,
+                                                 rnd) -> None:
+    conf, nd = np.array(data[0]), np.array(data[1])
+    perm = list(range(len(nd)))
+    rnd.shuffle(perm)
+    surv = np.cumprod(conf, axis=1)
+    a = allocate(torch.tensor(surv), torch.tensor(nd), budget).numpy()
+    b = allocate(torch.tensor(surv[perm]), torch.tensor(nd[perm]), budget).numpy()
+    # Ties break by (position, request), never by value noise: how many slots win at each position and
+    # the survival mass admitted are independent of request order.
+    def per_position(alloc: np.ndarray) -> np.ndarray:
+        return np.array([(alloc > j).sum() for j in range(conf.shape[1])])
+
+    def mass(s: np.ndarray, alloc: np.ndarray) -> float:
+        return float(sum(s[i, : alloc[i]].sum() for i in range(len(alloc))))
+
+    assert per_position(a).tolist() == per_position(b).tolist()
+    assert mass(surv, a) == pytest.approx(mass(surv[perm], b))
+    # Rows whose values are all distinct from every other row's follow their request exactly.
+    for new_i, old_i in enumerate(perm):
+        if len({*surv[old_i]} & {*np.delete(surv, old_i, axis=0).ravel()}) == 0:
+            assert b[new_i] == a[old_i]
+    # And the budget itself is order-free.
+    assert choose_budget(surv, nd, 8, len(nd), STAIR, ARGMAX) == choose_budget(surv[perm], nd[perm], 8, len(nd),
+                                                                                STAIR, ARGMAX)
+
+
+def test_ties_prefer_earlier_positions_then_lower_requests() -> None:
+    surv = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    nd = torch.tensor([3, 3])
+    assert allocate(surv, nd, 1).tolist() == [1, 0]
+    assert allocate(surv, nd, 2).tolist() == [1, 1]
+    assert allocate(surv, nd, 3).tolist() == [2, 1]
+
+
+def test_allocation_ignores_invalid_and_zero_slots() -> None:
+    surv = torch.tensor([[0.9, 0.8, 0.7], [0.95, 0.0, 0.0], [0.99, 0.98, 0.97]])
+    nd = torch.tensor([3, 3, 1])
+    assert allocate(surv, nd, 100).tolist() == [3, 1, 1]
+    assert allocate(surv, nd, 3).tolist() == [1, 1, 1]
+    # A non-monotone hand-made row is still admitted as a prefix.
+    assert allocate(torch.tensor([[0.2, 0.9]]), torch.tensor([2]), 1).tolist() == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_allocation_on_cuda_is_sync_free_and_matches_cpu() -> None:
+    g = torch.Generator().manual_seed(0)
+    conf = torch.rand(64, 7, generator=g)
+    nd = torch.randint(0, 8, (64,), generator=g)
+    surv = prefix_survival(conf)
+    budget = torch.tensor(100, device="cuda")
+    surv_c, nd_c = surv.cuda(), nd.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = allocate(surv_c, nd_c, budget)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.cpu(), allocate(surv, nd, 100))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_allocation_captured_in_a_cuda_graph_replays_any_budget() -> None:
+    g = torch.Generator().manual_seed(1)
+    surv = prefix_survival(torch.rand(32, 5, generator=g)).cuda()
+    nd = torch.randint(0, 6, (32,), generator=g).cuda()
+    budget = torch.zeros((), dtype=torch.long, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        allocate(surv, nd, budget)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = allocate(surv, nd, budget)
+    for b in (0, 7, 40, 1000):
+        budget.fill_(b)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), allocate(surv.cpu(), nd.cpu(), b))
+
+
+# ---------------------------------------------------------------------------------------------- saturation
+
+
+def _decision(budget: int, best: float, nodraft: float) -> BudgetDecision:
+    return BudgetDecision(budget=budget, theta_best=best, theta_all=best, theta_no_draft=nodraft, step_ms=1.0,
+                          total_drafts=10)
+
+
+def test_saturation_pauses_after_patience_and_probes() -> None:
+    pol = SaturationPolicy(patience=3, resume_every=4)
+    losing = _decision(0, 0.9, 1.0)
+    paying = _decision(5, 1.2, 1.0)
+    for _ in range(2):
+        assert pol.begin_step(100)
+        pol.observe(losing, num_running=100)
+    pol.begin_step(100)
+    pol.observe(paying, 100)  # a paying step resets the streak
+    for _ in range(3):
+        assert pol.begin_step(100)
+        pol.observe(_decision(3, 0.95, 1.0), 100)  # budget > 0 but no better than plain decoding
+    assert not pol.drafting_enabled
+    # Paused: steps 1..3 skip drafting, step 4 is a probe; a losing probe keeps the pause.
+    assert [pol.begin_step(100) for _ in range(3)] == [False, False, False]
+    assert pol.begin_step(100) and pol.probing
+    pol.observe(losing, 100)
+    assert not pol.drafting_enabled and not pol.probing
+    assert [pol.begin_step(100) for _ in range(3)] == [False, False, False]
+    assert pol.begin_step(100)
+    pol.observe(paying, 100)
+    assert pol.drafting_enabled
+
+
+def test_saturation_resumes_when_load_falls() -> None:
+    pol = SaturationPolicy(patience=1, resume_every=1000)
+    pol.begin_step(64)
+    pol.observe(_decision(0, 0.5, 1.0), num_running=64)
+    assert not pol.drafting_enabled
+    assert not pol.begin_step(60)
+    assert pol.begin_step(48)  # 48 <= 0.75 * 64
+    assert pol.drafting_enabled
+
+
+def test_patience_zero_never_pauses() -> None:
+    pol = SaturationPolicy(patience=0, resume_every=1)
+    for _ in range(50):
+        assert pol.begin_step(500)
+        pol.observe(False, 500)
+    assert pol.drafting_enabled
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"mode": "fast"},
+        {"policy": "greedy"},
+        {"budget_frac": 1.5},
+        {"budget_frac": -0.1},
+        {"threshold": 2.0},
+        {"min_predicted_gain": -0.01},
+        {"min_predicted_gain": float("nan")},
+        {"saturation_patience": -1},
+        {"saturation_patience": 2.5},
+        {"resume_every": 0},
+        {"budget_frac": True},
+    ],
+)
+def test_config_validation(kwargs: dict) -> None:
+    with pytest.raises(DsparkError):
+        CapacityConfig(**kwargs)
+
+
+def test_config_from_dict_refuses_unknown_keys() -> None:
+    assert CapacityConfig.from_dict({"mode": "varlen", "budget_frac": 0.5}).budget_frac == 0.5
+    with pytest.raises(DsparkError, match="budget_fraction"):
+        CapacityConfig.from_dict({"budget_fraction": 0.5})
+
+
+# ---------------------------------------------------------------------------------------------- manager
+
+
+def test_manager_plans_on_stale_and_allocates_on_fresh_confidences() -> None:
+    mgr = CapacityManager(CapacityConfig(mode="varlen"), APPENDIX, num_spec_tokens=2, max_slots=4)
+    slots = torch.tensor([2])
+    slots_np = np.array([2])
+    mgr.add_request(2)
+    # Step 1: this step's fresh values must not drive the count; the slot is new, so stale = ones.
+    mgr.record_confidences(slots, torch.tensor([[0.8, 0.0]]))
+    assert mgr.stale_confidences(slots_np).tolist() == [[1.0, 1.0]]
+    d1 = mgr.plan(slots_np, np.array([2]), 1, 1)
+    assert d1.budget == 2  # survivals 1, 1: Θ2 = 3 * 0.45 > 1
+    assert mgr.allocate(slots, torch.tensor([2]), d1.budget).tolist() == [1]  # fresh survival of slot 2 is 0
+    # Step 2: the plan now sees step 1's values (stale by one record), never step 2's.
+    mgr.record_confidences(slots, torch.tensor([[0.9, 0.9]]))
+    assert mgr.stale_confidences(slots_np).tolist() == [[pytest.approx(0.8), 0.0]]
+    d2 = mgr.plan(slots_np, np.array([2]), 1, 1)
+    assert d2.budget == 0
+    assert mgr.allocate(slots, torch.tensor([2]), 2).tolist() == [2]
+
+
+def test_manager_reused_slot_does_not_inherit_the_old_request() -> None:
+    mgr = CapacityManager(CapacityConfig(mode="mask"), STAIR, num_spec_tokens=3, max_slots=2)
+    for s in (0, 1):
+        mgr.add_request(s)
+    both = torch.tensor([0, 1])
+    mgr.record_confidences(both, torch.full((2, 3), 0.1))
+    mgr.record_confidences(both, torch.full((2, 3), 0.2))
+    mgr.add_request(1)  # slot 1 now holds a new request
+    stale = mgr.stale_confidences(np.array([0, 1]))
+    assert np.allclose(stale[0], 0.1) and np.allclose(stale[1], 1.0)
+    assert torch.allclose(mgr.conf[1], torch.ones(3))
+    mgr.record_confidences(both, torch.full((2, 3), 0.3))
+    stale = mgr.stale_confidences(np.array([0, 1]))
+    assert np.allclose(stale[0], 0.2) and np.allclose(stale[1], 1.0)  # snapshot predates the add
+    mgr.record_confidences(both, torch.full((2, 3), 0.4))
+    assert np.allclose(mgr.stale_confidences(np.array([1])), 0.3)
+
+
+def test_manager_pauses_drafting_when_verification_stops_paying() -> None:
+    cfg = CapacityConfig(mode="varlen", saturation_patience=2, resume_every=3)
+    mgr = CapacityManager(cfg, STAIR, num_spec_tokens=3, max_slots=64)
+    slots = torch.arange(64)
+    for s in range(64):
+        mgr.add_request(s)
+    low = torch.full((64, 3), 0.01)
+    for _ in range(4):
+        if not mgr.begin_step(64):
+            break
+        mgr.record_confidences(slots, low)
+        mgr.plan(slots.numpy(), np.full(64, 3), 64, 64)
+    assert not mgr.drafting_enabled
+    # Load falls to a quarter: drafting resumes at once.
+    assert mgr.begin_step(16) and mgr.drafting_enabled
+    none_mgr = CapacityManager(CapacityConfig(mode="none", saturation_patience=1), STAIR, 3, 64)
+    none_mgr.record_confidences(slots, low)
+    none_mgr.record_confidences(slots, low)
+    none_mgr.plan(slots.numpy(), np.full(64, 3), 64, 64)
+    assert none_mgr.drafting_enabled and none_mgr.begin_step(64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_manager_on_cuda_hot_path_has_no_sync() -> None:
+    mgr = CapacityManager(CapacityConfig(mode="varlen"), STAIR, num_spec_tokens=4, max_slots=32, device="cuda")
+    slots = torch.arange(16, device="cuda")
+    conf = torch.rand(16, 4, device="cuda")
+    nd = torch.full((16,), 4, device="cuda")
+    budget = torch.tensor(20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mgr.record_confidences(slots, conf)
+        out = mgr.allocate(slots, nd, budget)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(out.sum()) == 20

@@ -1,0 +1,246 @@
+"""SpsCurve: loading, refusals, staircase/interpolation/extrapolation lookups and the sps_curve.json format."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_cli.core.sps import SpsCurve, SpsCurveError
+from dspark_cli.errors import DsparkError
+
+VERIFY = [[8, 10.0], [16, 11.0], [32, 14.0], [64, 20.0], [96, 40.0], [128, 50.0]]
+
+
+def spec_obj(**over: object) -> dict:
+    obj = {
+        "version": 1,
+        "dspark_sps_curve": [[t, 1000.0 / (ms + 1.0)] for t, ms in VERIFY],
+        "verify_curve_ms": VERIFY,
+        "draft_curve_ms": [[1, 2.0], [8, 3.0], [64, 6.0]],
+        "overhead_ms": 1.0,
+        "capture_sizes": [8, 16, 32, 64],
+        "meta": {"engine": "embedded", "k": 4},
+    }
+    obj.update(over)
+    return obj
+
+
+def write(tmp_path: Path, obj: object, raw: bytes | None = None) -> Path:
+    p = tmp_path / "sps_curve.json"
+    p.write_bytes(raw if raw is not None else orjson.dumps(obj))
+    return p
+
+
+@pytest.fixture
+def curve(tmp_path: Path) -> SpsCurve:
+    return SpsCurve.load(write(tmp_path, spec_obj()))
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+REFUSALS = [
+    ("empty-list", [], "empty"),
+    ("empty-verify", spec_obj(verify_curve_ms=[], dspark_sps_curve=None), "empty"),
+    ("no-curve", {"version": 1, "overhead_ms": 0.0}, "neither"),
+    ("not-object", "hello", "expected a JSON object"),
+    ("version", spec_obj(version=2), "version"),
+    ("non-pair", spec_obj(verify_curve_ms=[[8, 10.0, 3], [16, 12.0]]), "pair"),
+    ("non-number", spec_obj(verify_curve_ms=[[8, "fast"], [16, 12.0]]), "numbers"),
+    ("fractional-tokens", spec_obj(verify_curve_ms=[[8.5, 10.0], [16, 12.0]]), "positive integer"),
+    ("zero-tokens", spec_obj(verify_curve_ms=[[0, 10.0], [16, 12.0]]), "positive integer"),
+    ("zero-cost", spec_obj(verify_curve_ms=[[8, 0.0], [16, 12.0]]), "non-positive"),
+    ("negative-cost", spec_obj(verify_curve_ms=[[8, -1.0], [16, 12.0]]), "non-positive"),
+    ("negative-sps", [[8, 100.0], [16, -5.0]], "non-positive"),
+    ("duplicate", spec_obj(verify_curve_ms=[[8, 10.0], [8, 11.0], [16, 12.0]]), "twice"),
+    ("far-drop", spec_obj(verify_curve_ms=[[8, 10.0], [16, 20.0], [32, 12.0], [64, 30.0]]), "not monotone"),
+    ("flat", spec_obj(verify_curve_ms=[[8, 10.0], [16, 10.05], [64, 10.1]]), "flat"),
+    ("single-point", [[8, 100.0]], "flat"),
+    ("negative-overhead", spec_obj(overhead_ms=-1.0), "overhead_ms"),
+    ("string-overhead", spec_obj(overhead_ms="x"), "overhead_ms"),
+    ("bad-capture", spec_obj(capture_sizes=[8, -16]), "capture_sizes"),
+    ("meta-list", spec_obj(meta=[1, 2]), "meta"),
+    ("overhead-exceeds-step", {"version": 1, "dspark_sps_curve": [[8, 100.0], [16, 50.0]], "overhead_ms": 15.0},
+     "faster than overhead"),
+    ("draft-drop", spec_obj(draft_curve_ms=[[1, 10.0], [8, 2.0]]), "draft_curve_ms is not monotone"),
+]
+
+
+@pytest.mark.parametrize("name,obj,needle", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_load_refuses_with_one_line_naming_the_file(tmp_path: Path, name: str, obj: object, needle: str) -> None:
+    path = write(tmp_path, obj)
+    with pytest.raises(SpsCurveError) as info:
+        SpsCurve.load(path)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert str(path) in msg
+    assert needle in msg
+    assert isinstance(info.value, DsparkError)
+
+
+def test_load_refuses_unreadable_and_invalid_json(tmp_path: Path) -> None:
+    with pytest.raises(SpsCurveError, match="cannot read"):
+        SpsCurve.load(tmp_path / "missing.json")
+    bad = write(tmp_path, None, raw=b'{"version": 1, "verify_curve_ms": [[8, NaN]]}')
+    with pytest.raises(SpsCurveError, match="not valid JSON") as info:
+        SpsCurve.load(bad)
+    assert str(bad) in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_non_finite_values_are_refused(bad: float) -> None:
+    with pytest.raises(SpsCurveError, match="non-finite"):
+        SpsCurve.from_dict(spec_obj(verify_curve_ms=[[8, 10.0], [16, bad]]), source="x.json")
+    with pytest.raises(SpsCurveError, match="non-finite"):
+        SpsCurve.from_dict([[8, 100.0], [16, bad]], source="x.json")
+    with pytest.raises(SpsCurveError, match="non-finite"):
+        SpsCurve.from_points([(8, 10.0), (16, bad)])
+
+
+def test_flat_message_explains_the_consequence() -> None:
+    with pytest.raises(SpsCurveError, match="always verify every draft"):
+        SpsCurve.from_points([(8, 10.0), (4096, 10.1)], source="prof")
+
+
+def test_noise_is_repaired_with_a_running_max() -> None:
+    c = SpsCurve.from_points([(8, 10.0), (16, 12.0), (32, 11.5), (64, 20.0)])
+    assert c.verify_ms == ((8, 10.0), (16, 12.0), (32, 12.0), (64, 20.0))
+    # Exact duplicates are harmless; unsorted input is sorted.
+    d = SpsCurve.from_points([(64, 20.0), (8, 10.0), (8, 10.0), (16, 12.0)])
+    assert d.verify_ms == ((8, 10.0), (16, 12.0), (64, 20.0))
+
+
+def test_constructor_validates_too() -> None:
+    with pytest.raises(SpsCurveError):
+        SpsCurve(verify_ms=((8, 10.0), (16, 10.0)))
+    with pytest.raises(SpsCurveError):
+        SpsCurve(verify_ms=())
+
+
+# ---------------------------------------------------------------------------------------------- lookups
+
+
+def test_staircase_rounds_up_to_the_next_capture_size(curve: SpsCurve) -> None:
+    assert curve.capture_limit == 64
+    for tokens, expect in [(1, 10.0), (8, 10.0), (9, 11.0), (16, 11.0), (17, 14.0), (33, 20.0), (64, 20.0)]:
+        assert curve.verify_cost_ms(tokens) == pytest.approx(expect)
+
+
+def test_staircase_prices_unprofiled_capture_sizes_from_graph_points() -> None:
+    c = SpsCurve.from_points([(8, 10.0), (32, 16.0), (64, 30.0)], capture_sizes=[8, 16, 32])
+    assert c.verify_cost_ms(9) == pytest.approx(12.0)  # 16 interpolated between 8 and 32
+    assert c.verify_cost_ms(20) == pytest.approx(16.0)
+
+
+def test_above_the_limit_interpolates_only_eager_points_and_extrapolates(curve: SpsCurve) -> None:
+    # Between the limit (64) and the first eager point (96) the eager point's cost applies: no line is
+    # drawn across the graph->eager discontinuity.
+    assert curve.verify_cost_ms(65) == pytest.approx(40.0)
+    assert curve.verify_cost_ms(96) == pytest.approx(40.0)
+    assert curve.verify_cost_ms(112) == pytest.approx(45.0)
+    assert curve.verify_cost_ms(128) == pytest.approx(50.0)
+    # Past the last point: slope of the last two points (10 ms / 32 tokens).
+    assert curve.verify_cost_ms(192) == pytest.approx(70.0)
+
+
+def test_without_capture_sizes_the_curve_is_piecewise_linear() -> None:
+    c = SpsCurve.from_points([(10, 10.0), (20, 20.0), (40, 30.0)])
+    assert c.verify_cost_ms(5) == pytest.approx(10.0)
+    assert c.verify_cost_ms(15) == pytest.approx(15.0)
+    assert c.verify_cost_ms(30) == pytest.approx(25.0)
+    assert c.verify_cost_ms(60) == pytest.approx(40.0)
+
+
+def test_step_cost_is_draft_plus_verify_plus_overhead(curve: SpsCurve) -> None:
+    assert curve.draft_cost_ms(1) == pytest.approx(2.0)
+    assert curve.draft_cost_ms(4) == pytest.approx(2.0 + 3 / 7)
+    assert curve.draft_cost_ms(0) == 0.0
+    assert curve.step_cost_ms(4, 10) == pytest.approx(curve.draft_cost_ms(4) + 11.0 + 1.0)
+    assert curve.step_cost_ms(4, 10, drafting=False) == pytest.approx(12.0)
+    assert curve.steps_per_sec(4, 10, drafting=False) == pytest.approx(1000.0 / 12.0)
+
+
+def test_vectorised_lookups_match_scalars(curve: SpsCurve) -> None:
+    tokens = np.arange(1, 300)
+    vec = curve.step_cost_ms(8, tokens)
+    assert isinstance(vec, np.ndarray) and vec.shape == tokens.shape
+    assert np.allclose(vec, [curve.step_cost_ms(8, int(t)) for t in tokens])
+    assert isinstance(curve.verify_cost_ms(5), float)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    xs=st.lists(st.integers(1, 4096), min_size=2, max_size=12, unique=True),
+    incs=st.lists(st.floats(0.0, 5.0), min_size=12, max_size=12),
+    ncap=st.integers(0, 12),
+)
+def test_verify_cost_is_monotone_and_hits_profiled_capture_points(xs: list[int], incs: list[float], ncap: int) -> None:
+    xs = sorted(xs)
+    ys = list(np.cumsum([1.0] + incs[: len(xs) - 1]))
+    if ys[-1] / ys[0] < 1.05:
+        ys[-1] = ys[0] * 1.1
+    caps = xs[: min(ncap, len(xs))]
+    c = SpsCurve.from_points(list(zip(xs, ys, strict=True)), capture_sizes=caps)
+    grid = np.arange(1, xs[-1] * 2 + 2)
+    cost = c.verify_cost_ms(grid)
+    assert np.all(np.diff(cost) >= -1e-9)
+    assert np.all(cost > 0)
+    for x, y in c.verify_ms:
+        if x in caps:
+            assert c.verify_cost_ms(x) == pytest.approx(y)
+
+
+# ---------------------------------------------------------------------------------------------- formats
+
+
+def test_seed_plain_list_is_read_as_verify_only_staircase(tmp_path: Path) -> None:
+    path = write(tmp_path, [[16, 50.0], [8, 100.0], [32, 25.0]])
+    c = SpsCurve.load(path)
+    assert c.capture_sizes == (8, 16, 32)
+    assert c.verify_ms == ((8, 10.0), (16, 20.0), (32, 40.0))
+    assert c.draft_ms == () and c.overhead_ms == 0.0
+    assert c.step_cost_ms(64, 9) == pytest.approx(20.0)  # no draft price, rounds up to 16
+    assert c.verify_cost_ms(48) == pytest.approx(60.0)  # extrapolated from the last two points
+
+
+def test_object_with_only_the_seed_key_subtracts_overhead() -> None:
+    c = SpsCurve.from_dict({"version": 1, "dspark_sps_curve": [[8, 100.0], [16, 50.0]], "overhead_ms": 2.0})
+    assert c.verify_ms == ((8, 8.0), (16, 18.0))
+    assert c.step_cost_ms(1, 16, drafting=False) == pytest.approx(20.0)
+
+
+def test_save_load_round_trip_and_seed_recipe(tmp_path: Path, curve: SpsCurve) -> None:
+    out = tmp_path / "out" / "sps_curve.json"
+    curve.save(out)
+    again = SpsCurve.load(out)
+    assert again == curve
+    assert again.meta == {"engine": "embedded", "k": 4}
+    with open(out) as f:
+        sps = json.load(f)["dspark_sps_curve"]
+    assert sps == [[t, pytest.approx(1000.0 / (ms + 1.0))] for t, ms in VERIFY]
+    d = json.loads(out.read_text())
+    assert set(d) >= {"version", "verify_curve_ms", "draft_curve_ms", "overhead_ms", "capture_sizes", "meta"}
+    assert d["version"] == 1 and d["capture_sizes"] == [8, 16, 32, 64]
+    assert not list(out.parent.glob("*.tmp"))
+
+
+def test_seed_list_round_trips_through_the_spec_format(tmp_path: Path) -> None:
+    seed = SpsCurve.from_dict([[8, 100.0], [16, 50.0], [32, 25.0]])
+    seed.save(tmp_path / "c.json")
+    again = SpsCurve.load(tmp_path / "c.json")
+    assert again == seed
+    assert again.to_dict()["dspark_sps_curve"] == [[8, 100.0], [16, 50.0], [32, 25.0]]
+
+
+def test_from_points_accepts_numpy_measurements() -> None:
+    pts = np.array([[8, 10.0], [16, 12.0], [32, 15.0]])
+    c = SpsCurve.from_points(pts, draft_ms=np.array([[1, 1.0], [4, 1.5]]), overhead_ms=0.5,
+                             capture_sizes=np.array([8, 16, 32]), meta={"device": "cpu"})
+    assert c.verify_ms[1] == (16, 12.0)
+    assert c.to_dict()["meta"] == {"device": "cpu"}

@@ -1,0 +1,232 @@
+"""STS: offline sequential fit, online counters with in-place refits, sts.json, temperature application."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_cli.core.sts import (
+    OnlineSTS,
+    StsFit,
+    apply_temperatures,
+    default_grid,
+    ece,
+    fit_sts,
+    load_sts,
+)
+from dspark_cli.errors import DsparkError
+
+T_STAR = [2.5, 0.4, 2.0]
+
+
+def synth(seed: int, n: int, t_star: list[float], mu: float = 1.5, sd: float = 2.0):
+    """Rows drawn from a known miscalibration: the true conditional acceptance of position k is
+    sigmoid(logit(c_k) / T*_k); verification is censored by a random verified count v."""
+    rng = np.random.default_rng(seed)
+    k = len(t_star)
+    logit = rng.normal(mu, sd, size=(n, k))
+    conf = 1.0 / (1.0 + np.exp(-logit))
+    p_true = 1.0 / (1.0 + np.exp(-logit / np.array(t_star)))
+    accept = rng.random((n, k)) < p_true
+    lead = np.argmin(np.c_[accept, np.zeros((n, 1), dtype=bool)], axis=1)  # accepted run if all verified
+    verified = rng.integers(0, k + 1, size=n)
+    return conf, verified, np.minimum(lead, verified)
+
+
+def test_default_grid() -> None:
+    g = default_grid()
+    assert len(g) == 257 and 1.0 in g
+    assert g.min() == pytest.approx(0.05) and g.max() == pytest.approx(20.0)
+
+
+def test_ece_definition() -> None:
+    assert ece(np.array([0.25, 0.25, 0.75, 0.75]), np.array([0, 1, 1, 1]), bins=2) == pytest.approx(0.25)
+    assert ece(np.array([1.0, 0.0]), np.array([1, 0]), bins=20) == 0.0
+
+
+def test_fit_recovers_the_true_temperatures_and_cuts_ece() -> None:
+    conf, v, a = synth(0, 30000, T_STAR)
+    fit = fit_sts(conf, v, a)
+    assert isinstance(fit, StsFit) and fit.num_rows == 30000
+    for k, t in enumerate(T_STAR):
+        assert abs(math.log(fit.temperatures[k] / t)) < 0.2, (k, fit.temperatures)
+        assert fit.ece_after[k] * 3 <= fit.ece_before[k], (k, fit.ece_before, fit.ece_after)
+    # The cumulative label is known exactly where position k was verified.
+    assert fit.rows_per_position == [int((v >= k).sum()) for k in (1, 2, 3)]
+    assert all(0.5 < x <= 1.0 for x in fit.auc)
+
+
+def test_fit_keeps_calibrated_heads_and_unobserved_positions_at_one() -> None:
+    conf, v, a = synth(1, 30000, [1.0, 1.0, 1.0])
+    fit = fit_sts(conf, v, a)
+    assert all(abs(math.log(t)) < 0.15 for t in fit.temperatures)
+    # Nothing verified past position 1: positions 2 and 3 have no known rows and stay at T = 1.
+    fit2 = fit_sts(conf, np.minimum(v, 1), np.minimum(a, 1))
+    assert fit2.temperatures[1:] == [1.0, 1.0]
+    assert math.isnan(fit2.ece_before[2]) and fit2.rows_per_position[2] == 0
+
+
+def test_ece_ties_prefer_the_temperature_closest_to_one() -> None:
+    # All confidences 0.5: every temperature gives the same probabilities, so every ECE ties.
+    conf = np.full((100, 2), 0.5)
+    v = np.full(100, 2)
+    a = np.tile([0, 1, 2, 2], 25)
+    assert fit_sts(conf, v, a).temperatures == [1.0, 1.0]
+    assert fit_sts(conf, v, a, grid=[0.5, 3.0, 1.25, 0.9]).temperatures == [0.9, 0.9]
+
+
+def test_fit_input_validation() -> None:
+    with pytest.raises(DsparkError):
+        fit_sts(np.ones(5), np.ones(5), np.ones(5))
+    with pytest.raises(DsparkError):
+        fit_sts(np.ones((5, 2)), np.ones(4), np.ones(5))
+    with pytest.raises(DsparkError):
+        fit_sts(np.ones((5, 2)), np.ones(5), np.ones(5), grid=[1.0, -2.0])
+
+
+def test_sts_json_round_trip_with_both_key_names(tmp_path: Path) -> None:
+    conf, v, a = synth(2, 5000, [1.5, 0.7])
+    fit = fit_sts(conf, v, a)
+    path = fit.save(tmp_path / "sts.json")
+    d = json.loads(path.read_text())
+    assert d["version"] == 1 and d["num_rows"] == 5000
+    assert d["temperatures"] == d["sts_temperatures"] == fit.temperatures
+    assert len(d["ece_before"]) == len(d["ece_after"]) == 2
+    assert load_sts(path) == tuple(fit.temperatures)
+    (tmp_path / "other.json").write_text(json.dumps({"sts_temperatures": [0.5, 2.0, 1.0]}))
+    assert load_sts(tmp_path / "other.json") == (0.5, 2.0, 1.0)
+    assert load_sts(tmp_path / "other.json", num_positions=2) == (0.5, 2.0)
+
+
+def test_nan_metrics_are_written_as_null(tmp_path: Path) -> None:
+    fit = StsFit(temperatures=[1.0], ece_before=[float("nan")], ece_after=[float("nan")], auc=[float("nan")],
+                 num_rows=0)
+    d = json.loads(fit.save(tmp_path / "s.json").read_text())
+    assert d["ece_before"] == [None] and d["auc"] == [None]
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ('{"temperatures": [1.0, -2.0]}', "temperature 2"),
+        ('{"temperatures": [1.0, 0]}', "finite and > 0"),
+        ('{"temperatures": [1.0, "x"]}', "temperature 2"),
+        ('{"temperatures": []}', "non-empty"),
+        ('{"ece": [0.1]}', "non-empty"),
+        ('{"temperatures": [1.0], "sts_temperatures": [2.0]}', "differ"),
+        ('[1.0, 2.0]', "JSON object"),
+        ('{"temperatures": [NaN]}', "not valid JSON"),
+    ],
+)
+def test_load_sts_refusals_name_the_file(tmp_path: Path, content: str, needle: str) -> None:
+    p = tmp_path / "sts.json"
+    p.write_text(content)
+    with pytest.raises(DsparkError) as info:
+        load_sts(p)
+    assert str(p) in str(info.value) and needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_load_sts_missing_file_and_short_table(tmp_path: Path) -> None:
+    with pytest.raises(DsparkError, match="cannot read"):
+        load_sts(tmp_path / "nope.json")
+    p = tmp_path / "sts.json"
+    p.write_text('{"temperatures": [1.0, 2.0]}')
+    with pytest.raises(DsparkError, match="drafts 4 tokens"):
+        load_sts(p, num_positions=4)
+
+
+def test_apply_temperatures() -> None:
+    conf = torch.tensor([[0.9, 0.2, 0.5], [0.0, 1.0, 0.7]])
+    temps = torch.tensor([2.0, 0.5, 1.0, 3.0])
+    got = apply_temperatures(conf, temps)
+    logit = torch.logit(conf.clamp(1e-6, 1 - 1e-6))
+    assert torch.allclose(got, torch.sigmoid(logit / temps[:3]))
+    assert torch.allclose(apply_temperatures(conf, torch.ones(3)), conf.clamp(1e-6, 1 - 1e-6), atol=1e-6)
+    assert got.shape == conf.shape
+
+
+# ---------------------------------------------------------------------------------------------- online
+
+
+def feed(sts: OnlineSTS, conf: np.ndarray, v: np.ndarray, a: np.ndarray, batch: int = 512) -> None:
+    for s in range(0, len(v), batch):
+        sts.record(torch.tensor(conf[s : s + batch]), torch.tensor(v[s : s + batch]), torch.tensor(a[s : s + batch]))
+
+
+def test_online_converges_toward_t_star_in_place() -> None:
+    conf, v, a = synth(3, 30000, T_STAR)
+    sts = OnlineSTS(3, decay=1.0, refit_interval=1000)
+    temps = sts.temperatures
+    ptr = temps.data_ptr()
+    feed(sts, conf, v, a)
+    sts.refit()
+    assert sts.temperatures is temps and sts.temperatures.data_ptr() == ptr
+    for k, t in enumerate(T_STAR):
+        assert abs(math.log(float(temps[k]) / t)) < 0.15, temps
+    # Trials are censored: position k counts only rows with k <= min(a+1, v).
+    expect = [int((np.minimum(a + 1, v) >= k).sum()) for k in (1, 2, 3)]
+    assert sts.trials.sum(dim=1).round().tolist() == expect
+    assert sts.hits.sum(dim=1).round().tolist() == [int((a >= k).sum()) for k in (1, 2, 3)]
+
+
+def test_online_prior_dominates_with_little_data_and_invalid_rows_are_ignored() -> None:
+    sts = OnlineSTS(2, initial_temperatures=[1.5, 0.8], prior_weight=1000.0)
+    sts.refit()
+    assert torch.allclose(sts.temperatures, torch.tensor([1.5, 0.8]))  # no data: prior kept
+    conf, v, a = synth(4, 200, [3.0, 3.0])
+    valid = torch.zeros(200, dtype=torch.bool)
+    sts.record(torch.tensor(conf), torch.tensor(v), torch.tensor(a), valid=valid)
+    assert float(sts.trials.sum()) == 0.0
+    sts.record(torch.tensor(conf), torch.tensor(v), torch.tensor(a))
+    sts.refit()
+    # 200 rows against 1000 pseudo-trials: the estimate moves toward T* = 3 but stays near the prior.
+    assert 1.5 < float(sts.temperatures[0]) < 3.0
+    assert abs(math.log(float(sts.temperatures[0]) / 1.5)) < abs(math.log(3.0 / 1.5))
+
+
+def test_online_step_refits_on_schedule_and_decays() -> None:
+    conf, v, a = synth(5, 2048, [2.0])
+    sts = OnlineSTS(1, decay=0.5, refit_interval=3, prior_weight=0.0)
+    before = sts.temperatures.clone()
+    assert [sts.step() for _ in range(3)] == [False, False, True]
+    assert torch.equal(sts.temperatures, before)  # no data yet
+    sts.record(torch.tensor(conf[:1]), torch.tensor(v[:1]), torch.tensor(a[:1]))
+    t0 = float(sts.trials.sum())
+    sts.record(torch.tensor(conf[:0]), torch.tensor(v[:0]), torch.tensor(a[:0]))
+    assert float(sts.trials.sum()) == pytest.approx(0.5 * t0)
+    feed(sts, conf, v, a, batch=2048)
+    for _ in range(3):
+        sts.step()
+    assert float(sts.temperatures[0]) > 1.2
+
+
+def test_online_validation() -> None:
+    with pytest.raises(DsparkError):
+        OnlineSTS(0)
+    with pytest.raises(DsparkError):
+        OnlineSTS(2, decay=1.5)
+    with pytest.raises(DsparkError):
+        OnlineSTS(2, initial_temperatures=[1.0])
+    with pytest.raises(DsparkError):
+        OnlineSTS(2, initial_temperatures=[1.0, -1.0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_online_record_and_refit_on_cuda_do_not_sync() -> None:
+    conf, v, a = synth(6, 4096, T_STAR)
+    sts = OnlineSTS(3, device="cuda")
+    c, vv, aa = (torch.tensor(x, device="cuda") for x in (conf, v, a))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sts.record(c, vv, aa)
+        sts.refit()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sts.temperatures.device.type == "cuda"
