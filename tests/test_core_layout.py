@@ -1,0 +1,167 @@
+"""Verify-batch layouts: varlen rows are the concatenation of each request's admitted tokens, mask marks
+exactly the pruned slots, both agree on real rows, and shapes never depend on admitted values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_cli.core.layout import build_mask_layout, build_varlen_layout, pick_padded_tokens
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> dict:
+    num_reqs = draw(st.integers(1, 9))
+    num_spec = draw(st.integers(1, 6))
+    admitted = draw(st.lists(st.integers(0, num_spec), min_size=num_reqs, max_size=num_reqs))
+    start = draw(st.lists(st.integers(0, 1000), min_size=num_reqs, max_size=num_reqs))
+    seed = draw(st.integers(0, 2**31 - 1))
+    extra = draw(st.integers(0, 7))
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "last_tokens": torch.randint(1, 50_000, (num_reqs,), generator=gen),
+        "drafts": torch.randint(1, 50_000, (num_reqs, num_spec), generator=gen),
+        "admitted": torch.tensor(admitted, dtype=torch.int32),
+        "start_pos": torch.tensor(start, dtype=torch.int64),
+        "padded": num_reqs + sum(admitted) + extra,
+    }
+
+
+def _expected_rows(b: dict) -> list[tuple[int, int, int, int]]:
+    """(request, pos_in_req, token, position) of every verified row, in request order."""
+    rows = []
+    for r in range(b["drafts"].shape[0]):
+        toks = [int(b["last_tokens"][r])] + [int(x) for x in b["drafts"][r, : int(b["admitted"][r])]]
+        for j, tok in enumerate(toks):
+            rows.append((r, j, tok, int(b["start_pos"][r]) + j))
+    return rows
+
+
+def _real_rows(layout) -> list[tuple[int, int, int, int]]:
+    keep = (~layout.is_padding).tolist()
+    cols = zip(
+        layout.req_index.tolist(), layout.pos_in_req.tolist(), layout.input_ids.tolist(),
+        layout.positions.tolist(), strict=True,
+    )
+    return [row for row, k in zip(cols, keep, strict=True) if k]
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_varlen_rows_are_concatenated_admitted_tokens(b: dict) -> None:
+    lay = build_varlen_layout(b["last_tokens"], b["drafts"], b["admitted"], b["start_pos"], b["padded"])
+    num_reqs = b["drafts"].shape[0]
+    expected = _expected_rows(b)
+    real = len(expected)
+    assert int(lay.num_tokens) == real
+    assert lay.num_rows == b["padded"]
+    # Compacted: the real rows are exactly the first num_tokens rows, in request order.
+    assert lay.is_padding.tolist() == [False] * real + [True] * (b["padded"] - real)
+    got = list(zip(lay.req_index.tolist(), lay.pos_in_req.tolist(), lay.input_ids.tolist(),
+                   lay.positions.tolist(), strict=True))[:real]
+    assert got == expected
+    tail = slice(real, None)
+    assert (lay.req_index[tail] == num_reqs).all()
+    assert (lay.input_ids[tail] == 0).all() and (lay.positions[tail] == 0).all()
+    counts = 1 + b["admitted"].to(torch.int64)
+    assert lay.query_start_loc.dtype == torch.int32
+    assert lay.query_start_loc.tolist() == [0] + torch.cumsum(counts, 0).tolist()
+    assert lay.seq_lens.tolist() == (b["start_pos"] + counts).tolist()
+    assert lay.num_logits_per_req.tolist() == counts.tolist()
+    # Each request's segment in query_start_loc holds exactly its rows.
+    for r in range(num_reqs):
+        seg = slice(int(lay.query_start_loc[r]), int(lay.query_start_loc[r + 1]))
+        assert (lay.req_index[seg] == r).all()
+        assert lay.pos_in_req[seg].tolist() == list(range(int(counts[r])))
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_mask_marks_exactly_the_pruned_slots(b: dict) -> None:
+    lay = build_mask_layout(b["last_tokens"], b["drafts"], b["admitted"], b["start_pos"])
+    num_reqs, num_spec = b["drafts"].shape
+    width = num_spec + 1
+    assert lay.num_rows == num_reqs * width
+    adm = b["admitted"].tolist()
+    pad = lay.is_padding.view(num_reqs, width).tolist()
+    for r in range(num_reqs):
+        assert pad[r] == [j > adm[r] for j in range(width)]
+        assert lay.invalid_drafts[r].tolist() == [j >= adm[r] for j in range(num_spec)]
+    assert (lay.input_ids[lay.is_padding] == 0).all()
+    assert lay.req_index.tolist() == [r for r in range(num_reqs) for _ in range(width)]
+    assert lay.pos_in_req.tolist() == list(range(width)) * num_reqs
+    assert lay.positions.view(num_reqs, width).tolist() == [
+        [int(b["start_pos"][r]) + j for j in range(width)] for r in range(num_reqs)
+    ]
+    assert lay.seq_lens.tolist() == (b["start_pos"] + width).tolist()
+    assert lay.query_start_loc.tolist() == [r * width for r in range(num_reqs + 1)]
+    assert int(lay.num_tokens) == num_reqs + sum(adm)
+    assert _real_rows(lay) == _expected_rows(b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches())
+def test_varlen_and_mask_agree_on_real_rows(b: dict) -> None:
+    var = build_varlen_layout(b["last_tokens"], b["drafts"], b["admitted"], b["start_pos"], b["padded"])
+    mask = build_mask_layout(b["last_tokens"], b["drafts"], b["admitted"], b["start_pos"])
+    assert _real_rows(var) == _real_rows(mask)
+    assert int(var.num_tokens) == int(mask.num_tokens)
+    assert var.num_logits_per_req.tolist() == mask.num_logits_per_req.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.integers(0, 2**31 - 1))
+def test_shapes_do_not_depend_on_admitted(b: dict, seed: int) -> None:
+    num_reqs, num_spec = b["drafts"].shape
+    padded = num_reqs * (num_spec + 1)
+    other = torch.randint(0, num_spec + 1, (num_reqs,), generator=torch.Generator().manual_seed(seed))
+    shapes = []
+    for adm in (b["admitted"], other, torch.zeros_like(other), torch.full_like(other, num_spec)):
+        var = build_varlen_layout(b["last_tokens"], b["drafts"], adm, b["start_pos"], padded)
+        mask = build_mask_layout(b["last_tokens"], b["drafts"], adm, b["start_pos"])
+        shapes.append(tuple(tuple(getattr(lay, f).shape) for lay in (var, mask)
+                            for f in ("input_ids", "positions", "req_index", "pos_in_req", "is_padding",
+                                      "query_start_loc", "seq_lens", "num_tokens")))
+    assert len(set(shapes)) == 1
+
+
+def test_builders_never_read_tensor_values() -> None:
+    # The meta device has shapes but no values: any .item(), boolean indexing or data-dependent shape
+    # would raise here, which is the CPU-side proof that the builders are CUDA-graph capturable.
+    meta = torch.device("meta")
+    num_reqs, num_spec = 5, 7
+    args = (
+        torch.empty(num_reqs, dtype=torch.int64, device=meta),
+        torch.empty(num_reqs, num_spec, dtype=torch.int64, device=meta),
+        torch.empty(num_reqs, dtype=torch.int32, device=meta),
+        torch.empty(num_reqs, dtype=torch.int64, device=meta),
+    )
+    var = build_varlen_layout(*args, padded_tokens=64)
+    mask = build_mask_layout(*args)
+    assert var.input_ids.shape == (64,) and var.num_tokens.shape == ()
+    assert mask.input_ids.shape == (num_reqs * (num_spec + 1),)
+    assert mask.invalid_drafts.shape == (num_reqs, num_spec)
+
+
+def test_padding_too_small_and_bad_shapes_are_rejected() -> None:
+    last = torch.zeros(4, dtype=torch.int64)
+    drafts = torch.zeros(4, 3, dtype=torch.int64)
+    adm = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="padded_tokens"):
+        build_varlen_layout(last, drafts, adm, adm, padded_tokens=3)
+    with pytest.raises(ValueError, match="admitted"):
+        build_mask_layout(last, drafts, adm[:3], adm)
+
+
+def test_pick_padded_tokens() -> None:
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    assert pick_padded_tokens(1, sizes) == 1
+    assert pick_padded_tokens(5, sizes) == 8
+    assert pick_padded_tokens(64, sizes) == 64
+    assert pick_padded_tokens(65, sizes) == 65
+    assert pick_padded_tokens(9, [32, 16]) == 16
+    assert pick_padded_tokens(3, []) == 3
+    with pytest.raises(ValueError):
+        pick_padded_tokens(-1, sizes)
