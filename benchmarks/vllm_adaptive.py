@@ -1,0 +1,154 @@
+"""GPU proof for the vLLM plugin: upstream's adaptive verification vs dspark varlen vs dspark mask.
+
+On the H200 with vLLM 0.33.0 installed (docs: GPU.md), serve a target with a draft model (method
+"draft_model") three ways, run ``vllm bench serve`` at two concurrencies per config, print one table and
+write ``results.json`` (plus each server log and bench result) into OUT::
+
+    python3 benchmarks/vllm_adaptive.py --model SMOLLM_DIR --draft DRAFT_DIR --out OUT [--load-format dummy]
+
+The toolkit is run from the tree (no pip install), so the script registers the plugin's entry point for
+the servers it starts through a throw-away ``.dist-info`` on their PYTHONPATH. Each server's log is checked
+for the plugin's own start-up line, so a silently inactive plugin fails the run instead of measuring
+upstream twice. Budget: ~1.5 min per config (start-up with FULL_DECODE_ONLY and no torch.compile), < 8 min.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET  # noqa: E402
+from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
+
+ACTIVE_LINE = "dspark: adaptive verification by dspark"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry_point_dir(tmp: Path) -> Path:
+    dist = tmp / "dspark_vllm_plugin-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dspark-vllm-plugin\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {PLUGIN_TARGET}\n")
+    return tmp
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--concurrency", default="8,64")
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--load-format", default=None, help="e.g. dummy (real step costs, no weights)")
+    ap.add_argument("--configs", default="upstream,varlen,mask")
+    ap.add_argument("--startup-timeout", type=float, default=240.0)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="dspark-ep-"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(_entry_point_dir(tmp)), env.get("PYTHONPATH", "")])
+    vllm = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    base_spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
+    engine = [args.model, "--max-model-len", "2048", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.35",
+              "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
+    if args.load_format:
+        engine += ["--load-format", args.load_format]
+    specs = {
+        "upstream": {**base_spec, "enable_adaptive_verification": True},
+        "varlen": {**base_spec, "dspark_capacity_verification_mode": "varlen"},
+        "mask": {**base_spec, "dspark_capacity_verification_mode": "mask"},
+    }
+    results: list[dict] = []
+    t_start = time.time()
+    for name in args.configs.split(","):
+        port = _free_port()
+        plan = plan_vllm_serve([*engine, "--port", str(port), "--speculative-config", json.dumps(specs[name])])
+        cmd = plan.command(vllm)
+        log_path = args.out / f"serve-{name}.log"
+        print(f"[{time.time() - t_start:5.0f}s] {name}: {shlex.join(cmd)}", flush=True)
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                _wait_ready(port, proc, args.startup_timeout)
+                active = ACTIVE_LINE in log_path.read_text(errors="replace")
+                if (name != "upstream") != active:
+                    raise RuntimeError(f"plugin {'inactive' if name != 'upstream' else 'active'} for {name}")
+                for c in [int(x) for x in args.concurrency.split(",")]:
+                    fname = f"bench-{name}-c{c}.json"
+                    bench = [*vllm, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+                             "--model", args.model, "--dataset-name", "random", "--random-input-len",
+                             str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts",
+                             str(args.num_prompts), "--max-concurrency", str(c), "--ignore-eos", "--seed", "0",
+                             "--save-result", "--result-dir", str(args.out), "--result-filename", fname]
+                    subprocess.run(bench, env=env, check=True, stdout=subprocess.DEVNULL, timeout=240)
+                    r = json.loads((args.out / fname).read_text())
+                    results.append({"config": name, "concurrency": c,
+                                     "output_tok_s": r.get("output_throughput"),
+                                     "mean_itl_ms": r.get("mean_itl_ms"),
+                                     "acceptance_length": r.get("spec_decode_acceptance_length"),
+                                     "completed": r.get("completed")})
+                    print(f"[{time.time() - t_start:5.0f}s]   c={c}: {results[-1]}", flush=True)
+            except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                results.append({"config": name, "error": str(exc)})
+                print(f"  {name} FAILED: {exc} (log: {log_path})", flush=True)
+            finally:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        (args.out / "results.json").write_text(json.dumps({"results": results, "args": vars(args)}, default=str,
+                                                          indent=2))
+    base = {r["concurrency"]: r["output_tok_s"] for r in results if r.get("config") == "upstream" and "error" not in r}
+    print(f"\n{'config':10} {'c':>4} {'tok/s':>9} {'ITL ms':>8} {'accept':>7} {'vs upstream':>12}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:10} FAILED: {r['error']}")
+            continue
+        ref = base.get(r["concurrency"])
+        delta = f"{100 * (r['output_tok_s'] / ref - 1):+.1f}%" if ref else "-"
+        acc = r["acceptance_length"]
+        print(f"{r['config']:10} {r['concurrency']:>4} {r['output_tok_s']:>9.1f} {r['mean_itl_ms']:>8.2f} "
+              f"{acc if acc is None else round(acc, 3)!s:>7} {delta:>12}")
+    print(f"total {time.time() - t_start:.0f} s; results in {args.out / 'results.json'}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""Everything the vLLM plugin assumes about vLLM 0.33.0's internals, in ONE table.
+
+The plugin patches Model Runner V2 by rebinding names, so a vLLM release that renames a function, drops a
+keyword or stops importing a name *by name* into ``model_runner`` would silently leave the plugin inert or,
+worse, half-applied. Every such assumption is a row of :data:`CONTRACT`:
+
+* the CPU contract tests (``tests/test_vllm_contract.py``) check each row against the real wheel's source
+  with ``ast`` (the CUDA wheel cannot be imported on a CPU machine), so an upgrade fails in CI;
+* the plugin checks the rows it patches against the live modules (``inspect``) before touching anything,
+  and refuses to start with one clear message if they drifted.
+
+Nothing here imports vLLM. Module names are dotted; :func:`source_path` maps them into an unpacked wheel.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+VLLM_VERSION = "0.33.0"
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "dspark"
+PLUGIN_TARGET = "dspark_cli.engines.vllm.plugin:register"
+ADDITIONAL_CONFIG_KEY = "dspark"  # --additional-config '{"dspark": {...}}'
+INVALID_DRAFTS_ATTR = "dspark_invalid_drafts"  # mask mode sets it on InputBatch; the sampler hook reads it
+
+RUNNER = "vllm.v1.worker.gpu.model_runner"
+AV = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
+SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator"
+DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
+DSPARK = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
+SPEC_INIT = "vllm.v1.worker.gpu.spec_decode"
+REJECTION = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+CUDAGRAPH = "vllm.v1.worker.gpu.cudagraph_utils"
+INPUT_BATCH = "vllm.v1.worker.gpu.input_batch"
+ASYNC_UTILS = "vllm.v1.worker.gpu.async_utils"
+STRUCTURED = "vllm.v1.worker.gpu.structured_outputs"
+ATTN_UTILS = "vllm.v1.worker.gpu.attn_utils"
+SPEC_CONFIG = "vllm.config.speculative"
+VLLM_CONFIG = "vllm.config.vllm"
+PLUGINS = "vllm.plugins"
+PARALLEL = "vllm.distributed.parallel_state"
+ENVS = "vllm.envs"
+ARG_UTILS = "vllm.engine.arg_utils"
+LLM = "vllm.entrypoints.llm"
+
+Kind = Literal[
+    "function",  # module-level def; params must appear (in this order) among its parameters
+    "method",  # Class.method; same parameter rule (self excluded)
+    "class",  # module-level class
+    "imported",  # module binds `name` by `from <source> import name` (rebinding must happen there too)
+    "field",  # class-level annotated attribute (dataclass / pydantic / NamedTuple field)
+    "self_attr",  # Class.__init__ assigns self.<attr> (private state the manager subclass reuses)
+    "constant",  # module-level NAME = value
+    "call_kwargs",  # inside Class.method (or function) there is a call to `callee` passing these keywords
+    "contains",  # the source of Class.method (or the module) contains this exact snippet
+]
+
+
+@dataclass(frozen=True)
+class Assumption:
+    module: str
+    name: str  # "func", "Class", "Class.method", "Class.attr"
+    kind: Kind
+    params: tuple[str, ...] = ()  # parameter / keyword / attribute names, or (value,) for constants
+    source: str = ""  # for "imported": the module the name comes from; for "call_kwargs": the callee
+    why: str = ""
+    patched: bool = False  # the plugin rebinds or wraps this name (checked at runtime too)
+
+
+_FACTORY_KW = (
+    "enable_adaptive_verification",
+    "attn_groups",
+    "req_states",
+    "query_start_loc",
+    "num_bonus_tokens",
+    "max_total_logits",
+    "vllm_config",
+    "target_layer_names",
+    "additional_attn_cg_support",
+    "copy_admitted_drafts_to_host",
+)
+
+CONTRACT: tuple[Assumption, ...] = (
+    # --- plugin loading and configuration
+    Assumption(PLUGINS, "DEFAULT_PLUGINS_GROUP", "constant", (PLUGIN_GROUP,),
+               why="our entry point group; loaded in every process, workers before the runner import"),
+    Assumption(PLUGINS, "load_general_plugins", "function", why="what calls register()"),
+    Assumption(SPEC_CONFIG, "SpeculativeConfig.enable_adaptive_verification", "field",
+               why="the launcher switches upstream adaptive verification on; our manager replaces it"),
+    Assumption(SPEC_CONFIG, "SpeculativeConfig.draft_sample_method", "field",
+               why="example/benchmark flags (probabilistic draft sampling)"),
+    Assumption(VLLM_CONFIG, "VllmConfig.additional_config", "field",
+               why="our settings travel to every process in --additional-config (hashed into the compile cache)"),
+    Assumption(ARG_UTILS, "EngineArgs.add_cli_args", "contains", ('"--additional-config"',),
+               why="the flag the launcher writes"),
+    Assumption(ARG_UTILS, "EngineArgs.add_cli_args", "contains", ('"--speculative-config", "-sc"',),
+               why="the launcher recognises both spellings of the speculative config flag"),
+    Assumption(ENVS, "VLLM_MOE_SKIP_PADDING", "contains", ('"VLLM_MOE_SKIP_PADDING"',),
+               why="mask mode marks pruned rows in is_padding only when MoE honours it (read, never set)"),
+    Assumption(PARALLEL, "get_tp_group", "function", why="rank-0 broadcast of curves and temperatures"),
+    Assumption(PARALLEL, "GroupCoordinator.broadcast", "method", ("input_", "src"),
+               why="in-place device broadcast of the STS temperature buffer"),
+    Assumption(PARALLEL, "GroupCoordinator.broadcast_object", "method", ("obj", "src"),
+               why="broadcast of the SPS curve from TP rank 0"),
+    Assumption(PARALLEL, "GroupCoordinator.world_size", "field", why="skip broadcasts at world size 1"),
+    Assumption(PARALLEL, "GroupCoordinator.rank_in_group", "field", why="only TP rank 0 writes traces"),
+    Assumption(PARALLEL, "GroupCoordinator.broadcast", "contains", ("torch.distributed.broadcast(",),
+               why="the temperature broadcast is in place (captured draft graphs hold the buffer's address)"),
+    # --- names model_runner imports by name: rebinding in the defining module is not enough
+    Assumption(RUNNER, "maybe_create_adaptive_verification_manager", "imported", source=AV, patched=True,
+               why="the gate: our factory replaces upstream's when settings are present"),
+    Assumption(RUNNER, "AdaptiveVerificationManager", "imported", source=AV,
+               why="base class of our manager (type annotations and isinstance checks keep working)"),
+    Assumption(RUNNER, "ModelCudaGraphManager", "imported", source=CUDAGRAPH, patched=True,
+               why="mask mode replays uniform decode graphs: varlen_decode must be off"),
+    Assumption(RUNNER, "RejectionSampler", "imported", source=REJECTION,
+               why="mask mode passes invalid_drafts through RejectionSampler.__call__"),
+    Assumption(RUNNER, "DraftModelSpeculator", "imported", source=SPECULATOR,
+               why="observe_verification is called only for DraftModelSpeculator instances"),
+    # --- the factory and how the runner calls it
+    Assumption(AV, "maybe_create_adaptive_verification_manager", "function", _FACTORY_KW, patched=True,
+               why="our gate forwards these keywords unchanged to upstream when our settings are absent"),
+    Assumption(RUNNER, "GPUModelRunner.initialize_kv_cache", "call_kwargs", _FACTORY_KW,
+               source="maybe_create_adaptive_verification_manager",
+               why="the runner passes everything by keyword"),
+    Assumption(RUNNER, "GPUModelRunner.initialize_kv_cache", "call_kwargs", ("varlen_decode",),
+               source="ModelCudaGraphManager", why="our ModelCudaGraphManager overrides varlen_decode in mask mode"),
+    Assumption(CUDAGRAPH, "ModelCudaGraphManager.__init__", "method",
+               ("vllm_config", "device", "cudagraph_mode", "decode_query_len", "lora_capture_cases",
+                "varlen_decode", "ubatch_runner"),
+               why="constructor we wrap"),
+    Assumption(CUDAGRAPH, "CudaGraphManager.captured_token_counts", "method",
+               why="capture sizes for the staircase of the SPS curve"),
+    Assumption(AV, "get_query_lens_mismatch_unsupported_backend", "imported", source=ATTN_UTILS,
+               why="varlen needs device/CPU query-length mismatch support, else we fall back to mask"),
+    Assumption(AV, "get_varlen_cudagraph_unsupported_backend", "imported", source=ATTN_UTILS,
+               why="varlen needs varlen FULL graphs, else we fall back to mask"),
+    Assumption(ATTN_UTILS, "get_query_lens_mismatch_unsupported_backend", "function",
+               ("attn_groups", "checked_layer_names")),
+    Assumption(ATTN_UTILS, "get_varlen_cudagraph_unsupported_backend", "function",
+               ("attn_groups", "vllm_config", "max_query_len", "checked_layer_names")),
+    # --- AdaptiveVerificationManager: what we subclass and override
+    Assumption(AV, "AdaptiveVerificationManager", "class"),
+    Assumption(AV, "AdaptiveVerificationManager.__init__", "method",
+               ("req_states", "query_start_loc", "num_bonus_tokens", "max_total_logits",
+                "copy_admitted_drafts_to_host")),
+    Assumption(AV, "AdaptiveVerificationManager.get_num_tokens", "method", ("num_tokens_per_req", "draft_tokens"),
+               why="budget on the host (core.capacity.choose_budget on stale confidences)"),
+    Assumption(AV, "AdaptiveVerificationManager.compact_batch", "method",
+               ("num_draft_tokens_per_req", "num_scheduled_tokens", "cu_num_logits_np")),
+    Assumption(AV, "AdaptiveVerificationManager.reallocate_drafts", "method", ("req_ids", "idx_mapping"),
+               why="allocation on the device (core.capacity.allocate)"),
+    Assumption(AV, "AdaptiveVerificationManager.record_confidences", "method", ("confidence_probs", "input_batch")),
+    Assumption(AV, "AdaptiveVerificationManager.add_request", "method", ("req_idx",)),
+    Assumption(AV, "AdaptiveVerificationManager.batches_to_profile", "method", ("capture_sizes",)),
+    Assumption(AV, "AdaptiveVerificationManager.set_initial_cost_curves", "method", ("samples",)),
+    Assumption(AV, "AdaptiveVerificationManager.set_cost_curves", "method", ("draft_curve", "verify_curve")),
+    Assumption(AV, "AdaptiveVerificationManager.__init__", "self_attr",
+               ("req_states", "num_speculative_steps", "num_bonus_tokens", "_max_total_logits", "query_start_loc",
+                "cost_tables", "_cudagraph_limit", "_batch_budget", "_confidence_probs", "_batch_draft_capacity",
+                "_num_non_draft_tokens", "_cu_num_logits", "_stale_confidences", "_stale_idx", "_copy_stream",
+                "_copy_admitted_drafts_to_host"),
+               why="state our subclass reads (stale host confidences, live device confidences, layout buffers)"),
+    Assumption(AV, "AdaptiveVerificationManager.compact_batch", "contains", ("_, _, draft_budget = batch_budget",),
+               why="_batch_budget is the (drafts per req, non-draft per req, budget) triple get_num_tokens stashes; "
+                   "our varlen mode reuses upstream's compact_batch on it"),
+    Assumption(AV, "AdmittedDraftCounts.__init__", "method", ("cpu", "event")),
+    Assumption(AV, "AdaptiveVerificationManager.__init__", "contains",
+               ("self._admitted_drafts_cpu = ", "self._admitted_drafts_event = "),
+               why="batch-sharded sampling: our varlen path hands the admitted split to the host like upstream"),
+    Assumption(AV, "async_tensor_h2d", "imported", source="vllm.utils.torch_utils"),
+    Assumption(AV, "AttentionCGSupport", "imported", source="vllm.v1.attention.backend",
+               why="only ALWAYS replays varlen batches for groups built outside init_attn_backend"),
+    Assumption(AV, "AdaptiveVerificationManager.record_confidences", "contains",
+               ("self._confidence_probs[input_batch.idx_mapping] = confidence_probs[:num_reqs]",),
+               why="we pass STS-calibrated confidences; upstream stores them for allocation and the stale copy"),
+    # --- the runner's step: where our hooks sit
+    Assumption(RUNNER, "GPUModelRunner.prepare_inputs", "method",
+               ("scheduler_output", "batch_req_state", "batch_desc", "num_active_loras"), patched=True,
+               why="mask mode pads pruned rows after combine_sampled_and_draft_tokens wrote the drafts"),
+    Assumption(RUNNER, "GPUModelRunner.prepare_inputs", "contains",
+               ("adaptive_verification.reallocate_drafts(req_ids, idx_mapping)",)),
+    Assumption(RUNNER, "GPUModelRunner.capture_model", "method", ("profile_only",), patched=True,
+               why="speculator hooks (STS temperatures inside the draft graph) are installed before capture"),
+    Assumption(RUNNER, "GPUModelRunner.capture_model", "contains",
+               ("self.adaptive_verification.set_initial_cost_curves(timings)",),
+               why="upstream's start-up profile feeds our curve when no --sps-curve is given"),
+    Assumption(RUNNER, "GPUModelRunner.gather_batch_req_state", "contains",
+               ("self.adaptive_verification.get_num_tokens(",)),
+    Assumption(RUNNER, "GPUModelRunner.sample", "contains", ("invalid_drafts,",),
+               why="the runner hands (grammar) invalid_drafts to the rejection sampler; we OR ours in"),
+    Assumption(RUNNER, "GPUModelRunner.sample_tokens", "contains",
+               ("self.speculator.observe_verification(", "self.adaptive_verification.record_confidences("),
+               why="outcomes reach observe_verification before propose; confidences are recorded after it"),
+    Assumption(RUNNER, "ExecuteModelState.num_spec_tokens_to_schedule", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.is_padding", "field", why="MoE skip mask; a view of InputBuffers.is_padding"),
+    Assumption(INPUT_BATCH, "InputBatch.input_ids", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.query_start_loc", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.cu_num_logits", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.expanded_local_pos", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.num_tokens", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.num_reqs", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.req_ids", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.idx_mapping", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.num_draft_tokens_per_req", "field"),
+    Assumption(ASYNC_UTILS, "StepTimingSample.forward_ms", "field"),
+    Assumption(ASYNC_UTILS, "StepTimingSample.drafter_ms", "field"),
+    Assumption(ASYNC_UTILS, "StepTimingSample.num_target_tokens", "field"),
+    Assumption(ASYNC_UTILS, "StepTimingSample.num_reqs", "field"),
+    Assumption(ASYNC_UTILS, "StepTimingSample.full_cudagraph", "field"),
+    # --- rejection sampler
+    Assumption(REJECTION, "RejectionSampler.__call__", "method",
+               ("logits", "input_batch", "draft_logits", "invalid_drafts"), patched=True,
+               why="mask mode: pruned drafts are invalid, so they reject and the target samples the correction"),
+    Assumption(REJECTION, "RejectionSampler.__call__", "contains", ("draft_sampled.masked_fill(invalid_drafts, -1)",)),
+    Assumption(STRUCTURED, "grammar_invalid_drafts", "contains", ("return local_pos > row_limit",),
+               why="invalid_drafts is a bool mask over logit rows: local position p marks draft p-1"),
+    # --- speculators
+    Assumption(SPECULATOR, "DraftModelSpeculator.observe_verification", "method",
+               ("idx_mapping", "num_sampled", "num_rejected"), patched=True,
+               why="online STS and traces learn from the rejection sampler's outcomes here"),
+    Assumption(SPECULATOR, "DraftModelSpeculator.__init__", "self_attr",
+               ("draft_tokens", "draft_token_confidence_probs", "enable_adaptive_verification")),
+    Assumption(SPECULATOR, "BaseSpeculator.propose", "method", ("input_batch", "num_speculative_tokens")),
+    Assumption(DFLASH, "DFlashSpeculator.propose", "contains", ("if num_speculative_tokens == 0:",),
+               patched=True,
+               why="saturation: the DFlash family skips its query pass (keeping context K/V) for 0 drafts"),
+    Assumption(DFLASH, "DFlashSpeculator", "class", why="isinstance check: which speculators can skip the draft pass"),
+    Assumption(DSPARK, "DSparkSpeculator", "class"),
+    Assumption(DSPARK, "DSparkSpeculator._sample_sequential", "contains", ("self.model.compute_confidence(",),
+               patched=True, why="STS: we wrap the model's compute_confidence, which runs inside the draft graph"),
+    Assumption(SPEC_INIT, "init_speculator", "contains", ('speculative_config.method == "dspark"',)),
+    # --- profiler
+    Assumption(LLM, "LLM.collective_rpc", "method", ("method", "timeout", "args", "kwargs"),
+               why="profile-sps runs its timing in every worker"),
+)
+
+
+def source_files() -> tuple[str, ...]:
+    """Relative paths (inside an unpacked wheel) of every module the contract names."""
+    return tuple(sorted({module_path(a.module) for a in CONTRACT}))
+
+
+def module_path(module: str) -> str:
+    """``vllm.a.b`` -> ``vllm/a/b.py`` (or ``vllm/a/b/__init__.py`` for packages we name)."""
+    if module in (PLUGINS, SPEC_INIT):
+        return module.replace(".", "/") + "/__init__.py"
+    return module.replace(".", "/") + ".py"
+
+
+def default_source_dir() -> Path:
+    """Where ``.ci/vllm_wheel.sh`` unpacks the wheel's sources (``DSPARK_VLLM_SRC`` overrides)."""
+    env = os.environ.get("DSPARK_VLLM_SRC")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "dspark" / f"vllm-{VLLM_VERSION}-src"
+
+
+def patched() -> tuple[Assumption, ...]:
+    return tuple(a for a in CONTRACT if a.patched)
+
+
+def lookup(module: str, name: str, kind: Kind | None = None) -> Assumption:
+    for a in CONTRACT:
+        if a.module == module and a.name == name and (kind is None or a.kind == kind):
+            return a
+    raise KeyError(f"{module}:{name} is not in the vLLM contract table")
+
+
+# ---------------------------------------------------------------------------------------------- checking
+
+
+def _params_in_order(have: list[str], want: tuple[str, ...]) -> bool:
+    """``want`` appears as a subsequence of ``have`` (extra parameters in between are allowed)."""
+    it = iter(have)
+    return all(any(h == w for h in it) for w in want)
+
+
+def _find_def(tree: object, name: str) -> object | None:
+    import ast
+
+    parts = name.split(".")
+    body = tree.body  # type: ignore[attr-defined]
+    node = None
+    for part in parts:
+        node = next(
+            (n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part),
+            None,
+        )
+        if node is None:
+            return None
+        body = node.body
+    return node
+
+
+def check_source(a: Assumption, text: str) -> str | None:
+    """Check one row against a module's source text; ``None`` if it holds, else what is wrong."""
+    import ast
+
+    tree = ast.parse(text)
+    where = f"{a.module}:{a.name}"
+    if a.kind == "imported":
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module == a.source:
+                if any(alias.name == a.name and alias.asname in (None, a.name) for alias in node.names):
+                    return None
+        return f"{where}: not imported by name from {a.source}"
+    if a.kind == "constant":
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == a.name for t in node.targets):
+                try:
+                    value = ast.literal_eval(node.value)
+                except ValueError:
+                    return f"{where}: not a literal"
+                return None if value == a.params[0] else f"{where}: is {value!r}, expected {a.params[0]!r}"
+        return f"{where}: no module-level assignment"
+    if a.kind == "field":
+        cls_name, attr = a.name.rsplit(".", 1)
+        cls = _find_def(tree, cls_name)
+        if not isinstance(cls, ast.ClassDef):
+            return f"{where}: class {cls_name} not found"
+        for node in cls.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == attr:
+                return None
+        return f"{where}: no annotated class attribute {attr}"
+    if a.kind == "contains" and "." not in a.name and _find_def(tree, a.name) is None:
+        return None if all(s in text for s in a.params) else f"{where}: module lacks {a.params}"
+    node = _find_def(tree, a.name)
+    if node is None:
+        return f"{where}: not found"
+    if a.kind == "class":
+        return None if isinstance(node, ast.ClassDef) else f"{where}: not a class"
+    if a.kind in ("function", "method"):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return f"{where}: not a function"
+        args = node.args
+        names = [x.arg for x in args.posonlyargs + args.args + args.kwonlyargs]
+        if a.kind == "method" and names and names[0] == "self":
+            names = names[1:]
+        if not _params_in_order(names, a.params):
+            return f"{where}: parameters {names} do not include {list(a.params)} in that order"
+        return None
+    if a.kind == "self_attr":
+        assigned = {
+            t.attr
+            for n in ast.walk(node)
+            if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+        }
+        missing = [p for p in a.params if p not in assigned]
+        return None if not missing else f"{where}: does not assign self.{', self.'.join(missing)}"
+    if a.kind == "call_kwargs":
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call):
+                f = n.func
+                fname = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if fname == a.source:
+                    kws = {k.arg for k in n.keywords}
+                    missing = [p for p in a.params if p not in kws]
+                    return None if not missing else f"{where}: call to {a.source} lacks keywords {missing}"
+        return f"{where}: no call to {a.source}"
+    if a.kind == "contains":
+        segment = ast.get_source_segment(text, node) or ""
+        missing = [s for s in a.params if s not in segment]
+        return None if not missing else f"{where}: source lacks {missing}"
+    return f"{where}: unknown kind {a.kind}"
+
+
+def check_runtime(a: Assumption, module: object) -> str | None:
+    """Check a patched row against a live (imported) module with ``inspect``; ``None`` if it holds."""
+    import inspect
+
+    where = f"{a.module}:{a.name}"
+    obj: object = module
+    for part in a.name.split("."):
+        if not hasattr(obj, part):
+            return f"{where}: missing"
+        obj = getattr(obj, part)
+    obj = getattr(obj, "__dspark_original__", None) or obj  # check what an installed wrapper replaced
+    if a.kind in ("function", "method") and a.params:
+        try:
+            sig = inspect.signature(obj)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return f"{where}: no signature"
+        names = [p for p in sig.parameters if p != "self"]
+        if not _params_in_order(names, a.params):
+            return f"{where}: parameters {names} do not include {list(a.params)} in that order"
+    return None

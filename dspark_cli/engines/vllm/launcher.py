@@ -1,0 +1,268 @@
+"""``dspark serve --engine vllm``: turn the seed's command line into a ``vllm serve`` command line and exec it.
+
+The user keeps writing the seed's flags. What changes on the way to vLLM 0.33:
+
+* ``dspark_*`` keys inside ``--speculative-config`` (which vLLM would reject: ``extra="forbid"``) and the
+  toolkit's own flags (``--sps-curve``, ``--capacity-mode``, ...) move into ``--additional-config``
+  under ``"dspark"``, merged with anything the user already put there;
+* ``enable_adaptive_verification: true`` is set, so the runner creates a manager -- ours, via the plugin;
+* every other argument is passed through untouched, in order.
+
+With no dspark setting at all the command is ``vllm serve`` with the arguments unchanged (the seed's
+"no capacity" column). ``--dry-run`` prints the exact shell-quoted command instead of running it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dspark_cli.engines.vllm.config import (
+    DsparkVllmSettings,
+    resolve_paths,
+    settings_from_seed_keys,
+)
+from dspark_cli.engines.vllm.contract import ADDITIONAL_CONFIG_KEY, PLUGIN_GROUP, PLUGIN_NAME
+from dspark_cli.errors import DsparkError
+
+SPEC_FLAGS = ("--speculative-config", "-sc")
+ADDITIONAL_FLAG = "--additional-config"
+
+# The toolkit's own serve flags (same names as the embedded engine's) -> settings field and value type.
+# "bool" flags take no value (--online-sts / --no-online-sts).
+DSPARK_FLAGS: dict[str, tuple[str, str]] = {
+    "--capacity-mode": ("mode", "str"),
+    "--capacity-policy": ("policy", "str"),
+    "--sps-curve": ("sps_curve", "str"),
+    "--sps-overhead-ms": ("overhead_ms", "float"),
+    "--budget-frac": ("budget_frac", "float"),
+    "--confidence-threshold": ("threshold", "float"),
+    "--min-predicted-gain": ("min_predicted_gain", "float"),
+    "--saturation-patience": ("saturation_patience", "int"),
+    "--resume-every": ("resume_every", "int"),
+    "--sts": ("sts", "str"),
+    "--online-sts": ("online_sts", "bool"),
+    "--no-online-sts": ("online_sts", "nobool"),
+    "--sts-refit-interval": ("sts_refit_interval", "int"),
+    "--confidence-temperature": ("confidence_temperature", "float"),
+    "--record-traces": ("record_traces", "str"),
+}
+
+
+@dataclass
+class VllmServePlan:
+    """The translated command line and what it carries (for tests and for the dry-run printout)."""
+
+    argv: list[str]  # arguments after `vllm serve`
+    settings: DsparkVllmSettings | None  # None: plain vLLM, the plugin stays inert
+    speculative_config: dict[str, Any] | None = None
+    additional_config: dict[str, Any] = field(default_factory=dict)
+
+    def command(self, executable: list[str] | None = None) -> list[str]:
+        return [*(executable or ["vllm"]), "serve", *self.argv]
+
+
+def _json_arg(flag: str, text: str) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise DsparkError(f"{flag}: not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise DsparkError(f"{flag}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _convert(flag: str, value: str, kind: str) -> Any:
+    try:
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+    except ValueError:
+        raise DsparkError(f"{flag}: expected a {'integer' if kind == 'int' else 'number'}, got {value!r}") from None
+    return value
+
+
+def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
+    """Split ``args`` into vLLM's arguments and our settings; see the module docstring."""
+    passthrough: list[str] = []
+    spec_pos: int | None = None  # index in passthrough of the speculative-config value
+    spec: dict[str, Any] | None = None
+    additional: dict[str, Any] = {}
+    flag_values: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        name, eq, inline = tok.partition("=")
+        if tok == "--":
+            passthrough.extend(args[i:])
+            break
+        if name in DSPARK_FLAGS:
+            field_name, kind = DSPARK_FLAGS[name]
+            if kind in ("bool", "nobool"):
+                if eq:
+                    raise DsparkError(f"{name} takes no value")
+                flag_values[field_name] = kind == "bool"
+                i += 1
+                continue
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                value = args[i + 1]
+                i += 1
+            else:
+                raise DsparkError(f"{name} needs a value")
+            flag_values[field_name] = _convert(name, value, kind)
+            i += 1
+            continue
+        if name in SPEC_FLAGS or name == ADDITIONAL_FLAG:
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                value = args[i + 1]
+                i += 1
+            else:
+                raise DsparkError(f"{name} needs a JSON value")
+            if name == ADDITIONAL_FLAG:
+                if additional:
+                    raise DsparkError(f"{ADDITIONAL_FLAG} given twice; merge the objects into one")
+                additional = _json_arg(name, value)
+            else:
+                if spec is not None:
+                    raise DsparkError(f"{SPEC_FLAGS[0]} given twice; merge the objects into one")
+                spec = _json_arg(name, value)
+                passthrough.append(name)
+                spec_pos = len(passthrough)
+                passthrough.append(value)
+            i += 1
+            continue
+        passthrough.append(tok)
+        i += 1
+
+    user_dspark = additional.get(ADDITIONAL_CONFIG_KEY)
+    if user_dspark is not None and not isinstance(user_dspark, dict):
+        raise DsparkError(f"{ADDITIONAL_FLAG} {ADDITIONAL_CONFIG_KEY}: expected a JSON object")
+    has_seed_keys = spec is not None and any(k.startswith("dspark_") for k in spec)
+    if user_dspark is None and not has_seed_keys and not flag_values:
+        # Nothing of ours: plain vLLM, arguments untouched.
+        argv = list(passthrough)
+        if additional:
+            argv += [ADDITIONAL_FLAG, orjson.dumps(additional).decode()]
+        return VllmServePlan(argv=argv, settings=None, speculative_config=spec, additional_config=additional)
+
+    fields_: dict[str, Any] = dict(user_dspark or {})
+    if spec is not None:
+        fields_ = settings_from_seed_keys(spec, fields_)
+    if "threshold" in flag_values and "policy" not in flag_values:
+        # --confidence-threshold alone picks the threshold policy (0 = the SPS-driven default), as in the JSON.
+        flag_values["policy"] = "threshold" if flag_values["threshold"] > 0 else "argmax"
+    if flag_values.get("mode") == "compact":
+        flag_values["mode"] = "varlen"
+    fields_.update(flag_values)
+    if "sps_curve" in fields_ and fields_["sps_curve"] == "auto":
+        fields_["sps_curve"] = None
+    settings = DsparkVllmSettings.from_dict(fields_, where="dspark settings")
+    settings = resolve_paths(settings, cwd)
+
+    if spec is None:
+        raise DsparkError("dspark settings need speculative decoding: pass --speculative-config "
+                          "'{\"method\": ..., \"model\": ..., \"num_speculative_tokens\": ...}'")
+    new_spec = {k: v for k, v in spec.items() if not k.startswith("dspark_")}
+    new_additional = {k: v for k, v in additional.items() if k != ADDITIONAL_CONFIG_KEY}
+    if settings.active:
+        new_spec["enable_adaptive_verification"] = True
+        new_additional[ADDITIONAL_CONFIG_KEY] = settings.to_dict()
+    elif settings.record_traces is not None:
+        raise DsparkError("--record-traces needs a capacity mode (mask or varlen) under vLLM: the traces are "
+                          "recorded by the dspark manager")
+    assert spec_pos is not None
+    passthrough[spec_pos] = orjson.dumps(new_spec).decode()
+    argv = list(passthrough)
+    if new_additional:
+        argv += [ADDITIONAL_FLAG, orjson.dumps(new_additional).decode()]
+    return VllmServePlan(argv=argv, settings=settings if settings.active else None,
+                         speculative_config=new_spec, additional_config=new_additional)
+
+
+def build_vllm_serve_command(argv: list[str]) -> list[str]:
+    """The exact ``vllm serve ...`` command line for ``dspark serve --engine vllm ARGV`` (dry run, tests)."""
+    return plan_vllm_serve(list(argv)).command()
+
+
+def _vllm_executable() -> list[str]:
+    exe = shutil.which("vllm")
+    if exe is not None:
+        return [exe]
+    if importlib.util.find_spec("vllm") is not None:
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    raise DsparkError("vLLM is not installed here: pip install 'dspark-cli[vllm]' (vllm==0.33.0, CUDA), "
+                      "or use the embedded engine (drop --engine vllm)")
+
+
+def _check_plugin_visible() -> None:
+    """The plugin only acts if vLLM discovers our entry point and VLLM_PLUGINS does not filter it out."""
+    names = {ep.name for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)}
+    if PLUGIN_NAME not in names:
+        raise DsparkError(f"the dspark vLLM plugin is not registered ({PLUGIN_GROUP} entry point {PLUGIN_NAME!r} "
+                          "missing): reinstall the toolkit with pip install -e .")
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
+        raise DsparkError(f"VLLM_PLUGINS={allowed!r} filters out the dspark plugin; add {PLUGIN_NAME!r} to it "
+                          "or unset it")
+
+
+def argv_from_serve_settings(settings: Any, extra: list[str]) -> list[str]:
+    """Raw ``vllm serve`` arguments from ``serve_config.ServeSettings`` (flags the CLI already parsed) + extras.
+
+    Lets the CLI hand over either the raw argv or its parsed settings; both go through one translation.
+    """
+    spec: dict[str, Any] = dict(getattr(settings, "vllm_speculative_config", {}) or {})
+    if settings.draft not in (None, "auto"):
+        spec["model"] = settings.draft
+    if settings.num_speculative_tokens is not None:
+        spec["num_speculative_tokens"] = settings.num_speculative_tokens
+    if settings.method is not None:
+        spec["method"] = settings.method
+    if settings.capacity_mode != "none":
+        spec.update(settings.dspark_keys())
+    argv = [settings.model, "--host", str(settings.host), "--port", str(settings.port)]
+    for flag, value in (("--max-num-seqs", settings.max_num_seqs), ("--max-model-len", settings.max_model_len),
+                        ("--seed", settings.seed), ("--served-model-name", settings.served_model_name)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if spec:
+        argv += [SPEC_FLAGS[0], orjson.dumps(spec).decode()]
+    return argv + list(extra)
+
+
+def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool = False) -> int:
+    """``dspark serve --engine vllm``: print the command (``dry_run``) or replace this process with it.
+
+    ``args`` is the raw argv after ``serve`` (minus ``--engine vllm``), or the CLI's parsed ``ServeSettings``
+    with the unparsed ``extra`` arguments.
+    """
+    if not isinstance(args, (list, tuple)):
+        args = argv_from_serve_settings(args, extra or [])
+    elif extra:
+        args = [*args, *extra]
+    plan = plan_vllm_serve(list(args))
+    if dry_run:
+        sys.stdout.write(shlex.join(plan.command()) + "\n")
+        sys.stdout.flush()
+        return 0
+    if plan.settings is not None:
+        _check_plugin_visible()
+    cmd = plan.command(_vllm_executable())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached: execvp replaces the process

@@ -1,0 +1,538 @@
+"""Our adaptive-verification manager inside vLLM 0.33's Model Runner V2.
+
+It subclasses upstream's ``AdaptiveVerificationManager`` (so the runner's type checks, the double-buffered
+stale confidences and the varlen CPU placeholder layout keep working) and replaces the decisions:
+
+* **budget** (``get_num_tokens``, host): ``core.capacity.choose_budget`` on the *stale* host confidences,
+  priced by a ``core.sps.SpsCurve`` (``--sps-curve`` file, an inline curve, or vLLM's own start-up profile
+  turned into a curve), with ``budget_frac``, ``min_predicted_gain``, the threshold / paper policies and
+  the rejection sampler's one-chunk cap;
+* **allocation** (``reallocate_drafts``, device): ``core.capacity.allocate`` on the *fresh* confidences;
+  value-independent tie-breaks keep TP ranks identical;
+* **layout**: ``varlen`` rebuilds the device ``query_start_loc``/``cu_num_logits`` like upstream (FULL varlen
+  decode graphs replay it); ``mask`` keeps the uniform layout and uniform graphs, zeroes the pruned rows'
+  input ids, marks them in ``is_padding`` (MoE skips them when ``VLLM_MOE_SKIP_PADDING`` is on -- read, never
+  set) and hands the rejection sampler an ``invalid_drafts`` mask so pruned drafts reject;
+* **saturation**: when verifying stops paying, the draft pass is skipped (DFlash-family speculators take
+  ``num_speculative_tokens=0`` and keep their context K/V) and the budget of the placeholder drafts is 0;
+* **STS**: temperatures live in one persistent device buffer that the draft graph reads through a wrapped
+  ``compute_confidence`` (written in place by online STS, never rebound); outcomes come back through
+  ``DraftModelSpeculator.observe_verification``, censored by the admitted counts;
+* **traces**: raw confidences and outcomes are copied to pinned buffers on a side stream and written as
+  JSONL one step later, so the hot path never waits for the host.
+
+Nothing here runs on CPU except the pure helpers at the top (tested in ``tests/test_vllm_manager.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark_cli.engines.vllm.config import DsparkVllmSettings
+from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR
+
+logger = logging.getLogger("vllm.dspark")
+
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+
+
+def pruned_token_mask(
+    query_start_loc: torch.Tensor, scheduled_drafts: torch.Tensor, admitted: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Bool ``[num_tokens]``: rows holding a scheduled but not admitted draft (mask mode pads them).
+
+    A request's drafts are the last ``scheduled_drafts[r]`` rows of its query, so the pruned ones are the
+    last ``scheduled - admitted`` rows. Fixed shapes, no host reads.
+    """
+    num_reqs = scheduled_drafts.shape[0]
+    ends = query_start_loc[1 : num_reqs + 1].long()
+    tok = torch.arange(num_tokens, device=ends.device)
+    req = torch.searchsorted(ends, tok, right=True).clamp_max(max(num_reqs - 1, 0))
+    first_pruned = ends[req] - (scheduled_drafts.long() - admitted.long())[req]
+    return tok >= first_pruned
+
+
+def invalid_draft_rows(expanded_local_pos: torch.Tensor, cu_num_logits: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
+    """Bool over logit rows: the draft checked at local position ``p`` (draft ``p-1``) was not admitted.
+
+    The same row convention as vLLM's ``grammar_invalid_drafts``: ``invalid_drafts`` marks the logit row
+    whose draft must be rejected; the correction token is then sampled from that row's target logits.
+    """
+    num_reqs = admitted.shape[0]
+    counts = (cu_num_logits[1 : num_reqs + 1] - cu_num_logits[:num_reqs]).long()
+    row_admitted = torch.repeat_interleave(admitted.long(), counts, output_size=expanded_local_pos.shape[0])
+    return expanded_local_pos.long() > row_admitted
+
+
+def curve_from_samples(samples: list[Any], capture_sizes: list[int], overhead_ms: float, meta: dict[str, Any]) -> Any:
+    """vLLM's start-up ``StepTimingSample`` list -> ``core.sps.SpsCurve`` (medians per size).
+
+    Like upstream, the draft curve uses FULL-graph samples only: eager target steps inflate drafter timings.
+    """
+    from dspark_cli.core.sps import SpsCurve
+
+    def medians(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        grouped: dict[int, list[float]] = {}
+        for key, value in points:
+            grouped.setdefault(int(key), []).append(float(value))
+        return [(k, float(np.median(v))) for k, v in sorted(grouped.items())]
+
+    verify = medians([(s.num_target_tokens, s.forward_ms) for s in samples])
+    draft = medians([(s.num_reqs, s.drafter_ms) for s in samples if s.full_cudagraph])
+    return SpsCurve.from_points(verify, draft, overhead_ms, capture_sizes, meta, source="vLLM start-up profile")
+
+
+def load_curve(settings: DsparkVllmSettings) -> Any | None:
+    """The user's curve (file or inline) as an ``SpsCurve``; ``None`` means "profile at start-up"."""
+    from dspark_cli.core.sps import SpsCurve
+
+    if settings.sps_curve is None:
+        return None
+    if isinstance(settings.sps_curve, str):
+        return SpsCurve.load(settings.sps_curve)
+    return SpsCurve.from_dict(settings.sps_curve, source="dspark sps_curve (inline)")
+
+
+def with_overhead(curve: Any, overhead_ms: float | None) -> Any:
+    if overhead_ms is None or overhead_ms == curve.overhead_ms:
+        return curve
+    from dspark_cli.core.sps import SpsCurve
+
+    return SpsCurve.from_points(curve.verify_ms, curve.draft_ms, overhead_ms, curve.capture_sizes, curve.meta)
+
+
+def initial_temperatures(settings: DsparkVllmSettings, k: int) -> list[float]:
+    """Offline ``sts.json`` temperatures, or the seed's scalar ``confidence_temperature``, or ones."""
+    if settings.sts is not None:
+        from dspark_cli.core.sts import load_sts
+
+        return list(load_sts(settings.sts, num_positions=k))
+    if settings.confidence_temperature is not None:
+        return [float(settings.confidence_temperature)] * k
+    return [1.0] * k
+
+
+def traces_path(path: str, dp_rank: int, dp_size: int) -> Path:
+    """One file per data-parallel rank (TP ranks take identical decisions; only TP rank 0 writes)."""
+    p = Path(path)
+    return p if dp_size <= 1 else p.with_name(f"{p.stem}.dp{dp_rank}{p.suffix or '.jsonl'}")
+
+
+# ---------------------------------------------------------------------------------------------- trace staging
+
+
+class _TraceStager:
+    """Async D2H of one step's trace rows into pinned buffers; the host writes them a step later."""
+
+    def __init__(self, path: Path, max_reqs: int, k: int, device: torch.device) -> None:
+        from dspark_cli.core.traces import TraceWriter
+
+        self.writer = TraceWriter(path)
+        self.stream = torch.cuda.Stream(device)
+        self.bufs = [
+            {
+                "conf": torch.empty(max_reqs, k, dtype=torch.float32, pin_memory=True),
+                "verified": torch.empty(max_reqs, dtype=torch.int32, pin_memory=True),
+                "accepted": torch.empty(max_reqs, dtype=torch.int32, pin_memory=True),
+                "valid": torch.empty(max_reqs, dtype=torch.bool, pin_memory=True),
+            }
+            for _ in range(2)
+        ]
+        self.events = [torch.cuda.Event(), torch.cuda.Event()]
+        self.meta: list[tuple[list[str], np.ndarray] | None] = [None, None]
+        self.slot = 0
+
+    def stage(self, conf: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor,
+              req_ids: list[str], steps: np.ndarray) -> None:
+        self._flush(1 - self.slot)  # the previous step's copy was issued a whole step ago
+        n = len(req_ids)
+        buf = self.bufs[self.slot]
+        current = torch.cuda.current_stream(conf.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            buf["conf"][:n].copy_(conf[:n], non_blocking=True)
+            buf["verified"][:n].copy_(verified[:n], non_blocking=True)
+            buf["accepted"][:n].copy_(accepted[:n], non_blocking=True)
+            buf["valid"][:n].copy_(valid[:n], non_blocking=True)
+            self.events[self.slot].record()
+        for t in (conf, verified, accepted, valid):
+            t.record_stream(self.stream)
+        self.meta[self.slot] = (list(req_ids), steps.copy())
+        self.slot = 1 - self.slot
+
+    def _flush(self, slot: int) -> None:
+        meta = self.meta[slot]
+        if meta is None:
+            return
+        self.meta[slot] = None
+        self.events[slot].synchronize()
+        req_ids, steps = meta
+        n = len(req_ids)
+        buf = self.bufs[slot]
+        self.writer.write_batch(buf["conf"][:n].numpy(), buf["verified"][:n].numpy(), buf["accepted"][:n].numpy(),
+                                requests=req_ids, step=steps, valid=buf["valid"][:n].numpy())
+
+
+# ---------------------------------------------------------------------------------------------- factory
+
+
+def create_manager(settings: DsparkVllmSettings, av_module: Any, kwargs: dict[str, Any]) -> Any:
+    """Our replacement for ``maybe_create_adaptive_verification_manager`` (called by the plugin's gate).
+
+    ``varlen`` needs every target attention backend to accept device/CPU query-length mismatch and to replay
+    varlen FULL decode graphs; where one cannot, we fall back to ``mask`` with one log line instead of
+    refusing to start (upstream raises).
+    """
+    mode = settings.mode
+    req_states = kwargs["req_states"]
+    num_bonus = kwargs["num_bonus_tokens"]
+    attn_groups = kwargs["attn_groups"]
+    layers = kwargs.get("target_layer_names")
+    vllm_config = kwargs["vllm_config"]
+    if mode == "varlen":
+        reason = None
+        backend = av_module.get_query_lens_mismatch_unsupported_backend(attn_groups, checked_layer_names=layers)
+        if backend is not None:
+            reason = f"the {backend} attention backend needs exact CPU query lengths"
+        else:
+            max_query_len = req_states.num_speculative_steps + num_bonus
+            unsupported = av_module.get_varlen_cudagraph_unsupported_backend(
+                attn_groups, vllm_config, max_query_len, checked_layer_names=layers
+            )
+            extra = kwargs.get("additional_attn_cg_support")
+            if unsupported is None and extra is not None and extra[0] != av_module.AttentionCGSupport.ALWAYS:
+                unsupported = (extra[1], None)
+            if unsupported is not None:
+                reason = (f"the {unsupported[0]} attention backend cannot replay varlen decode graphs of up to "
+                          f"{max_query_len} tokens per request")
+        if reason is not None:
+            logger.warning("dspark: varlen verification falls back to mask: %s", reason)
+            mode = "mask"
+    if mode == "mask":
+        if kwargs.get("copy_admitted_drafts_to_host"):
+            raise ValueError("dspark mask mode cannot run with batch-sharded sampling (the sampler's batch copy "
+                             "loses the invalid-draft mask): use varlen, or disable batch-sharded sampling")
+        if getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1:
+            raise ValueError("dspark mask mode does not support prefill context parallelism: use varlen")
+    cls = build_manager_class(av_module.AdaptiveVerificationManager)
+    return cls(
+        settings=settings,
+        mode=mode,
+        vllm_config=vllm_config,
+        req_states=req_states,
+        query_start_loc=kwargs["query_start_loc"],
+        num_bonus_tokens=num_bonus,
+        max_total_logits=kwargs["max_total_logits"],
+        copy_admitted_drafts_to_host=kwargs.get("copy_admitted_drafts_to_host", False),
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def build_manager_class(base: type) -> type:
+    """Subclass vLLM's manager (known only at run time, in a worker with vLLM imported)."""
+    import vllm.envs as envs
+    from vllm.distributed.parallel_state import get_tp_group
+    from vllm.utils.torch_utils import async_tensor_h2d
+    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import AdmittedDraftCounts
+
+    from dspark_cli.core.capacity import SaturationPolicy, allocate, choose_budget, prefix_survival
+    from dspark_cli.core.sts import OnlineSTS, apply_temperatures
+
+    class DsparkVerificationManager(base):  # type: ignore[misc, valid-type]
+        dspark_manager = True
+
+        def __init__(self, *, settings: DsparkVllmSettings, mode: str, vllm_config: Any, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.settings = settings
+            self.mode = mode
+            self.cfg = settings.replace(mode=mode).capacity_config()
+            self.saturation = SaturationPolicy(self.cfg.saturation_patience, self.cfg.resume_every)
+            self.vllm_config = vllm_config
+            pc = vllm_config.parallel_config
+            self._dp_size = int(getattr(pc, "data_parallel_size", 1))
+            self._dp_rank = int(getattr(pc, "data_parallel_rank", 0))
+            self._user_curve = load_curve(settings)
+            self.curve: Any = None
+            self._capture_sizes: list[int] = []
+            k = self.num_speculative_steps
+            device = self.req_states.device
+            max_reqs = self.req_states.max_num_reqs
+            self._sched_gpu = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+            self._raw_slots = torch.ones(max_reqs, k, dtype=torch.float32, device=device)
+            self._raw_batch = torch.ones(max_reqs, k, dtype=torch.float32, device=device)
+            self._calibrated = torch.ones(max_reqs, k, dtype=torch.float32, device=device)
+            self._steps = np.zeros(max_reqs, dtype=np.int64)
+            init_t = initial_temperatures(settings, k)
+            self.online_sts = (
+                OnlineSTS(k, device=device, refit_interval=settings.sts_refit_interval, initial_temperatures=init_t)
+                if settings.online_sts else None
+            )
+            # The one buffer every consumer reads; online STS updates it in place (.copy_), never rebinds it.
+            self.temperatures = (
+                self.online_sts.temperatures if self.online_sts is not None
+                else torch.tensor(init_t, dtype=torch.float32, device=device)
+            )
+            self._identity_t = self.online_sts is None and all(t == 1.0 for t in init_t)
+            self._in_graph_sts = False  # set once the wrapped compute_confidence is seen
+            self._mask_pending: int | None = None
+            self._verify_pending: tuple[list[str], int, np.ndarray, bool] | None = None
+            self._draft_next = True  # whether the coming propose drafts
+            self._drafts_real = True  # whether the drafts verified next are real (not a paused step's stale ids)
+            self._pause_supported = False
+            self._attached = False
+            self._traces: _TraceStager | None = None
+            self._moe_skip = bool(envs.VLLM_MOE_SKIP_PADDING)
+            logger.info("dspark: adaptive verification by dspark (mode=%s, policy=%s, curve=%s, sts=%s)",
+                        mode, self.cfg.policy, "start-up profile" if self._user_curve is None else "user",
+                        "online" if self.online_sts is not None else ("offline" if not self._identity_t else "off"))
+
+        # ---------------------------------------------------------------- TP helpers
+        def _tp(self) -> Any | None:
+            group = get_tp_group()
+            return group if group.world_size > 1 else None
+
+        # ---------------------------------------------------------------- SPS curve
+        def batches_to_profile(self, capture_sizes: list[int]) -> Any:
+            self._capture_sizes = list(capture_sizes)
+            if self._user_curve is not None:
+                self._cudagraph_limit = capture_sizes[-1] if capture_sizes else 0
+                return iter(())  # the user's curve replaces the start-up profile
+            return super().batches_to_profile(capture_sizes)
+
+        def set_initial_cost_curves(self, samples: list[Any]) -> None:
+            if self._user_curve is not None:
+                curve = self._user_curve
+            elif samples:
+                curve = curve_from_samples(samples, self._capture_sizes, 0.0,
+                                           {"engine": "vllm", "source": "start-up profile"})
+            else:
+                raise RuntimeError("dspark: vLLM's start-up profile produced no step timings; pass --sps-curve "
+                                   "(measure one with `dspark profile-sps --engine vllm`)")
+            curve = with_overhead(curve, self.settings.overhead_ms)
+            tp = self._tp()
+            if tp is not None:
+                from dspark_cli.core.sps import SpsCurve
+
+                curve = SpsCurve.from_dict(tp.broadcast_object(curve.to_dict(), src=0), source="TP rank 0")
+            self.curve = curve
+            logger.info("dspark: SPS curve with %d verify points (capture limit %d), %d draft points, overhead "
+                        "%.3f ms", len(curve.verify_ms), curve.capture_limit, len(curve.draft_ms), curve.overhead_ms)
+
+        def set_cost_curves(self, draft_curve: list[tuple[int, float]], verify_curve: list[tuple[int, float]]) -> None:
+            from dspark_cli.core.sps import SpsCurve
+
+            self._user_curve = SpsCurve.from_points(verify_curve, draft_curve, 0.0, self._capture_sizes)
+            self.set_initial_cost_curves([])
+
+        # ---------------------------------------------------------------- requests and confidences
+        def add_request(self, req_idx: int) -> None:
+            super().add_request(req_idx)
+            self._raw_slots[req_idx].fill_(1.0)
+            self._steps[req_idx] = 0
+
+        def record_confidences(self, confidence_probs: torch.Tensor, input_batch: Any) -> None:
+            if not self._drafts_real:
+                return  # the draft pass was skipped: the buffers still hold older, real confidences
+            n = input_batch.num_reqs
+            if self._in_graph_sts:
+                raw = self._raw_batch[:n]  # written by the wrapped compute_confidence inside the graph
+                calibrated = confidence_probs
+            else:
+                raw = confidence_probs[:n]
+                if self._identity_t:
+                    calibrated = confidence_probs
+                else:
+                    calibrated = self._calibrated
+                    calibrated[:n].copy_(apply_temperatures(raw, self.temperatures))
+            self._raw_slots[input_batch.idx_mapping] = raw
+            super().record_confidences(calibrated, input_batch)
+
+        # ---------------------------------------------------------------- budget (host, stale)
+        def get_num_tokens(self, num_tokens_per_req: dict[str, int], draft_tokens: dict[str, list[int]]) -> int:
+            assert self.curve is not None, "dspark: SPS curve not set (capture_model did not run)"
+            req_ids = list(num_tokens_per_req)
+            r = len(req_ids)
+            scheduled = np.fromiter(num_tokens_per_req.values(), dtype=np.int64, count=r)
+            drafts = np.fromiter((len(draft_tokens.get(x, ())) for x in req_ids), dtype=np.int64, count=r)
+            nondraft = scheduled - drafts
+            slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids), dtype=np.int64, count=r)
+            total = int(drafts.sum())
+            cap = min(total, max(0, self._max_total_logits - r * self.num_bonus_tokens))
+            if self._drafts_real:
+                stale = self._stale_confidences[self._stale_idx].np[slots]
+                survival = np.cumprod(np.clip(stale.astype(np.float64), 0.0, 1.0), axis=1)
+                num_sampling = int(np.count_nonzero(
+                    self.req_states.num_computed_tokens_np[slots] + nondraft >= self.req_states.prefill_len.np[slots]
+                ))
+                decision = choose_budget(survival, drafts, int(nondraft.sum()), num_sampling, self.curve, self.cfg)
+                budget = min(decision.budget, cap)
+                if self._pause_supported:
+                    self.saturation.observe(decision, num_running=r)
+            else:
+                budget = 0  # placeholders from a paused draft pass: verify none of them
+            if self._pause_supported:
+                self._draft_next = self.saturation.begin_step(r)
+            self._batch_budget = (
+                dict(zip(req_ids, drafts.tolist(), strict=True)),
+                dict(zip(req_ids, nondraft.tolist(), strict=True)),
+                budget,
+            )
+            return int(nondraft.sum()) + (budget if self.mode == "varlen" else total)
+
+        def compact_batch(self, num_draft_tokens_per_req: np.ndarray, num_scheduled_tokens: np.ndarray,
+                          cu_num_logits_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            if self.mode == "mask":
+                return num_scheduled_tokens, cu_num_logits_np  # uniform layout: nothing moves
+            return super().compact_batch(num_draft_tokens_per_req, num_scheduled_tokens, cu_num_logits_np)
+
+        # ---------------------------------------------------------------- allocation (device, fresh)
+        def reallocate_drafts(self, req_ids: list[str], idx_mapping: torch.Tensor) -> tuple[Any, Any, int, Any]:
+            batch_budget, self._batch_budget = self._batch_budget, None
+            assert batch_budget is not None
+            drafts_per_req, nondraft_per_req, budget = batch_budget
+            r = idx_mapping.shape[0]
+            sched = np.fromiter((drafts_per_req[x] for x in req_ids), dtype=np.int32, count=r)
+            nondraft = np.fromiter((nondraft_per_req[x] for x in req_ids), dtype=np.int32, count=r)
+            total = int(sched.sum())
+            sched_gpu = self._sched_gpu[:r]
+            async_tensor_h2d(sched, out=sched_gpu)
+            caps = self._batch_draft_capacity[:r]
+            if budget == 0:
+                caps.zero_()
+            elif budget >= total:
+                caps.copy_(sched_gpu)
+            else:
+                caps.copy_(allocate(prefix_survival(self._confidence_probs[idx_mapping]), sched_gpu, budget))
+            self._verify_pending = (list(req_ids), r, idx_mapping, self._drafts_real)
+            self._cu_num_logits[:1].zero_()
+            if self.mode == "mask":
+                torch.cumsum(sched_gpu + self.num_bonus_tokens, dim=0, out=self._cu_num_logits[1 : r + 1])
+                self._mask_pending = r
+                return self._cu_num_logits[: r + 1], self.query_start_loc, total, None
+            nondraft_gpu = self._num_non_draft_tokens[:r]
+            async_tensor_h2d(nondraft, out=nondraft_gpu)
+            torch.cumsum(caps + self.num_bonus_tokens, dim=0, out=self._cu_num_logits[1 : r + 1])
+            self.query_start_loc[:1].zero_()
+            torch.cumsum(caps + nondraft_gpu, dim=0, out=self.query_start_loc[1 : r + 1])
+            self.query_start_loc[r + 1 :].fill_(int(nondraft.sum()) + budget)
+            admitted = None
+            if self._copy_admitted_drafts_to_host and 0 < budget < total:
+                admitted_cpu = self._admitted_drafts_cpu[:r]
+                current = torch.cuda.current_stream(self.req_states.device)
+                self._copy_stream.wait_stream(current)
+                with torch.cuda.stream(self._copy_stream):
+                    admitted_cpu.copy_(caps, non_blocking=True)
+                    self._admitted_drafts_event.record()
+                admitted = AdmittedDraftCounts(admitted_cpu, self._admitted_drafts_event)
+            return self._cu_num_logits[: r + 1], self.query_start_loc, budget, admitted
+
+        def apply_mask(self, input_batch: Any) -> None:
+            """Mask mode, after the runner wrote the drafts: pad pruned rows and mark their drafts invalid."""
+            r, self._mask_pending = self._mask_pending, None
+            if r is None:
+                return
+            caps = self._batch_draft_capacity[:r]
+            pruned = pruned_token_mask(input_batch.query_start_loc, self._sched_gpu[:r], caps, input_batch.num_tokens)
+            n = input_batch.num_tokens
+            input_batch.input_ids[:n].masked_fill_(pruned, 0)
+            if self._moe_skip:
+                input_batch.is_padding[:n].logical_or_(pruned)
+            setattr(input_batch, INVALID_DRAFTS_ATTR,
+                    invalid_draft_rows(input_batch.expanded_local_pos, input_batch.cu_num_logits, caps))
+
+        # ---------------------------------------------------------------- speculator hooks
+        def attach(self, runner: Any) -> None:
+            """Install the per-runner hooks before graphs are captured (idempotent)."""
+            if self._attached:
+                return
+            self._attached = True
+            spec = runner.speculator
+            if spec is None:
+                return
+            model = getattr(spec, "model", None)
+            if model is not None and hasattr(model, "compute_confidence") and not self._identity_t:
+                self._wrap_compute_confidence(model)
+            if hasattr(spec, "observe_verification"):
+                original_observe = spec.observe_verification
+
+                def observe_verification(idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
+                                         num_rejected: torch.Tensor) -> None:
+                    original_observe(idx_mapping, num_sampled, num_rejected)
+                    self.observe(num_sampled)
+
+                spec.observe_verification = observe_verification
+            from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+            self._pause_supported = (
+                isinstance(spec, DFlashSpeculator) and self._dp_size == 1 and self.cfg.saturation_patience > 0
+            )
+            if self._pause_supported:
+                original_propose = spec.propose
+
+                def propose(*args: Any, **kwargs: Any) -> torch.Tensor:
+                    if kwargs.get("dummy_run"):
+                        return original_propose(*args, **kwargs)
+                    drafting = self._draft_next
+                    if not drafting:
+                        kwargs["num_speculative_tokens"] = 0
+                    self._drafts_real = drafting
+                    return original_propose(*args, **kwargs)
+
+                spec.propose = propose
+            elif self.cfg.saturation_patience > 0:
+                logger.info("dspark: saturation can only trim (budget 0); skipping the draft pass needs a "
+                            "DFlash-family speculator and data_parallel_size 1")
+            if self.settings.record_traces is not None:
+                tp = self._tp()
+                if tp is None or tp.rank_in_group == 0:
+                    path = traces_path(self.settings.record_traces, self._dp_rank, self._dp_size)
+                    self._traces = _TraceStager(path, self.req_states.max_num_reqs, self.num_speculative_steps,
+                                                self.req_states.device)
+                    logger.info("dspark: recording verification traces to %s", path)
+
+        def _wrap_compute_confidence(self, model: Any) -> None:
+            original = model.compute_confidence
+            k = self.num_speculative_steps
+
+            def compute_confidence(*args: Any, **kwargs: Any) -> torch.Tensor:
+                conf = original(*args, **kwargs)
+                flat = conf.reshape(-1, k)
+                self._raw_batch[: flat.shape[0]].copy_(flat)
+                self._in_graph_sts = True
+                return apply_temperatures(flat, self.temperatures).to(conf.dtype).reshape(conf.shape)
+
+            model.compute_confidence = compute_confidence
+
+        def observe(self, num_sampled: torch.Tensor) -> None:
+            """Outcomes of this step's verification (device), before propose overwrites the drafts."""
+            pending, self._verify_pending = self._verify_pending, None
+            if pending is None:
+                return
+            req_ids, r, idx_mapping, real = pending
+            if not real:
+                return  # placeholders of a paused step: nothing was drafted, nothing to learn
+            caps = self._batch_draft_capacity[:r]
+            accepted = torch.minimum((num_sampled[:r] - self.num_bonus_tokens).clamp_min(0), caps)
+            valid = self._sched_gpu[:r] > 0
+            raw = self._raw_slots[idx_mapping]
+            if self.online_sts is not None:
+                self.online_sts.record(raw, caps, accepted, valid)
+                if self.online_sts.step():
+                    tp = self._tp()
+                    if tp is not None:
+                        tp.broadcast(self.temperatures, src=0)  # in place: graphs keep reading this buffer
+            if self._traces is not None:
+                slots = np.asarray([self.req_states.req_id_to_index[x] for x in req_ids], dtype=np.int64)
+                steps = self._steps[slots].copy()
+                self._steps[slots] += 1
+                self._traces.stage(raw, caps, accepted.to(torch.int32), valid, req_ids, steps)
+
+    return DsparkVerificationManager

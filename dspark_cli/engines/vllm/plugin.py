@@ -1,0 +1,255 @@
+"""vLLM ``general_plugins`` entry point: put dspark's verification manager into Model Runner V2.
+
+vLLM calls :func:`register` in every process (frontend, engine core, each worker -- in workers before the
+model runner is imported), possibly several times. It cannot see the engine config at that point, so it
+installs exactly one thing: a *gate* in place of ``maybe_create_adaptive_verification_manager``, rebound
+both in the defining module and, if already imported, in ``model_runner`` (which imports it by name). The
+gate is a pure pass-through to upstream unless ``VllmConfig.additional_config`` carries our ``"dspark"``
+object. Only then, from inside the runner's ``initialize_kv_cache``, does it install the rest:
+
+* ``model_runner.ModelCudaGraphManager``: a subclass that turns ``varlen_decode`` off for a mask-mode
+  manager (uniform decode graphs; the backend may not replay varlen ones);
+* ``GPUModelRunner.capture_model``: attach the speculator hooks (STS inside the draft graph, outcomes,
+  saturation) before any graph is captured;
+* ``GPUModelRunner.prepare_inputs``: mask mode pads pruned rows once the drafts are in ``input_ids``;
+* ``RejectionSampler.__call__``: OR mask mode's ``invalid_drafts`` into the runner's (grammar) mask.
+
+Every name is checked against ``contract.CONTRACT`` first; a drifted vLLM refuses to start with one message.
+Nothing here sets environment variables. vLLM absent: :func:`register` logs at debug level and returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+
+from dspark_cli.engines.vllm import contract
+from dspark_cli.engines.vllm.config import DsparkVllmSettings
+
+logger = logging.getLogger("vllm.dspark")
+
+MARK = "__dspark_original__"  # set on every object we install; holds what it replaced
+FACTORY = "maybe_create_adaptive_verification_manager"
+INVALID_DRAFTS_ATTR = contract.INVALID_DRAFTS_ATTR
+
+
+def is_patched(obj: Any) -> bool:
+    return getattr(obj, MARK, None) is not None
+
+
+class PatchState:
+    """What the installed wrappers share (one per process, reachable from the gate).
+
+    ``modules`` resolves a dotted module name (``sys.modules`` in vLLM; stand-in modules in tests);
+    ``create`` builds our manager (``manager.create_manager`` in vLLM). ``varlen_override`` carries the
+    gate's decision (mask -> no varlen graphs) to the ModelCudaGraphManager built right after it in the
+    same ``initialize_kv_cache``, keyed by the ``VllmConfig`` object both calls receive.
+    """
+
+    def __init__(self, modules: Mapping[str, ModuleType] | None = None,
+                 create: Callable[[DsparkVllmSettings, ModuleType, dict[str, Any]], Any] | None = None) -> None:
+        self._modules = modules
+        self.create = create or _default_create
+        self.varlen_override: dict[int, bool] = {}
+        self.runtime_installed = False
+
+    def module(self, name: str) -> ModuleType | None:
+        if self._modules is not None:
+            return self._modules.get(name)
+        return sys.modules.get(name)
+
+
+def _default_create(settings: DsparkVllmSettings, av_module: ModuleType, kwargs: dict[str, Any]) -> Any:
+    from dspark_cli.engines.vllm.manager import create_manager
+
+    return create_manager(settings, av_module, kwargs)
+
+
+def _drift(checks: list[tuple[contract.Assumption, ModuleType | None]]) -> list[str]:
+    problems = []
+    for row, module in checks:
+        if module is None:
+            problems.append(f"{row.module}: not imported")
+            continue
+        problem = contract.check_runtime(row, module)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- the gate
+
+
+def make_gate(original: Callable[..., Any], state: PatchState) -> Callable[..., Any]:
+    def maybe_create_adaptive_verification_manager(**kwargs: Any) -> Any:
+        settings = DsparkVllmSettings.from_vllm_config(kwargs.get("vllm_config"))
+        if settings is None or not settings.active or not kwargs.get("enable_adaptive_verification"):
+            return original(**kwargs)
+        install_runtime_patches(state)
+        av = state.module(contract.AV)
+        assert av is not None
+        manager = state.create(settings, av, kwargs)
+        state.varlen_override[id(kwargs["vllm_config"])] = getattr(manager, "mode", settings.mode) == "varlen"
+        return manager
+
+    setattr(maybe_create_adaptive_verification_manager, MARK, original)
+    maybe_create_adaptive_verification_manager.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    maybe_create_adaptive_verification_manager.__doc__ = original.__doc__
+    maybe_create_adaptive_verification_manager.dspark_state = state  # type: ignore[attr-defined]
+    return maybe_create_adaptive_verification_manager
+
+
+def install_gate(state: PatchState) -> bool:
+    """Rebind the factory in the defining module and in ``model_runner`` if imported. Idempotent.
+
+    Returns whether anything was (re)bound. Refuses (logs an error, binds nothing) if the factory drifted.
+    """
+    av = state.module(contract.AV)
+    if av is None:
+        return False
+    current = getattr(av, FACTORY, None)
+    if current is None:
+        logger.error("dspark: %s.%s is missing; the plugin stays inactive", contract.AV, FACTORY)
+        return False
+    original = getattr(current, MARK, current)
+    problems = _drift([(contract.lookup(contract.AV, FACTORY, "function"), av)]) if not is_patched(current) else []
+    if problems:
+        logger.error("dspark: vLLM's adaptive verification moved (%s); the plugin stays inactive",
+                     "; ".join(problems))
+        return False
+    gate = current if is_patched(current) else make_gate(original, state)
+    changed = False
+    if getattr(av, FACTORY) is not gate:
+        setattr(av, FACTORY, gate)
+        changed = True
+    runner = state.module(contract.RUNNER)
+    if runner is not None and getattr(runner, FACTORY, None) is not gate:
+        setattr(runner, FACTORY, gate)
+        changed = True
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------- runtime patches
+
+
+def _is_ours(manager: Any) -> bool:
+    return bool(getattr(manager, "dspark_manager", False))
+
+
+def install_runtime_patches(state: PatchState) -> None:
+    """Install the runner/sampler hooks (once per process); loud if vLLM drifted from the contract."""
+    if state.runtime_installed:
+        return
+    runner = state.module(contract.RUNNER)
+    rejection = state.module(contract.REJECTION)
+    cudagraph = state.module(contract.CUDAGRAPH)
+    checks = [(row, state.module(row.module)) for row in contract.patched()
+              if row.kind in ("method", "function") and row.module in (contract.RUNNER, contract.REJECTION,
+                                                                        contract.SPECULATOR, contract.CUDAGRAPH)]
+    checks.append((contract.lookup(contract.CUDAGRAPH, "ModelCudaGraphManager.__init__", "method"), cudagraph))
+    problems = _drift(checks)
+    if runner is None or not hasattr(runner, "ModelCudaGraphManager") or not hasattr(runner, "GPUModelRunner"):
+        problems.append(f"{contract.RUNNER}: GPUModelRunner/ModelCudaGraphManager not bound")
+    if problems:
+        raise RuntimeError("dspark plugin: vLLM internals differ from what it was built for (vllm=="
+                           f"{contract.VLLM_VERSION}): " + "; ".join(problems))
+    assert runner is not None and rejection is not None
+
+    # ModelCudaGraphManager: varlen decode graphs only for a varlen manager.
+    cg_current = runner.ModelCudaGraphManager
+    if not is_patched(cg_current):
+        base = cg_current
+
+        class ModelCudaGraphManager(base):  # type: ignore[misc, valid-type]
+            def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+                override = state.varlen_override.pop(id(vllm_config), None)
+                if override is not None and kwargs.get("varlen_decode"):
+                    kwargs["varlen_decode"] = override
+                super().__init__(vllm_config, *args, **kwargs)
+
+        setattr(ModelCudaGraphManager, MARK, base)
+        ModelCudaGraphManager.__qualname__ = base.__qualname__
+        runner.ModelCudaGraphManager = ModelCudaGraphManager
+
+    cls = runner.GPUModelRunner
+    if not is_patched(cls.capture_model):
+        capture_original = cls.capture_model
+
+        @functools.wraps(capture_original)
+        def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            manager = getattr(self, "adaptive_verification", None)
+            if _is_ours(manager):
+                manager.attach(self)
+            return capture_original(self, *args, **kwargs)
+
+        setattr(capture_model, MARK, capture_original)
+        cls.capture_model = capture_model
+
+    if not is_patched(cls.prepare_inputs):
+        prepare_original = cls.prepare_inputs
+
+        @functools.wraps(prepare_original)
+        def prepare_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+            batch = prepare_original(self, *args, **kwargs)
+            manager = getattr(self, "adaptive_verification", None)
+            if _is_ours(manager) and manager.mode == "mask":
+                manager.apply_mask(batch)
+            return batch
+
+        setattr(prepare_inputs, MARK, prepare_original)
+        cls.prepare_inputs = prepare_inputs
+
+    sampler_cls = rejection.RejectionSampler
+    if not is_patched(sampler_cls.__call__):
+        call_original = sampler_cls.__call__
+
+        @functools.wraps(call_original)
+        def __call__(self: Any, logits: Any, input_batch: Any, draft_logits: Any = None,
+                     invalid_drafts: Any = None) -> Any:
+            ours = getattr(input_batch, INVALID_DRAFTS_ATTR, None)
+            if ours is not None:
+                if ours.shape[0] != logits.shape[0]:
+                    raise RuntimeError(f"dspark mask mode: invalid-draft mask has {ours.shape[0]} rows for "
+                                       f"{logits.shape[0]} logit rows")
+                invalid_drafts = ours if invalid_drafts is None else (invalid_drafts | ours)
+            return call_original(self, logits, input_batch, draft_logits, invalid_drafts)
+
+        setattr(__call__, MARK, call_original)
+        sampler_cls.__call__ = __call__
+    state.runtime_installed = True
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def _gate_state(av: ModuleType | None) -> PatchState | None:
+    gate = getattr(av, FACTORY, None) if av is not None else None
+    return getattr(gate, "dspark_state", None) if is_patched(gate) else None
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point. Idempotent; inert without vLLM or without our settings."""
+    if importlib.util.find_spec("vllm") is None:
+        logger.debug("dspark: vLLM is not installed; the vLLM plugin does nothing")
+        return
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    if version != contract.VLLM_VERSION:
+        logger.warning("dspark: vLLM %s is not %s; the dspark plugin stays inactive", version, contract.VLLM_VERSION)
+        return
+    av = importlib.import_module(contract.AV)
+    state = _gate_state(av) or PatchState()
+    install_gate(state)
+
+
+__all__ = ["register", "install_gate", "install_runtime_patches", "PatchState", "make_gate", "MARK"]

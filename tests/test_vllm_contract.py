@@ -1,0 +1,88 @@
+"""Contract tests: every vLLM 0.33.0 internal the plugin relies on, checked against the real wheel's source.
+
+The wheel is a CUDA build (torch 2.14 pin) and cannot be imported on CPU, so the rows of
+``engines/vllm/contract.py`` are checked with ``ast`` on the sources ``.ci/vllm_wheel.sh`` unpacks. An
+upgrade that renames, moves or re-signs a patched name fails here instead of silently disabling the plugin.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dspark_cli.engines.vllm import contract
+
+SRC = contract.default_source_dir()
+needs_src = pytest.mark.skipif(
+    not (SRC / ".complete").exists() and not (SRC / "vllm").is_dir(),
+    reason=f"vLLM {contract.VLLM_VERSION} sources not unpacked at {SRC}: run .ci/vllm_wheel.sh "
+    "(or set DSPARK_VLLM_SRC)",
+)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _call_row(callee: str) -> contract.Assumption:
+    return next(a for a in contract.CONTRACT if a.kind == "call_kwargs" and a.source == callee)
+
+
+def _read(module: str) -> str:
+    return (SRC / contract.module_path(module)).read_text(encoding="utf-8")
+
+
+@needs_src
+@pytest.mark.parametrize("row", contract.CONTRACT, ids=lambda a: f"{a.kind}:{a.module.rsplit('.', 1)[-1]}:{a.name}")
+def test_contract_row_holds_in_the_wheel(row: contract.Assumption) -> None:
+    assert contract.check_source(row, _read(row.module)) is None
+
+
+@needs_src
+def test_entry_point_group_and_wheel_version() -> None:
+    dist = next(SRC.glob("vllm-*.dist-info"))
+    assert dist.name == f"vllm-{contract.VLLM_VERSION}.dist-info"
+    assert f"[{contract.PLUGIN_GROUP}]" in (dist / "entry_points.txt").read_text()
+
+
+@needs_src
+def test_the_checker_detects_drift() -> None:
+    """A checker that cannot fail proves nothing: mutate real sources and expect each kind to complain."""
+    av = _read(contract.AV)
+    row = contract.lookup(contract.AV, "AdaptiveVerificationManager.reallocate_drafts", "method")
+    assert contract.check_source(row, av.replace("self, req_ids: list[str], idx_mapping",
+                                                 "self, request_ids: list[str], idx_mapping")) is not None
+    runner = _read(contract.RUNNER)
+    imported = contract.lookup(contract.RUNNER, "maybe_create_adaptive_verification_manager", "imported")
+    moved = runner.replace("    maybe_create_adaptive_verification_manager,\n", "")
+    assert contract.check_source(imported, moved) is not None
+    kw = _call_row("ModelCudaGraphManager")
+    assert contract.check_source(kw, runner.replace("varlen_decode=self.adaptive", "varlen=self.adaptive")) is not None
+    field = contract.lookup(contract.SPEC_CONFIG, "SpeculativeConfig.enable_adaptive_verification", "field")
+    spec = _read(contract.SPEC_CONFIG)
+    assert contract.check_source(field, spec.replace("enable_adaptive_verification: bool", "adaptive: bool")) is not None
+    const = contract.lookup(contract.PLUGINS, "DEFAULT_PLUGINS_GROUP", "constant")
+    plugins = _read(contract.PLUGINS)
+    assert contract.check_source(const, plugins.replace('"vllm.general_plugins"', '"vllm.plugins"')) is not None
+    attrs = contract.lookup(contract.AV, "AdaptiveVerificationManager.__init__", "self_attr")
+    assert contract.check_source(attrs, av.replace("self._stale_idx = 0", "self._stale = 0")) is not None
+
+
+def test_ci_script_unpacks_every_contract_file() -> None:
+    script = (ROOT / ".ci" / "vllm_wheel.sh").read_text()
+    listed = set(re.findall(r"^\s+(vllm/\S+\.py)\s*$", script, flags=re.M))
+    assert set(contract.source_files()) <= listed
+
+
+def test_pyproject_declares_the_entry_point() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    assert f'[project.entry-points."{contract.PLUGIN_GROUP}"]' in text
+    assert f'{contract.PLUGIN_NAME} = "{contract.PLUGIN_TARGET}"' in text
+
+
+def test_every_patched_row_is_a_runtime_checkable_kind() -> None:
+    kinds = {row.kind for row in contract.patched()}
+    assert kinds <= {"function", "method", "imported", "contains"}
+    # the factory we gate must be declared with the exact keywords the runner passes
+    factory = contract.lookup(contract.AV, "maybe_create_adaptive_verification_manager", "function")
+    call = _call_row("maybe_create_adaptive_verification_manager")
+    assert factory.params == call.params

@@ -1,0 +1,146 @@
+"""`dspark serve --engine vllm`: dspark_* keys and toolkit flags -> --additional-config; the rest untouched."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from dspark_cli.engines.vllm.config import SEED_KEYS, DsparkVllmSettings, settings_from_seed_keys
+from dspark_cli.engines.vllm.launcher import build_vllm_serve_command, plan_vllm_serve, run_vllm_serve
+from dspark_cli.errors import DsparkError
+
+BASE = '{"method":"dspark","model":"deepseek-ai/DeepSeek-V4-Flash-DSpark","num_speculative_tokens":7}'
+
+
+def _spec(**extra: object) -> str:
+    obj = json.loads(BASE)
+    obj.update(extra)
+    return json.dumps(obj)
+
+
+def _flag(cmd: list[str], name: str) -> dict:
+    return json.loads(cmd[cmd.index(name) + 1])
+
+
+def test_no_dspark_setting_passes_everything_through_untouched() -> None:
+    args = ["m", "--port", "8011", "--speculative-config", BASE, "--kv-cache-dtype", "fp8", "--", "--x"]
+    assert build_vllm_serve_command(args) == ["vllm", "serve", *args]
+
+
+def test_seed_keys_move_to_additional_config() -> None:
+    args = ["m", "--tensor-parallel-size", "4", "--speculative-config",
+            _spec(dspark_confidence_threshold=0.0, dspark_capacity_verification_mode="varlen",
+                  dspark_sps_curve=[[8, 120.0], [16, 110.0]], dspark_online_sts=True), "--port", "8011"]
+    cmd = build_vllm_serve_command(args)
+    assert cmd[:5] == ["vllm", "serve", "m", "--tensor-parallel-size", "4"]
+    spec = _flag(cmd, "--speculative-config")
+    assert not any(k.startswith("dspark_") for k in spec)
+    assert spec["enable_adaptive_verification"] is True and spec["num_speculative_tokens"] == 7
+    dspark = _flag(cmd, "--additional-config")["dspark"]
+    assert dspark == {"mode": "varlen", "sps_curve": [[8, 120.0], [16, 110.0]], "online_sts": True}
+    assert cmd[cmd.index("--port") + 1] == "8011"
+    assert DsparkVllmSettings.from_additional_config(_flag(cmd, "--additional-config")).online_sts is True
+
+
+def test_compact_alias_threshold_policy_and_flag_precedence(tmp_path: Path) -> None:
+    spec = _spec(dspark_capacity_verification_mode="compact", dspark_confidence_threshold=0.4, dspark_budget_frac=0.5)
+    cmd = build_vllm_serve_command(["m", "-sc", spec, "--budget-frac", "0.25", "--capacity-mode=mask"])
+    dspark = _flag(cmd, "--additional-config")["dspark"]
+    assert dspark["mode"] == "mask" and dspark["policy"] == "threshold" and dspark["threshold"] == 0.4
+    assert dspark["budget_frac"] == 0.25
+    assert "-sc" in cmd  # the user's spelling of the flag is kept
+
+
+def test_user_additional_config_is_merged_not_replaced() -> None:
+    extra = json.dumps({"other_plugin": {"a": 1}, "dspark": {"saturation_patience": 0}})
+    cmd = build_vllm_serve_command(["m", "--additional-config", extra, "--speculative-config",
+                                    _spec(dspark_capacity_verification_mode="mask")])
+    add = _flag(cmd, "--additional-config")
+    assert add["other_plugin"] == {"a": 1}
+    assert add["dspark"] == {"mode": "mask", "saturation_patience": 0}
+
+
+def test_files_are_checked_and_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dspark_cli.core.sps import SpsCurve
+    from dspark_cli.core.sts import load_sts  # noqa: F401  (the reader the launcher uses)
+
+    SpsCurve.from_points([(8, 5.0), (16, 6.0), (32, 8.0)], capture_sizes=[8, 16, 32]).save(tmp_path / "c.json")
+    (tmp_path / "sts.json").write_text(json.dumps({"version": 1, "temperatures": [1.5] * 7}))
+    monkeypatch.chdir(tmp_path)
+    cmd = build_vllm_serve_command(["m", "--speculative-config", BASE, "--sps-curve", "c.json", "--sts", "sts.json",
+                                    "--record-traces", "t/traces.jsonl"])
+    dspark = _flag(cmd, "--additional-config")["dspark"]
+    assert dspark["sps_curve"] == str(tmp_path / "c.json")
+    assert dspark["sts"] == str(tmp_path / "sts.json")
+    assert dspark["record_traces"] == str(tmp_path / "t" / "traces.jsonl")
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(DsparkError):
+        build_vllm_serve_command(["m", "--speculative-config", BASE, "--sps-curve", "bad.json"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["m", "--speculative-config", _spec(dspark_sps_curv=[[1, 2]])], "unknown key"),
+        (["m", "--speculative-config", _spec(dspark_capacity_verification_mode="fast")], "mode"),
+        (["m", "--speculative-config", _spec(dspark_budget_frac=0)], "budget_frac"),
+        (["m", "--capacity-mode", "mask"], "speculative"),
+        (["m", "--speculative-config", "[1]"], "JSON object"),
+        (["m", "--speculative-config", "{nope"], "not valid JSON"),
+        (["m", "--speculative-config", BASE, "--budget-frac"], "needs a value"),
+        (["m", "--speculative-config", BASE, "--saturation-patience", "x"], "integer"),
+        (["m", "--speculative-config", BASE, "--additional-config", '{"dspark": {"modes": "mask"}}'], "unknown key"),
+        (["m", "--speculative-config", BASE, "--capacity-mode", "none", "--record-traces", "t.jsonl"], "capacity mode"),
+    ],
+)
+def test_bad_input_is_one_clear_error(args: list[str], message: str) -> None:
+    with pytest.raises(DsparkError, match=message) as err:
+        build_vllm_serve_command(args)
+    assert "\n" not in str(err.value)
+
+
+def test_mode_none_strips_our_keys_and_keeps_upstream() -> None:
+    spec = _spec(enable_adaptive_verification=True, dspark_capacity_verification_mode="none")
+    plan = plan_vllm_serve(["m", "--speculative-config", spec])
+    assert plan.settings is None
+    assert plan.speculative_config == json.loads(BASE) | {"enable_adaptive_verification": True}
+    assert "--additional-config" not in plan.argv
+
+
+def test_dry_run_prints_the_exact_shell_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["m", "--speculative-config", _spec(dspark_capacity_verification_mode="varlen")]
+    assert run_vllm_serve(args, dry_run=True) == 0
+    line = capsys.readouterr().out.strip()
+    assert shlex.split(line) == build_vllm_serve_command(args)
+
+
+def test_seed_translation_covers_every_key_the_cli_knows() -> None:
+    """serve_config (the embedded engine's reader) and the vLLM launcher must accept the same dspark_* keys."""
+    serve_config = pytest.importorskip("dspark_cli.serve_config")
+    assert set(serve_config.DSPARK_KEYS) <= set(SEED_KEYS)
+    out = settings_from_seed_keys({"dspark_sps_curve": "auto", "dspark_confidence_threshold": 0.0})
+    assert out["sps_curve"] is None and "policy" not in out
+
+
+def test_settings_round_trip_through_additional_config() -> None:
+    s = DsparkVllmSettings(mode="mask", policy="paper", budget_frac=0.5, online_sts=True, overhead_ms=1.5,
+                           sps_curve=[[8, 100.0]], saturation_patience=0)
+    back = DsparkVllmSettings.from_additional_config({"dspark": s.to_dict(), "x": 1})
+    assert back == s
+    assert DsparkVllmSettings.from_additional_config({"x": 1}) is None
+    assert DsparkVllmSettings(mode="varlen").to_dict() == {"mode": "varlen"}
+
+
+def test_parsed_serve_settings_take_the_same_translation(capsys: pytest.CaptureFixture[str]) -> None:
+    serve_config = pytest.importorskip("dspark_cli.serve_config")
+    settings = serve_config.build_settings({"engine": "vllm", "model": "m", "port": 8011, "capacity_mode": "mask"},
+                                           _spec(dspark_online_sts=True))
+    assert run_vllm_serve(settings, ["--kv-cache-dtype", "fp8"], dry_run=True) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    assert cmd[:3] == ["vllm", "serve", "m"] and cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
+    assert _flag(cmd, "--speculative-config")["enable_adaptive_verification"] is True
+    dspark = _flag(cmd, "--additional-config")["dspark"]
+    assert dspark["mode"] == "mask" and dspark["online_sts"] is True

@@ -1,0 +1,97 @@
+"""The vLLM manager's pure pieces on CPU: mask-mode row selection, curve building, temperatures, paths.
+
+The manager class itself subclasses vLLM's (CUDA-only) manager and is exercised by
+``benchmarks/vllm_adaptive.sh`` on the GPU host.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_cli.engines.vllm.config import DsparkVllmSettings
+from dspark_cli.engines.vllm.manager import (
+    curve_from_samples,
+    initial_temperatures,
+    invalid_draft_rows,
+    load_curve,
+    pruned_token_mask,
+    traces_path,
+    with_overhead,
+)
+
+
+def _layout(nondraft: list[int], drafts: list[int]) -> tuple[torch.Tensor, int]:
+    lens = np.asarray(nondraft) + np.asarray(drafts)
+    qsl = np.concatenate(([0], np.cumsum(lens)))
+    return torch.tensor(qsl, dtype=torch.int32), int(qsl[-1])
+
+
+def test_pruned_rows_are_the_tail_of_each_requests_drafts() -> None:
+    # request 0: prefill chunk of 3 tokens, no drafts; request 1: 1 + 4 drafts, 2 admitted; request 2: 1 + 4, 0
+    qsl, n = _layout([3, 1, 1], [0, 4, 4])
+    mask = pruned_token_mask(qsl, torch.tensor([0, 4, 4]), torch.tensor([0, 2, 0]), n)
+    assert mask.tolist() == [False] * 3 + [False, False, False, True, True] + [False, True, True, True, True]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=6))
+def test_mask_rows_match_a_per_request_walk(reqs: list[tuple[int, int, int]]) -> None:
+    nondraft = [a for a, _, _ in reqs]
+    drafts = [d for _, d, _ in reqs]
+    admitted = [min(c, d) for _, d, c in reqs]
+    qsl, n = _layout(nondraft, drafts)
+    expected: list[bool] = []
+    for nd, d, c in zip(nondraft, drafts, admitted, strict=True):
+        expected += [False] * nd + [j >= c for j in range(d)]
+    got = pruned_token_mask(qsl, torch.tensor(drafts), torch.tensor(admitted), n)
+    assert got.tolist() == expected
+    # logit rows: request r has d_r + 1 rows at local positions 0..d_r; position p checks draft p-1
+    cu = torch.tensor(np.concatenate(([0], np.cumsum(np.asarray(drafts) + 1))), dtype=torch.int32)
+    local = torch.cat([torch.arange(d + 1) for d in drafts])
+    inv = invalid_draft_rows(local, cu, torch.tensor(admitted))
+    want = [p > c for d, c in zip(drafts, admitted, strict=True) for p in range(d + 1)]
+    assert inv.tolist() == want
+    # the correction row (p == admitted) stays valid: the target samples there
+    assert sum(inv.tolist()) == sum(d - c for d, c in zip(drafts, admitted, strict=True))
+
+
+def test_curve_from_startup_samples_uses_medians_and_graph_only_draft_times() -> None:
+    S = types.SimpleNamespace
+    samples = [S(num_target_tokens=8, forward_ms=f, drafter_ms=1.0, num_reqs=8, full_cudagraph=True) for f in (2, 3, 9)]
+    samples += [S(num_target_tokens=16, forward_ms=4.0, drafter_ms=1.5, num_reqs=16, full_cudagraph=True)]
+    samples += [S(num_target_tokens=64, forward_ms=7.0, drafter_ms=50.0, num_reqs=64, full_cudagraph=False)]
+    curve = curve_from_samples(samples, [8, 16], 0.25, {"engine": "vllm"})
+    assert curve.verify_ms == ((8, 3.0), (16, 4.0), (64, 7.0))
+    assert curve.draft_ms == ((8, 1.0), (16, 1.5))
+    assert curve.capture_sizes == (8, 16) and curve.overhead_ms == 0.25
+    assert with_overhead(curve, 1.0).overhead_ms == 1.0 and with_overhead(curve, None) is curve
+
+
+def test_user_curves_inline_file_and_auto(tmp_path: Path) -> None:
+    assert load_curve(DsparkVllmSettings()) is None  # start-up profile
+    inline = load_curve(DsparkVllmSettings(sps_curve=[[8, 200.0], [16, 150.0]]))
+    assert inline.verify_cost_ms(8) == pytest.approx(5.0)
+    path = tmp_path / "c.json"
+    inline.save(path)
+    assert load_curve(DsparkVllmSettings(sps_curve=str(path))).verify_ms == inline.verify_ms
+    assert json.loads(path.read_text())["dspark_sps_curve"][0][0] == 8
+
+
+def test_initial_temperatures(tmp_path: Path) -> None:
+    assert initial_temperatures(DsparkVllmSettings(), 3) == [1.0, 1.0, 1.0]
+    assert initial_temperatures(DsparkVllmSettings(confidence_temperature=2.0), 2) == [2.0, 2.0]
+    (tmp_path / "sts.json").write_text(json.dumps({"version": 1, "sts_temperatures": [1.5, 2.0, 3.0, 4.0]}))
+    assert initial_temperatures(DsparkVllmSettings(sts=str(tmp_path / "sts.json")), 3) == [1.5, 2.0, 3.0]
+
+
+def test_traces_path_per_data_parallel_rank() -> None:
+    assert traces_path("/x/t.jsonl", 0, 1) == Path("/x/t.jsonl")
+    assert traces_path("/x/t.jsonl", 1, 2) == Path("/x/t.dp1.jsonl")

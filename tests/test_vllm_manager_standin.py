@@ -1,0 +1,181 @@
+"""The dspark manager class on CPU, over a stand-in of vLLM's base manager.
+
+vLLM cannot be imported here, so ``build_manager_class`` gets a stand-in base that sets exactly the state
+the contract table says upstream's ``AdaptiveVerificationManager.__init__`` sets (checked against the wheel
+by the contract tests), and stand-ins for the three vLLM helpers it imports. The decisions themselves --
+budget from the core's choose_budget, allocation by the core's allocate, varlen/mask layouts, saturation,
+online STS -- are the real code on real CPU tensors.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_cli.core.sps import SpsCurve
+from dspark_cli.engines.vllm import contract
+from dspark_cli.engines.vllm.config import DsparkVllmSettings
+
+K = 4
+
+
+class StaleSlot:
+    def __init__(self, r: int) -> None:
+        self.np = np.ones((r, K), dtype=np.float32)
+
+
+class Base:
+    """Stand-in for upstream's manager: the attributes of the contract's self_attr row, on CPU."""
+
+    def __init__(self, req_states, query_start_loc, num_bonus_tokens, max_total_logits,
+                 copy_admitted_drafts_to_host=False) -> None:
+        self.req_states = req_states
+        self.num_speculative_steps = req_states.num_speculative_steps
+        self.num_bonus_tokens = num_bonus_tokens
+        self._max_total_logits = max_total_logits
+        self.query_start_loc = query_start_loc
+        self.cost_tables = None
+        self._cudagraph_limit = 0
+        self._batch_budget = None
+        r = req_states.max_num_reqs
+        self._confidence_probs = torch.ones(r, K)
+        self._batch_draft_capacity = torch.zeros(r, dtype=torch.int32)
+        self._num_non_draft_tokens = torch.zeros(r, dtype=torch.int32)
+        self._cu_num_logits = torch.zeros(r + 1, dtype=torch.int32)
+        self._stale_confidences = [StaleSlot(r), StaleSlot(r)]
+        self._stale_idx = 0
+        self._copy_stream = None
+        self._copy_admitted_drafts_to_host = copy_admitted_drafts_to_host
+
+    def add_request(self, req_idx: int) -> None:
+        self._confidence_probs[req_idx] = 1.0
+
+    def record_confidences(self, confidence_probs, input_batch) -> None:
+        n = input_batch.num_reqs
+        self._confidence_probs[input_batch.idx_mapping] = confidence_probs[:n]
+        self._stale_confidences[self._stale_idx].np[:] = self._confidence_probs.numpy()
+
+    def batches_to_profile(self, capture_sizes):
+        return iter([{"num_tokens": s} for s in capture_sizes])
+
+
+def _assert_base_matches_contract() -> None:
+    row = contract.lookup(contract.AV, "AdaptiveVerificationManager.__init__", "self_attr")
+    rs = types.SimpleNamespace(num_speculative_steps=K, max_num_reqs=2, device="cpu")
+    base = Base(rs, torch.zeros(3, dtype=torch.int32), 1, 100)
+    assert all(hasattr(base, a) for a in row.params)
+
+
+@pytest.fixture
+def manager_cls(monkeypatch: pytest.MonkeyPatch):
+    _assert_base_matches_contract()
+    tp = types.SimpleNamespace(world_size=1, rank_in_group=0)
+    stand = {
+        "vllm": types.ModuleType("vllm"),
+        "vllm.envs": types.SimpleNamespace(VLLM_MOE_SKIP_PADDING=True),
+        "vllm.distributed.parallel_state": types.SimpleNamespace(get_tp_group=lambda: tp),
+        "vllm.utils.torch_utils": types.SimpleNamespace(
+            async_tensor_h2d=lambda data, out: out.copy_(torch.as_tensor(data, dtype=out.dtype))),
+        "vllm.v1.worker.gpu.spec_decode.adaptive_verification": types.SimpleNamespace(AdmittedDraftCounts=object),
+    }
+    stand["vllm"].envs = stand["vllm.envs"]
+    for name, mod in stand.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    from dspark_cli.engines.vllm import manager
+
+    manager.build_manager_class.cache_clear()
+    yield manager.build_manager_class(Base)
+    manager.build_manager_class.cache_clear()
+
+
+def _make(manager_cls, mode: str, r: int = 3, **settings_kw):
+    rs = types.SimpleNamespace(
+        num_speculative_steps=K, max_num_reqs=8, max_num_batched_tokens=256, device=torch.device("cpu"),
+        req_id_to_index={f"r{i}": i for i in range(r)},
+        num_computed_tokens_np=np.full(8, 100), prefill_len=types.SimpleNamespace(np=np.full(8, 10)),
+    )
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0))
+    # Flat until 8 tokens, steep after: verifying more than a handful of drafts does not pay.
+    curve = SpsCurve.from_points([(4, 10.0), (8, 10.0), (16, 40.0), (32, 80.0)], [(1, 5.0), (8, 5.0)],
+                                 capture_sizes=[4, 8, 16, 32])
+    settings = DsparkVllmSettings(mode=mode, sps_curve=curve.to_dict(), **settings_kw)
+    m = manager_cls(settings=settings, mode=mode, vllm_config=cfg, req_states=rs,
+                    query_start_loc=torch.zeros(9, dtype=torch.int32), num_bonus_tokens=1, max_total_logits=10_000)
+    list(m.batches_to_profile([4, 8, 16, 32]))
+    m.set_initial_cost_curves([])
+    return m
+
+
+def _record(m, conf: list[list[float]]) -> None:
+    n = len(conf)
+    batch = types.SimpleNamespace(num_reqs=n, idx_mapping=torch.arange(n))
+    m.record_confidences(torch.tensor(conf), batch)
+
+
+def test_varlen_budget_allocation_and_layout(manager_cls) -> None:
+    m = _make(manager_cls, "varlen")
+    _record(m, [[0.9, 0.9, 0.9, 0.9], [0.9, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2]])
+    per_req = {"r0": 1 + K, "r1": 1 + K, "r2": 1 + K}
+    drafts = {x: [0] * K for x in per_req}
+    tokens = m.get_num_tokens(per_req, drafts)
+    budget = m._batch_budget[2]
+    assert tokens == 3 + budget and 0 < budget < 3 * K
+    cu, qsl, got_budget, admitted = m.reallocate_drafts(["r0", "r1", "r2"], torch.arange(3))
+    caps = m._batch_draft_capacity[:3].tolist()
+    assert got_budget == budget and sum(caps) == budget and admitted is None
+    assert caps[0] >= caps[1] >= caps[2]  # best survival first
+    assert cu.tolist() == [0, *np.cumsum(np.asarray(caps) + 1).tolist()]
+    assert qsl[:4].tolist() == cu.tolist() and int(qsl[-1]) == tokens
+
+
+def test_mask_keeps_the_uniform_layout_and_pads_pruned_rows(manager_cls) -> None:
+    m = _make(manager_cls, "mask")
+    _record(m, [[0.9, 0.9, 0.9, 0.9], [0.9, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2]])
+    per_req = {"r0": 1 + K, "r1": 1 + K, "r2": 1 + K}
+    assert m.get_num_tokens(per_req, {x: [0] * K for x in per_req}) == 3 * (K + 1)
+    m.query_start_loc[:4] = torch.tensor([0, 5, 10, 15], dtype=torch.int32)
+    cu, qsl, total, _ = m.reallocate_drafts(["r0", "r1", "r2"], torch.arange(3))
+    assert total == 3 * K and cu.tolist() == [0, 5, 10, 15]
+    caps = m._batch_draft_capacity[:3].clone()
+    batch = types.SimpleNamespace(
+        query_start_loc=qsl[:4], num_tokens=15, input_ids=torch.arange(1, 16), is_padding=torch.zeros(15, dtype=torch.bool),
+        expanded_local_pos=torch.arange(5).repeat(3), cu_num_logits=cu)
+    m.apply_mask(batch)
+    pruned = [j >= int(caps[r]) for r in range(3) for j in [-1, 0, 1, 2, 3]]
+    assert batch.is_padding.tolist() == pruned
+    assert [int(x) == 0 for x in batch.input_ids] == pruned
+    invalid = getattr(batch, contract.INVALID_DRAFTS_ATTR)
+    assert invalid.tolist() == [p > int(caps[r]) for r in range(3) for p in range(5)]
+
+
+def test_saturation_skips_drafting_and_verifies_placeholders_with_budget_zero(manager_cls) -> None:
+    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+    m._pause_supported = True  # what attach() sets for a DFlash-family speculator
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    drafts = {x: [0] * K for x in per_req}
+    _record(m, [[0.01] * K] * 3)  # nothing survives: verifying does not pay
+    m.get_num_tokens(per_req, drafts)
+    assert m._draft_next
+    m.get_num_tokens(per_req, drafts)
+    assert not m._draft_next  # paused after `patience` non-paying steps
+    m._drafts_real = False  # the propose hook skipped the draft pass
+    assert m.get_num_tokens(per_req, drafts) == 3 and m._batch_budget[2] == 0
+
+
+def test_online_sts_learns_from_observed_outcomes(manager_cls) -> None:
+    m = _make(manager_cls, "varlen", online_sts=True, sts_refit_interval=5)
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    for _ in range(10):
+        _record(m, [[0.99] * K] * 3)  # a wildly overconfident head ...
+        m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
+        m.reallocate_drafts(list(per_req), torch.arange(3))
+        m.observe(torch.ones(3, dtype=torch.int32))  # ... whose drafts are all rejected
+    # position 1 was verified and always rejected: cooled; later positions were never reached (censored)
+    assert m.temperatures[0] > 1.0 and torch.all(m.temperatures[1:] == 1.0)
+    t = m.temperatures
+    m.online_sts.refit()
+    assert m.temperatures is t
