@@ -1,0 +1,184 @@
+"""Prometheus text exposition of the embedded engine's counters, under vLLM's metric names.
+
+`vllm bench serve`, Grafana dashboards built for vLLM and our own ``dspark bench`` scrape ``/metrics`` and
+look for vLLM's names (``vllm:spec_decode_num_drafts_total`` ...). Emitting exactly those names, label
+keys (``model_name``, ``position``, ``finished_reason``) and sample suffixes lets every one of them read the
+embedded engine as if it were a vLLM server, so a benchmark can compare the two engines without a second
+parser. The format is the classic text format 0.0.4 as ``prometheus_client`` writes it (counters carry the
+``_total`` suffix in ``# HELP``/``# TYPE`` too); writing it by hand avoids a dependency for ~10 series.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM always exports these finish reasons (zero until they happen) so that rate() works from the start.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The engine counters the server exports (a copy taken on the engine thread, read on the loop)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: Mapping[str, int] = field(default_factory=dict)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_verified_draft_tokens: int = 0
+    num_paused_steps: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+
+    @classmethod
+    def from_stats(cls, stats: object) -> MetricsSnapshot:
+        """Copy an engine ``EngineStats`` (duck-typed: any object with the same attribute names)."""
+        return cls(
+            num_drafts=int(getattr(stats, "num_drafts", 0)),
+            num_draft_tokens=int(getattr(stats, "num_draft_tokens", 0)),
+            num_accepted_tokens=int(getattr(stats, "num_accepted_tokens", 0)),
+            accepted_per_pos=tuple(int(x) for x in getattr(stats, "accepted_per_pos", ()) or ()),
+            prompt_tokens=int(getattr(stats, "prompt_tokens", 0)),
+            generation_tokens=int(getattr(stats, "generation_tokens", 0)),
+            requests_finished=dict(getattr(stats, "requests_finished", {}) or {}),
+            num_running=int(getattr(stats, "num_running", 0)),
+            num_waiting=int(getattr(stats, "num_waiting", 0)),
+            num_steps=int(getattr(stats, "num_steps", 0)),
+            num_preemptions=int(getattr(stats, "num_preemptions", 0)),
+            num_verified_draft_tokens=int(getattr(stats, "num_verified_draft_tokens", 0)),
+            num_paused_steps=int(getattr(stats, "num_paused_steps", 0)),
+            kv_blocks_total=int(getattr(stats, "kv_blocks_total", 0)),
+            kv_blocks_free=int(getattr(stats, "kv_blocks_free", 0)),
+        )
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def _format_value(value: float) -> str:
+    # prometheus_client writes floats with repr(); vLLM's scrapers accept any float literal.
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items()) + "}"
+
+
+def _family(lines: list[str], name: str, kind: str, help_text: str,
+            samples: Iterable[tuple[Mapping[str, str], float]]) -> None:
+    lines.append(f"# HELP {name} {_escape_help(help_text)}")
+    lines.append(f"# TYPE {name} {kind}")
+    for labels, value in samples:
+        lines.append(f"{name}{_labels(labels)} {_format_value(value)}")
+
+
+def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_tokens: int = 0) -> str:
+    """The full ``/metrics`` body. Per-position acceptance has ``max(k, len(accepted_per_pos))`` series."""
+    base = {"model_name": model_name}
+    lines: list[str] = []
+    _family(lines, "vllm:num_requests_running", "gauge",
+            "Number of requests in model execution batches.", [(base, snap.num_running)])
+    _family(lines, "vllm:num_requests_waiting", "gauge",
+            "Number of requests waiting to be processed.", [(base, snap.num_waiting)])
+    _family(lines, "vllm:prompt_tokens_total", "counter",
+            "Number of prefill tokens processed.", [(base, snap.prompt_tokens)])
+    _family(lines, "vllm:generation_tokens_total", "counter",
+            "Number of generation tokens processed.", [(base, snap.generation_tokens)])
+    reasons = list(FINISH_REASONS) + sorted(r for r in snap.requests_finished if r not in FINISH_REASONS)
+    _family(lines, "vllm:request_success_total", "counter",
+            "Count of successfully processed requests.",
+            [({**base, "finished_reason": r}, snap.requests_finished.get(r, 0)) for r in reasons])
+    _family(lines, "vllm:spec_decode_num_drafts_total", "counter",
+            "Number of spec decoding drafts.", [(base, snap.num_drafts)])
+    _family(lines, "vllm:spec_decode_num_draft_tokens_total", "counter",
+            "Number of draft tokens.", [(base, snap.num_draft_tokens)])
+    _family(lines, "vllm:spec_decode_num_accepted_tokens_total", "counter",
+            "Number of accepted tokens.", [(base, snap.num_accepted_tokens)])
+    per_pos = list(snap.accepted_per_pos)
+    per_pos += [0] * max(0, num_speculative_tokens - len(per_pos))
+    _family(lines, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+            "Accepted tokens per draft position.",
+            [({**base, "position": str(i)}, v) for i, v in enumerate(per_pos)])
+    if snap.kv_blocks_total > 0:
+        used = (snap.kv_blocks_total - snap.kv_blocks_free) / snap.kv_blocks_total
+        _family(lines, "vllm:kv_cache_usage_perc", "gauge",
+                "KV-cache usage. 1 means 100 percent usage.", [(base, used)])
+    _family(lines, "vllm:num_preemptions_total", "counter",
+            "Cumulative number of preemption from the engine.", [(base, snap.num_preemptions)])
+    # Toolkit-specific series (no vLLM equivalent): what the capacity manager actually verified.
+    _family(lines, "dspark:engine_steps_total", "counter",
+            "Number of engine steps (one prefill or draft+verify iteration each).", [(base, snap.num_steps)])
+    _family(lines, "dspark:verified_draft_tokens_total", "counter",
+            "Draft tokens the capacity manager admitted to verification.",
+            [(base, snap.num_verified_draft_tokens)])
+    _family(lines, "dspark:drafting_paused_steps_total", "counter",
+            "Decode steps that skipped drafting (saturation policy).", [(base, snap.num_paused_steps)])
+    _family(lines, "dspark:kv_blocks_free", "gauge", "Free KV-cache blocks.", [(base, snap.kv_blocks_free)])
+    return "\n".join(lines) + "\n"
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Parse Prometheus text into ``{(name, sorted labels): value}``; strict, for tests and self-checks.
+
+    Raises ``ValueError`` naming the line for anything that is not a comment, blank, or a valid sample.
+    """
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        labels: list[tuple[str, str]] = []
+        if "{" in line:
+            name, rest = line.split("{", 1)
+            body, _, value_part = rest.rpartition("}")
+            i = 0
+            while i < len(body):
+                eq = body.index("=", i)
+                key = body[i:eq].strip().lstrip(",").strip()
+                if body[eq + 1] != '"':
+                    raise ValueError(f"line {lineno}: label value must be quoted: {raw!r}")
+                j = eq + 2
+                val: list[str] = []
+                while body[j] != '"':
+                    if body[j] == "\\":
+                        j += 1
+                        val.append({"n": "\n"}.get(body[j], body[j]))
+                    else:
+                        val.append(body[j])
+                    j += 1
+                labels.append((key, "".join(val)))
+                i = j + 1
+                while i < len(body) and body[i] in ", ":
+                    i += 1
+        else:
+            name, _, value_part = line.partition(" ")
+        fields = value_part.split()
+        if not name or not fields:
+            raise ValueError(f"line {lineno}: not a sample: {raw!r}")
+        try:
+            value = float(fields[0])
+        except ValueError:
+            raise ValueError(f"line {lineno}: bad value {fields[0]!r}") from None
+        out[(name.strip(), tuple(sorted(labels)))] = value
+    return out

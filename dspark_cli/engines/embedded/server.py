@@ -1,0 +1,652 @@
+"""OpenAI-compatible HTTP server for the embedded engine (aiohttp).
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (streaming SSE and not), ``/v1/models``,
+``/health``, ``/metrics`` (vLLM's metric names, see ``metrics.py``) and ``/version``. The request and
+response shapes follow OpenAI's API as vLLM implements it, so that ``vllm bench serve``, the ``openai``
+client and ``dspark bench`` talk to this server exactly as they talk to ``vllm serve``.
+
+Design points:
+- Validation happens here, at the edge: anything the engine cannot honour (n > 1, logprobs, penalties,
+  a prompt longer than the context) is a 400 with OpenAI's error JSON naming the field, never a silently
+  different experiment.
+- Stop strings are matched on incrementally detokenised text. While streaming, the last
+  ``len(longest stop) - 1`` characters are held back so a stop string split across steps is never sent
+  to the client; on a match the text is cut and the engine request aborted (its KV blocks freed).
+- The handler is cancelled when its client disconnects (``handler_cancellation``), and leaving the
+  ``generate`` iterator aborts the engine request, so a vanished client never keeps decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from dspark_cli import __version__
+from dspark_cli.engines.embedded.async_engine import AsyncEngine, EngineDeadError, RequestRejectedError
+from dspark_cli.engines.embedded.metrics import CONTENT_TYPE, render_metrics
+from dspark_cli.errors import DsparkError
+
+log = logging.getLogger("dspark.serve")
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+class BadRequest(Exception):
+    """A request the server refuses: becomes HTTP 400 (or ``status``) with OpenAI's error JSON."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(error_body(message, status, param)), status=status,
+                        content_type="application/json")
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+# -------------------------------------------------------------------------------------- detokenisation
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas without re-decoding the whole output each step.
+
+    Decoding a token alone loses context (SentencePiece drops a leading space at the start of a decode;
+    a multi-byte character may span tokens and decode to U+FFFD until complete). Like vLLM, keep a small
+    window: decode ``tokens[prefix:]`` and ``tokens[prefix:read]``, emit the difference, and only advance
+    once the new text does not end in a replacement character. The window starts with the prompt's last
+    few tokens so the first generated token gets its true leading whitespace.
+    """
+
+    _CONTEXT = 5
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(prompt_ids[-self._CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def push(self, new_ids: list[int]) -> str:
+        if not new_ids:
+            return ""
+        self._ids.extend(new_ids)
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self._prefix = self._read
+            self._read = len(self._ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still pending at the end (an incomplete character is emitted as U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+
+
+class StopTextBuffer:
+    """Accumulates output text, finds stop strings, and says which part is safe to send now."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self._sent = 0
+        self.stopped = False
+
+    def add(self, delta: str) -> str:
+        """Append ``delta``; return the newly sendable text (cut before a stop string if one matched)."""
+        if self.stopped or not delta:
+            return ""
+        search_from = max(0, len(self.text) - self._hold)
+        self.text += delta
+        if self.stops:
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+                return self.flush()
+        safe = len(self.text) - self._hold
+        if safe > self._sent:
+            out = self.text[self._sent:safe]
+            self._sent = safe
+            return out
+        return ""
+
+    def flush(self) -> str:
+        out = self.text[self._sent:]
+        self._sent = len(self.text)
+        return out
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+@dataclass
+class ParsedRequest:
+    prompt_ids: list[int]
+    params: Any  # engine SamplingParams
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    # field: values that mean "off" (anything else would silently change the experiment)
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "logit_bias": (None,),
+    "top_logprobs": (None, 0),
+    "use_beam_search": (None, False),
+    "tools": (None,),
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class ServerContext:
+    """What the handlers share: the engine front, names, and limits known once the engine has loaded."""
+
+    engine: AsyncEngine
+    served_model_name: str
+    model_aliases: tuple[str, ...] = ()
+    num_speculative_tokens: int = 0
+    max_model_len_override: int | None = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        eng = self.engine.engine
+        for obj in (getattr(eng, "config", None), getattr(eng, "cfg", None), eng):
+            value = getattr(obj, "max_model_len", None) if obj is not None else None
+            if _is_int(value) and value > 0:
+                return value
+        if self.max_model_len_override is not None:
+            return self.max_model_len_override
+        raise EngineDeadError("the engine does not report max_model_len")
+
+    @property
+    def vocab_size(self) -> int:
+        value = getattr(self.engine.engine, "vocab_size", None)
+        return value if _is_int(value) and value > 0 else len(self.tokenizer)
+
+    @property
+    def k(self) -> int:
+        """Draft length actually running (``auto`` may have found no draft), for per-position metrics."""
+        if self.engine.healthy:
+            value = getattr(self.engine.engine, "num_spec", None)
+            if _is_int(value):
+                return value
+        return self.num_speculative_tokens
+
+
+def _make_params(body: dict[str, Any], max_tokens: int) -> Any:
+    from dspark_cli.engines.embedded.sequence import SamplingParams
+
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    if body.get("temperature") is not None:
+        kwargs["temperature"] = float(body["temperature"])
+    if body.get("top_p") is not None:
+        kwargs["top_p"] = float(body["top_p"])
+    if body.get("ignore_eos") is not None:
+        kwargs["ignore_eos"] = bool(body["ignore_eos"])
+    if body.get("seed") is not None:
+        kwargs["seed"] = int(body["seed"])
+    if body.get("stop_token_ids"):
+        kwargs["stop_token_ids"] = tuple(int(t) for t in body["stop_token_ids"])
+    return SamplingParams(**kwargs)
+
+
+def parse_common(ctx: ServerContext, body: Any) -> tuple[dict[str, Any], list[str], str]:
+    """Validate the sampling fields both endpoints share; return (body, stop strings, model name)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", "model")
+    if model is not None and model not in ctx.names:
+        raise BadRequest(f"The model `{model}` does not exist; this server serves `{ctx.served_model_name}`",
+                         "model")
+    for key in ("stream", "ignore_eos"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise BadRequest(f"'{key}' must be true or false", key)
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise BadRequest("only n=1 is supported", "n")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not _is_int(v) or v <= 0):
+            raise BadRequest(f"'{key}' must be a positive integer, got {v!r}", key)
+    t = body.get("temperature")
+    if t is not None and (not _is_num(t) or t < 0):
+        raise BadRequest(f"'temperature' must be a number >= 0, got {t!r}", "temperature")
+    p = body.get("top_p")
+    if p is not None and (not _is_num(p) or not 0 < p <= 1):
+        raise BadRequest(f"'top_p' must be in (0, 1], got {p!r}", "top_p")
+    s = body.get("seed")
+    if s is not None and not _is_int(s):
+        raise BadRequest(f"'seed' must be an integer, got {s!r}", "seed")
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        stops = list(stop)
+    else:
+        raise BadRequest("'stop' must be a string or a list of strings", "stop")
+    sti = body.get("stop_token_ids")
+    if sti is not None and not (isinstance(sti, list) and all(_is_int(x) and x >= 0 for x in sti)):
+        raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+    if body.get("logprobs") not in (None, False):
+        raise BadRequest("logprobs are not supported by the embedded engine", "logprobs")
+    for key, off in _UNSUPPORTED_DEFAULTS.items():
+        v = body.get(key)
+        if v is not None and v not in off and not (key in ("logit_bias", "tools") and not v):
+            raise BadRequest(f"'{key}' is not supported by the embedded engine (got {v!r})", key)
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    return body, stops, model or ctx.served_model_name
+
+
+def _check_length(ctx: ServerContext, prompt_ids: list[int], body: dict[str, Any]) -> int:
+    """Return max_tokens (defaulting to the rest of the context, as vLLM does); 400 when it cannot fit."""
+    limit = ctx.max_model_len
+    n = len(prompt_ids)
+    if n == 0:
+        raise BadRequest("the prompt is empty", "prompt")
+    requested = body.get("max_completion_tokens") or body.get("max_tokens")
+    if n >= limit:
+        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                         f"{n} tokens, leaving no room for the completion. Please shorten the prompt.", "prompt")
+    if requested is None:
+        return limit - n
+    if n + requested > limit:
+        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                         f"{n + requested} tokens ({n} in the prompt, {requested} for the completion). "
+                         "Please reduce the prompt or max_tokens.", "max_tokens")
+    return int(requested)
+
+
+def parse_completion(ctx: ServerContext, body: Any) -> ParsedRequest:
+    body, stops, model = parse_common(ctx, body)
+    if "prompt" not in body or body["prompt"] is None:
+        raise BadRequest("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = list(ctx.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    elif isinstance(prompt, list) and prompt and all(_is_int(x) for x in prompt):
+        vocab = ctx.vocab_size
+        bad = [x for x in prompt if not 0 <= x < vocab]
+        if bad:
+            raise BadRequest(f"prompt token id {bad[0]} is out of range [0, {vocab})", "prompt")
+        ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt):
+        raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
+    else:
+        raise BadRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
+    max_tokens = _check_length(ctx, ids, body)
+    return ParsedRequest(ids, _make_params(body, max_tokens), stops, bool(body.get("stream")),
+                         _include_usage(body), model)
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    so = body.get("stream_options") or {}
+    return bool(so.get("include_usage"))
+
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _message_text(i: int, content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def parse_chat(ctx: ServerContext, body: Any) -> ParsedRequest:
+    body, stops, model = parse_common(ctx, body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' is required and must be a non-empty list", "messages")
+    conv = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRequest(f"messages[{i}] must be an object", "messages")
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
+        conv.append({"role": role, "content": _message_text(i, msg.get("content"))})
+    tok = ctx.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+    try:
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 -- template errors (jinja raise_exception) are the user's input
+        raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    max_tokens = _check_length(ctx, ids, body)
+    return ParsedRequest(ids, _make_params(body, max_tokens), stops, bool(body.get("stream")),
+                         _include_usage(body), model)
+
+
+# --------------------------------------------------------------------------------------------- handlers
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON ({exc})") from None
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Generation:
+    """One request's run: engine outputs -> text deltas, stop strings, finish reason, token counts."""
+
+    def __init__(self, ctx: ServerContext, req: ParsedRequest, request_id: str) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.request_id = request_id
+        self.detok = IncrementalDetokenizer(ctx.tokenizer, req.prompt_ids)
+        self.text = StopTextBuffer(req.stops)
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+
+    async def deltas(self) -> Any:
+        """Yield text deltas (possibly empty); ``finish_reason`` is set before the last one."""
+        gen = self.ctx.engine.generate(self.request_id, self.req.prompt_ids, self.req.params)
+        async with contextlib.aclosing(gen):
+            async for out in gen:
+                self.num_tokens += len(out.new_token_ids)
+                delta = self.text.add(self.detok.push(list(out.new_token_ids)))
+                if self.text.stopped:
+                    self.finish_reason = "stop"
+                    # Finished by us, not by the engine: free its KV blocks now, count it as "stop".
+                    self.ctx.engine.abort(self.request_id, reason="stop")
+                    yield delta
+                    return
+                if out.finished:
+                    delta += self.text.add(self.detok.flush())
+                    if not self.text.stopped:
+                        delta += self.text.flush()
+                    self.finish_reason = "stop" if self.text.stopped else (out.finish_reason or "stop")
+                    yield delta
+                    return
+                yield delta
+
+
+def _engine_error(exc: BaseException) -> web.Response:
+    if isinstance(exc, RequestRejectedError):
+        return error_response(str(exc), 400)
+    return error_response(str(exc), 500)
+
+
+async def _run(ctx: ServerContext, request: web.Request, chat: bool) -> web.StreamResponse:
+    if not ctx.engine.healthy:
+        return error_response(f"the server is not ready: {ctx.engine.state}", 503)
+    try:
+        body = await _read_json(request)
+        req = parse_chat(ctx, body) if chat else parse_completion(ctx, body)
+    except BadRequest as exc:
+        return error_response(str(exc), exc.status, exc.param)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    gen = _Generation(ctx, req, rid)
+    if req.stream:
+        return await _stream(request, gen, rid, created, chat)
+    text_parts: list[str] = []
+    try:
+        async for delta in gen.deltas():
+            text_parts.append(delta)
+    except (EngineDeadError, RequestRejectedError) as exc:
+        return _engine_error(exc)
+    text = "".join(text_parts)
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason,
+                              "stop_reason": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return json_response({
+        "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+        "model": req.model, "choices": [choice], "usage": _usage(len(req.prompt_ids), gen.num_tokens),
+    })
+
+
+async def _stream(request: web.Request, gen: _Generation, rid: str, created: int, chat: bool) -> web.StreamResponse:
+    req = gen.req
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None, first: bool = False) -> bytes:
+        if chat:
+            d: dict[str, Any] = {}
+            if first:
+                d["role"] = "assistant"
+            if delta is not None:
+                d["content"] = delta
+            choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
+                                   "choices": [choice]}
+        if req.include_usage:
+            payload["usage"] = None
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    resp: web.StreamResponse | None = None
+    deltas = gen.deltas()
+    try:
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                if resp is None:
+                    # Headers go out with the first output, so a request the engine refuses still gets
+                    # a proper status code instead of a 200 stream carrying an error.
+                    resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+                    await resp.prepare(request)
+                    if chat:
+                        await resp.write(chunk("", None, first=True))
+                if gen.finish_reason is not None:
+                    await resp.write(chunk(delta if (delta or not chat) else None, gen.finish_reason))
+                elif delta:
+                    await resp.write(chunk(delta, None))
+    except (EngineDeadError, RequestRejectedError) as exc:
+        if resp is None:
+            return _engine_error(exc)
+        status = 400 if isinstance(exc, RequestRejectedError) else 500
+        await resp.write(b"data: " + orjson.dumps(error_body(str(exc), status)) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    except ConnectionResetError:
+        # The client went away mid-stream; leaving the generator above already aborted the request.
+        return resp if resp is not None else web.Response(status=499)
+    assert resp is not None
+    if req.include_usage:
+        payload = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+                   "usage": _usage(len(req.prompt_ids), gen.num_tokens)}
+        await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def create_app(ctx: ServerContext) -> web.Application:
+    """The aiohttp application (routes and a JSON error middleware) around a started or starting engine."""
+
+    @web.middleware
+    async def json_errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(f"{exc.reason}: {request.method} {request.path}", exc.status)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await _run(ctx, request, chat=False)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await _run(ctx, request, chat=True)
+
+    async def models(request: web.Request) -> web.Response:
+        data = [{"id": ctx.served_model_name, "object": "model", "created": int(ctx.started),
+                 "owned_by": "dspark", "root": ctx.model_aliases[0] if ctx.model_aliases else ctx.served_model_name,
+                 "parent": None}]
+        if ctx.engine.healthy:
+            data[0]["max_model_len"] = ctx.max_model_len
+        return json_response({"object": "list", "data": data})
+
+    async def health(request: web.Request) -> web.Response:
+        if ctx.engine.healthy:
+            return web.Response(status=200)
+        err = ctx.engine.error
+        return json_response({"status": ctx.engine.state,
+                              "error": f"{type(err).__name__}: {err}" if err is not None else None}, 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        text = render_metrics(ctx.engine.metrics(), ctx.served_model_name, ctx.k)
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def version(request: web.Request) -> web.Response:
+        return json_response({"version": __version__})
+
+    app = web.Application(middlewares=[json_errors], client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    return app
+
+
+# --------------------------------------------------------------------------------------------- running
+
+
+@dataclass
+class ServerOptions:
+    host: str
+    port: int
+    served_model_name: str
+    model_aliases: tuple[str, ...] = ()
+    num_speculative_tokens: int = 0
+
+
+async def serve_async(engine_factory: Callable[[], Any], opts: ServerOptions,
+                      on_ready: Callable[[str], None] | None = None,
+                      stop_event: asyncio.Event | None = None) -> None:
+    """Bind the port, load the engine (``/health`` is 503 meanwhile), serve until SIGINT/SIGTERM or stop."""
+    engine = AsyncEngine(engine_factory)
+    ctx = ServerContext(engine, opts.served_model_name, opts.model_aliases, opts.num_speculative_tokens)
+    # shutdown_timeout: in-flight streams end as soon as the engine stops (they get an error event), so a
+    # short grace period is enough and Ctrl-C never hangs for aiohttp's default minute.
+    runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, opts.host, opts.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise DsparkError(f"cannot listen on {opts.host}:{opts.port} ({exc.strerror or exc}); "
+                              "pick another --port or --host") from None
+        stop = stop_event or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, stop.set)
+        load = asyncio.ensure_future(engine.start())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if load.done():
+            exc = load.exception()
+            if exc is not None:
+                if isinstance(exc, DsparkError):
+                    raise exc
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise DsparkError(f"the engine failed to load: {type(exc).__name__}: {first}") from exc
+            port = opts.port
+            sockets = [s for s in getattr(site._server, "sockets", None) or []]  # noqa: SLF001
+            if sockets:
+                port = sockets[0].getsockname()[1]
+            if on_ready is not None:
+                on_ready(f"http://{opts.host}:{port}")
+            await stopper
+        else:
+            load.cancel()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                asyncio.get_running_loop().remove_signal_handler(sig)
+        await engine.shutdown()  # first: pending requests fail fast instead of holding connections open
+        await runner.cleanup()
+
+
+def run_server(engine_factory: Callable[[], Any], opts: ServerOptions,
+               on_ready: Callable[[str], None] | None = None) -> None:
+    """Blocking entry point for the CLI."""
+    asyncio.run(serve_async(engine_factory, opts, on_ready))

@@ -1,0 +1,532 @@
+"""`dspark serve` settings: command-line flags and the seed's ``--speculative-config`` JSON, merged once.
+
+The seed (a vLLM prototype) configured DSpark through ``dspark_*`` keys inside ``--speculative-config``.
+vLLM 0.33's ``SpeculativeConfig`` forbids unknown keys, and the embedded engine has no such object at all,
+so this module is the single place that reads those keys and maps them onto the toolkit's settings; both
+engines (embedded, and the vLLM launcher that moves them into ``--additional-config``) consume the
+resulting :class:`ServeSettings`. It is pure (no torch, no engine imports at module load) so that the
+translation is unit-testable and a typo in the JSON fails in milliseconds, before any model loads.
+
+Precedence: an explicit command-line flag wins over the JSON, which wins over the defaults. A flag is
+"explicit" when its value is not ``None`` -- the CLI declares every flag with a ``None`` default for that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dspark_cli.errors import DsparkError
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+ENGINES = ("embedded", "vllm")
+CAPACITY_MODES = ("none", "mask", "varlen")
+POLICIES = ("argmax", "paper", "threshold")
+DEVICES = ("auto", "cpu", "cuda")
+
+# Every dspark_* key the seed's prototype (and this toolkit) understands. Anything else that starts with
+# "dspark_" is almost certainly a typo, and silently ignoring it would run a different experiment than the
+# one the user asked for -- so it is an error.
+DSPARK_KEYS = (
+    "dspark_capacity_verification_mode",
+    "dspark_sps_curve",
+    "dspark_sps_overhead_ms",
+    "dspark_budget_frac",
+    "dspark_confidence_threshold",
+    "dspark_confidence_temperature",
+    "dspark_online_sts",
+    "dspark_min_predicted_gain",
+    "dspark_sts",
+    "dspark_record_traces",
+    "dspark_policy",
+    "dspark_saturation_patience",
+    "dspark_resume_every",
+    "dspark_sts_refit_interval",
+)
+# Keys of vLLM's own SpeculativeConfig that this module reads; the rest are vLLM engine details that the
+# embedded engine has no use for (attention_backend, draft_sample_method, ...).
+_SPEC_KEYS_READ = ("model", "num_speculative_tokens", "method")
+# Methods the embedded engine can honour: it runs a separate draft model with a confidence head.
+_EMBEDDED_METHODS = ("dspark", "draft_model")
+
+
+@dataclass
+class ServeSettings:
+    """Everything `dspark serve` needs, after flags and JSON are merged and validated.
+
+    ``draft`` is ``None`` for "no draft model"; ``num_speculative_tokens`` ``None`` means the engine's
+    default. ``sps_curve`` is a path, ``"auto"`` (profile at start-up) or ``None``; an inline curve from
+    the JSON lives in ``sps_curve_points`` as ``((batch_tokens, steps_per_sec), ...)``.
+    """
+
+    engine: str = "embedded"
+    model: str = DEFAULT_MODEL
+    draft: str | None = "auto"
+    num_speculative_tokens: int | None = None
+    capacity_mode: str = "none"
+    capacity_policy: str = "argmax"
+    confidence_threshold: float = 0.0
+    sps_curve: str | None = None
+    sps_curve_points: tuple[tuple[int, float], ...] | None = None
+    sps_overhead_ms: float | None = None
+    sts: str | None = None
+    online_sts: bool = False
+    confidence_temperature: float | None = None
+    budget_frac: float = 1.0
+    min_predicted_gain: float = 0.0
+    record_traces: str | None = None
+    saturation_patience: int | None = None
+    resume_every: int | None = None
+    sts_refit_interval: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    device: str = "auto"
+    seed: int | None = None
+    served_model_name: str | None = None
+    method: str | None = None
+    # vLLM SpeculativeConfig keys we do not interpret, kept verbatim for the vLLM launcher.
+    vllm_speculative_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft is not None and self.num_speculative_tokens != 0
+
+    def dspark_keys(self) -> dict[str, Any]:
+        """The settings as canonical ``dspark_*`` keys (what the vLLM launcher puts in --additional-config)."""
+        out: dict[str, Any] = {"dspark_capacity_verification_mode": self.capacity_mode}
+        if self.sps_curve_points is not None:
+            out["dspark_sps_curve"] = [list(p) for p in self.sps_curve_points]
+        elif self.sps_curve is not None:
+            out["dspark_sps_curve"] = self.sps_curve
+        if self.sps_overhead_ms is not None:
+            out["dspark_sps_overhead_ms"] = self.sps_overhead_ms
+        out["dspark_budget_frac"] = self.budget_frac
+        out["dspark_confidence_threshold"] = self.confidence_threshold if self.capacity_policy == "threshold" else 0.0
+        out["dspark_policy"] = self.capacity_policy
+        out["dspark_online_sts"] = self.online_sts
+        out["dspark_min_predicted_gain"] = self.min_predicted_gain
+        if self.sts is not None:
+            out["dspark_sts"] = self.sts
+        if self.confidence_temperature is not None:
+            out["dspark_confidence_temperature"] = self.confidence_temperature
+        if self.record_traces is not None:
+            out["dspark_record_traces"] = self.record_traces
+        for key in ("saturation_patience", "resume_every", "sts_refit_interval"):
+            if getattr(self, key) is not None:
+                out[f"dspark_{key}"] = getattr(self, key)
+        return out
+
+
+# --------------------------------------------------------------------------------------------- validators
+
+
+def _err(where: str, msg: str) -> DsparkError:
+    return DsparkError(f"{where}: {msg}")
+
+
+def _as_bool(where: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _err(where, f"expected true or false, got {value!r}")
+
+
+def _as_int(where: str, value: Any, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise _err(where, f"expected an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise _err(where, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_float(where: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+              lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _err(where, f"expected a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise _err(where, f"must be finite, got {value}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise _err(where, f"must be {'>' if lo_open else '>='} {lo:g}, got {value:g}")
+    if hi is not None and value > hi:
+        raise _err(where, f"must be <= {hi:g}, got {value:g}")
+    return value
+
+
+def _as_choice(where: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise _err(where, f"expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _as_str(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _err(where, f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _existing_file(where: str, value: str) -> str:
+    if not Path(value).expanduser().is_file():
+        raise _err(where, f"file {value!r} does not exist")
+    return str(Path(value).expanduser())
+
+
+def _curve_points(where: str, value: Any) -> tuple[tuple[int, float], ...]:
+    """The seed's inline curve: a non-empty list of [batch_tokens, steps_per_sec] pairs."""
+    if not isinstance(value, list) or not value:
+        raise _err(where, "expected a non-empty list of [batch_tokens, steps_per_sec] pairs, a file path or \"auto\"")
+    points: list[tuple[int, float]] = []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _err(where, f"entry {i} must be a [batch_tokens, steps_per_sec] pair, got {pair!r}")
+        tokens = _as_int(f"{where}[{i}][0]", pair[0], minimum=1)
+        sps = _as_float(f"{where}[{i}][1]", pair[1], lo=0.0, lo_open=True)
+        points.append((tokens, sps))
+    return tuple(points)
+
+
+# ------------------------------------------------------------------------------------------------- parse
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """Parse ``--speculative-config`` JSON into a dict; a one-line error for anything that is not an object."""
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise DsparkError(f"--speculative-config: not valid JSON ({exc}); pass an object such as "
+                          "'{\"num_speculative_tokens\": 4}'") from None
+    if not isinstance(obj, dict):
+        raise DsparkError(f"--speculative-config: expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(k for k in obj if k.startswith("dspark_") and k not in DSPARK_KEYS)
+    if unknown:
+        raise DsparkError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
+                          f"known dspark keys: {', '.join(DSPARK_KEYS)}")
+    return obj
+
+
+def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
+    """Translate a parsed speculative config into ServeSettings field values (only keys that are present)."""
+    w = "--speculative-config"
+    out: dict[str, Any] = {}
+    if "model" in obj:
+        out["draft"] = None if obj["model"] in (None, "none") else _as_str(f"{w} model", obj["model"])
+    if "num_speculative_tokens" in obj:
+        out["num_speculative_tokens"] = _as_int(f"{w} num_speculative_tokens", obj["num_speculative_tokens"], minimum=0)
+    if "method" in obj and obj["method"] is not None:
+        out["method"] = _as_str(f"{w} method", obj["method"])
+    if "dspark_capacity_verification_mode" in obj:
+        mode = obj["dspark_capacity_verification_mode"]
+        mode = "varlen" if mode == "compact" else mode  # the prototype's alias
+        out["capacity_mode"] = _as_choice(f"{w} dspark_capacity_verification_mode", mode,
+                                          CAPACITY_MODES + ("compact",))
+    if "dspark_sps_curve" in obj:
+        value = obj["dspark_sps_curve"]
+        if isinstance(value, str):
+            out["sps_curve"] = value if value == "auto" else _existing_file(f"{w} dspark_sps_curve", value)
+        else:
+            out["sps_curve_points"] = _curve_points(f"{w} dspark_sps_curve", value)
+    if "dspark_sps_overhead_ms" in obj:
+        out["sps_overhead_ms"] = _as_float(f"{w} dspark_sps_overhead_ms", obj["dspark_sps_overhead_ms"], lo=0.0)
+    if "dspark_budget_frac" in obj:
+        out["budget_frac"] = _as_float(f"{w} dspark_budget_frac", obj["dspark_budget_frac"],
+                                       lo=0.0, hi=1.0, lo_open=True)
+    if "dspark_confidence_threshold" in obj:
+        thr = _as_float(f"{w} dspark_confidence_threshold", obj["dspark_confidence_threshold"], lo=0.0, hi=1.0)
+        # The prototype's convention: 0 means "budget from the SPS curve", > 0 a static survival threshold.
+        if thr > 0:
+            out["capacity_policy"] = "threshold"
+            out["confidence_threshold"] = thr
+    if "dspark_confidence_temperature" in obj:
+        out["confidence_temperature"] = _as_float(f"{w} dspark_confidence_temperature",
+                                                  obj["dspark_confidence_temperature"], lo=0.0, lo_open=True)
+    if "dspark_online_sts" in obj:
+        out["online_sts"] = _as_bool(f"{w} dspark_online_sts", obj["dspark_online_sts"])
+    if "dspark_min_predicted_gain" in obj:
+        out["min_predicted_gain"] = _as_float(f"{w} dspark_min_predicted_gain", obj["dspark_min_predicted_gain"],
+                                              lo=0.0)
+    if "dspark_sts" in obj:
+        out["sts"] = _existing_file(f"{w} dspark_sts", _as_str(f"{w} dspark_sts", obj["dspark_sts"]))
+    if "dspark_record_traces" in obj:
+        out["record_traces"] = _as_str(f"{w} dspark_record_traces", obj["dspark_record_traces"])
+    if "dspark_policy" in obj:
+        out["capacity_policy"] = _as_choice(f"{w} dspark_policy", obj["dspark_policy"], POLICIES)
+    if "dspark_saturation_patience" in obj:
+        out["saturation_patience"] = _as_int(f"{w} dspark_saturation_patience", obj["dspark_saturation_patience"],
+                                             minimum=0)
+    if "dspark_resume_every" in obj:
+        out["resume_every"] = _as_int(f"{w} dspark_resume_every", obj["dspark_resume_every"], minimum=1)
+    if "dspark_sts_refit_interval" in obj:
+        out["sts_refit_interval"] = _as_int(f"{w} dspark_sts_refit_interval", obj["dspark_sts_refit_interval"],
+                                            minimum=1)
+    return out
+
+
+# Settings that only matter when verification is capacity-managed: giving one of them without a mode
+# means the user wants capacity management, and the prototype's default mode was varlen.
+_CAPACITY_FLAGS = ("sps_curve", "sps_overhead_ms", "budget_frac", "capacity_policy", "confidence_threshold",
+                   "min_predicted_gain")
+_CAPACITY_JSON_KEYS = ("dspark_sps_curve", "dspark_sps_overhead_ms", "dspark_budget_frac",
+                       "dspark_confidence_threshold", "dspark_min_predicted_gain", "dspark_policy")
+
+
+def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """Check explicit flag values (those that are not None) and rename them to ServeSettings fields."""
+    out: dict[str, Any] = {}
+    for name, value in flags.items():
+        if value is None:
+            continue
+        where = "--" + name.replace("_", "-")
+        if name == "engine":
+            out[name] = _as_choice(where, value, ENGINES)
+        elif name == "model":
+            out[name] = _as_str(where, value)
+        elif name == "draft":
+            out[name] = None if value == "none" else _as_str(where, value)
+        elif name == "num_speculative_tokens":
+            out[name] = _as_int(where, value, minimum=0)
+        elif name == "capacity_mode":
+            out[name] = _as_choice(where, "varlen" if value == "compact" else value, CAPACITY_MODES)
+        elif name == "capacity_policy":
+            out[name] = _as_choice(where, value, POLICIES)
+        elif name == "confidence_threshold":
+            out[name] = _as_float(where, value, lo=0.0, hi=1.0)
+        elif name == "sps_curve":
+            out[name] = value if value == "auto" else _existing_file(where, _as_str(where, value))
+            out["sps_curve_points"] = None  # an explicit file replaces an inline JSON curve
+        elif name == "sps_overhead_ms":
+            out[name] = _as_float(where, value, lo=0.0)
+        elif name == "sts":
+            out[name] = _existing_file(where, _as_str(where, value))
+        elif name == "online_sts":
+            out[name] = _as_bool(where, value)
+        elif name == "budget_frac":
+            out[name] = _as_float(where, value, lo=0.0, hi=1.0, lo_open=True)
+        elif name == "min_predicted_gain":
+            out[name] = _as_float(where, value, lo=0.0)
+        elif name == "record_traces":
+            out[name] = _as_str(where, value)
+        elif name in ("max_num_seqs", "max_model_len"):
+            out[name] = _as_int(where, value, minimum=1)
+        elif name == "host":
+            out[name] = _as_str(where, value)
+        elif name == "port":
+            port = _as_int(where, value, minimum=0)
+            if port > 65535:
+                raise _err(where, f"must be <= 65535, got {port}")
+            out[name] = port
+        elif name == "device":
+            out[name] = _as_choice(where, value, DEVICES)
+        elif name == "seed":
+            out[name] = _as_int(where, value, minimum=0)
+        elif name == "served_model_name":
+            out[name] = _as_str(where, value)
+        else:
+            raise DsparkError(f"internal: unknown serve flag {name!r}")
+    return out
+
+
+def build_settings(flags: dict[str, Any], speculative_config: str | None = None) -> ServeSettings:
+    """Merge explicit flags (non-None values, keyed by ServeSettings field) over the JSON over defaults."""
+    obj: dict[str, Any] = {}
+    if speculative_config is not None:
+        obj = parse_speculative_config(speculative_config)
+    from_json = _settings_from_json(obj)
+    from_flags = _validate_flags(flags)
+    merged = {**from_json, **from_flags}
+    if "confidence_threshold" in from_flags and "capacity_policy" not in from_flags:
+        # --confidence-threshold alone selects the threshold policy (or, at 0, the SPS-driven default).
+        merged["capacity_policy"] = "threshold" if from_flags["confidence_threshold"] > 0 else "argmax"
+    wants_capacity = any(k in from_flags for k in _CAPACITY_FLAGS) or any(k in obj for k in _CAPACITY_JSON_KEYS)
+    if "capacity_mode" not in merged and wants_capacity:
+        merged["capacity_mode"] = "varlen"
+    merged["vllm_speculative_config"] = {k: v for k, v in obj.items() if not k.startswith("dspark_")}
+    settings = ServeSettings(**merged)
+    _check_consistency(settings)
+    return settings
+
+
+def _check_consistency(s: ServeSettings) -> None:
+    if s.capacity_policy == "threshold" and s.confidence_threshold <= 0:
+        raise DsparkError("--capacity-policy threshold needs --confidence-threshold in (0, 1]")
+    if s.capacity_mode != "none" and not s.speculative:
+        raise DsparkError(f"--capacity-mode {s.capacity_mode} needs speculation: pass a draft model and "
+                          "--num-speculative-tokens > 0, or --capacity-mode none")
+    if s.online_sts and s.sts is not None:
+        raise DsparkError("--online-sts and --sts are exclusive: online STS fits its own temperatures "
+                          "(drop one of them)")
+    if s.engine == "embedded" and s.sts_refit_interval is not None:
+        raise DsparkError("--speculative-config dspark_sts_refit_interval is only supported by --engine vllm "
+                          "(the embedded engine refits online STS on its own schedule)")
+    if s.engine == "embedded" and s.method is not None and s.method not in _EMBEDDED_METHODS:
+        raise DsparkError(f"--speculative-config method {s.method!r} is not supported by the embedded engine "
+                          f"(use {' or '.join(_EMBEDDED_METHODS)}, or --engine vllm)")
+
+
+def replace(settings: ServeSettings, **changes: Any) -> ServeSettings:
+    return dataclasses.replace(settings, **changes)
+
+
+# ---------------------------------------------------------------------------------------- embedded launch
+
+# The embedded engine's default draft length when neither a flag nor the JSON sets it (EngineConfig's).
+_DEFAULT_K = 4
+
+
+@dataclass
+class EmbeddedLaunch:
+    """What `dspark serve` needs to start the embedded engine: a factory, server options, a banner."""
+
+    engine_config: Any  # engines.embedded.config.EngineConfig
+    options: Any  # engines.embedded.server.ServerOptions
+    banner: list[tuple[str, str]]
+    tmpdir: Path | None = None
+
+    def engine_factory(self) -> Any:
+        from dspark_cli.engines.embedded.engine import LLMEngine
+
+        return LLMEngine(self.engine_config)
+
+    def cleanup(self) -> None:
+        if self.tmpdir is not None:
+            import shutil
+
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+
+
+def _materialise_curve(s: ServeSettings, tmp: Path) -> tuple[str | None, str]:
+    """Return (path or "auto" or None for EngineConfig.sps_curve, banner text).
+
+    An inline curve (JSON list) or an overhead override becomes a temporary ``sps_curve.json`` so the engine
+    only ever reads files; loading here also validates the curve before any weights are read.
+    """
+    from dspark_cli.core.sps import SpsCurve
+
+    if s.sps_curve == "auto":
+        return "auto", "auto (profiled at start-up)"
+    if s.sps_curve_points is None and s.sps_curve is None:
+        return None, "none"
+    if s.sps_curve_points is not None:
+        curve = SpsCurve.from_dict([list(p) for p in s.sps_curve_points], source="--speculative-config dspark_sps_curve")
+        label = f"inline ({len(s.sps_curve_points)} points)"
+    else:
+        assert s.sps_curve is not None
+        curve = SpsCurve.load(s.sps_curve)
+        label = s.sps_curve
+    if s.sps_overhead_ms is not None:
+        curve = SpsCurve.from_points(curve.verify_ms, curve.draft_ms, s.sps_overhead_ms, curve.capture_sizes,
+                                     dict(curve.meta), source=label)
+    if s.sps_curve_points is None and s.sps_overhead_ms is None:
+        return s.sps_curve, label
+    path = tmp / "sps_curve.json"
+    curve.save(path)
+    return str(path), f"{label}, overhead {curve.overhead_ms:g} ms"
+
+
+def _check_model_ref(flag: str, name: str) -> None:
+    """A cheap check before binding a port: an alias the assets know, or a checkpoint dir."""
+    from dspark_cli.engines.embedded import assets
+
+    aliases = sorted(set(getattr(assets, "ALIASES", {})))
+    if name.strip().lower() in aliases or (Path(name).expanduser() / "config.json").is_file():
+        return
+    raise DsparkError(f"{flag} {name!r}: neither a known model ({', '.join(aliases)}) nor a checkpoint "
+                      "directory with config.json")
+
+
+def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
+    """Validate everything that can be checked without loading weights, and build the EngineConfig."""
+    import tempfile
+
+    from dspark_cli.core.capacity import CapacityConfig
+    from dspark_cli.core.sts import load_sts
+    from dspark_cli.engines.embedded.config import EngineConfig
+    from dspark_cli.engines.embedded.server import ServerOptions
+    from dspark_cli.fileio import atomic_write_json
+
+    _check_model_ref("--model", s.model)
+    if s.draft not in (None, "auto"):
+        _check_model_ref("--draft", s.draft)
+    k = _DEFAULT_K if s.num_speculative_tokens is None else s.num_speculative_tokens
+    draft = s.draft if k > 0 else None
+    if draft is None:
+        k = 0
+    tmp = Path(tempfile.mkdtemp(prefix="dspark-serve-"))
+    launch: EmbeddedLaunch | None = None
+    try:
+        curve_path, curve_label = _materialise_curve(s, tmp)
+        sts_path = s.sts
+        sts_label = "online" if s.online_sts else "none"
+        if s.sts is not None:
+            load_sts(s.sts, num_positions=k or None)
+            sts_label = s.sts
+        if s.confidence_temperature is not None:
+            if s.sts is not None or s.online_sts:
+                raise DsparkError("dspark_confidence_temperature conflicts with --sts/--online-sts; keep one")
+            # A static temperature is STS with the same temperature at every position.
+            sts_path = str(tmp / "sts.json")
+            temps = [s.confidence_temperature] * max(k, 1)
+            atomic_write_json(sts_path, {"version": 1, "temperatures": temps, "sts_temperatures": temps,
+                                         "num_rows": 0})
+            sts_label = f"static temperature {s.confidence_temperature:g}"
+        extra: dict[str, int] = {k: v for k, v in (("saturation_patience", s.saturation_patience),
+                                                   ("resume_every", s.resume_every)) if v is not None}
+        capacity = CapacityConfig(mode=s.capacity_mode, policy=s.capacity_policy, budget_frac=s.budget_frac,
+                                  threshold=s.confidence_threshold if s.capacity_policy == "threshold" else 0.0,
+                                  min_predicted_gain=s.min_predicted_gain, **extra)
+        if capacity.mode != "none" and capacity.policy != "threshold" and curve_path is None:
+            raise DsparkError(f"--capacity-mode {capacity.mode} with the {capacity.policy} policy needs an SPS "
+                              "curve: pass --sps-curve FILE (from `dspark profile-sps`) or --sps-curve auto")
+        kwargs: dict[str, Any] = {
+            "model": s.model, "draft": draft, "num_speculative_tokens": k, "capacity": capacity,
+            "sps_curve": curve_path, "sts": sts_path, "online_sts": s.online_sts,
+            "record_traces": s.record_traces, "device": s.device,
+        }
+        for name in ("max_num_seqs", "max_model_len", "seed"):
+            if getattr(s, name) is not None:
+                kwargs[name] = getattr(s, name)
+        cfg = EngineConfig(**kwargs)
+        cfg.validate()
+        served = s.served_model_name or s.model
+        aliases = tuple(n for n in (s.model,) if n != served)
+        options = ServerOptions(s.host, s.port, served, aliases, k)
+        if capacity.mode == "none":
+            mode_label = "none (verify every draft)"
+        elif capacity.policy == "threshold":
+            mode_label = f"{capacity.mode}, threshold {capacity.threshold:g}"
+        else:
+            mode_label = f"{capacity.mode}, {capacity.policy} policy"
+        if capacity.budget_frac < 1.0:
+            mode_label += f", budget <= {capacity.budget_frac:g} of drafts"
+        if capacity.min_predicted_gain > 0:
+            mode_label += f", min gain {capacity.min_predicted_gain:g}"
+        banner = [
+            ("model", s.model + (f" (served as {served})" if served != s.model else "")),
+            ("draft", draft if draft is not None else "none"),
+            ("k", str(k) if k else "0 (no speculation)"),
+            ("capacity", mode_label),
+            ("sps curve", curve_label),
+            ("sts", sts_label),
+            ("device", s.device),
+            ("url", f"http://{s.host}:{s.port}/v1"),
+        ]
+        if s.record_traces:
+            banner.insert(6, ("traces", s.record_traces))
+        launch = EmbeddedLaunch(cfg, options, banner, tmp)
+        return launch
+    finally:
+        if launch is None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,332 @@
+"""The async front and the HTTP app around a scripted engine, for behaviour a real model cannot be made to
+show on demand: engine exceptions, load failures, refused requests, idleness. The end-to-end tests with the
+real engine live in test_server_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from dspark_cli.engines.embedded.async_engine import AsyncEngine, EngineDeadError, RequestRejectedError
+from dspark_cli.engines.embedded.server import ServerContext, create_app
+
+
+@dataclass
+class Out:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class Stats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_steps: int = 0
+
+
+class ScriptedEngine:
+    """Emits token (prompt[-1] + i) % 50 + 10 per step for each request; records which threads called it."""
+
+    def __init__(self, fail_at_step: int | None = None, max_num_seqs: int = 2, tokenizer: Any = None,
+                 step_s: float = 0.0) -> None:
+        self.reqs: dict[str, tuple[list[int], Any, list[int]]] = {}
+        self.order: list[str] = []
+        self.stats = Stats()
+        self.fail_at_step = fail_at_step
+        self.max_num_seqs = max_num_seqs
+        self.threads: set[int] = set()
+        self.aborted: list[str] = []
+        self.idle_checks = 0
+        self.tokenizer = tokenizer
+        self.step_s = step_s
+
+        class Cfg:
+            max_model_len = 64
+
+        self.config = Cfg()
+
+    def _t(self) -> None:
+        self.threads.add(threading.get_ident())
+
+    def add_request(self, rid: str, prompt: list[int], params: Any) -> None:
+        self._t()
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.reqs[rid] = (prompt, params, [])
+        self.order.append(rid)
+        self.stats.prompt_tokens += len(prompt)
+
+    def abort_request(self, rid: str) -> None:
+        self._t()
+        if rid in self.reqs:
+            del self.reqs[rid]
+            self.order.remove(rid)
+            self.aborted.append(rid)
+            self.stats.requests_finished["abort"] = self.stats.requests_finished.get("abort", 0) + 1
+
+    def has_unfinished_requests(self) -> bool:
+        self._t()
+        self.idle_checks += 1
+        return bool(self.reqs)
+
+    def step(self) -> list[Out]:
+        self._t()
+        self.stats.num_steps += 1
+        if self.fail_at_step is not None and self.stats.num_steps >= self.fail_at_step:
+            raise RuntimeError("simulated device fault")
+        if self.step_s:
+            time.sleep(self.step_s)
+        running = self.order[: self.max_num_seqs]  # the rest wait, like a scheduler beyond max_num_seqs
+        self.stats.num_running, self.stats.num_waiting = len(running), len(self.order) - len(running)
+        outs = []
+        for rid in running:
+            prompt, params, gen = self.reqs[rid]
+            tok = (prompt[-1] + len(gen)) % 50 + 10
+            gen.append(tok)
+            self.stats.generation_tokens += 1
+            done = len(gen) >= params.max_tokens
+            if done:
+                del self.reqs[rid]
+                self.order.remove(rid)
+                self.stats.requests_finished["length"] = self.stats.requests_finished.get("length", 0) + 1
+            outs.append(Out(rid, [tok], done, "length" if done else None))
+        if not self.reqs:
+            self.stats.num_running = self.stats.num_waiting = 0
+        return outs
+
+
+@dataclass
+class P:
+    max_tokens: int = 3
+
+
+async def _collect(ae: AsyncEngine, rid: str, prompt: list[int], n: int) -> list[int]:
+    toks: list[int] = []
+    async for out in ae.generate(rid, prompt, P(n)):
+        toks.extend(out.new_token_ids)
+    return toks
+
+
+def test_generate_streams_and_every_engine_call_is_on_one_background_thread() -> None:
+    eng = ScriptedEngine(max_num_seqs=2)
+
+    async def main() -> None:
+        ae = AsyncEngine(lambda: eng)
+        await ae.start()
+        assert ae.healthy
+        results = await asyncio.gather(*(_collect(ae, f"r{i}", [i], 4) for i in range(7)))
+        for i, toks in enumerate(results):
+            assert toks == [(i + j) % 50 + 10 for j in range(4)]
+        assert ae.num_pending == 0
+        assert ae.metrics().requests_finished == {"length": 7}
+        await ae.shutdown()
+        assert ae.state == "stopped"
+
+    asyncio.run(main())
+    assert len(eng.threads) == 1 and threading.get_ident() not in eng.threads
+
+
+def test_idle_engine_thread_blocks_instead_of_spinning() -> None:
+    eng = ScriptedEngine()
+
+    async def main() -> None:
+        ae = AsyncEngine(lambda: eng)
+        await ae.start()
+        await _collect(ae, "a", [1], 2)
+        before = eng.idle_checks
+        await asyncio.sleep(0.3)
+        assert eng.idle_checks - before <= 2
+        await ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_cancelled_consumer_aborts_its_request() -> None:
+    eng = ScriptedEngine(step_s=0.01)
+
+    async def main() -> None:
+        ae = AsyncEngine(lambda: eng)
+        await ae.start()
+        task = asyncio.ensure_future(_collect(ae, "long", [1], 10_000))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if eng.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.aborted == ["long"] and not eng.reqs
+        assert ae.num_pending == 0
+        # the engine keeps serving others
+        assert await _collect(ae, "next", [2], 2) == [12, 13]
+        await ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_engine_exception_fails_pending_requests_and_marks_unhealthy() -> None:
+    eng = ScriptedEngine(fail_at_step=3, step_s=0.005)
+
+    async def main() -> None:
+        ae = AsyncEngine(lambda: eng)
+        await ae.start()
+        results = await asyncio.wait_for(
+            asyncio.gather(*(_collect(ae, f"r{i}", [i], 100) for i in range(3)), return_exceptions=True), 10)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "simulated device fault" in str(results[0])
+        assert not ae.healthy and ae.state == "failed"
+        with pytest.raises(EngineDeadError):
+            await _collect(ae, "late", [1], 1)
+        await ae.shutdown()
+        assert ae.state == "failed"
+
+    asyncio.run(main())
+
+
+def test_load_failure_propagates_from_start() -> None:
+    def boom() -> Any:
+        raise FileNotFoundError("no such checkpoint")
+
+    async def main() -> None:
+        ae = AsyncEngine(boom)
+        with pytest.raises(FileNotFoundError):
+            await ae.start()
+        assert ae.state == "failed" and not ae.healthy
+        await ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_refused_request_fails_alone() -> None:
+    eng = ScriptedEngine()
+
+    async def main() -> None:
+        ae = AsyncEngine(lambda: eng)
+        await ae.start()
+        bad = asyncio.ensure_future(_collect(ae, "bad", [], 2))
+        good = asyncio.ensure_future(_collect(ae, "good", [3], 2))
+        with pytest.raises(RequestRejectedError, match="empty prompt"):
+            await bad
+        assert await good == [13, 14]
+        assert ae.healthy
+        await ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_fails_requests_still_running() -> None:
+    eng = ScriptedEngine(step_s=0.01)
+
+    async def main() -> None:
+        ae = AsyncEngine(lambda: eng)
+        await ae.start()
+        task = asyncio.ensure_future(_collect(ae, "long", [1], 10_000))
+        await asyncio.sleep(0.05)
+        await ae.shutdown()
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------------- HTTP layer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {" ": 26, "<eos>": 27}
+    vocab |= {f"t{i}": i for i in range(28, 64)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+async def _app_client(eng: ScriptedEngine) -> tuple[AsyncEngine, TestClient]:
+    ae = AsyncEngine(lambda: eng)
+    await ae.start()
+    client = TestClient(TestServer(create_app(ServerContext(ae, "fake", ("fake-path",), 0))))
+    await client.start_server()
+    return ae, client
+
+
+def test_engine_fault_becomes_500_and_unhealthy(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    eng = ScriptedEngine(fail_at_step=2, tokenizer=tokenizer)
+
+    async def main() -> None:
+        ae, client = await _app_client(eng)
+        try:
+            assert (await client.get("/health")).status == 200
+            r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5})
+            assert r.status == 500
+            body = await r.json()
+            assert "simulated device fault" in body["error"]["message"]
+            h = await client.get("/health")
+            assert h.status == 503 and (await h.json())["status"] == "failed"
+            r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5})
+            assert r.status == 503
+        finally:
+            await client.close()
+            await ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_engine_fault_mid_stream_sends_an_error_event(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    eng = ScriptedEngine(fail_at_step=4, tokenizer=tokenizer)
+
+    async def main() -> None:
+        ae, client = await _app_client(eng)
+        try:
+            r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 20, "stream": True})
+            assert r.status == 200
+            text = await r.text()
+            assert '"error"' in text and text.rstrip().endswith("data: [DONE]")
+        finally:
+            await client.close()
+            await ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_model_alias_and_error_shapes(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    eng = ScriptedEngine(tokenizer=tokenizer)
+
+    async def main() -> None:
+        ae, client = await _app_client(eng)
+        try:
+            r = await client.post("/v1/completions", json={"model": "fake-path", "prompt": "ab", "max_tokens": 2})
+            assert r.status == 200 and (await r.json())["model"] == "fake-path"
+            r = await client.get("/v1/nope")
+            assert r.status == 404 and "error" in await r.json()
+            r = await client.post("/v1/completions", data=b"{oops")
+            body = await r.json()
+            assert r.status == 400 and body["error"]["type"] == "invalid_request_error"
+            assert "not valid JSON" in body["error"]["message"]
+            r = await client.post("/v1/completions", json={"prompt": "a" * 70, "max_tokens": 2})
+            assert r.status == 400 and "maximum context length is 64" in (await r.json())["error"]["message"]
+        finally:
+            await client.close()
+            await ae.shutdown()
+
+    asyncio.run(main())

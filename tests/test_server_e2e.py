@@ -1,0 +1,362 @@
+"""End to end: a real `dspark serve` subprocess on a free port, spoken to over HTTP like any OpenAI client.
+
+One server per module (startup dominates the cost). It runs the packaged tiny pair when present; otherwise a
+random-weight Llama pair built here in a second (the server does not care what the weights say; the tests
+only compare the server with itself: stream vs non-stream, with and without stop strings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from dspark_cli.engines.embedded.metrics import parse_metrics
+
+MAX_NUM_SEQS = 3
+MAX_MODEL_LEN = 192
+K = 3
+TINY_TARGET = Path(__file__).resolve().parents[1] / "dspark_cli/engines/embedded/assets/tiny/target/config.json"
+
+
+def _random_pair(out: Path) -> tuple[str, str]:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog. 12 + 30 = 42."] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    torch.manual_seed(0)
+    for name, layers in (("target", 2), ("draft", 1)):
+        cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, tie_word_embeddings=True)
+        LlamaForCausalLM(cfg).save_pretrained(out / name)
+        fast.save_pretrained(out / name)
+    return str(out / "target"), str(out / "draft")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    model: str
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def stream(self, path: str, body: dict[str, Any]) -> list[Any]:
+        """POST with stream=true; return the decoded ``data:`` events ("[DONE]" kept as the string)."""
+        req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        events: list[Any] = []
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            for raw in r.read().decode().split("\n\n"):
+                if raw.strip():
+                    assert raw.startswith("data: "), raw
+                    payload = raw[len("data: "):]
+                    events.append(payload if payload == "[DONE]" else json.loads(payload))
+        return events
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        status, body = self.get("/metrics")
+        assert status == 200
+        return parse_metrics(body.decode())
+
+    def metric(self, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted({"model_name": self.name, **labels}.items())))
+        return self.metrics()[key]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if TINY_TARGET.is_file():
+        model, draft = "tiny", "auto"
+    else:
+        model, draft = _random_pair(tmp_path_factory.mktemp("pair"))
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = [sys.executable, "-m", "dspark_cli.cli", "serve", "--model", model, "--draft", draft, "-k", str(K),
+           "--port", str(port), "--device", "cpu", "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "test-model"]
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    srv = Server(f"http://127.0.0.1:{port}", "test-model", proc, log, model)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"dspark serve exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if srv.get("/health")[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"dspark serve did not become healthy:\n{log.read_text()}")
+            time.sleep(0.3)
+        yield srv
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()
+    assert "ready" in log.read_text()
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def test_models_and_health(server: Server) -> None:
+    status, body = server.get("/v1/models")
+    data = json.loads(body)
+    assert status == 200 and data["object"] == "list"
+    assert data["data"][0]["id"] == "test-model" and data["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert server.get("/health")[0] == 200
+
+
+def test_completion_shape_usage_and_stream_equivalence(server: Server) -> None:
+    body = {"model": "test-model", "prompt": "The quick brown", "max_tokens": 12, **GREEDY}
+    status, out = server.post("/v1/completions", body)
+    assert status == 200, out
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-") and out["model"] == "test-model"
+    assert isinstance(out["created"], int)
+    (choice,) = out["choices"]
+    assert choice["index"] == 0 and choice["logprobs"] is None and choice["finish_reason"] == "length"
+    usage = out["usage"]
+    assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 12
+
+    events = server.stream("/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    usage_event = events[-2]
+    assert usage_event["choices"] == [] and usage_event["usage"] == usage
+    chunks = events[:-2]
+    assert all(e["object"] == "text_completion" and e["id"] == chunks[0]["id"] for e in chunks)
+    assert "".join(e["choices"][0]["text"] for e in chunks) == choice["text"]
+    assert [e["choices"][0]["finish_reason"] for e in chunks][-1] == "length"
+    assert all(e["choices"][0]["finish_reason"] is None for e in chunks[:-1])
+
+    # the same prompt as token ids gives the same greedy text
+    status, again = server.post("/v1/completions", {**body, "prompt": _prompt_ids(server, body["prompt"])})
+    assert status == 200 and again["choices"][0]["text"] == choice["text"]
+
+
+def _prompt_ids(server: Server, text: str) -> list[int]:
+    """Tokenise like the server does for a string prompt, with the tokenizer of the model it serves."""
+    from transformers import AutoTokenizer
+
+    from dspark_cli.engines.embedded.config import EngineConfig
+    from dspark_cli.engines.embedded.engine import resolve_checkpoints
+
+    tok_dir = resolve_checkpoints(EngineConfig(model=server.model, draft=None)).tokenizer
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    return list(tok(text, add_special_tokens=True)["input_ids"])
+
+
+def test_chat_non_stream_and_stream(server: Server) -> None:
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]}],
+            "max_completion_tokens": 10, **GREEDY}
+    status, out = server.post("/v1/chat/completions", body)
+    assert status == 200, out
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    msg = out["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 10
+
+    events = server.stream("/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(e["object"] == "chat.completion.chunk" for e in chunks)
+    assert "usage" not in chunks[0]  # no include_usage -> no usage field at all
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
+    assert text == msg["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_cuts_text_and_finishes_with_stop(server: Server) -> None:
+    body = {"prompt": "The lazy dog", "max_tokens": 40, **GREEDY}
+    full = server.post("/v1/completions", body)[1]["choices"][0]["text"]
+    assert len(full) >= 6, full
+    stop = full[3:6]
+    cut = full[: full.find(stop)]
+    status, out = server.post("/v1/completions", {**body, "stop": [stop, "\x00never"]})
+    assert status == 200
+    assert out["choices"][0]["text"] == cut and out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] <= 40
+    events = server.stream("/v1/completions", {**body, "stop": stop})
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert "".join(e["choices"][0]["text"] for e in chunks) == cut
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # Finishing on a stop string frees the engine request and counts as vLLM's "stop", not "abort".
+    _wait_idle(server)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        ("/v1/completions", {"max_tokens": 4}, "'prompt' is required"),
+        ("/v1/completions", {"prompt": 5}, "'prompt' must be"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "8"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n=1"),
+        ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "does not exist"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "batched prompts"),
+        ("/v1/completions", {"prompt": [10**9]}, "out of range"),
+        ("/v1/completions", {"prompt": "hi " * 400, "max_tokens": 4}, "maximum context length"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "maximum context length"),
+        ("/v1/chat/completions", {"max_tokens": 4}, "'messages' is required"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "content"),
+        ("/v1/chat/completions", [1, 2], "JSON object"),
+    ],
+)
+def test_bad_requests_get_openai_400(server: Server, path: str, body: Any, needle: str) -> None:
+    status, out = server.post(path, body)
+    assert status == 400, out
+    err = out["error"]
+    assert err["type"] == "invalid_request_error" and needle in err["message"], err
+    assert "\n" not in err["message"]
+
+
+def test_malformed_json_is_400(server: Server) -> None:
+    status, out = server.post("/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in out["error"]["message"]
+
+
+def test_metrics_counters_increase_with_vllm_names(server: Server) -> None:
+    before = server.metrics()
+    status, out = server.post("/v1/completions", {"prompt": "Count:", "max_tokens": 9, **GREEDY})
+    assert status == 200
+    after = server.metrics()
+    lab = (("model_name", "test-model"),)
+
+    def delta(name: str, labels: tuple[tuple[str, str], ...] = lab) -> float:
+        return after[(name, labels)] - before[(name, labels)]
+
+    assert delta("vllm:generation_tokens_total") == out["usage"]["completion_tokens"] == 9
+    assert delta("vllm:prompt_tokens_total") == out["usage"]["prompt_tokens"]
+    length = tuple(sorted({"model_name": "test-model", "finished_reason": "length"}.items()))
+    assert delta("vllm:request_success_total", length) == 1
+    drafts = delta("vllm:spec_decode_num_drafts_total")
+    assert drafts >= 1  # a draft model is loaded (k=3), so decode steps draft
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == K * drafts
+    accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [after[("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                      (("model_name", "test-model"), ("position", str(i))))] for i in range(K)]
+    assert 0 <= accepted <= K * drafts and sum(per_pos) == after[("vllm:spec_decode_num_accepted_tokens_total", lab)]
+    assert per_pos == sorted(per_pos, reverse=True)  # acceptance at position i implies all before it
+    status, body = server.get("/metrics")
+    assert "# TYPE vllm:spec_decode_num_drafts_total counter" in body.decode()
+
+
+def _wait_idle(server: Server, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        lab = (("model_name", "test-model"),)
+        busy = m[("vllm:num_requests_running", lab)] + m[("vllm:num_requests_waiting", lab)]
+        if busy == 0 and m[("vllm:kv_cache_usage_perc", lab)] == 0:
+            return
+        assert time.monotonic() < deadline, f"server still busy: {busy} requests, kv usage {m}"
+        time.sleep(0.1)
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
+    abort = tuple(sorted({"model_name": "test-model", "finished_reason": "abort"}.items()))
+    aborted_before = server.metrics()[("vllm:request_success_total", abort)]
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "Once upon a time", "max_tokens": MAX_MODEL_LEN - 20, "stream": True, **GREEDY}
+            resp = await session.post(server.url + "/v1/completions", json=body)
+            assert resp.status == 200
+            got = 0
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    got += 1
+                    if got >= 2:
+                        break
+            resp.close()  # drop the connection without reading the rest
+
+    asyncio.run(run())
+    _wait_idle(server)
+    assert server.metrics()[("vllm:request_success_total", abort)] == aborted_before + 1
+
+
+def test_requests_beyond_max_num_seqs_queue_and_all_complete(server: Server) -> None:
+    n = 4 * MAX_NUM_SEQS
+
+    async def one(session: aiohttp.ClientSession, i: int) -> dict[str, Any]:
+        body = {"prompt": f"Item {i}:", "max_tokens": 6 + i % 3, "temperature": 1.0, "seed": i, "ignore_eos": True}
+        async with session.post(server.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            return await r.json()
+
+    async def run() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(one(session, i) for i in range(n)))
+
+    results = asyncio.run(run())
+    assert len({r["id"] for r in results}) == n
+    for i, r in enumerate(results):
+        assert r["usage"]["completion_tokens"] == 6 + i % 3
+        assert r["choices"][0]["finish_reason"] == "length"
+    _wait_idle(server)
+    assert server.get("/health")[0] == 200

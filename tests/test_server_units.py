@@ -1,0 +1,149 @@
+"""Server building blocks without a model: Prometheus rendering, stop-string buffering, detokenisation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_cli.engines.embedded.metrics import MetricsSnapshot, parse_metrics, render_metrics
+from dspark_cli.engines.embedded.server import IncrementalDetokenizer, StopTextBuffer
+
+# ----------------------------------------------------------------------------------------- /metrics
+
+
+def _snap() -> MetricsSnapshot:
+    return MetricsSnapshot(num_drafts=10, num_draft_tokens=40, num_accepted_tokens=17, accepted_per_pos=(9, 5, 3),
+                           prompt_tokens=123, generation_tokens=456, requests_finished={"stop": 3, "length": 2},
+                           num_running=2, num_waiting=1, num_steps=99)
+
+
+def test_render_uses_vllm_names_and_labels() -> None:
+    text = render_metrics(_snap(), 'my"model', num_speculative_tokens=4)
+    m = parse_metrics(text)
+    lab = (("model_name", 'my"model'),)
+    assert m[("vllm:spec_decode_num_drafts_total", lab)] == 10
+    assert m[("vllm:spec_decode_num_draft_tokens_total", lab)] == 40
+    assert m[("vllm:spec_decode_num_accepted_tokens_total", lab)] == 17
+    for pos, want in enumerate([9, 5, 3, 0]):  # padded to k positions, 0-based like vLLM
+        key = ("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("model_name", 'my"model'), ("position", str(pos))))
+        assert m[key] == want
+    assert m[("vllm:prompt_tokens_total", lab)] == 123
+    assert m[("vllm:generation_tokens_total", lab)] == 456
+    assert m[("vllm:num_requests_running", lab)] == 2
+    assert m[("vllm:num_requests_waiting", lab)] == 1
+    reasons = {dict(k[1])["finished_reason"]: v for k, v in m.items() if k[0] == "vllm:request_success_total"}
+    assert reasons == {"stop": 3, "length": 2, "abort": 0, "error": 0}
+
+
+def test_every_family_has_help_and_type_before_its_samples() -> None:
+    text = render_metrics(_snap(), "m")
+    lines = text.splitlines()
+    seen_type: dict[str, str] = {}
+    for i, line in enumerate(lines):
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert lines[i - 1].startswith(f"# HELP {name} ")
+            seen_type[name] = kind
+        elif line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            assert name in seen_type, name
+    assert seen_type["vllm:spec_decode_num_drafts_total"] == "counter"
+    assert seen_type["vllm:num_requests_running"] == "gauge"
+    assert text.endswith("\n")
+
+
+def test_parse_metrics_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="line 2"):
+        parse_metrics("# ok\nvllm:x{a=b} 1\n")
+    with pytest.raises(ValueError, match="bad value"):
+        parse_metrics("vllm:x 1,5\n")
+
+
+def test_from_stats_copies_an_engine_stats_like_object() -> None:
+    class Stats:
+        num_drafts = 3
+        num_draft_tokens = 12
+        num_accepted_tokens = 5
+        accepted_per_pos = [3, 2]
+        prompt_tokens = 7
+        generation_tokens = 8
+        requests_finished = {"stop": 1}
+        num_running = 0
+        num_waiting = 0
+        num_steps = 4
+
+    snap = MetricsSnapshot.from_stats(Stats())
+    Stats.requests_finished["stop"] = 99  # the snapshot must not alias the engine's live dict
+    assert snap.accepted_per_pos == (3, 2) and snap.requests_finished == {"stop": 1}
+
+
+# ------------------------------------------------------------------------------------ stop strings
+
+
+def _run_buffer(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
+    buf = StopTextBuffer(stops)
+    out = []
+    for p in pieces:
+        out.append(buf.add(p))
+        if buf.stopped:
+            break
+    if not buf.stopped:
+        out.append(buf.flush())
+    return "".join(out), buf.stopped
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc\n", max_size=40),
+       stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
+       cuts=st.lists(st.integers(0, 40), max_size=10))
+def test_stop_buffer_equals_cutting_the_whole_text(text: str, stops: list[str], cuts: list[int]) -> None:
+    """However the text arrives, the client sees it cut before the earliest stop string, and no more."""
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    want = text[:min(hits)] if hits else text
+    got, stopped = _run_buffer(stops, pieces)
+    assert got == want
+    assert stopped == bool(hits)
+
+
+def test_stop_buffer_holds_back_a_possible_stop_prefix() -> None:
+    buf = StopTextBuffer(["END"])
+    assert buf.add("hello E") == "hello"  # the last len("END") - 1 characters could start END
+    assert buf.add("N") == " "
+    assert buf.add("D and more") == ""
+    assert buf.stopped and buf.text == "hello "
+
+
+# -------------------------------------------------------------------------------- detokenisation
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():  # type: ignore[no-untyped-def]
+    """A small byte-level BPE trained in memory: multi-byte characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The quick brown fox jumps over the lazy dog. " * 3, "naïve café — 日本語 テキスト 🙂 emoji", "x = 1 + 2\n"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab é日本🙂.\n", min_size=1, max_size=30), prompt=st.text(alphabet="ab ", max_size=5),
+       chunk=st.integers(1, 4))
+def test_incremental_detokenizer_matches_full_decode(byte_tokenizer, text: str, prompt: str, chunk: int) -> None:  # type: ignore[no-untyped-def]
+    tok = byte_tokenizer
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    parts = [detok.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    parts.append(detok.flush())
+    assert "".join(parts) == tok.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in parts)  # never emits half a character
