@@ -7,6 +7,7 @@ becomes one line on stderr and exit status 1 -- never a traceback.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -54,27 +55,318 @@ def profile_sps() -> None:
 
 
 @app.command("calibrate")
-def calibrate() -> None:
+def calibrate(
+    traces: list[Path] = typer.Argument(..., help="Trace JSONL files (or folders of *.jsonl) from either engine.",
+                                        show_default=False),
+    output: Path = typer.Option(Path("sts.json"), "--output", "-o", help="Where to write the temperatures."),
+    plot: Path = typer.Option(None, "--plot", help="Also write a reliability diagram PNG here."),
+    bins: int = typer.Option(20, "--bins", help="Equal-width ECE bins."),
+    skip_invalid: bool = typer.Option(False, "--skip-invalid", help="Skip malformed lines instead of failing."),
+) -> None:
     """Fit Sequential Temperature Scaling from recorded traces; write sts.json."""
-    _not_built("calibrate")
+    import math
+
+    from rich.table import Table
+
+    from dspark_cli.calibrate import run_calibration
+
+    with console.status("fitting STS"):
+        res = run_calibration(traces, output, plot=plot, bins=bins, skip_invalid=skip_invalid)
+    if res.skipped:
+        err_console.print(f"warning: skipped {res.skipped} invalid trace lines")
+    fit = res.fit
+
+    def num(x: float, fmt: str) -> str:
+        return format(x, fmt) if math.isfinite(x) else "-"
+
+    table = Table(title=f"STS fit ({res.num_records} records, K={res.num_positions})",
+                  caption="ECE of the cumulative survival vs 'token k inside the accepted prefix' (rows with k verified)")
+    for col in ("position", "rows", "T", "ECE before", "ECE after", "AUC"):
+        table.add_column(col, justify="right")
+    for j in range(res.num_positions):
+        table.add_row(str(j + 1), str(fit.rows_per_position[j]), f"{fit.temperatures[j]:.3f}",
+                      num(fit.ece_before[j], ".4f"), num(fit.ece_after[j], ".4f"), num(fit.auc[j], ".3f"))
+    console.print(table)
+    written = [res.output] + ([res.plot] if res.plot is not None else [])
+    console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
 
 
-@app.command("serve")
-def serve() -> None:
-    """Start an OpenAI-compatible server with confidence-scheduled verification."""
-    _not_built("serve")
+@app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    engine: str | None = typer.Option(None, "--engine", help="embedded (default, one device) or vllm."),
+    model: str | None = typer.Option(None, "--model", help="Target model: alias or checkpoint path (default smollm2-135m)."),
+    draft: str | None = typer.Option(None, "--draft", help="Draft model: alias, path, auto (default) or none."),
+    num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", "-k",
+                                                      help="Drafted tokens per step (0 = no speculation)."),
+    capacity_mode: str | None = typer.Option(None, "--capacity-mode", help="none (default), mask or varlen; capacity settings alone imply varlen."),
+    capacity_policy: str | None = typer.Option(None, "--capacity-policy", help="argmax (default), paper or threshold."),
+    confidence_threshold: float | None = typer.Option(None, "--confidence-threshold",
+                                                      help="Survival threshold in (0, 1] (threshold policy)."),
+    sps_curve: str | None = typer.Option(None, "--sps-curve", help="sps_curve.json from profile-sps, or auto."),
+    sps_overhead_ms: float | None = typer.Option(None, "--sps-overhead-ms", help="Override the curve's per-step overhead."),
+    sts: str | None = typer.Option(None, "--sts", help="sts.json from calibrate (offline STS temperatures)."),
+    online_sts: bool | None = typer.Option(None, "--online-sts/--no-online-sts", help="Fit STS online from outcomes."),
+    budget_frac: float | None = typer.Option(None, "--budget-frac", help="Hard cap: verify <= this fraction of drafts."),
+    min_predicted_gain: float | None = typer.Option(None, "--min-predicted-gain",
+                                                    help="Trim only when the predicted gain exceeds this fraction."),
+    record_traces: str | None = typer.Option(None, "--record-traces", help="Append verification traces (JSONL) here."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Requests decoded together (more queue)."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length (prompt + output)."),
+    host: str | None = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
+    port: int | None = typer.Option(None, "--port", help="Port (default 8000)."),
+    device: str | None = typer.Option(None, "--device", help="auto (default), cpu or cuda."),
+    seed: int | None = typer.Option(None, "--seed", help="Engine seed."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model name the API reports."),
+    speculative_config: str | None = typer.Option(None, "--speculative-config",
+                                                  help="JSON, as for vllm serve; dspark_* keys are understood."),
+) -> None:
+    """Start an OpenAI-compatible server with confidence-scheduled verification.
+
+    With --engine vllm, options this command does not know (and anything after --) pass through to
+    vllm serve.
+    """
+    import importlib.util
+    import logging
+
+    from dspark_cli.serve_config import build_settings
+
+    flags = {
+        "engine": engine, "model": model, "draft": draft, "num_speculative_tokens": num_speculative_tokens,
+        "capacity_mode": capacity_mode, "capacity_policy": capacity_policy,
+        "confidence_threshold": confidence_threshold, "sps_curve": sps_curve, "sps_overhead_ms": sps_overhead_ms,
+        "sts": sts, "online_sts": online_sts, "budget_frac": budget_frac, "min_predicted_gain": min_predicted_gain,
+        "record_traces": record_traces, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+        "host": host, "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
+    }
+    settings = build_settings(flags, speculative_config)
+    extra = [a for a in ctx.args if a != "--"]
+    if settings.engine == "vllm":
+        if importlib.util.find_spec("dspark_cli.engines.vllm.launcher") is None:
+            raise DsparkError("--engine vllm is not available in this build (no vLLM launcher); use --engine embedded")
+        from dspark_cli.engines.vllm.launcher import run_vllm_serve
+
+        raise typer.Exit(run_vllm_serve(settings, extra) or 0)
+    if extra:
+        raise DsparkError(f"unknown option(s) for the embedded engine: {' '.join(extra)} "
+                          "(only --engine vllm passes options through); see dspark serve --help")
+
+    from rich.table import Table
+
+    from dspark_cli.engines.embedded.server import run_server
+    from dspark_cli.serve_config import prepare_embedded
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    launch = prepare_embedded(settings)
+    banner = Table.grid(padding=(0, 2))
+    banner.add_column(style="bold cyan")
+    banner.add_column()
+    for key, value in launch.banner:
+        banner.add_row(key, value)
+    console.print("[bold]dspark serve[/] (embedded engine)")
+    console.print(banner)
+
+    def _ready(url: str) -> None:
+        console.print(f"[green]ready[/]: serving [bold]{launch.options.served_model_name}[/] at {url}/v1 "
+                      f"(metrics at {url}/metrics)", highlight=False, soft_wrap=True)
+
+    try:
+        run_server(launch.engine_factory, launch.options, on_ready=_ready)
+    finally:
+        launch.cleanup()
 
 
 @app.command("bench")
-def bench() -> None:
+def bench(
+    base_url: str = typer.Option(None, "--base-url", help="Bench a running server (one config, --label)."),
+    label: str = typer.Option("server", "--label", help="Config name for the --base-url server's column."),
+    serve: bool = typer.Option(False, "--serve", help="Start `dspark serve` per config (see --configs)."),
+    configs: str = typer.Option("none,mask,varlen", "--configs",
+                                help="With --serve: nospec, none, mask, varlen, each mode optionally +sts."),
+    serve_args: str = typer.Option("", "--serve-args", help="Flags every `dspark serve` gets, e.g. '--model tiny'."),
+    sps_curve: str = typer.Option(None, "--sps-curve", help="SPS curve FILE or 'auto' for mask/varlen configs."),
+    concurrency: str = typer.Option("1,4,16", "--concurrency", "-c", help="Comma list of in-flight requests."),
+    num_prompts: int = typer.Option(64, "--num-prompts", "-n", help="Requests per cell (equal work per cell)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Output tokens per request."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Keep outputs full length."),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    seed: int = typer.Option(0, "--seed", help="Request i is sent with seed + i (and seeds --dataset random)."),
+    dataset: str = typer.Option("gsm8k", "--dataset",
+                                help="gsm8k, mt-bench, speed-bench, random, or a JSONL file path."),
+    dataset_path: str = typer.Option(None, "--dataset-path", help="SPEED-Bench folder for --dataset speed-bench."),
+    speed_bench_subset: str = typer.Option("qualitative", "--speed-bench-subset"),
+    speed_bench_category: str = typer.Option(None, "--speed-bench-category"),
+    input_len: int = typer.Option(128, "--input-len", help="Prompt tokens for --dataset random."),
+    tokenizer: str = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) for --dataset random."),
+    endpoint: str = typer.Option("chat", "--endpoint", help="chat (/v1/chat/completions) or completions."),
+    model: str = typer.Option(None, "--model", help="Model name in requests (default: the server's first)."),
+    results_dir: Path = typer.Option(Path("bench-results"), "--results-dir", "-o"),
+    force: bool = typer.Option(False, "--force", help="Remeasure cells already in --results-dir."),
+    warmup_prompts: int = typer.Option(4, "--warmup-prompts", help="Short warm-up requests per server."),
+    sts_warmup_prompts: int = typer.Option(None, "--sts-warmup-prompts",
+                                           help="STS warm-up requests (default: --num-prompts)."),
+    server_timeout: float = typer.Option(600.0, "--server-timeout", help="Seconds to wait for /health."),
+    host: str = typer.Option("127.0.0.1", "--host", help="With --serve: where servers listen."),
+    port: int = typer.Option(None, "--port", help="With --serve: fixed port (default: a free one)."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds per request."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write throughput.png and pareto.png."),
+    simulate: bool = typer.Option(False, "--simulate", help="Replay verification traces instead of serving."),
+    traces: list[str] = typer.Option(None, "--traces",
+                                     help="With --simulate: trace JSONL files or folders (repeat or comma list)."),
+    num_spec_tokens: int = typer.Option(None, "--num-speculative-tokens", "-k",
+                                        help="With --simulate: replay the first K drafted positions (default: the traces' K)."),
+    policies: str = typer.Option(None, "--policies", help="With --simulate: comma list of nospec, fixed, threshold, "
+                                 "paper, argmax, manager, manager+sts, manager+offline-sts (default: all; the oracle always)."),
+    threshold: str = typer.Option(None, "--threshold", help="With --simulate: comma list of survival thresholds (default: 0.3,0.5,0.7)."),
+    min_predicted_gain: float = typer.Option(0.0, "--min-predicted-gain",
+                                             help="With --simulate: the manager's minimum predicted gain."),
+    saturation_patience: int = typer.Option(8, "--saturation-patience",
+                                            help="With --simulate: non-paying steps before drafting pauses (0 = never)."),
+    sts: str = typer.Option(None, "--sts", help="With --simulate: offline sts.json (adds manager+offline-sts)."),
+    sim_steps: int = typer.Option(None, "--steps", help="With --simulate: steps per concurrency (default: cover the traces once)."),
+) -> None:
     """Run the config x concurrency matrix and print the comparison table."""
-    _not_built("bench")
+    import shlex
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dspark_cli.bench import matrix as mx
+    from dspark_cli.bench import report
+    from dspark_cli.bench.client import LoadConfig
+    from dspark_cli.bench.datasets import load_prompts
+
+    if simulate:
+        from dspark_cli.bench import simulate as sim
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task("simulating", total=None)
+            run = sim.run_simulation(
+                traces or [], sps_curve, mx.parse_concurrencies(concurrency), results_dir,
+                num_spec_tokens=num_spec_tokens, policies=policies, thresholds=threshold,
+                min_predicted_gain=min_predicted_gain, saturation_patience=saturation_patience, sts=sts,
+                num_steps=sim_steps, plots=plots,
+                on_progress=lambda c, name: progress.update(task, advance=1, description=f"c={c} {name}"),
+            )
+        console.print(sim.to_rich(run.cells, run.names, run.title))
+        console.print("wrote " + ", ".join(str(p) for p in run.summary_files), highlight=False)
+        return
+    if serve == (base_url is not None):
+        raise DsparkError("pass exactly one of --serve (start a server per config) or --base-url URL")
+    if endpoint not in ("chat", "completions"):
+        raise DsparkError(f"--endpoint must be chat or completions, got {endpoint!r}")
+    if max_tokens < 1:
+        raise DsparkError(f"--max-tokens must be >= 1, got {max_tokens}")
+    try:
+        common = shlex.split(serve_args)
+    except ValueError as exc:
+        raise DsparkError(f"--serve-args is not valid shell syntax: {exc}") from exc
+    cfgs = mx.parse_configs(configs, sps_curve, common) if serve else [mx.BenchConfig(label)]
+    concs = mx.parse_concurrencies(concurrency)
+    prompts = load_prompts(dataset, num_prompts, dataset_path=dataset_path, speed_bench_subset=speed_bench_subset,
+                           speed_bench_category=speed_bench_category, input_len=input_len, seed=seed,
+                           tokenizer=tokenizer)
+    workload = {"dataset": dataset, "speed_bench_subset": speed_bench_subset if dataset == "speed-bench" else None,
+                "speed_bench_category": speed_bench_category, "input_len": input_len if dataset == "random" else None,
+                "num_prompts": num_prompts, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+                "temperature": temperature, "seed": seed, "endpoint": endpoint}
+    load = LoadConfig(base_url=base_url or "", endpoint=endpoint, model=model, max_tokens=max_tokens,  # type: ignore[arg-type]
+                      temperature=temperature, seed=seed, ignore_eos=ignore_eos, request_timeout_s=request_timeout)
+    spec = mx.MatrixSpec(configs=cfgs, concurrencies=concs, prompts=prompts, load=load, results_dir=results_dir,
+                         workload=workload, serve=serve, serve_args=common, host=host, port=port,
+                         server_timeout_s=server_timeout, force=force, warmup_prompts=warmup_prompts,
+                         sts_warmup_prompts=sts_warmup_prompts)
+    total = len(cfgs) * len(concs)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        cells_task = progress.add_task("cells", total=total, completed=total - len(mx.pending_cells(spec)))
+        req_task = progress.add_task("requests", total=num_prompts, visible=False)
+
+        def cell_started(config: str, c: int, n: int) -> None:
+            progress.reset(req_task, total=n, visible=True, description=f"{config} c={c}")
+
+        hooks = mx.Hooks(
+            log=lambda msg: progress.console.print(f"[dim]{msg}[/dim]", highlight=False),
+            cell_started=cell_started,
+            request_done=lambda r: progress.advance(req_task),
+            cell_done=lambda cell: progress.advance(cells_task),
+        )
+        try:
+            cells = mx.run_matrix(spec, base_url=base_url, label=label, hooks=hooks)
+        except mx.ServerStartError as exc:
+            if exc.log_tail:
+                err_console.print(exc.log_tail, markup=False, highlight=False, style="dim")
+            raise
+    names = [k.name for k in spec.configs]
+    title = f"dspark bench ({dataset}, {num_prompts} prompts x {max_tokens} tokens, temperature {temperature:g})"
+    json_path, md_path = report.write_summary(results_dir, cells, names, concs, title)
+    console.print(report.to_rich(report.build_table(cells, names, concs), title))
+    failed = sum(int(c["metrics"].get("failed") or 0) for c in cells)
+    if failed:
+        err_console.print(f"warning: {failed} requests failed; see 'errors' in the cell JSONs")
+    written = [json_path, md_path]
+    if plots:
+        from dspark_cli.bench.plots import plot_matrix
+
+        written += plot_matrix(cells, names, results_dir, title="dspark bench")
+    console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
 
 
 @eval_app.command("gsm8k")
-def eval_gsm8k() -> None:
+def eval_gsm8k(
+    base_url: str = typer.Option(None, "--base-url", help="Server URL (default http://127.0.0.1:PORT)."),
+    port: int = typer.Option(8000, "--port", help="Local server port when --base-url is not given."),
+    num_shots: int = typer.Option(5, "--num-shots", help="Chain-of-thought exemplars in the prompt (0..8)."),
+    limit: int = typer.Option(None, "--limit", help="Only the first N test questions (default: all 1319)."),
+    concurrency: int = typer.Option(8, "--concurrency", "-c", help="Requests in flight."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Completion tokens per question."),
+    model: str = typer.Option(None, "--model", help="Model name in requests (default: the server's first)."),
+    output: Path = typer.Option(None, "--output", "-o",
+                                help="Per-question JSONL; questions already in it are skipped (resume)."),
+    compare: bool = typer.Option(False, "--compare", help="Compare the result FILES side by side instead."),
+    files: list[Path] = typer.Argument(None, help="With --compare: per-question result files (JSONL).",
+                                       show_default=False),
+) -> None:
     """Few-shot GSM8K accuracy against a running server."""
-    _not_built("eval gsm8k")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from dspark_cli.evals import gsm8k as ev
+
+    if files and not compare:
+        raise DsparkError("result files are only read with --compare (e.g. --compare a.jsonl b.jsonl)")
+    if compare:
+        rows, _, note = ev.compare(files or [])
+        table = Table(title="GSM8K accuracy (shared questions)")
+        for col in ("file", "n", "strict", "flexible", "invalid"):
+            table.add_column(col, justify="left" if col == "file" else "right")
+        for r in rows:
+            s = r.summary
+            table.add_row(r.label, str(s.n), f"{s.strict:.3f} ± {s.stderr(s.strict, s.n):.3f}",
+                          f"{s.flexible:.3f} ± {s.stderr(s.flexible, s.n):.3f}", f"{s.invalid:.3f}")
+        console.print(table)
+        console.print(note, highlight=False)
+        return
+    url = (base_url or f"http://127.0.0.1:{port}").rstrip("/")
+    if limit is not None and limit < 1:
+        raise DsparkError(f"--limit must be >= 1, got {limit}")
+    cfg = ev.EvalConfig(base_url=url, num_shots=num_shots, limit=limit, concurrency=concurrency,
+                        max_tokens=max_tokens, model=model)
+    with Progress(TextColumn("gsm8k"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("gsm8k", total=None)
+
+        def on_start(done: int, total: int) -> None:
+            progress.update(task, total=total, completed=done)
+            if done:
+                progress.console.print(f"[dim]resuming: {done} questions already in {output}[/dim]")
+
+        try:
+            rows = ev.run_eval(cfg, output, on_start=on_start, on_done=lambda r: progress.advance(task))
+        except KeyboardInterrupt:
+            kept = f"; finished questions are kept in {output}, rerun to resume" if output else ""
+            raise DsparkError(f"interrupted{kept}") from None
+    console.print(ev.summarize(rows).line(f"gsm8k {num_shots}-shot"), highlight=False)
 
 
 def main() -> None:
@@ -82,7 +374,7 @@ def main() -> None:
     try:
         app()
     except DsparkError as exc:
-        err_console.print(f"error: {exc}", markup=False, highlight=False)
+        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(1)
 
 

@@ -9,11 +9,16 @@ Two fits, deliberately different:
 * **Offline** (:func:`fit_sts`, the paper's STS): for k = 1..K left to right, pick ``T_k`` minimising the
   ECE of the *cumulative* survival ``prod_{i<=k} sigmoid(logit(c_i)/T_i)`` against "token k is inside
   the accepted prefix", earlier temperatures frozen. Fitting the product is what the scheduler consumes,
-  and per-position errors compound geometrically along it. The cumulative label of position k is
-  observed exactly when position k was verified (``k <= v``): then it is ``k <= a`` -- a rejection
-  before k makes it a known 0. (The SPEC's ``k <= min(a+1, v)`` is when the *conditional* label is known;
-  using it here would keep only rows whose prefix survived, and the product would then be fitted
-  against a conditional rate, biasing every T_k for k >= 2.)
+  and per-position errors compound geometrically along it. The cumulative label of position k is used
+  exactly on rows where position k was verified (``k <= v``, :func:`cumulative_labels`): then it is
+  ``k <= a`` -- a rejection before k makes it a known 0. Which rows qualify depends only on ``v``, which
+  the engine fixed from confidences *before* verifying, so the selection cannot bias the label given the
+  confidences, however the traces were pruned. Two tempting alternatives are biased:
+  the SPEC's ``k <= min(a+1, v)`` (when the *conditional* label is known) keeps only rows whose prefix
+  survived, fitting the product against a conditional rate; and adding rows with ``k > v`` whose
+  rejection was observed (``a < v``, label surely 0) while rows with ``a == v`` stay unknown selects on
+  the outcome itself -- every added label is 0, so survival past ``v`` is under-estimated (classic
+  right-censoring; on uniformly pruned traces it drives T_3 from 2 to the top of the grid).
 * **Online** (:class:`OnlineSTS`): decayed per-position counters of the *conditional* outcome -- position
   k is a trial iff ``k <= min(a+1, v)`` (it was tested with its prefix accepted), a hit iff ``k <= a`` --
   which is exactly what the head predicts. Calibrating each conditional factor calibrates the product
@@ -132,6 +137,26 @@ class StsFit:
         return atomic_write_json(path, self.to_dict())
 
 
+def cumulative_labels(
+    verified: np.ndarray, accepted: np.ndarray, num_positions: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``known[N, K]`` (position k verified: ``k <= v``) and ``label[N, K]`` (``k <= a``) of the cumulative
+    event "token k is inside the accepted prefix"; see the module docstring for why only ``k <= v``."""
+    v = np.asarray(verified, dtype=np.int64).reshape(-1, 1)
+    a = np.asarray(accepted, dtype=np.int64).reshape(-1, 1)
+    pos = np.arange(1, num_positions + 1)[None, :]
+    return pos <= v, (pos <= a).astype(np.float64)
+
+
+def cumulative_survival(conf: np.ndarray, temperatures: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
+    """``prod_{i<=k} sigmoid(logit(c_i) / T_i)`` per row (raw probabilities, clamped, when no temperatures)."""
+    conf = np.asarray(conf, dtype=np.float64)
+    if temperatures is None:
+        return np.cumprod(np.clip(conf, PROB_EPS, 1.0 - PROB_EPS), axis=-1)
+    t = np.asarray(temperatures, dtype=np.float64)[: conf.shape[-1]]
+    return np.cumprod(_sigmoid_np(_logit_np(conf) / t), axis=-1)
+
+
 def fit_sts(
     conf: np.ndarray,
     verified: np.ndarray,
@@ -158,8 +183,7 @@ def fit_sts(
     logits = _logit_np(conf)
     raw = np.clip(conf, PROB_EPS, 1.0 - PROB_EPS)
     pos = np.arange(1, k_pos + 1)
-    known_cum = pos[None, :] <= v[:, None]  # cumulative label observed iff position k was verified
-    label_cum = (pos[None, :] <= a[:, None]).astype(np.float64)
+    known_cum, label_cum = cumulative_labels(v, a, k_pos)
     known_cond = pos[None, :] <= np.minimum(a + 1, v)[:, None]
 
     temps = np.ones(k_pos)

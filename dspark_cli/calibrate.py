@@ -1,0 +1,128 @@
+"""``dspark calibrate``: fit Sequential Temperature Scaling from recorded traces, write ``sts.json`` and a
+reliability diagram.
+
+The fit itself is :func:`dspark_cli.core.sts.fit_sts` (the same code the engines' offline STS reads back);
+this module reads traces from either engine, refuses input it cannot trust with ``file:line``, and draws
+what a person checks before deploying temperatures: predicted cumulative survival against the observed
+rate of "token k inside the accepted prefix", before and after, on the rows where that label is known.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dspark_cli.core.sts import StsFit, cumulative_labels, cumulative_survival, fit_sts
+from dspark_cli.core.traces import read_traces
+from dspark_cli.errors import DsparkError
+
+MAX_PLOTTED_POSITIONS = 4
+
+
+@dataclass
+class CalibrationResult:
+    fit: StsFit
+    output: Path
+    plot: Path | None
+    num_records: int
+    skipped: int
+    num_positions: int
+
+
+def plotted_positions(num_positions: int, limit: int = MAX_PLOTTED_POSITIONS) -> list[int]:
+    """1-based positions to draw: all of them when few, else the first, the last and evenly between."""
+    if num_positions <= limit:
+        return list(range(1, num_positions + 1))
+    picks = np.unique(np.round(np.linspace(1, num_positions, limit)).astype(int))
+    return [int(p) for p in picks]
+
+
+def reliability_curve(
+    prob: np.ndarray, label: np.ndarray, bins: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per equal-width bin: mean predicted, observed rate and count (empty bins dropped)."""
+    idx = np.minimum((prob * bins).astype(np.int64), bins - 1)
+    count = np.bincount(idx, minlength=bins)
+    psum = np.bincount(idx, weights=prob, minlength=bins)
+    ysum = np.bincount(idx, weights=label, minlength=bins)
+    keep = count > 0
+    return psum[keep] / count[keep], ysum[keep] / count[keep], count[keep]
+
+
+def plot_reliability(
+    conf: np.ndarray,
+    verified: np.ndarray,
+    accepted: np.ndarray,
+    fit: StsFit,
+    path: str | os.PathLike[str],
+    bins: int = 20,
+) -> Path:
+    """Reliability diagram of the cumulative survival per position, raw vs calibrated (PNG, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    k = conf.shape[1]
+    known, label = cumulative_labels(verified, accepted, k)
+    before = cumulative_survival(conf)
+    after = cumulative_survival(conf, fit.temperatures)
+    positions = plotted_positions(k)
+    fig, axes = plt.subplots(1, len(positions), figsize=(3.6 * len(positions), 3.8), squeeze=False)
+    for ax, pos in zip(axes[0], positions, strict=True):
+        j = pos - 1
+        m = known[:, j]
+        ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
+        if m.any():
+            for probs, name, color, ece in ((before, "raw", "tab:red", fit.ece_before[j]),
+                                            (after, f"STS T={fit.temperatures[j]:.2f}", "tab:blue",
+                                             fit.ece_after[j])):
+                x, y, n = reliability_curve(probs[m, j], label[m, j], bins)
+                ax.plot(x, y, marker="o", markersize=3, color=color, label=f"{name} (ECE {ece:.3f})")
+        else:
+            ax.text(0.5, 0.5, "no verified rows", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(f"position {pos} ({int(m.sum())} rows)")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("predicted survival  prod c_i")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[0][0].set_ylabel("observed: token k inside the accepted prefix")
+    fig.suptitle("Reliability of the cumulative survival, before and after STS")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def run_calibration(
+    traces: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    plot: str | os.PathLike[str] | None = None,
+    bins: int = 20,
+    skip_invalid: bool = False,
+) -> CalibrationResult:
+    """Read traces, fit STS, write ``sts.json`` (atomic) and optionally the reliability diagram."""
+    if not traces:
+        raise DsparkError("no trace files given; pass TRACES.jsonl (recorded with `dspark serve --record-traces`)")
+    if bins < 2:
+        raise DsparkError(f"--bins must be >= 2, got {bins}")
+    ts = read_traces(list(traces), skip_invalid=skip_invalid)
+    names = ", ".join(str(t) for t in traces)
+    if not ts.records:
+        extra = f" ({ts.skipped} invalid lines skipped)" if ts.skipped else ""
+        raise DsparkError(f"no trace records in {names}{extra}; record some with `dspark serve --record-traces FILE`")
+    conf, verified, accepted = ts.arrays()
+    if not verified.any():
+        raise DsparkError(f"no trace record in {names} verified any draft, so nothing can be calibrated; record "
+                          "traces with drafts verified (e.g. --capacity-mode none)")
+    fit = fit_sts(conf, verified, accepted, bins=bins)
+    out = fit.save(output)
+    plot_path = plot_reliability(conf, verified, accepted, fit, plot, bins) if plot is not None else None
+    return CalibrationResult(fit, out, plot_path, len(ts.records), ts.skipped, conf.shape[1])

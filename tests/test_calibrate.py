@@ -1,0 +1,161 @@
+"""`dspark calibrate` end to end (traces JSONL -> sts.json + reliability PNG) and its refusal paths."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from dspark_cli.calibrate import plotted_positions, reliability_curve, run_calibration
+from dspark_cli.cli import main
+from dspark_cli.errors import DsparkError
+
+T_STAR = [2.5, 0.5, 2.0]
+
+
+def synth_traces(seed: int, n: int, t_star: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows from a known miscalibration: position k survives (given its prefix) with probability
+    sigmoid(logit(c_k) / T*_k); the recording engine verified a random number of drafts."""
+    rng = np.random.default_rng(seed)
+    k = len(t_star)
+    logit = rng.normal(1.5, 2.0, size=(n, k))
+    conf = 1.0 / (1.0 + np.exp(-logit))
+    accept = rng.random((n, k)) < 1.0 / (1.0 + np.exp(-logit / np.array(t_star)))
+    run = np.argmin(np.c_[accept, np.zeros((n, 1), dtype=bool)], axis=1)
+    verified = rng.integers(1, k + 1, size=n)
+    return conf, verified, np.minimum(run, verified)
+
+
+def write_traces(path: Path, conf: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> Path:
+    with path.open("wb") as fh:
+        for i in range(len(conf)):
+            fh.write(orjson.dumps({"request": f"r{i // 16}", "step": i % 16, "conf": conf[i].round(6).tolist(),
+                                   "verified": int(verified[i]), "accepted": int(accepted[i])},
+                                  option=orjson.OPT_APPEND_NEWLINE))
+    return path
+
+
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run the real console entry point in-process; returns (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["dspark", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_calibrate_cli_recovers_t_star_and_cuts_ece(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    conf, v, a = synth_traces(0, 30000, T_STAR)
+    half = len(conf) // 2  # two files: calibrate reads several, like traces from two engines
+    f1 = write_traces(tmp_path / "a.jsonl", conf[:half], v[:half], a[:half])
+    f2 = write_traces(tmp_path / "b.jsonl", conf[half:], v[half:], a[half:])
+    out, png = tmp_path / "out" / "sts.json", tmp_path / "rel.png"
+    code, stdout, err = run_cli(monkeypatch, capsys, "calibrate", str(f1), str(f2), "-o", str(out),
+                                "--plot", str(png))
+    assert code == 0, err
+    assert "ECE before" in stdout and "AUC" in stdout
+    sts = json.loads(out.read_text())
+    assert sts["version"] == 1 and sts["temperatures"] == sts["sts_temperatures"]
+    assert sts["num_rows"] == 30000 and len(sts["temperatures"]) == 3
+    for k, t in enumerate(T_STAR):
+        assert abs(math.log(sts["temperatures"][k] / t)) < 0.2, sts["temperatures"]
+        assert sts["ece_after"][k] * 3 <= sts["ece_before"][k], (sts["ece_before"], sts["ece_after"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("lines", "needle"),
+    [
+        ([b'{"conf": [0.5, 0.5], "verified": 2, "accepted": 1}', b'{"conf": [0.5, 0.5], "verified": 3'],
+         "bad.jsonl:2: not valid JSON"),
+        ([b'{"conf": [0.5, 0.5], "verified": 2, "accepted": 1}', b'{"conf": [0.5], "verified": 1, "accepted": 1}'],
+         "bad.jsonl:2: 'conf' has 1 positions but earlier rows have 2"),
+        ([b'{"conf": [0.5, 0.5], "verified": 1, "accepted": 2}'], "bad.jsonl:1: needs 0 <= accepted <= verified"),
+    ],
+    ids=["malformed-json", "inconsistent-k", "counts-out-of-range"],
+)
+def test_malformed_input_fails_with_file_and_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str], lines: list[bytes],
+                                                  needle: str) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "sts.json"
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(bad), "-o", str(out))
+    assert code == 1
+    assert needle in err and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_inconsistent_k_across_files_names_the_second_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    a = tmp_path / "a.jsonl"
+    b = tmp_path / "b.jsonl"
+    a.write_text('{"conf": [0.5, 0.5], "verified": 2, "accepted": 1}\n')
+    b.write_text('\n{"conf": [0.5, 0.5, 0.5], "verified": 2, "accepted": 1}\n')
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(a), str(b), "-o", str(tmp_path / "s.json"))
+    assert code == 1 and f"{b}:2:" in err and "earlier rows have 2" in err
+
+
+def test_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.jsonl"
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(missing), "-o", str(tmp_path / "s.json"))
+    assert code == 1 and f"{missing}: cannot read traces" in err and err.count("\n") == 1
+
+
+def test_empty_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(empty), "-o", str(tmp_path / "s.json"))
+    assert code == 1 and "no trace records" in err and str(empty) in err
+
+
+def test_nothing_verified_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"conf": [0.9, 0.8], "verified": 0, "accepted": 0}\n' * 3)
+    with pytest.raises(DsparkError, match="verified any draft"):
+        run_calibration([f], tmp_path / "s.json")
+
+
+def test_skip_invalid_reports_the_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    conf, v, a = synth_traces(1, 400, [1.0, 1.0])
+    f = write_traces(tmp_path / "t.jsonl", conf, v, a)
+    with f.open("ab") as fh:
+        fh.write(b"garbage\n")
+        fh.write(b'{"conf": [0.5, 0.5, 0.5], "verified": 1, "accepted": 0}\n')  # wrong K
+        fh.write(b'{"conf": [0.5, 1.5], "verified": 1, "accepted": 0}\n')  # not a probability
+    out = tmp_path / "sts.json"
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(f), "-o", str(out))
+    assert code == 1 and f"{f}:401:" in err
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(f), "-o", str(out), "--skip-invalid")
+    assert code == 0 and "skipped 3 invalid trace lines" in err
+    assert json.loads(out.read_text())["num_rows"] == 400
+    # Everything invalid: still refused, and the skipped count is in the message.
+    only_bad = tmp_path / "bad.jsonl"
+    only_bad.write_text("x\ny\n")
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(only_bad), "--skip-invalid",
+                           "-o", str(tmp_path / "s2.json"))
+    assert code == 1 and "2 invalid lines skipped" in err
+
+
+def test_bad_bins_and_no_files(tmp_path: Path) -> None:
+    with pytest.raises(DsparkError, match="--bins"):
+        run_calibration([tmp_path / "x.jsonl"], tmp_path / "s.json", bins=1)
+    with pytest.raises(DsparkError, match="no trace files"):
+        run_calibration([], tmp_path / "s.json")
+
+
+def test_reliability_helpers() -> None:
+    assert plotted_positions(3) == [1, 2, 3]
+    assert plotted_positions(8) == [1, 3, 6, 8]
+    x, y, n = reliability_curve(np.array([0.1, 0.12, 0.9]), np.array([0.0, 1.0, 1.0]), bins=10)
+    assert np.allclose(x, [0.11, 0.9]) and np.allclose(y, [0.5, 1.0]) and n.tolist() == [2, 1]
