@@ -1,0 +1,102 @@
+"""Engine configuration: one dataclass the CLI, the server and the tests all build the engine from.
+
+The keys mirror vLLM's (``num_speculative_tokens``, ``max_num_seqs``, ``max_model_len``, ``block_size``)
+so a command line written for one engine reads the same for the other. Resolution of the "auto" values
+(device, dtype, KV pool size) lives here too, so every component sees the same decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_cli.core.capacity import CapacityConfig
+from dspark_cli.errors import DsparkError
+
+__all__ = ["EngineConfig", "resolve_device", "resolve_dtype"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"  # checkpoint dir or an alias resolved by assets.resolve_model(...)
+    draft: str | None = "auto"  # checkpoint dir | "auto" (the model's default draft) | None (no draft)
+    num_speculative_tokens: int = 4  # 0 = no speculation
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    sps_curve: str | None = None  # path to sps_curve.json | "auto" (profile at start-up) | None
+    sts: str | None = None  # sts.json (offline temperatures)
+    online_sts: bool = False
+    record_traces: str | None = None  # traces JSONL path
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    cuda_graphs: bool = True  # ignored on CPU
+    # Prefill admission limit per step (tokens); None = max(max_model_len, 2048). Prefills are not
+    # chunked, so a prompt may exceed it when it is the only one admitted in a step.
+    max_num_batched_tokens: int | None = None
+    # Fraction of free accelerator memory the KV pool may take when num_kv_blocks is None (CUDA only).
+    gpu_memory_utilization: float = 0.5
+    # Largest captured verify size; None = (K + 1) * max_num_seqs.
+    max_capture_size: int | None = None
+    # "auto" = the Triton paged-attention kernel on CUDA when triton is importable, else the torch path.
+    attention_backend: str = "auto"
+
+    def validate(self) -> None:
+        """Reject impossible settings with one-line messages before anything is loaded."""
+        if self.num_speculative_tokens < 0:
+            raise DsparkError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.max_num_seqs < 1:
+            raise DsparkError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise DsparkError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.block_size < 1:
+            raise DsparkError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise DsparkError(f"num_kv_blocks must be >= 2 (one is a reserved scratch block), got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise DsparkError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in ("auto", *_DTYPES):
+            raise DsparkError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.capacity.mode not in ("none", "mask", "varlen"):
+            raise DsparkError(f"unknown capacity mode {self.capacity.mode!r}; use none, mask or varlen")
+
+    @property
+    def batched_token_limit(self) -> int:
+        return self.max_num_batched_tokens or max(self.max_model_len, 2048)
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" picks CUDA when present; an explicit "cuda" without a GPU is a user error, not a crash."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise DsparkError(f"unknown device {name!r}; use auto, cpu or cuda[:N]") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DsparkError(f"device {name!r} asked for but no CUDA device is available; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise DsparkError(f"device {name!r} is not supported by the embedded engine; use cpu or cuda")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """float32 on CPU (bit-stable greedy comparisons, fast enough for small models), bf16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]

@@ -1,0 +1,461 @@
+"""LLMEngine: the continuous-batching speculative-decoding loop, every verification decision via the core.
+
+One ``step()`` is either a prefill of newly admitted requests or one speculative decode step of every
+running request::
+
+    draft (skipped when K == 0 or the saturation policy paused drafting)
+      -> STS temperatures applied to the raw confidences
+      -> CapacityManager.record_confidences / plan (host, stale) / allocate (device, fresh)
+      -> verify layout (varlen: compacted, padded to a captured size; mask: uniform, pruned = padding;
+         none: every draft admitted)
+      -> target forward -> core.rejection.rejection_sample
+      -> append accepted + bonus tokens (max_tokens, EOS, stop ids: emission truncated at the stop)
+      -> OnlineSTS.record (verified = admitted) -> traces (raw confidences) -> stats
+
+Losslessness does not depend on the capacity decision: pruned drafts are never accepted, every request
+emits exactly one token from the target's own distribution after its accepted prefix, so greedy output
+is the same token sequence in every mode and with no speculation at all.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dspark_cli.core.capacity import CapacityManager
+from dspark_cli.core.layout import VerifyLayout, build_mask_layout, build_varlen_layout
+from dspark_cli.core.rejection import rejection_sample, sample
+from dspark_cli.core.sps import SpsCurve
+from dspark_cli.core.sts import OnlineSTS, apply_temperatures, load_sts
+from dspark_cli.core.traces import TraceWriter
+from dspark_cli.engines.embedded.block_manager import BlockManager
+from dspark_cli.engines.embedded.config import EngineConfig, resolve_device, resolve_dtype
+from dspark_cli.engines.embedded.model import read_llama_args
+from dspark_cli.engines.embedded.model_runner import ModelRunner
+from dspark_cli.engines.embedded.scheduler import Scheduler
+from dspark_cli.engines.embedded.sequence import SamplingParams, Sequence
+from dspark_cli.errors import DsparkError
+
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput", "resolve_checkpoints"]
+
+log = logging.getLogger("dspark.embedded")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters with vLLM's spec-decode metric semantics.
+
+    A *draft* is one request-step that drafted and verified; ``num_draft_tokens`` counts the K drafts
+    proposed per such request-step (scheduled, so capacity-pruned drafts count as rejected, exactly as
+    vLLM's adaptive verification reports them); ``accepted_per_pos[i]`` counts acceptances at position i.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_preemptions: int = 0
+    num_verified_draft_tokens: int = 0  # drafts the capacity manager admitted to verification
+    num_paused_steps: int = 0  # decode steps that skipped drafting (saturation policy)
+    last_budget: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+
+
+@dataclass
+class _Checkpoints:
+    target: Path
+    draft: Path | None
+    tokenizer: Path
+    name: str
+
+
+def resolve_checkpoints(config: EngineConfig) -> _Checkpoints:
+    """Model/draft names -> checkpoint directories through ``assets.resolve_model`` (aliases, conversion of
+    the default model, packaged drafts). Without speculation no draft is resolved at all."""
+    from dspark_cli.engines.embedded.assets import resolve_model
+
+    draft = None if config.num_speculative_tokens == 0 else config.draft
+    paths = resolve_model(config.model, draft=draft)
+    return _Checkpoints(target=Path(paths.target), draft=paths.draft and Path(paths.draft),
+                        tokenizer=Path(paths.tokenizer), name=paths.name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        # Curve problems are found before any weights are read: they are the likeliest user error.
+        wants_capacity = config.num_speculative_tokens > 0 and config.draft is not None and config.capacity.mode != "none"
+        file_curve = self._check_curve() if wants_capacity else None
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        ckpt = resolve_checkpoints(config)
+        self.model_name = ckpt.name
+        self.tokenizer = _load_tokenizer(ckpt.tokenizer)
+        self.runner = ModelRunner(config, ckpt.target, ckpt.draft, self.device, self.dtype)
+        self.num_spec = self.runner.num_spec
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = _eos_ids(self.tokenizer, read_llama_args(ckpt.target).eos_token_ids)
+
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.batched_token_limit, lookahead=self.num_spec
+        )
+        self.stats = EngineStats(accepted_per_pos=[0] * self.num_spec, kv_blocks_total=self.block_manager.num_usable_blocks)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = 0
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._slot_of: dict[str, int] = {}
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+
+        # Offline temperatures seed the online fit; either way one persistent device tensor holds them.
+        self.online_sts: OnlineSTS | None = None
+        self.sts_temperatures: Tensor | None = None
+        if self.num_spec > 0:
+            temps = load_sts(config.sts, self.num_spec) if config.sts else None
+            if config.online_sts:
+                self.online_sts = OnlineSTS(self.num_spec, self.device, initial_temperatures=temps)
+                self.sts_temperatures = self.online_sts.temperatures
+            elif temps is not None:
+                self.sts_temperatures = torch.tensor(temps, dtype=torch.float32, device=self.device)
+
+        self.traces: TraceWriter | None = TraceWriter(config.record_traces) if config.record_traces else None
+        self.capacity: CapacityManager | None = None
+        self.sps_curve: SpsCurve | None = None
+        if self.num_spec > 0 and config.capacity.mode != "none":
+            self.sps_curve = file_curve or self._profile_curve()
+            self.capacity = CapacityManager(
+                config.capacity, self.sps_curve, self.num_spec, config.max_num_seqs, self.device
+            )
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def _check_curve(self) -> SpsCurve | None:
+        """The curve file for mask/varlen (None = "auto": profiled once the models are loaded)."""
+        cfg = self.config
+        if cfg.sps_curve is None:
+            raise DsparkError(
+                f"capacity mode {cfg.capacity.mode!r} needs a step-cost curve: pass --sps-curve FILE "
+                "(from `dspark profile-sps`) or --sps-curve auto"
+            )
+        if cfg.sps_curve == "auto":
+            return None
+        return SpsCurve.load(cfg.sps_curve)
+
+    def _profile_curve(self) -> SpsCurve:
+        from dspark_cli.engines.embedded.profile import profile_sps
+
+        curve = profile_sps(self)
+        log.info("profiled step-cost curve: verify %s ms, draft %s ms, overhead %.3f ms",
+                 curve.verify_ms, curve.draft_ms, curve.overhead_ms)
+        return curve
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if request_id in self._seqs:
+            raise DsparkError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise DsparkError("the prompt is empty; send at least one token")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise DsparkError(
+                f"prompt of {len(prompt_token_ids)} tokens leaves no room under max_model_len="
+                f"{self.config.max_model_len}; shorten it or raise --max-model-len"
+            )
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise DsparkError(f"prompt token ids must be in [0, {self.vocab_size})")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(int(params.seed))
+        seq = Sequence(request_id, list(prompt_token_ids), params, self._arrivals, generator)
+        self._arrivals += 1
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self._refresh_counts()
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return
+        self._finish(seq, "abort")
+        self._refresh_counts()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ------------------------------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.stats.num_steps += 1
+        if batch is None:
+            return []
+        for seq in batch.preempted:
+            self._release_slot(seq)
+            self.stats.num_preemptions += 1
+        if not batch.seqs:
+            self._refresh_counts()
+            return []
+        if batch.is_prefill:
+            outputs = self._prefill_step(batch.seqs)
+        else:
+            outputs = self._decode_step(batch.seqs)
+        self._refresh_counts()
+        return outputs
+
+    def _prefill_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        self.stats.num_prefill_steps += 1
+        logits = self.runner.prefill(seqs)
+        for seq in seqs:
+            if seq.num_preemptions == 0:
+                self.stats.prompt_tokens += seq.num_prompt_tokens
+            seq.num_computed_tokens = seq.num_tokens
+            seq.num_draft_computed = seq.num_tokens
+            slot = self._free_slots.pop()
+            self._slot_of[seq.request_id] = slot
+            if self.capacity is not None:
+                self.capacity.add_request(slot)
+        temperature, top_p = self._sampling_tensors(seqs)
+        u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
+        tokens = sample(logits, temperature, top_p, u).tolist()
+        return [self._emit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=True)]
+
+    def _decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        self.stats.num_decode_steps += 1
+        num_reqs = len(seqs)
+        k = self.num_spec
+        drafting = k > 0 and (self.capacity.begin_step(num_reqs) if self.capacity is not None else True)
+        if k > 0 and not drafting:
+            self.stats.num_paused_steps += 1
+        dev = self.device
+        tables = self.runner.block_tables(seqs)
+        temperature, top_p = self._sampling_tensors(seqs)
+        lens = [seq.num_tokens for seq in seqs]
+        start_pos = self.runner._to_device(torch.tensor([n - 1 for n in lens], dtype=torch.int64))
+        last_tokens = self.runner._to_device(torch.tensor([seq.last_token for seq in seqs], dtype=torch.int64))
+
+        if not drafting:
+            layout = build_varlen_layout(
+                last_tokens, torch.zeros(num_reqs, 0, dtype=torch.int64, device=dev),
+                torch.zeros(num_reqs, dtype=torch.int64, device=dev), start_pos, self.runner.padded_size(num_reqs),
+            )
+            logits = self.runner.verify(layout, tables, start_pos, max(lens) - 1)
+            u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
+            tokens = sample(logits[:num_reqs], temperature, top_p, u).tolist()
+            outputs = []
+            for seq, tok in zip(seqs, tokens, strict=True):
+                seq.num_computed_tokens = seq.num_tokens
+                outputs.append(self._emit(seq, [tok]))
+            return outputs
+
+        u_draft = self._uniforms(seqs, k) if temperature is not None else None
+        draft = self.runner.propose(seqs, tables, temperature, u_draft)
+        conf_raw = draft.confidence
+        conf = conf_raw if self.sts_temperatures is None else apply_temperatures(conf_raw, self.sts_temperatures)
+        num_drafts = torch.full((num_reqs,), k, dtype=torch.int64, device=dev)
+        if self.capacity is not None:
+            slots_np = np.array([self._slot_of[s.request_id] for s in seqs], dtype=np.int64)
+            slots = self.runner._to_device(torch.from_numpy(slots_np))
+            self.capacity.record_confidences(slots, conf)
+            decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs)
+            budget = decision.budget
+            admitted = self.capacity.allocate(slots, num_drafts, budget)
+        else:
+            budget = num_reqs * k
+            admitted = num_drafts
+        self.stats.last_budget = budget
+
+        if self.config.capacity.mode == "mask":
+            layout = build_mask_layout(last_tokens, draft.tokens, admitted, start_pos)
+            layout = _pad_layout(layout, self.runner.padded_size(layout.num_rows))
+        else:
+            layout = build_varlen_layout(
+                last_tokens, draft.tokens, admitted, start_pos, self.runner.padded_size(num_reqs + budget)
+            )
+        logits = self.runner.verify(layout, tables, start_pos, max(lens) - 1 + k)
+        uniforms = None
+        if temperature is not None:
+            # One [K + 1, 2] table per request (its own generator when seeded), read by row position.
+            table = self._uniforms(seqs, (k + 1) * 2).view(num_reqs, k + 1, 2)
+            req = layout.req_index.clamp(max=num_reqs - 1)
+            uniforms = table[req, layout.pos_in_req.clamp(max=k)]
+        out = rejection_sample(
+            logits, layout, draft.tokens, admitted, temperature, top_p, draft.draft_probs, uniforms
+        )
+        if self.online_sts is not None:
+            self.online_sts.record(conf_raw, admitted, out.num_accepted)
+            self.online_sts.step()
+
+        # The step's one device -> host transfer: emitted tokens, counts, and what the traces need.
+        tokens_h = out.tokens.cpu().tolist()
+        accepted_h = out.num_accepted.cpu().tolist()
+        admitted_h = admitted.cpu().tolist()
+        if self.traces is not None:
+            self.traces.write_batch(
+                conf_raw.cpu(), np.asarray(admitted_h), np.asarray(accepted_h),
+                requests=[s.request_id for s in seqs], step=[s.num_verify_steps for s in seqs],
+            )
+        self.stats.num_drafts += num_reqs
+        self.stats.num_draft_tokens += num_reqs * k
+        self.stats.num_verified_draft_tokens += int(sum(admitted_h))
+        self.stats.num_accepted_tokens += int(sum(accepted_h))
+        for a in accepted_h:
+            for i in range(a):
+                self.stats.accepted_per_pos[i] += 1
+
+        outputs = []
+        for seq, row, a, old_len in zip(seqs, tokens_h, accepted_h, lens, strict=True):
+            seq.num_verify_steps += 1
+            # Target KV is valid through the accepted drafts; the draft never fed its own K-th draft.
+            seq.num_computed_tokens = old_len + a
+            seq.num_draft_computed = old_len + min(a, k - 1)
+            outputs.append(self._emit(seq, row[: a + 1]))
+        return outputs
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[Tensor | None, Tensor | None]:
+        """Per-request temperature/top-p on the device; None when no request needs them (host-known)."""
+        temps = [s.params.temperature for s in seqs]
+        top_ps = [s.params.top_p for s in seqs]
+        temperature = None
+        if any(t > 0 for t in temps):
+            temperature = self.runner._to_device(torch.tensor(temps, dtype=torch.float32))
+        top_p = None
+        if temperature is not None and any(p < 1.0 for p in top_ps):
+            top_p = self.runner._to_device(torch.tensor(top_ps, dtype=torch.float32))
+        return temperature, top_p
+
+    def _uniforms(self, seqs: list[Sequence], n: int) -> Tensor:
+        """``[R, n]`` uniforms: the engine's generator, except seeded requests draw from their own."""
+        u = torch.rand(len(seqs), n, device=self.device, generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                u[i] = torch.rand(n, device=self.device, generator=seq.generator)
+        return u
+
+    def _emit(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        """Append tokens until a stop condition; the stop token itself is emitted (as vLLM's token ids)."""
+        params = seq.params
+        emitted: list[int] = []
+        reason: str | None = None
+        for tok in new_tokens:
+            seq.token_ids.append(tok)
+            emitted.append(tok)
+            if (not params.ignore_eos and tok in self.eos_token_ids) or tok in params.stop_token_ids:
+                reason = "stop"
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
+        self.stats.generation_tokens += len(emitted)
+        if reason is not None:
+            self._finish(seq, reason)
+            self._seqs.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, emitted, reason is not None, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._release_slot(seq)
+        self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
+
+    def _release_slot(self, seq: Sequence) -> None:
+        slot = self._slot_of.pop(seq.request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _refresh_counts(self) -> None:
+        self.stats.num_running = len(self.scheduler.running)
+        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.kv_blocks_free = self.block_manager.num_free_blocks
+
+    # ------------------------------------------------------------------------------------------ helpers for tests
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Run prompts to completion; returns each prompt's generated token ids (in prompt order)."""
+        if params is None:
+            params = SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        base = self._arrivals
+        ids = [f"gen-{base + i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]
+
+    def close(self) -> None:
+        if self.traces is not None:
+            self.traces.close()
+            self.traces = None
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pad_layout(layout: VerifyLayout, size: int) -> VerifyLayout:
+    """Append tail padding rows (owned by "request R", like the varlen layout's tail) up to ``size``."""
+    extra = size - layout.num_rows
+    if extra <= 0:
+        return layout
+    dev = layout.input_ids.device
+    zeros = torch.zeros(extra, dtype=torch.int64, device=dev)
+    layout.input_ids = torch.cat([layout.input_ids, zeros])
+    layout.positions = torch.cat([layout.positions, zeros])
+    layout.req_index = torch.cat([layout.req_index, zeros + layout.num_reqs])
+    layout.pos_in_req = torch.cat([layout.pos_in_req, zeros])
+    layout.is_padding = torch.cat([layout.is_padding, torch.ones(extra, dtype=torch.bool, device=dev)])
+    return layout
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise DsparkError(f"{path}: cannot load the tokenizer ({str(exc).splitlines()[0]})") from None
+
+
+def _eos_ids(tokenizer: Any, config_eos: tuple[int, ...]) -> frozenset[int]:
+    ids = set(config_eos)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    return frozenset(ids)
+

@@ -1,0 +1,414 @@
+"""Runs the models: weights, KV pools, batch tensors, and (on CUDA) captured graphs.
+
+The runner owns everything that touches the device except the core's decisions: it loads target and
+draft, sizes and allocates both KV pools, turns scheduled sequences into batch tensors, and runs three
+kinds of forward:
+
+* **prefill** -- eager, whole prompts, target and draft (the draft's KV must cover the prompt too);
+* **verify** -- the target over a core :class:`~dspark_cli.core.layout.VerifyLayout`, returning logits
+  for every row (rows are padding or verified; the rejection sampler picks);
+* **draft** -- the drafter's catch-up pass and its K - 1 one-token steps.
+
+On CUDA (``cuda_graphs=True``) each of the three decode-time forwards is captured per padded size: the
+verify forward per token count (powers of two up to ``(K + 1) * max_num_seqs``), the draft catch-up pass
+the same way, and the draft step per request count. Replays copy the step's tensors into static buffers
+with ``copy_``; nothing reads device values on the host, so the only host knowledge a replay needs is
+the padded size -- the budget the capacity manager chose. CPU runs everything eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dspark_cli.core.layout import VerifyLayout
+from dspark_cli.engines.embedded.attention import AttentionBackend, build_attention_inputs, get_backend
+from dspark_cli.engines.embedded.block_manager import SCRATCH_BLOCK
+from dspark_cli.engines.embedded.config import EngineConfig
+from dspark_cli.engines.embedded.drafter import (
+    Drafter,
+    DraftInputs,
+    DraftOutput,
+    ForwardFn,
+    load_confidence_head,
+)
+from dspark_cli.engines.embedded.model import LlamaForCausalLM, load_llama, read_safetensors
+from dspark_cli.engines.embedded.sequence import Sequence
+from dspark_cli.errors import DsparkError
+
+__all__ = ["ModelRunner", "capture_sizes_for"]
+
+log = logging.getLogger("dspark.embedded")
+
+CPU_KV_BUDGET_BYTES = 1 << 30  # KV pools on CPU default to at most 1 GiB (both models together)
+
+
+def capture_sizes_for(max_size: int) -> list[int]:
+    """Powers of two up to ``max_size``, plus ``max_size`` itself: the padded sizes graphs exist for."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_size:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != max_size:
+        sizes.append(max_size)
+    return sizes
+
+
+@dataclass
+class _Forward:
+    """One model plus its KV pool: ``run`` is an eager forward returning final-normed hidden states."""
+
+    model: LlamaForCausalLM
+    kv: list[tuple[Tensor, Tensor]]
+    block_size: int
+
+    def run(
+        self, ids: Tensor, positions: Tensor, req_index: Tensor, is_padding: Tensor, query_start_pos: Tensor,
+        block_tables: Tensor, max_query_len: int, max_kv_len: int,
+    ) -> Tensor:
+        inputs = build_attention_inputs(
+            positions, req_index, is_padding, query_start_pos, block_tables, self.block_size, max_query_len,
+            max_kv_len,
+        )
+        return self.model(ids, positions, self.kv, inputs)
+
+
+class _GraphedForward:
+    """CUDA graphs of one forward for a family of padded token counts with fixed grid shapes.
+
+    Static buffers are allocated once at the largest size; each graph reads a prefix of them, so a replay
+    is a handful of ``copy_``/``fill_`` into fixed addresses followed by ``replay()``. A batch the family
+    cannot hold (too many tokens, or a request with more query rows than captured) runs eagerly.
+    """
+
+    def __init__(
+        self, fwd: _Forward, sizes: list[int], max_rows: int, max_query_len: int, max_blocks: int,
+        device: torch.device, pool: object | None,
+    ) -> None:
+        self.fwd = fwd
+        self.sizes = sorted(sizes)
+        self.max_rows = max_rows
+        self.qlen = max_query_len
+        self.max_blocks = max_blocks
+        self.kv_len = max_blocks * fwd.block_size
+        top = self.sizes[-1]
+        rows = min(top, max_rows)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.ids = torch.zeros(top, **i64)
+        self.positions = torch.zeros(top, **i64)
+        self.req_index = torch.zeros(top, **i64)
+        self.is_padding = torch.ones(top, dtype=torch.bool, device=device)
+        self.query_start_pos = torch.zeros(rows, **i64)
+        self.block_tables = torch.full((rows, max_blocks), SCRATCH_BLOCK, **i64)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor] | None] = {}
+        self.pool = pool
+
+    def _rows(self, size: int) -> int:
+        return min(size, self.max_rows)
+
+    def _body(self, size: int) -> Tensor:
+        rows = self._rows(size)
+        return self.fwd.run(
+            self.ids[:size], self.positions[:size], self.req_index[:size], self.is_padding[:size],
+            self.query_start_pos[:rows], self.block_tables[:rows], self.qlen, self.kv_len,
+        )
+
+    @torch.inference_mode()
+    def capture(self, emulate: bool = False) -> None:
+        """Capture every size. ``emulate`` records no graph: replays run ``_body`` eagerly on the same
+        static buffers, which lets the CPU test suite exercise all the padding/copy logic of replays."""
+        if emulate:
+            self.graphs = {size: None for size in self.sizes}
+            return
+        # Largest first, sharing one memory pool: smaller graphs reuse the big one's blocks.
+        for size in reversed(self.sizes):
+            rows = self._rows(size)
+            self.is_padding[:size].fill_(True)
+            self.req_index[:size].fill_(rows)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._body(size)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._body(size)
+            self.pool = graph.pool()
+            self.graphs[size] = (graph, out)
+
+    def pick(self, num_tokens: int, max_query_len: int) -> int | None:
+        if max_query_len > self.qlen:
+            return None
+        for size in self.sizes:
+            if size >= num_tokens and size in self.graphs:
+                return size
+        return None
+
+    def run(
+        self, ids: Tensor, positions: Tensor, req_index: Tensor, is_padding: Tensor, query_start_pos: Tensor,
+        block_tables: Tensor, max_query_len: int, max_kv_len: int,
+    ) -> Tensor:
+        num_tokens = ids.shape[0]
+        num_reqs = query_start_pos.shape[0]
+        size = self.pick(num_tokens, max_query_len)
+        if size is None:
+            return self.fwd.run(
+                ids, positions, req_index, is_padding, query_start_pos, block_tables, max_query_len, max_kv_len
+            )
+        rows = self._rows(size)
+        self.ids[:num_tokens].copy_(ids)
+        self.positions[:num_tokens].copy_(positions)
+        # Rows owned by "request R" (varlen tail padding) move to the graph's scratch bucket ``rows``.
+        self.req_index[:num_tokens].copy_(torch.where(req_index >= num_reqs, rows, req_index))
+        self.is_padding[:num_tokens].copy_(is_padding)
+        self.ids[num_tokens:size].zero_()
+        self.positions[num_tokens:size].zero_()
+        self.req_index[num_tokens:size].fill_(rows)
+        self.is_padding[num_tokens:size].fill_(True)
+        self.query_start_pos[:num_reqs].copy_(query_start_pos)
+        self.query_start_pos[num_reqs:rows].zero_()
+        width = block_tables.shape[1]
+        self.block_tables[:num_reqs, :width].copy_(block_tables)
+        self.block_tables[num_reqs:rows].fill_(SCRATCH_BLOCK)
+        entry = self.graphs[size]
+        if entry is None:
+            return self._body(size)[:num_tokens]
+        graph, out = entry
+        graph.replay()
+        return out[:num_tokens]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, target_path: Path, draft_path: Path | None,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.num_spec = config.num_speculative_tokens if draft_path is not None else 0
+        # Positions a request may touch: its max length plus the K-token lookahead of a verify step.
+        self.max_positions = config.max_model_len + self.num_spec + 1
+        self.max_blocks_per_seq = -(-self.max_positions // self.block_size)
+        self.backend: AttentionBackend = get_backend(config.attention_backend, device)
+
+        self.target = load_llama(target_path, self.backend, self.max_positions, dtype, device)
+        self.vocab_size = self.target.args.vocab_size
+        self.drafter: Drafter | None = None
+        draft_model: LlamaForCausalLM | None = None
+        conf_head = None
+        if draft_path is not None and self.num_spec > 0:
+            draft_tensors = read_safetensors(draft_path)
+            draft_model = load_llama(draft_path, self.backend, self.max_positions, dtype, device, draft_tensors)
+            if draft_model.args.vocab_size != self.vocab_size:
+                raise DsparkError(
+                    f"{draft_path}: draft vocabulary {draft_model.args.vocab_size} differs from the target's "
+                    f"{self.vocab_size}; the draft must share the target's tokenizer"
+                )
+            conf_head = load_confidence_head(draft_tensors, draft_model.args.hidden_size, device, str(draft_path))
+            del draft_tensors
+
+        self.num_blocks = self._num_kv_blocks(draft_model)
+        self.target_fwd = _Forward(
+            self.target, self.target.allocate_kv_cache(self.num_blocks, self.block_size, dtype, device), self.block_size
+        )
+        self.draft_fwd: _Forward | None = None
+        if draft_model is not None:
+            self.draft_fwd = _Forward(
+                draft_model, draft_model.allocate_kv_cache(self.num_blocks, self.block_size, dtype, device),
+                self.block_size,
+            )
+
+        self.use_graphs = device.type == "cuda" and config.cuda_graphs
+        self.capture_sizes: list[int] = []
+        self._verify_graphs: _GraphedForward | None = None
+        self._catchup_graphs: _GraphedForward | None = None
+        self._step_graphs: _GraphedForward | None = None
+        verify_fn = self.target_fwd.run
+        catchup_fn = self.draft_fwd.run if self.draft_fwd else None
+        step_fn = catchup_fn
+        if self.use_graphs:
+            verify_fn, catchup_fn, step_fn = self._capture_graphs()
+        self._verify_fn = verify_fn
+        self._draft_model = draft_model
+        self._conf_head = conf_head
+        if self.draft_fwd is not None:
+            self.drafter = Drafter(draft_model, conf_head, catchup_fn, step_fn)
+
+    def emulate_graphs(self) -> None:
+        """Route decode-time forwards through the graph families' static buffers without capturing
+        (CPU testing of the replay path: padded sizes, scratch rows, buffer reuse)."""
+        verify_fn, catchup_fn, step_fn = self._capture_graphs(emulate=True)
+        self._verify_fn = verify_fn
+        if self.draft_fwd is not None:
+            self.drafter = Drafter(self._draft_model, self._conf_head, catchup_fn, step_fn)
+
+    # ------------------------------------------------------------------------------------------ sizing
+
+    def _num_kv_blocks(self, draft_model: LlamaForCausalLM | None) -> int:
+        cfg = self.config
+        per_block = self.target.kv_bytes_per_block(self.block_size, self.dtype)
+        if draft_model is not None:
+            per_block += draft_model.kv_bytes_per_block(self.block_size, self.dtype)
+        min_blocks = self.max_blocks_per_seq + 1  # one full-length request + the scratch block
+        if cfg.num_kv_blocks is not None:
+            blocks = cfg.num_kv_blocks
+        else:
+            wanted = cfg.max_num_seqs * self.max_blocks_per_seq + 1
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cfg.gpu_memory_utilization)
+            else:
+                budget = CPU_KV_BUDGET_BYTES
+            blocks = max(min(wanted, budget // per_block), min(min_blocks, wanted))
+        if blocks < min_blocks:
+            raise DsparkError(
+                f"KV pool of {blocks} blocks cannot hold one request of max_model_len={cfg.max_model_len} "
+                f"(needs {min_blocks}); raise --num-kv-blocks or lower --max-model-len"
+            )
+        return blocks
+
+    # ------------------------------------------------------------------------------------------ graphs
+
+    def _capture_graphs(self, emulate: bool = False) -> tuple[ForwardFn, ForwardFn | None, ForwardFn | None]:
+        cfg = self.config
+        k = self.num_spec
+        max_verify = cfg.max_capture_size or (k + 1) * cfg.max_num_seqs
+        self.capture_sizes = capture_sizes_for(max_verify)
+        pool = None
+        self._verify_graphs = _GraphedForward(
+            self.target_fwd, self.capture_sizes, cfg.max_num_seqs, k + 1, self.max_blocks_per_seq, self.device, pool
+        )
+        self._verify_graphs.capture(emulate)
+        pool = self._verify_graphs.pool
+        catchup_fn = step_fn = None
+        if self.draft_fwd is not None:
+            self._catchup_graphs = _GraphedForward(
+                self.draft_fwd, self.capture_sizes, cfg.max_num_seqs, k + 1, self.max_blocks_per_seq, self.device,
+                pool,
+            )
+            self._catchup_graphs.capture(emulate)
+            pool = self._catchup_graphs.pool
+            self._step_graphs = _GraphedForward(
+                self.draft_fwd, capture_sizes_for(cfg.max_num_seqs), cfg.max_num_seqs, 1, self.max_blocks_per_seq,
+                self.device, pool,
+            )
+            self._step_graphs.capture(emulate)
+            catchup_fn = self._catchup_graphs.run
+            step_fn = self._step_graphs.run
+        if not emulate:
+            log.info("captured CUDA graphs for verify sizes %s", self.capture_sizes)
+        return self._verify_graphs.run, catchup_fn, step_fn
+
+    # ------------------------------------------------------------------------------------------ batches
+
+    def _kv_len(self, max_position: int) -> int:
+        """Keys the eager torch backend gathers: up to the largest position written, in whole blocks."""
+        return min(-(-(max_position + 1) // self.block_size), self.max_blocks_per_seq) * self.block_size
+
+    def block_tables(self, seqs: list[Sequence]) -> Tensor:
+        table = torch.full((len(seqs), self.max_blocks_per_seq), SCRATCH_BLOCK, dtype=torch.int64)
+        for i, seq in enumerate(seqs):
+            table[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
+        return self._to_device(table)
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------------------------------ forwards
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> Tensor:
+        """Target (and draft) KV for every token of each sequence; returns last-token logits ``[R, V]``."""
+        ids: list[int] = []
+        positions: list[int] = []
+        req: list[int] = []
+        starts: list[int] = []
+        last: list[int] = []
+        for i, seq in enumerate(seqs):
+            start = seq.num_computed_tokens
+            toks = seq.token_ids[start:]
+            ids.extend(toks)
+            positions.extend(range(start, seq.num_tokens))
+            req.extend([i] * len(toks))
+            starts.append(start)
+            last.append(len(ids) - 1)
+        max_q = max(seq.num_tokens - seq.num_computed_tokens for seq in seqs)
+        kv_len = self._kv_len(max(seq.num_tokens for seq in seqs) - 1)
+        t_ids = self._to_device(torch.tensor(ids, dtype=torch.int64))
+        t_pos = self._to_device(torch.tensor(positions, dtype=torch.int64))
+        t_req = self._to_device(torch.tensor(req, dtype=torch.int64))
+        t_start = self._to_device(torch.tensor(starts, dtype=torch.int64))
+        t_last = self._to_device(torch.tensor(last, dtype=torch.int64))
+        tables = self.block_tables(seqs)
+        no_pad = torch.zeros_like(t_ids, dtype=torch.bool)
+        hidden = self.target_fwd.run(t_ids, t_pos, t_req, no_pad, t_start, tables, max_q, kv_len)
+        if self.drafter is not None:
+            self.drafter.prefill(t_ids, t_pos, t_req, t_start, tables, max_q, kv_len)
+        return self.target.compute_logits(hidden[t_last])
+
+    @torch.inference_mode()
+    def propose(
+        self, seqs: list[Sequence], tables: Tensor, temperature: Tensor | None, uniforms: Tensor | None
+    ) -> DraftOutput:
+        """K drafts per sequence; the catch-up feeds ``token_ids[num_draft_computed:]`` first."""
+        assert self.drafter is not None
+        ids: list[int] = []
+        positions: list[int] = []
+        req: list[int] = []
+        starts: list[int] = []
+        last: list[int] = []
+        next_pos: list[int] = []
+        for i, seq in enumerate(seqs):
+            start = seq.num_draft_computed
+            toks = seq.token_ids[start:]
+            ids.extend(toks)
+            positions.extend(range(start, seq.num_tokens))
+            req.extend([i] * len(toks))
+            starts.append(start)
+            last.append(len(ids) - 1)
+            next_pos.append(seq.num_tokens)
+        max_catchup = max(seq.num_tokens - seq.num_draft_computed for seq in seqs)
+        inp = DraftInputs(
+            catchup_ids=self._to_device(torch.tensor(ids, dtype=torch.int64)),
+            catchup_positions=self._to_device(torch.tensor(positions, dtype=torch.int64)),
+            catchup_req=self._to_device(torch.tensor(req, dtype=torch.int64)),
+            catchup_last=self._to_device(torch.tensor(last, dtype=torch.int64)),
+            catchup_start=self._to_device(torch.tensor(starts, dtype=torch.int64)),
+            next_pos=self._to_device(torch.tensor(next_pos, dtype=torch.int64)),
+            block_tables=tables,
+            temperature=temperature,
+            uniforms=uniforms,
+            max_catchup=max_catchup,
+            max_kv_len=self._kv_len(max(next_pos) + self.num_spec),
+        )
+        return self.drafter.propose(inp, self.num_spec)
+
+    @torch.inference_mode()
+    def verify(self, layout: VerifyLayout, tables: Tensor, start_pos: Tensor, max_position: int) -> Tensor:
+        """Target logits ``[T, V]`` (float32) for every row of the layout."""
+        hidden = self._verify_fn(
+            layout.input_ids, layout.positions, layout.req_index, layout.is_padding, start_pos, tables,
+            layout.num_spec + 1, self._kv_len(max_position),
+        )
+        return self.target.compute_logits(hidden)
+
+    def padded_size(self, num_tokens: int) -> int:
+        """Token count a verify batch is padded to: the next captured size on CUDA, exact on CPU."""
+        if not self.capture_sizes:
+            return num_tokens
+        fitting = [s for s in self.capture_sizes if s >= num_tokens]
+        return min(fitting) if fitting else num_tokens
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        total = 0
+        for fwd in (self.target_fwd, self.draft_fwd):
+            if fwd is not None:
+                total += sum(k.numel() * k.element_size() * 2 for k, _ in fwd.kv)
+        return total

@@ -1,0 +1,117 @@
+"""Continuous batching: admit waiting requests as prefill steps, then decode (verify) all running ones.
+
+A step is either a **prefill** of newly admitted requests (their whole prompt, or prompt + generated
+tokens after a preemption) or a **decode** step of every running request. Prefill wins when something is
+waiting and fits, like nano-vllm: it adds requests to the batch as early as possible.
+
+Decode reserves KV for ``K + 1`` lookahead positions per request (the verify pass writes the last token
+and K drafts; the draft writes K - 1 more of its own), so a step never runs out of slots halfway. When
+the pool cannot cover every running request, the newest running request is preempted (recompute: its
+blocks are freed and it goes back to the front of the queue) until the rest fit -- a full pool slows the
+engine down, it never crashes it. ``max_num_seqs`` caps the running set; the rest queues.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dspark_cli.engines.embedded.block_manager import BlockManager
+from dspark_cli.engines.embedded.sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledBatch", "Scheduler"]
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    is_prefill: bool
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int
+    ) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.lookahead = lookahead  # extra KV positions a decode step may write beyond the sequence
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def _prefill_tokens(self, seq: Sequence) -> int:
+        return seq.num_tokens
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._prefill_tokens(seq)
+            if scheduled and tokens + n > self.max_num_batched_tokens:
+                break
+            # Admit only with room for the first decode step too, else it would be preempted at once.
+            need = self.blocks.blocks_needed(seq, n + self.lookahead)
+            if not self.blocks.can_allocate(need):
+                break
+            self.blocks.ensure(seq, n + self.lookahead)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            scheduled.append(seq)
+            tokens += n
+        if not scheduled:
+            return None
+        self.running.extend(scheduled)
+        return ScheduledBatch(seqs=scheduled, is_prefill=True)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        preempted: list[Sequence] = []
+        # Oldest first: they keep their blocks; the newest give theirs up when the pool is short.
+        self.running.sort(key=lambda s: s.arrival)
+        scheduled: list[Sequence] = []
+        while self.running:
+            seq = self.running.pop(0)
+            while not self.blocks.ensure(seq, seq.num_tokens + self.lookahead):
+                victim = self.running.pop() if self.running else seq
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(seq)
+        self.running = scheduled
+        if not scheduled:
+            return ScheduledBatch(seqs=[], is_prefill=False, preempted=preempted) if preempted else None
+        return ScheduledBatch(seqs=list(scheduled), is_prefill=False, preempted=preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Release a request's blocks at once (finish or abort); it leaves both queues."""
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
