@@ -1,0 +1,416 @@
+"""The config x concurrency matrix: start a server per config (or use one that runs), measure each cell,
+write one JSON per cell atomically, skip cells already on disk.
+
+A cell is the unit of resumption: it is written only once fully measured (temporary file + rename), so a
+Ctrl-C, a crashed server or a killed job loses at most the cell in progress; rerunning the same command
+finishes the rest. Cells remember their workload (dataset, prompts, output length, sampling), and a results
+folder refuses cells of a different workload, because mixing them would make the table compare unequal work.
+
+Configs are named after the seed PR's columns and differ from each other only in the flags below; every
+other engine flag comes from ``--serve-args`` and is identical across columns:
+
+    nospec       -k 0                         (no speculation at all)
+    none         --capacity-mode none         (verify every draft: the "no capacity" column, Δ's baseline)
+    mask         --capacity-mode mask   --sps-curve C
+    varlen       --capacity-mode varlen --sps-curve C
+    <mode>+sts   ... --online-sts             (online STS; gets a warm-up pass first so it has calibrated)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dspark_cli import __version__
+from dspark_cli.bench.client import (
+    LoadConfig,
+    RequestResult,
+    aggregate,
+    fetch_counters,
+    make_session,
+    run_load,
+)
+from dspark_cli.bench.datasets import Prompt
+from dspark_cli.bench.metrics import counter_delta
+from dspark_cli.errors import DsparkError
+from dspark_cli.fileio import atomic_write_json, read_json
+
+CELL_FORMAT = 1
+CAPACITY_MODES = ("none", "mask", "varlen")
+SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "dspark_cli.cli", "serve")
+
+
+class ServerStartError(DsparkError):
+    """The server died or never became healthy; ``log_tail`` holds its last log lines for the user."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+class BenchInterrupted(DsparkError):
+    """Ctrl-C (or SIGTERM) during a matrix: finished cells are on disk, the message says how to resume."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    serve_args: tuple[str, ...] = ()  # appended after the common flags, so they win over repeats
+    sts: bool = False
+
+
+def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence[str] = ()) -> list[BenchConfig]:
+    """``"none,mask,varlen+sts"`` -> configs; mask/varlen need an SPS curve (flag or inside --serve-args)."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise DsparkError("--configs is empty; e.g. --configs none,mask,varlen,mask+sts,varlen+sts")
+    if len(set(names)) != len(names):
+        raise DsparkError(f"--configs names a config twice: {spec}")
+    curve_in_common = "--sps-curve" in common_args
+    out: list[BenchConfig] = []
+    for name in names:
+        if name == "nospec":
+            out.append(BenchConfig(name, ("-k", "0")))
+            continue
+        mode, plus, suffix = name.partition("+")
+        if mode not in CAPACITY_MODES or (plus and suffix != "sts"):
+            raise DsparkError(f"unknown config {name!r}: use nospec, none, mask, varlen, optionally +sts "
+                              "(e.g. varlen+sts)")
+        args: list[str] = ["--capacity-mode", mode]
+        if mode != "none":
+            if sps_curve is None and not curve_in_common:
+                raise DsparkError(f"config {name!r} needs an SPS curve: pass --sps-curve FILE (or auto)")
+            if sps_curve is not None:
+                args += ["--sps-curve", sps_curve]
+        if plus:
+            args.append("--online-sts")
+        out.append(BenchConfig(name, tuple(args), sts=bool(plus)))
+    return out
+
+
+def parse_concurrencies(spec: str) -> list[int]:
+    try:
+        values = [int(v) for v in spec.replace(" ", "").split(",") if v]
+    except ValueError as exc:
+        raise DsparkError(f"--concurrency must be a comma list of integers, got {spec!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise DsparkError(f"--concurrency values must be >= 1, got {spec!r}")
+    return sorted(set(values))
+
+
+def safe_name(config: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", config)
+
+
+def cell_path(results_dir: Path, config: str, concurrency: int) -> Path:
+    return results_dir / "cells" / f"{safe_name(config)}__c{concurrency}.json"
+
+
+def load_cell(path: Path) -> dict[str, Any] | None:
+    """A finished cell, or None if absent/unreadable (an unreadable cell is simply measured again)."""
+    if not path.is_file():
+        return None
+    try:
+        cell = read_json(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cell, dict) or cell.get("dspark_bench_cell") != CELL_FORMAT or "metrics" not in cell:
+        return None
+    return cell
+
+
+def load_cells(results_dir: Path) -> list[dict[str, Any]]:
+    cells = []
+    for p in sorted((results_dir / "cells").glob("*.json")):
+        cell = load_cell(p)
+        if cell is not None:
+            cells.append(cell)
+    return cells
+
+
+@dataclass
+class MatrixSpec:
+    configs: list[BenchConfig]
+    concurrencies: list[int]
+    prompts: list[Prompt]
+    load: LoadConfig  # base_url/concurrency are filled per cell
+    results_dir: Path
+    workload: dict[str, Any]  # what makes cells comparable (dataset, prompts, lengths, sampling)
+    serve: bool = False
+    serve_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int | None = None
+    server_timeout_s: float = 600.0
+    force: bool = False
+    warmup_prompts: int = 4
+    warmup_max_tokens: int = 16
+    sts_warmup_prompts: int | None = None  # None: --num-prompts
+    sts_warmup_max_tokens: int | None = None  # None: max_tokens // 4
+    serve_command: tuple[str, ...] = SERVE_COMMAND
+
+
+def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
+    """Cells still to measure; raises if the folder holds cells of a different workload (unless --force)."""
+    todo = []
+    for cfg in spec.configs:
+        for c in spec.concurrencies:
+            cell = None if spec.force else load_cell(cell_path(spec.results_dir, cfg.name, c))
+            if cell is not None and cell.get("workload") != spec.workload:
+                raise DsparkError(
+                    f"{cell_path(spec.results_dir, cfg.name, c)} was measured with a different workload; "
+                    "use another --results-dir or --force to remeasure")
+            if cell is None:
+                todo.append((cfg, c))
+    return todo
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+class ServerProcess:
+    """One ``dspark serve`` child in its own process group, so stopping it also stops anything it started.
+
+    Stop sends SIGINT (graceful: the server frees the device and flushes traces), waits, then SIGKILLs the
+    group. The child has its own session, so a terminal Ctrl-C reaches only us, and we decide the order.
+    """
+
+    def __init__(self, command: Sequence[str], log_path: Path, base_url: str, timeout_s: float) -> None:
+        self.command = list(command)
+        self.log_path = log_path
+        self.base_url = base_url
+        self.timeout_s = timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 -- the child keeps writing after we return
+        try:
+            log.write(f"$ {' '.join(self.command)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise DsparkError(f"cannot start server ({self.command[0]}): {exc.strerror}") from exc
+        finally:
+            log.close()
+
+    def wait_healthy(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerStartError(
+                    f"server exited with status {code} before it was healthy; full log: {self.log_path}",
+                    _tail(self.log_path))
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise ServerStartError(
+            f"server not healthy after {self.timeout_s:.0f} s (raise --server-timeout?); full log: {self.log_path}",
+            _tail(self.log_path))
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # The leader may be gone while children it forked linger in the group: make sure none survive.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class Hooks:
+    """How the runner reports progress; the CLI wires these to rich, tests leave them empty."""
+
+    log: Callable[[str], None] = lambda msg: None
+    cell_started: Callable[[str, int, int], None] = lambda config, concurrency, num_requests: None
+    request_done: Callable[[RequestResult], None] = lambda result: None
+    cell_done: Callable[[dict[str, Any]], None] = lambda cell: None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+async def _measure(spec: MatrixSpec, cfg: BenchConfig, c: int, base_url: str, server: dict[str, Any],
+                   hooks: Hooks) -> dict[str, Any]:
+    load = replace(spec.load, base_url=base_url, concurrency=c)
+    started = _now()
+    async with make_session(load) as session:
+        before = await fetch_counters(session, base_url)
+        results, wall, model = await run_load(spec.prompts, load, hooks.request_done, session)
+        after = await fetch_counters(session, base_url)
+    stats = counter_delta(before, after)
+    return {
+        "dspark_bench_cell": CELL_FORMAT,
+        "config": cfg.name,
+        "concurrency": c,
+        "metrics": aggregate(results, wall),
+        "spec_decode": stats.to_dict() if stats is not None else None,
+        "workload": spec.workload,
+        "server": {**server, "model": model},
+        "started_at": started,
+        "finished_at": _now(),
+        "dspark_version": __version__,
+    }
+
+
+async def _warmup(spec: MatrixSpec, cfg: BenchConfig, base_url: str, hooks: Hooks) -> None:
+    """A short pass so the first cell does not pay for lazy initialisation; STS configs first run a long
+    pass (as the seed did) so the online temperatures have settled before anything is measured."""
+    top = max(spec.concurrencies)
+    if cfg.sts:
+        n = spec.sts_warmup_prompts or len(spec.prompts)
+        max_tokens = spec.sts_warmup_max_tokens or max(1, spec.load.max_tokens // 4)
+        hooks.log(f"{cfg.name}: STS warm-up, {n} requests x {max_tokens} tokens at c={min(32, top)}")
+        load = replace(spec.load, base_url=base_url, concurrency=min(32, top), max_tokens=max_tokens)
+        results, _, _ = await run_load([spec.prompts[i % len(spec.prompts)] for i in range(n)], load)
+        _check_warmup(cfg, results)
+    if spec.warmup_prompts > 0:
+        n = spec.warmup_prompts
+        load = replace(spec.load, base_url=base_url, concurrency=min(n, top),
+                       max_tokens=min(spec.warmup_max_tokens, spec.load.max_tokens))
+        results, _, _ = await run_load([spec.prompts[i % len(spec.prompts)] for i in range(n)], load)
+        _check_warmup(cfg, results)
+
+
+def _check_warmup(cfg: BenchConfig, results: Sequence[RequestResult]) -> None:
+    failed = [r for r in results if not r.success]
+    if failed and len(failed) == len(results):
+        raise DsparkError(f"{cfg.name}: every warm-up request failed ({failed[0].error}); check the server")
+
+
+def _write_cell(spec: MatrixSpec, cell: dict[str, Any], hooks: Hooks) -> None:
+    m = cell["metrics"]
+    if m["completed"] == 0:
+        # Nothing measured (server down, bad model name, ...): saving it would mark the cell "done" forever.
+        first = m["errors"][0] if m["errors"] else "unknown error"
+        raise DsparkError(f"every request of cell {cell['config']} c={cell['concurrency']} failed ({first}); "
+                          "the cell was not saved")
+    atomic_write_json(cell_path(spec.results_dir, cell["config"], cell["concurrency"]), cell)
+    hooks.cell_done(cell)
+
+
+def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "server",
+               hooks: Hooks | None = None) -> list[dict[str, Any]]:
+    """Measure every pending cell; returns all finished cells of this matrix (old and new).
+
+    With ``spec.serve`` a server is started per config that still has pending cells; otherwise ``base_url``
+    is measured as the single config ``label``.
+    """
+    hooks = hooks or Hooks()
+    spec.results_dir.mkdir(parents=True, exist_ok=True)
+    if not spec.serve:
+        if base_url is None:
+            raise DsparkError("pass --base-url URL of a running server, or --serve to start one per config")
+        spec.configs = [BenchConfig(label)]
+    todo = pending_cells(spec)
+    total = len(spec.configs) * len(spec.concurrencies)
+    if len(todo) < total:
+        hooks.log(f"resuming: {total - len(todo)} of {total} cells already in {spec.results_dir}")
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def _term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    in_main = _is_main_thread()
+    if in_main:
+        signal.signal(signal.SIGTERM, _term)  # so a killed bench still stops its servers
+    try:
+        for cfg in spec.configs:
+            cells = [c for k, c in todo if k.name == cfg.name]
+            if not cells:
+                continue
+            if spec.serve:
+                _run_served_config(spec, cfg, cells, hooks)
+            else:
+                url = base_url.rstrip("/")
+                for c in cells:
+                    hooks.cell_started(cfg.name, c, len(spec.prompts))
+                    cell = asyncio.run(_measure(spec, cfg, c, url, {"mode": "external", "base_url": url}, hooks))
+                    _write_cell(spec, cell, hooks)
+    except KeyboardInterrupt:
+        done = total - len(pending_cells(spec))
+        raise BenchInterrupted(f"interrupted: {done} of {total} cells finished and kept in {spec.results_dir}; "
+                               "rerun the same command to resume") from None
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    return [c for c in (load_cell(cell_path(spec.results_dir, k.name, n))
+                        for k in spec.configs for n in spec.concurrencies) if c is not None]
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _run_served_config(spec: MatrixSpec, cfg: BenchConfig, concurrencies: list[int], hooks: Hooks) -> None:
+    port = spec.port or _free_port(spec.host)
+    base_url = f"http://{spec.host}:{port}"
+    args = [*spec.serve_args, *cfg.serve_args, "--host", spec.host, "--port", str(port)]
+    command = [*spec.serve_command, *args]
+    log_path = spec.results_dir / "logs" / f"{safe_name(cfg.name)}.log"
+    hooks.log(f"{cfg.name}: starting server ({' '.join(args)})")
+    server = {"mode": "serve", "base_url": base_url, "serve_args": args, "log": str(log_path)}
+    with ServerProcess(command, log_path, base_url, spec.server_timeout_s):
+        asyncio.run(_warmup(spec, cfg, base_url, hooks))
+        for c in concurrencies:
+            hooks.cell_started(cfg.name, c, len(spec.prompts))
+            cell = asyncio.run(_measure(spec, cfg, c, base_url, server, hooks))
+            _write_cell(spec, cell, hooks)
+    hooks.log(f"{cfg.name}: server stopped")

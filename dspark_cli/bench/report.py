@@ -1,0 +1,183 @@
+"""The comparison table in the seed PR's shape, as Markdown, rich and a summary JSON.
+
+One row per concurrency, one column per config; each cell reads
+
+    output tok/s / mean ITL ms / acceptance length (Δ% output tok/s vs the no-capacity column)
+
+The no-capacity column is config ``none`` (verify every draft) when the matrix has it, else the first config;
+it carries no Δ. Mean ITL is per stream chunk (one verify step), as ``vllm bench serve`` reports it, so the
+numbers compare with the seed's. Configs without drafts (``nospec``) show "-" for acceptance length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from dspark_cli import __version__
+from dspark_cli.fileio import atomic_write_json, atomic_write_text
+
+BASELINE = "none"
+SUMMARY_FORMAT = 1
+PRETTY = {
+    "nospec": "No spec",
+    "none": "No capacity",
+    "mask": "Mask + SPS",
+    "varlen": "Varlen + SPS",
+    "none+sts": "No capacity + STS",
+    "mask+sts": "Mask + SPS + STS",
+    "varlen+sts": "Varlen + SPS + STS",
+}
+MISSING = "—"
+
+
+@dataclass(frozen=True)
+class CellNumbers:
+    output_tok_s: float
+    mean_itl_ms: float | None
+    acceptance_length: float | None
+    per_user_tok_s: float | None
+    failed: int
+    delta_pct: float | None  # vs the baseline column; None for the baseline itself or without one
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def baseline_of(configs: Sequence[str]) -> str | None:
+    if BASELINE in configs:
+        return BASELINE
+    return configs[0] if configs else None
+
+
+def header(config: str) -> str:
+    return PRETTY.get(config, config)
+
+
+def numbers(cell: dict[str, Any], base: dict[str, Any] | None) -> CellNumbers:
+    m = cell["metrics"]
+    sd = cell.get("spec_decode") or {}
+    tok_s = float(m.get("output_tok_s") or 0.0)
+    delta = None
+    if base is not None and base is not cell:
+        base_tok = float(base["metrics"].get("output_tok_s") or 0.0)
+        if base_tok > 0:
+            delta = (tok_s / base_tok - 1.0) * 100.0
+    return CellNumbers(
+        output_tok_s=tok_s,
+        mean_itl_ms=(m.get("itl_ms") or {}).get("mean"),
+        acceptance_length=sd.get("acceptance_length"),
+        per_user_tok_s=m.get("per_user_tok_s"),
+        failed=int(m.get("failed") or 0),
+        delta_pct=delta,
+    )
+
+
+def format_tok_s(v: float) -> str:
+    # The seed prints whole tokens/s in the thousands; CPU runs reach only tens, where decimals matter.
+    return f"{v:,.0f}" if v >= 100 else f"{v:,.1f}"
+
+
+def format_delta(pct: float) -> str:
+    if abs(pct) < 0.05:
+        pct = 0.0  # no "-0.0%"
+    return f"{pct:+.1f}%"
+
+
+def format_cell(n: CellNumbers) -> str:
+    itl = f"{n.mean_itl_ms:.2f}" if n.mean_itl_ms is not None else MISSING
+    acc = f"{n.acceptance_length:.3f}" if n.acceptance_length is not None else "-"
+    text = f"{format_tok_s(n.output_tok_s)} / {itl} / {acc}"
+    if n.delta_pct is not None:
+        text += f" ({format_delta(n.delta_pct)})"
+    if n.failed:
+        text += f" [{n.failed} failed]"
+    return text
+
+
+@dataclass
+class ComparisonTable:
+    configs: list[str]
+    concurrencies: list[int]
+    baseline: str | None
+    cells: dict[tuple[str, int], CellNumbers]
+
+    def text(self, config: str, c: int) -> str:
+        n = self.cells.get((config, c))
+        return format_cell(n) if n is not None else MISSING
+
+    def headers(self) -> list[str]:
+        return ["c", *(header(k) for k in self.configs)]
+
+    def rows(self) -> list[list[str]]:
+        return [[str(c), *(self.text(k, c) for k in self.configs)] for c in self.concurrencies]
+
+
+def build_table(cells: Sequence[dict[str, Any]], configs: Sequence[str] | None = None,
+                concurrencies: Sequence[int] | None = None) -> ComparisonTable:
+    """Table over ``configs`` x ``concurrencies`` (default: whatever the cells hold, in first-seen order)."""
+    by_key = {(c["config"], int(c["concurrency"])): c for c in cells}
+    cfgs = list(configs) if configs is not None else list(dict.fromkeys(c["config"] for c in cells))
+    concs = list(concurrencies) if concurrencies is not None else sorted({k[1] for k in by_key})
+    base = baseline_of(cfgs)
+    out: dict[tuple[str, int], CellNumbers] = {}
+    for k in cfgs:
+        for c in concs:
+            cell = by_key.get((k, c))
+            if cell is not None:
+                out[(k, c)] = numbers(cell, by_key.get((base, c)) if base is not None else None)
+    return ComparisonTable(cfgs, concs, base, out)
+
+
+def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
+    lines = []
+    if title:
+        lines += [title, ""]
+    lines.append("Cells: output tok/s / mean ITL ms / acceptance length "
+                 f"(Δ% output tok/s vs {header(table.baseline) if table.baseline else 'n/a'})")
+    lines.append("")
+    hdr = table.headers()
+    lines.append("| " + " | ".join(hdr) + " |")
+    lines.append("|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|")
+    for row in table.rows():
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_rich(table: ComparisonTable, title: str | None = None) -> Table:
+    t = Table(title=title, caption="output tok/s / mean ITL ms / acceptance length (Δ% tok/s vs "
+                                   f"{header(table.baseline) if table.baseline else 'n/a'})")
+    for i, h in enumerate(table.headers()):
+        t.add_column(h, justify="right" if i == 0 else "left", overflow="fold")
+    for row in table.rows():
+        t.add_row(*row)
+    return t
+
+
+def write_summary(results_dir: Path, cells: Sequence[dict[str, Any]], configs: Sequence[str],
+                  concurrencies: Sequence[int], title: str | None = None) -> tuple[Path, Path]:
+    """summary.json (all numbers, per-cell paths) and summary.md (the table), both atomic."""
+    table = build_table(cells, configs, concurrencies)
+    md = to_markdown(table, title)
+    workloads = [c.get("workload") for c in cells]
+    summary = {
+        "dspark_bench_summary": SUMMARY_FORMAT,
+        "dspark_version": __version__,
+        "baseline": table.baseline,
+        "configs": table.configs,
+        "concurrencies": table.concurrencies,
+        "workload": workloads[0] if workloads else None,
+        "rows": [
+            {"concurrency": c,
+             "cells": {k: (table.cells[(k, c)].to_dict() if (k, c) in table.cells else None)
+                       for k in table.configs}}
+            for c in table.concurrencies
+        ],
+        "markdown": md,
+    }
+    return (atomic_write_json(results_dir / "summary.json", summary),
+            atomic_write_text(results_dir / "summary.md", md))

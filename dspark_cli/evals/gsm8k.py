@@ -1,0 +1,279 @@
+"""Few-shot GSM8K accuracy against an OpenAI-compatible server, lm-eval ``gsm8k_cot`` style.
+
+The point is a regression check: capacity modes are lossless, so accuracy must not move between them beyond
+sampling noise. Hence greedy decoding (temperature 0), a fixed prompt, per-question results on disk (so two
+runs can be compared question by question) and a binomial standard error next to every accuracy.
+
+Prompt: k of the 8 standard chain-of-thought exemplars as "Q: ...\\nA: ..." blocks separated by a blank line,
+then "Q: <question>\\nA:", sent to /v1/completions; generation stops where a next question would start.
+
+Scoring (both reported, as lm-eval does):
+- strict: the answer the model declared -- "#### n" or "The answer is n" (first declaration);
+- flexible: the last number anywhere in the completion.
+A completion with no number at all is "invalid" (reported as a rate: formatting failures, not wrong maths).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from dspark_cli.data.gsm8k import COT_EXEMPLARS, GsmRow, load_gsm8k, normalize_number
+from dspark_cli.errors import DsparkError
+
+STOP = ["Q:", "Question:", "</s>", "<|im_end|>", "\n\n\n"]
+ROW_FORMAT = 1
+
+_NUM = r"-?[$]?\s*\d[\d,]*(?:\.\d+)?"
+_STRICT_RES = (
+    re.compile(r"####\s*(" + _NUM + ")"),
+    re.compile(r"[Tt]he (?:final )?answer is\s*:?\s*(" + _NUM + ")"),
+)
+_FLEX_RE = re.compile(_NUM)
+
+
+def build_prompt(question: str, num_shots: int) -> str:
+    if not 0 <= num_shots <= len(COT_EXEMPLARS):
+        raise DsparkError(f"--num-shots must be in 0..{len(COT_EXEMPLARS)}, got {num_shots}")
+    shots = "".join(f"Q: {ex.question}\nA: {ex.answer}\n\n" for ex in COT_EXEMPLARS[:num_shots])
+    return f"{shots}Q: {question.strip()}\nA:"
+
+
+def extract_strict(text: str) -> str | None:
+    """The first declared answer ("#### n" or "The answer is n"), normalised; None if none declared."""
+    best: tuple[int, str] | None = None
+    for pattern in _STRICT_RES:
+        m = pattern.search(text)
+        if m and (best is None or m.start() < best[0]):
+            best = (m.start(), m.group(1))
+    return normalize_number(best[1]) if best else None
+
+
+def extract_flexible(text: str) -> str | None:
+    """The last number in the completion, normalised; None if there is none."""
+    found = _FLEX_RE.findall(text)
+    return normalize_number(found[-1]) if found else None
+
+
+def answers_match(predicted: str | None, gold: str) -> bool:
+    if predicted is None:
+        return False
+    if predicted == gold:
+        return True
+    try:
+        return math.isclose(float(predicted), float(gold), rel_tol=0.0, abs_tol=1e-6)
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """One scored question, one JSONL line. ``settings`` pins what makes rows of one file comparable."""
+
+    id: int
+    question: str
+    gold: str
+    completion: str
+    strict: str | None
+    flexible: str | None
+    strict_correct: bool
+    flexible_correct: bool
+    invalid: bool
+    settings: dict[str, Any]
+    format: int = ROW_FORMAT
+
+    @classmethod
+    def score(cls, row: GsmRow, completion: str, settings: dict[str, Any]) -> EvalRow:
+        strict = extract_strict(completion)
+        flexible = extract_flexible(completion)
+        return cls(row.id, row.question, row.final, completion, strict, flexible,
+                   answers_match(strict, row.final), answers_match(flexible, row.final),
+                   flexible is None, settings)
+
+
+@dataclass(frozen=True)
+class Summary:
+    n: int
+    strict: float
+    flexible: float
+    invalid: float
+
+    @staticmethod
+    def stderr(p: float, n: int) -> float:
+        return math.sqrt(p * (1 - p) / n) if n else 0.0
+
+    def line(self, label: str = "gsm8k") -> str:
+        se = self.stderr(self.strict, self.n)
+        return (f"{label}: strict {self.strict:.3f} ± {se:.3f}, flexible {self.flexible:.3f}, "
+                f"invalid {self.invalid:.3f} (n={self.n})")
+
+
+def summarize(rows: Sequence[EvalRow]) -> Summary:
+    n = len(rows)
+    if n == 0:
+        return Summary(0, 0.0, 0.0, 0.0)
+    return Summary(n, sum(r.strict_correct for r in rows) / n, sum(r.flexible_correct for r in rows) / n,
+                   sum(r.invalid for r in rows) / n)
+
+
+def read_results(path: Path, repair: bool = False) -> list[EvalRow]:
+    """Rows of a result file. A last line cut by a crash is dropped (and, with ``repair``, truncated away so
+    appends continue on a clean line); any other bad line is an error naming file:line."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        if repair:
+            with open(path, "r+b") as fh:
+                fh.truncate(cut)
+        data = data[:cut]
+    rows = []
+    for lineno, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+            rows.append(EvalRow(**obj))
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise DsparkError(f"{path}:{lineno}: not a gsm8k result row ({exc}); use another --output") from exc
+    return rows
+
+
+def append_row(path: Path, row: EvalRow) -> None:
+    """One ``write`` of a whole line with O_APPEND, then fsync: a crash leaves at most a cut last line."""
+    line = orjson.dumps(asdict(row)) + b"\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    base_url: str
+    num_shots: int = 5
+    limit: int | None = None
+    concurrency: int = 8
+    max_tokens: int = 512
+    model: str | None = None
+    request_timeout_s: float = 600.0
+
+    def settings(self) -> dict[str, Any]:
+        return {"num_shots": self.num_shots, "max_tokens": self.max_tokens, "stop": STOP}
+
+
+async def _complete(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int) -> str:
+    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stop": STOP}
+    async with session.post(url, data=orjson.dumps(payload), headers={"Content-Type": "application/json"}) as r:
+        body = await r.read()
+        if r.status != 200:
+            raise DsparkError(f"{url} answered HTTP {r.status}: {body[:200].decode(errors='replace')}")
+    obj = orjson.loads(body)
+    return str(obj["choices"][0].get("text") or "")
+
+
+async def _run(cfg: EvalConfig, rows: Sequence[GsmRow], output: Path | None,
+               on_done: Callable[[EvalRow], None]) -> list[EvalRow]:
+    from dspark_cli.bench.client import fetch_model_name
+
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=30)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        model = cfg.model or await fetch_model_name(session, cfg.base_url)
+        url = f"{cfg.base_url}/v1/completions"
+        queue = iter(rows)
+        done: list[EvalRow] = []
+
+        async def worker() -> None:
+            for row in queue:
+                try:
+                    text = await _complete(session, url, model, build_prompt(row.question, cfg.num_shots),
+                                           cfg.max_tokens)
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    raise DsparkError(f"request to {url} failed: {exc}; finished rows are kept") from exc
+                scored = EvalRow.score(row, text, cfg.settings())
+                if output is not None:
+                    append_row(output, scored)
+                done.append(scored)
+                on_done(scored)
+
+        await asyncio.gather(*(worker() for _ in range(max(1, cfg.concurrency))))
+    return done
+
+
+def run_eval(cfg: EvalConfig, output: Path | None = None, on_start: Callable[[int, int], None] | None = None,
+             on_done: Callable[[EvalRow], None] | None = None) -> list[EvalRow]:
+    """Score the first ``limit`` test questions; with ``output``, questions already in it are skipped.
+
+    Returns every row of this run's question set (earlier and new), in question order.
+    """
+    if cfg.concurrency < 1:
+        raise DsparkError(f"--concurrency must be >= 1, got {cfg.concurrency}")
+    if cfg.max_tokens < 1:
+        raise DsparkError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
+    build_prompt("", cfg.num_shots)  # validates --num-shots before any network traffic
+    rows = load_gsm8k(limit=cfg.limit)
+    previous: dict[int, EvalRow] = {}
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        for r in read_results(output, repair=True):
+            if r.settings != cfg.settings():
+                theirs = ", ".join(f"{k}={r.settings.get(k)}" for k in ("num_shots", "max_tokens"))
+                raise DsparkError(f"{output} holds results of another setup ({theirs}, or other stop strings); "
+                                  "use another --output or the same flags")
+            previous[r.id] = r
+    todo = [r for r in rows if r.id not in previous]
+    if on_start is not None:
+        on_start(len(rows) - len(todo), len(rows))
+    new = asyncio.run(_run(cfg, todo, output, on_done or (lambda r: None))) if todo else []
+    by_id = {**previous, **{r.id: r for r in new}}
+    return [by_id[r.id] for r in rows if r.id in by_id]
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    label: str
+    summary: Summary
+
+
+def compare(paths: Sequence[Path]) -> tuple[list[CompareRow], int, str]:
+    """Accuracy of several result files on the questions they all share; returns rows, shared n, and a note
+    on noise (the 95% band of a difference between two independent accuracies, ~2 * sqrt(se1^2 + se2^2))."""
+    if len(paths) < 1:
+        raise DsparkError("--compare needs at least one result file")
+    loaded = []
+    for p in paths:
+        if not p.is_file():
+            raise DsparkError(f"--compare: no such file {p}")
+        rows = read_results(p)
+        if not rows:
+            raise DsparkError(f"--compare: {p} holds no results")
+        loaded.append((p, {r.id: r for r in rows}))
+    shared = set.intersection(*(set(d) for _, d in loaded))
+    if not shared:
+        raise DsparkError("--compare: the files share no question; run them over the same --limit")
+    stems = [p.stem for p, _ in loaded]
+    out = []
+    for p, d in loaded:
+        label = p.stem if stems.count(p.stem) == 1 else str(p)
+        out.append(CompareRow(label, summarize([d[i] for i in sorted(shared)])))
+    n = len(shared)
+    accs = [r.summary.strict for r in out]
+    p_mean = sum(accs) / len(accs)
+    band = 2 * math.sqrt(2) * Summary.stderr(p_mean, n)
+    spread = max(accs) - min(accs)
+    verdict = "within" if spread <= band else "OUTSIDE"
+    note = (f"n={n} shared questions; strict accuracies differ by {spread:.3f}, {verdict} the ±{band:.3f} band "
+            "(2 standard errors of a difference) that sampling noise alone produces")
+    return out, n, note

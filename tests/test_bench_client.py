@@ -1,0 +1,165 @@
+"""The streaming load generator against a scripted SSE server: timing, token counting, closed-loop load."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+from dspark_cli.bench.client import LoadConfig, RequestResult, aggregate, run_load
+from dspark_cli.bench.datasets import Prompt
+
+
+class ScriptedServer:
+    """Streams a fixed chunk plan per request: each chunk is a number of tokens ("tok " x n); events may be
+    split across writes. Records request bodies and the peak number of requests in flight."""
+
+    def __init__(self, plan: list[int], continuous_usage: bool = False, split_events: bool = True,
+                 status: int = 200) -> None:
+        self.plan = plan
+        self.continuous_usage = continuous_usage
+        self.split_events = split_events
+        self.status = status
+        self.bodies: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.peak = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.status != 200:
+            return web.json_response({"error": {"message": "nope"}}, status=self.status)
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        chat = request.path.endswith("chat/completions")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        sent = 0
+        try:
+            await resp.write(b": ping\n\n")
+            for n in self.plan:
+                await asyncio.sleep(0.01)
+                sent += n
+                text = "tok " * n
+                choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                msg: dict[str, Any] = {"choices": [choice]}
+                if self.continuous_usage:
+                    msg["usage"] = {"prompt_tokens": 7, "completion_tokens": sent}
+                data = b"data: " + orjson.dumps(msg) + b"\n\n"
+                if self.split_events:
+                    await resp.write(data[:9])
+                    await asyncio.sleep(0.001)
+                    await resp.write(data[9:])
+                else:
+                    await resp.write(data)
+            usage = {"prompt_tokens": 7, "completion_tokens": sent, "total_tokens": sent + 7}
+            await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            self.in_flight -= 1
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m1"}]})
+
+
+async def _serve(server: ScriptedServer) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", server.handle)
+    app.router.add_post("/v1/completions", server.handle)
+    app.router.add_get("/v1/models", server.models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _run(server: ScriptedServer, prompts: list[Prompt], **cfg: Any) -> tuple[list[RequestResult], float, str]:
+    async def go() -> tuple[list[RequestResult], float, str]:
+        runner, url = await _serve(server)
+        try:
+            return await run_load(prompts, LoadConfig(base_url=url, **cfg))
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(go())
+
+
+def test_multi_token_chunks_count_tokens_from_usage() -> None:
+    server = ScriptedServer([1, 3, 2, 4])
+    results, wall, model = _run(server, [Prompt(text="hi")], max_tokens=10)
+    (r,) = results
+    assert model == "m1" and r.success, r.error
+    assert r.output_tokens == 10  # from usage, not the 4 chunks
+    assert len(r.itl) == 3 and r.ttft is not None and r.ttft > 0
+    assert r.latency == pytest.approx(r.ttft + sum(r.itl))
+    assert r.prompt_tokens == 7
+    # Without per-chunk usage the per-token ITL spreads the gaps evenly over the 9 decode tokens.
+    assert sum(r.per_token_itl()) * 9 / 3 == pytest.approx(sum(r.itl))
+    assert r.text == "tok " * 10
+
+
+def test_per_chunk_usage_splits_each_gap_over_its_tokens() -> None:
+    server = ScriptedServer([1, 3, 2], continuous_usage=True)
+    (r,), _, _ = _run(server, [Prompt(text="hi")], max_tokens=6)
+    assert r.chunk_tokens == [1, 3, 2]
+    per_tok = r.per_token_itl()
+    assert len(per_tok) == 5
+    assert per_tok[:3] == pytest.approx([r.itl[0] / 3] * 3)
+    assert per_tok[3:] == pytest.approx([r.itl[1] / 2] * 2)
+
+
+def test_request_payload_carries_equal_work_fields() -> None:
+    server = ScriptedServer([2])
+    _run(server, [Prompt(text="a"), Prompt(messages=({"role": "user", "content": "b"},))],
+         max_tokens=5, temperature=1.0, seed=10, concurrency=1)
+    first, second = server.bodies
+    assert first["messages"] == [{"role": "user", "content": "a"}]
+    assert second["messages"] == [{"role": "user", "content": "b"}]
+    for i, body in enumerate(server.bodies):
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["ignore_eos"] is True and body["max_tokens"] == 5 and body["temperature"] == 1.0
+        assert body["seed"] == 10 + i and body["model"] == "m1"
+
+
+def test_completions_endpoint_sends_prompt_text() -> None:
+    server = ScriptedServer([1, 1], split_events=False)
+    (r,), _, _ = _run(server, [Prompt(messages=({"role": "user", "content": "q"},))], endpoint="completions")
+    assert r.success and r.output_tokens == 2
+    assert server.bodies[0]["prompt"] == "q" and "messages" not in server.bodies[0]
+
+
+def test_closed_loop_keeps_exactly_concurrency_in_flight() -> None:
+    server = ScriptedServer([1, 1, 1])
+    results, _, _ = _run(server, [Prompt(text=str(i)) for i in range(12)], concurrency=3)
+    assert len(results) == 12 and all(r.success for r in results)
+    assert server.peak == 3
+    assert [r.index for r in results] == list(range(12))
+
+
+def test_http_errors_are_recorded_as_failures() -> None:
+    server = ScriptedServer([1], status=400)
+    results, wall, _ = _run(server, [Prompt(text="x")] * 2, concurrency=2)
+    assert not any(r.success for r in results)
+    assert results[0].error.startswith("HTTP 400")
+    m = aggregate(results, wall)
+    assert m["failed"] == 2 and m["completed"] == 0 and m["output_tok_s"] == 0.0
+    assert m["errors"] and m["per_user_tok_s"] is None
+
+
+def test_aggregate_math() -> None:
+    a = RequestResult(0, True, ttft=0.1, latency=1.1, itl=[0.5, 0.5], output_tokens=11)
+    b = RequestResult(1, True, ttft=0.3, latency=2.3, itl=[1.0, 1.0], output_tokens=21)
+    m = aggregate([a, b], wall_s=4.0)
+    assert m["output_tok_s"] == pytest.approx(32 / 4)
+    assert m["request_throughput"] == pytest.approx(0.5)
+    assert m["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert m["itl_ms"]["mean"] == pytest.approx(750.0)
+    assert m["tpot_ms"]["median"] == pytest.approx(100.0)  # both requests: 1.0 s / 10 and 2.0 s / 20
+    assert m["per_user_tok_s"] == pytest.approx(10.0)
+    assert m["tokens_per_chunk"] == pytest.approx(32 / 6)

@@ -1,0 +1,130 @@
+"""End to end on CPU: `dspark bench --serve` and `dspark eval gsm8k` against real `dspark serve --model tiny`.
+
+Kept small (a few prompts, short outputs) -- these check plumbing (servers start/stop, cells resume, files and
+tables appear), not speed. Skipped until the packaged tiny model pair exists.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dspark_cli
+from dspark_cli.bench.matrix import ServerProcess, _free_port
+from dspark_cli.fileio import read_json
+
+TINY = Path(dspark_cli.__file__).parent / "engines" / "embedded" / "assets" / "tiny"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (TINY.is_dir() and any(TINY.iterdir())), reason="packaged tiny model not built"),
+]
+SERVE_ARGS = "--model tiny --device cpu --seed 0 --max-num-seqs 4"
+DSPARK = [sys.executable, "-m", "dspark_cli.cli"]
+
+
+def _bench(results: Path, configs: str, *extra: str) -> list[str]:
+    return [*DSPARK, "bench", "--serve", "--configs", configs, "--serve-args", SERVE_ARGS, "-c", "1,2",
+            "-n", "3", "--max-tokens", "8", "--warmup-prompts", "1", "--results-dir", str(results),
+            "--server-timeout", "300", *extra]
+
+
+def _server_alive(port: str) -> bool:
+    """Any process of ours still serving on ``port`` (scans /proc: the bench must leave none behind)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in args and port.encode() in args and b"--port" in args:
+            return True
+    return False
+
+
+def test_serve_matrix_table_json_plots_and_resume(tmp_path: Path) -> None:
+    results = tmp_path / "res"
+    first = subprocess.run(_bench(results, "none"), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert sorted(p.name for p in (results / "cells").iterdir()) == ["none__c1.json", "none__c2.json"]
+
+    # Rerun with one more config: the finished `none` cells are kept, only `nospec` is measured.
+    second = subprocess.run(_bench(results, "nospec,none"), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resuming: 2 of 4 cells" in second.stdout
+    assert (results / "logs" / "none.log").read_text().count("$ ") == 1  # its server was not started again
+
+    cells = {p.stem: read_json(p) for p in (results / "cells").iterdir()}
+    assert set(cells) == {"none__c1", "none__c2", "nospec__c1", "nospec__c2"}
+    for cell in cells.values():
+        m = cell["metrics"]
+        assert m["completed"] == 3 and m["failed"] == 0
+        assert m["total_output_tokens"] == 3 * 8  # --ignore-eos: equal work per cell
+        assert m["output_tok_s"] > 0 and m["ttft_ms"]["mean"] > 0
+        assert cell["dspark_version"] == dspark_cli.__version__ and cell["started_at"]
+        assert "--model" in cell["server"]["serve_args"]
+    assert cells["nospec__c1"]["server"]["serve_args"][-6:-4] == ["-k", "0"]
+    spec = cells["none__c2"]["spec_decode"]
+    assert spec is not None and spec["num_drafts"] > 0 and 1.0 <= spec["acceptance_length"]
+    nospec = cells["nospec__c1"]["spec_decode"]
+    assert nospec is None or nospec["acceptance_length"] is None
+
+    summary = read_json(results / "summary.json")
+    assert summary["baseline"] == "none" and summary["configs"] == ["nospec", "none"]
+    md = (results / "summary.md").read_text()
+    assert "| c | No spec | No capacity |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 2 |"))
+    nospec_cell, none_cell = row.strip("| ").split(" | ")[1:]
+    assert nospec_cell.endswith("%)") and " / - (" in nospec_cell  # Δ vs no capacity, no acceptance length
+    assert not none_cell.endswith("%)")
+    for png in ("throughput.png", "pareto.png"):
+        assert (results / png).read_bytes()[:4] == b"\x89PNG"
+    assert "No capacity" in second.stdout
+
+
+def test_interrupted_matrix_keeps_cells_and_stops_its_server(tmp_path: Path) -> None:
+    results = tmp_path / "res"
+    cmd = _bench(results, "none")
+    cmd[cmd.index("-n") + 1] = "4"
+    cmd[cmd.index("--max-tokens") + 1] = "48"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    first_cell = results / "cells" / "none__c1.json"
+    deadline = time.monotonic() + 300
+    while not first_cell.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert first_cell.exists(), proc.communicate()[1][-2000:] if proc.poll() is not None else "no cell in time"
+    port = read_json(first_cell)["server"]["base_url"].rsplit(":", 1)[1]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the matrix finished before the interrupt landed")
+    assert proc.returncode == 1
+    assert "interrupted: 1 of 2 cells finished and kept" in err
+    assert first_cell.exists() and not (results / "cells" / "none__c2.json").exists()
+    assert not _server_alive(port)
+
+
+
+def test_eval_gsm8k_resumes_and_compares(tmp_path: Path) -> None:
+    port = _free_port("127.0.0.1")
+    cmd = [*DSPARK, "serve", *SERVE_ARGS.split(), "--host", "127.0.0.1", "--port", str(port)]
+    out = tmp_path / "tiny.jsonl"
+    base = [*DSPARK, "eval", "gsm8k", "--port", str(port), "--num-shots", "2", "--max-tokens", "24",
+            "--concurrency", "2", "--output", str(out)]
+    with ServerProcess(cmd, tmp_path / "serve.log", f"http://127.0.0.1:{port}", timeout_s=300):
+        first = subprocess.run([*base, "--limit", "3"], capture_output=True, text=True, timeout=300)
+        assert first.returncode == 0, first.stderr[-2000:]
+        assert "gsm8k 2-shot: strict" in first.stdout and "(n=3)" in first.stdout
+        assert len(out.read_text().splitlines()) == 3
+        second = subprocess.run([*base, "--limit", "4"], capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert "resuming: 3 questions" in second.stdout and "(n=4)" in second.stdout
+    assert len(out.read_text().splitlines()) == 4
+    cmp = subprocess.run([*DSPARK, "eval", "gsm8k", "--compare", str(out), str(out)], capture_output=True,
+                         text=True, timeout=60)
+    assert cmp.returncode == 0, cmp.stderr
+    assert "n=4 shared questions" in cmp.stdout and "within" in cmp.stdout

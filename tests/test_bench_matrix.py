@@ -1,0 +1,153 @@
+"""Matrix bookkeeping: config names -> serve flags, resumable cells, server process lifecycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dspark_cli.bench.client import LoadConfig
+from dspark_cli.bench.datasets import Prompt
+from dspark_cli.bench.matrix import (
+    CELL_FORMAT,
+    BenchConfig,
+    MatrixSpec,
+    ServerProcess,
+    ServerStartError,
+    _free_port,
+    cell_path,
+    load_cell,
+    parse_concurrencies,
+    parse_configs,
+    pending_cells,
+)
+from dspark_cli.errors import DsparkError
+from dspark_cli.fileio import atomic_write_json
+
+
+def test_config_names_map_to_serve_flags() -> None:
+    cfgs = {c.name: c for c in parse_configs("nospec,none,mask,varlen+sts", "curve.json")}
+    assert cfgs["nospec"].serve_args == ("-k", "0")
+    assert cfgs["none"].serve_args == ("--capacity-mode", "none")
+    assert cfgs["mask"].serve_args == ("--capacity-mode", "mask", "--sps-curve", "curve.json")
+    assert cfgs["varlen+sts"].serve_args == ("--capacity-mode", "varlen", "--sps-curve", "curve.json", "--online-sts")
+    assert cfgs["varlen+sts"].sts and not cfgs["mask"].sts
+
+
+@pytest.mark.parametrize("spec", ["", "mask+foo", "fast", "none,none", "nospec+sts"])
+def test_bad_config_lists(spec: str) -> None:
+    with pytest.raises(DsparkError):
+        parse_configs(spec, "auto")
+
+
+def test_capacity_modes_need_a_curve_unless_common_args_carry_one() -> None:
+    with pytest.raises(DsparkError, match="--sps-curve"):
+        parse_configs("none,mask")
+    (cfg,) = parse_configs("varlen", None, ["--model", "tiny", "--sps-curve", "auto"])
+    assert cfg.serve_args == ("--capacity-mode", "varlen")
+
+
+def test_concurrency_list() -> None:
+    assert parse_concurrencies("16, 1,4,4") == [1, 4, 16]
+    for bad in ("", "0", "a,b", "-1"):
+        with pytest.raises(DsparkError):
+            parse_concurrencies(bad)
+
+
+def _spec(tmp_path: Path, workload: dict | None = None, force: bool = False) -> MatrixSpec:
+    return MatrixSpec(configs=[BenchConfig("none"), BenchConfig("mask")], concurrencies=[1, 4],
+                      prompts=[Prompt(text="x")], load=LoadConfig(base_url=""), results_dir=tmp_path,
+                      workload=workload or {"num_prompts": 1, "max_tokens": 8}, force=force)
+
+
+def _write(tmp_path: Path, config: str, c: int, workload: dict) -> Path:
+    return atomic_write_json(cell_path(tmp_path, config, c), {
+        "dspark_bench_cell": CELL_FORMAT, "config": config, "concurrency": c, "metrics": {}, "workload": workload})
+
+
+def test_finished_cells_are_skipped_and_force_redoes_them(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    assert len(pending_cells(spec)) == 4
+    _write(tmp_path, "mask", 4, spec.workload)
+    assert [(k.name, c) for k, c in pending_cells(spec)] == [("none", 1), ("none", 4), ("mask", 1)]
+    assert len(pending_cells(_spec(tmp_path, force=True))) == 4
+
+
+def test_unreadable_or_partial_cell_is_measured_again(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    p = cell_path(tmp_path, "none", 1)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text('{"dspark_bench_cell": 1, "config"')
+    assert load_cell(p) is None
+    assert ("none", 1) in [(k.name, c) for k, c in pending_cells(spec)]
+
+
+def test_cells_of_another_workload_are_refused(tmp_path: Path) -> None:
+    _write(tmp_path, "none", 1, {"num_prompts": 99, "max_tokens": 8})
+    with pytest.raises(DsparkError, match="different workload"):
+        pending_cells(_spec(tmp_path))
+    assert len(pending_cells(_spec(tmp_path, force=True))) == 4
+
+
+def test_cell_file_names_are_safe() -> None:
+    assert cell_path(Path("r"), "varlen+sts", 16) == Path("r/cells/varlen+sts__c16.json")
+    assert cell_path(Path("r"), "my server/1", 2).name == "my_server_1__c2.json"
+
+
+def test_server_that_dies_reports_its_log_tail(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-c", "import sys; print('loading weights'); print('boom: no such model'); sys.exit(3)"]
+    server = ServerProcess(cmd, tmp_path / "s.log", "http://127.0.0.1:9", timeout_s=30)
+    with pytest.raises(ServerStartError) as info:
+        server.__enter__()
+    assert "status 3" in str(info.value) and "\n" not in str(info.value)
+    assert "boom: no such model" in info.value.log_tail
+
+
+def test_stop_escalates_to_sigkill_and_leaves_no_process(tmp_path: Path) -> None:
+    # A server that ignores SIGINT and has a child of its own: both must be gone after stop().
+    script = ("import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "print(c.pid, flush=True); time.sleep(60)")
+    log = tmp_path / "s.log"
+    server = ServerProcess([sys.executable, "-c", script], log, "http://127.0.0.1:9", timeout_s=5)
+    server.start()
+    deadline = time.monotonic() + 20
+    child = None
+    while time.monotonic() < deadline and child is None:
+        lines = [ln for ln in log.read_text().splitlines() if ln.strip().isdigit()]
+        child = int(lines[0]) if lines else None
+        time.sleep(0.05)
+    assert child is not None
+    server.stop(grace_s=0.5)
+    assert server.proc is not None and server.proc.returncode == -signal.SIGKILL
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the server's child survived stop()")
+
+
+def test_server_health_timeout(tmp_path: Path) -> None:
+    server = ServerProcess([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "s.log",
+                           "http://127.0.0.1:9", timeout_s=1)
+    with pytest.raises(ServerStartError, match="not healthy after 1 s"):
+        server.__enter__()
+    assert server.proc is not None and server.proc.poll() is not None
+
+
+def test_cell_where_every_request_failed_is_not_saved(tmp_path: Path) -> None:
+    from dspark_cli.bench.matrix import run_matrix
+
+    port = _free_port("127.0.0.1")  # nothing listens there
+    spec = _spec(tmp_path)
+    spec.load = LoadConfig(base_url="", model="m", request_timeout_s=5)
+    with pytest.raises(DsparkError, match="every request of cell srv c=1 failed"):
+        run_matrix(spec, base_url=f"http://127.0.0.1:{port}", label="srv")
+    assert not (tmp_path / "cells").exists() or not any((tmp_path / "cells").iterdir())

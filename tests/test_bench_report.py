@@ -1,0 +1,96 @@
+"""The seed-shaped comparison table: cell text, Δ% against the no-capacity column, Markdown/summary files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dspark_cli.bench.plots import pareto_front, plot_matrix
+from dspark_cli.bench.report import (
+    build_table,
+    format_cell,
+    format_delta,
+    numbers,
+    to_markdown,
+    write_summary,
+)
+from dspark_cli.fileio import read_json
+
+
+def cell(config: str, c: int, tok_s: float, itl: float | None = 10.0, acc: float | None = 1.3,
+         failed: int = 0) -> dict[str, Any]:
+    return {
+        "config": config, "concurrency": c,
+        "metrics": {"output_tok_s": tok_s, "itl_ms": {"mean": itl}, "per_user_tok_s": tok_s / c,
+                    "failed": failed},
+        "spec_decode": None if acc is None else {"acceptance_length": acc},
+        "workload": {"num_prompts": 4},
+    }
+
+
+def test_seed_row_formatting() -> None:
+    base = cell("none", 16, 1397.0, 14.69, 1.324)
+    mask = cell("mask", 16, 1136.0, 15.63, 1.132)
+    assert format_cell(numbers(base, base)) == "1,397 / 14.69 / 1.324"
+    assert format_cell(numbers(mask, base)) == "1,136 / 15.63 / 1.132 (-18.7%)"
+    faster = cell("varlen+sts", 256, 9089.0, 27.52, 1.0)
+    assert format_cell(numbers(faster, cell("none", 256, 6211.0))) == "9,089 / 27.52 / 1.000 (+46.3%)"
+
+
+def test_small_numbers_missing_acceptance_and_failures() -> None:
+    base = cell("none", 1, 35.25)
+    nospec = cell("nospec", 1, 35.25, itl=None, acc=None, failed=2)
+    assert format_cell(numbers(nospec, base)) == "35.2 / — / - (+0.0%) [2 failed]"
+
+
+@pytest.mark.parametrize(("pct", "text"), [(0.04, "+0.0%"), (-0.04, "+0.0%"), (-18.66, "-18.7%"), (3.35, "+3.4%")])
+def test_delta_format(pct: float, text: str) -> None:
+    assert format_delta(pct) == text
+
+
+def test_baseline_is_none_column_else_first() -> None:
+    cells = [cell("mask", 1, 50), cell("none", 1, 100), cell("varlen", 1, 150)]
+    t = build_table(cells, ["mask", "none", "varlen"], [1])
+    assert t.baseline == "none"
+    assert t.rows() == [["1", "50.0 / 10.00 / 1.300 (-50.0%)", "100 / 10.00 / 1.300", "150 / 10.00 / 1.300 (+50.0%)"]]
+    t2 = build_table(cells, ["varlen", "mask"], [1])
+    assert t2.baseline == "varlen"
+    assert t2.rows()[0][1] == "150 / 10.00 / 1.300"
+    assert t2.rows()[0][2].endswith("(-66.7%)")
+
+
+def test_missing_cells_and_missing_baseline_cell() -> None:
+    cells = [cell("none", 1, 100), cell("mask", 1, 90), cell("mask", 4, 300)]
+    t = build_table(cells, ["none", "mask"], [1, 4])
+    assert t.rows()[1] == ["4", "—", "300 / 10.00 / 1.300"]  # no baseline at c=4: no Δ rather than a wrong one
+
+
+def test_markdown_and_summary_files(tmp_path: Path) -> None:
+    cells = [cell("none", 1, 100), cell("mask", 1, 90), cell("none", 4, 300), cell("mask", 4, 330)]
+    md = to_markdown(build_table(cells, ["none", "mask"], [1, 4]), "title")
+    lines = md.splitlines()
+    assert lines[0] == "title"
+    assert "| c | No capacity | Mask + SPS |" in lines
+    assert "| 4 | 300 / 10.00 / 1.300 | 330 / 10.00 / 1.300 (+10.0%) |" in lines
+    js, mdp = write_summary(tmp_path, cells, ["none", "mask"], [1, 4])
+    summary = read_json(js)
+    assert summary["baseline"] == "none"
+    assert summary["rows"][1]["cells"]["mask"]["delta_pct"] == pytest.approx(10.0)
+    assert summary["rows"][0]["cells"]["none"]["delta_pct"] is None
+    assert mdp.read_text() == summary["markdown"]
+
+
+def test_pareto_front() -> None:
+    pts = [(10, 100), (20, 90), (15, 80), (5, 120), (20, 50), (30, 10)]
+    assert pareto_front(pts) == [(5, 120), (10, 100), (20, 90), (30, 10)]
+    assert pareto_front([]) == []
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    cells = [cell("none", 1, 100), cell("none", 4, 300), cell("mask", 1, 90), cell("mask", 4, 330)]
+    paths = plot_matrix(cells, ["none", "mask"], tmp_path)
+    assert [p.name for p in paths] == ["throughput.png", "pareto.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

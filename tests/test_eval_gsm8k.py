@@ -1,0 +1,111 @@
+"""GSM8K scoring: prompt format, strict/flexible extraction, resumable result files, comparison."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dspark_cli.data.gsm8k import COT_EXEMPLARS, GsmRow
+from dspark_cli.errors import DsparkError
+from dspark_cli.evals.gsm8k import (
+    EvalConfig,
+    EvalRow,
+    answers_match,
+    append_row,
+    build_prompt,
+    compare,
+    extract_flexible,
+    extract_strict,
+    read_results,
+    summarize,
+)
+
+
+def test_prompt_is_q_a_fewshot() -> None:
+    p = build_prompt("  How many? ", 2)
+    blocks = p.split("\n\n")
+    assert blocks[0] == f"Q: {COT_EXEMPLARS[0].question}\nA: {COT_EXEMPLARS[0].answer}"
+    assert blocks[1] == f"Q: {COT_EXEMPLARS[1].question}\nA: {COT_EXEMPLARS[1].answer}"
+    assert blocks[2] == "Q: How many?\nA:"
+    assert build_prompt("x", 0) == "Q: x\nA:"
+    with pytest.raises(DsparkError):
+        build_prompt("x", 9)
+
+
+@pytest.mark.parametrize(("text", "strict", "flexible"), [
+    (" She has 3 + 4 = 7 apples. The answer is 7.", "7", "7"),
+    (" 2 * 3 = 6.\n#### 6", "6", "6"),
+    (" The answer is $1,250.00. Then 5 more", "1250", "5"),  # strict takes the declaration, flexible the last
+    (" So the answer is -3.", "-3", "-3"),
+    (" The final answer is: 42", "42", "42"),
+    (" The cost is 12 dollars and 40 cents: 12.40", None, "12.4"),
+    (" I do not know.", None, None),
+    (" #### 10\nThe answer is 11.", "10", "11"),  # the first declaration wins
+    ("", None, None),
+])
+def test_extraction(text: str, strict: str | None, flexible: str | None) -> None:
+    assert extract_strict(text) == strict
+    assert extract_flexible(text) == flexible
+
+
+def test_answers_match_numerically() -> None:
+    assert answers_match("18", "18")
+    assert answers_match("18.0", "18")
+    assert not answers_match("17", "18")
+    assert not answers_match(None, "18")
+
+
+def _row(i: int, final: str = "5") -> GsmRow:
+    return GsmRow(id=i, question=f"q{i}", answer=f"x #### {final}", cot_answer="", final=final)
+
+
+SETTINGS = EvalConfig(base_url="http://x").settings()
+
+
+def test_score_and_summary() -> None:
+    rows = [EvalRow.score(_row(0), "The answer is 5.", SETTINGS),
+            EvalRow.score(_row(1), "I think 5 apples", SETTINGS),
+            EvalRow.score(_row(2), "no idea", SETTINGS),
+            EvalRow.score(_row(3), "The answer is 4.", SETTINGS)]
+    assert [(r.strict_correct, r.flexible_correct, r.invalid) for r in rows] == [
+        (True, True, False), (False, True, False), (False, False, True), (False, False, False)]
+    s = summarize(rows)
+    assert (s.n, s.strict, s.flexible, s.invalid) == (4, 0.25, 0.5, 0.25)
+    assert "strict 0.250 ± 0.217" in s.line()
+
+
+def test_result_file_survives_a_cut_last_line(tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    for i in range(3):
+        append_row(out, EvalRow.score(_row(i), "The answer is 5.", SETTINGS))
+    with open(out, "ab") as fh:
+        fh.write(b'{"id": 3, "question": "q3", "go')  # a crash mid-write
+    assert [r.id for r in read_results(out)] == [0, 1, 2]
+    assert [r.id for r in read_results(out, repair=True)] == [0, 1, 2]
+    append_row(out, EvalRow.score(_row(3), "The answer is 5.", SETTINGS))
+    assert [r.id for r in read_results(out)] == [0, 1, 2, 3]
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    append_row(out, EvalRow.score(_row(0), "5", SETTINGS))
+    with open(out, "ab") as fh:
+        fh.write(b"not json\n")
+    with pytest.raises(DsparkError, match=r"r\.jsonl:2"):
+        read_results(out)
+
+
+def test_compare_uses_shared_questions(tmp_path: Path) -> None:
+    a, b = tmp_path / "mask.jsonl", tmp_path / "varlen.jsonl"
+    for i in range(10):
+        append_row(a, EvalRow.score(_row(i), "The answer is 5.", SETTINGS))
+    for i in range(5, 20):
+        append_row(b, EvalRow.score(_row(i), "The answer is 5." if i % 2 else "The answer is 6.", SETTINGS))
+    rows, n, note = compare([a, b])
+    assert n == 5
+    assert [r.label for r in rows] == ["mask", "varlen"]
+    assert rows[0].summary.strict == 1.0 and rows[1].summary.strict == pytest.approx(3 / 5)
+    assert "n=5 shared questions" in note and "band" in note
+    with pytest.raises(DsparkError, match="no such file"):
+        compare([a, tmp_path / "missing.jsonl"])
