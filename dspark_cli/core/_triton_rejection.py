@@ -6,12 +6,21 @@ logits (upcast, scale, exp materialise ``[T, V]`` float32 temporaries). The samp
 here it is three launches:
 
 1. a memset of the ``[R, K + 1]`` slot scratch;
-2. the **row kernel** (one program per logits row): reads its row exactly once -- argmax, online
-   log-sum-exp under the request's temperature, ``p`` of the row's draft -- decides acceptance, and
-   scatters the accept bit and its row index into the request's slot;
+2. the **row kernel** (one program per logits row): reads its row exactly once -- argmax and an online
+   log-sum-exp under the request's temperature that costs one exp per element (the running lane max is
+   the argmax value), ``p`` of the row's draft -- decides acceptance, and scatters the accept bit and its
+   row index into the request's slot;
 3. the **finalize kernel** (one program per request): first rejection from the slot bits, then for
-   sampled requests two sweeps over the single emit row (residual mass, inverse-CDF scan with one
-   uniform) and the ``[K + 1]`` output row.
+   sampled requests one sweep over the emit row (per-tile masses of the bonus and residual weights; a
+   real ``q`` after a rejection first needs the normaliser, one more sweep) and a re-read of the single
+   tile holding the inverse-CDF target, then the ``[K + 1]`` output row.
+
+The emit weights repeat the torch reference operation for operation (IEEE division by the temperature,
+the accurate ``expf``, a float64 normaliser) and the inverse CDF runs in float64 in both paths: over a
+~50k vocabulary a float32 running sum drifts by more than a typical token's mass, which made the sampled
+token depend on the summation order (about 1% of requests differed from torch on an H200). What can
+still differ is the accept test ``u * q < p`` at about one row in a million (``p`` from a faster exp and
+another reduction order) -- each path is lossless on its own; they are just not bitwise twins there.
 
 The varlen layout is one single-program launch (the cumulative sum over requests carries across chunks).
 Padding rows are fully masked (no memory traffic); no launch shape depends on tensor values, so all of
@@ -31,9 +40,11 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # triton is optional: the torch path is the reference and the CPU path
     triton = None
     tl = None
+    libdevice = None
 
 # A finite "minus infinity": online-softmax rescaling of never-touched lanes stays exp(0) * 0 = 0
 # instead of exp(-inf + inf) = nan.
@@ -44,7 +55,11 @@ def supported(device: torch.device) -> bool:
     """Kernels can run here (CUDA, or the CPU interpreter when TRITON_INTERPRET=1)."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or _interpreting()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device: torch.device) -> bool:
@@ -107,10 +122,25 @@ if triton is not None:
             tl.store(pad_ptr + t, (zero + 1).to(tl.uint8), mask=tm)
 
     @triton.jit
+    def _row_tile(v, it, best_val, best_it, s_vec, c, HAS_TEMP: tl.constexpr):
+        # Strict '>' keeps the earliest tile per lane, matching torch.argmax's first-maximum rule.
+        take = v > best_val
+        if HAS_TEMP:
+            # Online softmax with ONE exp per element: the running lane max is the argmax value, so a new
+            # maximum rescales the old sum by exp(old - new) and adds exp(0) = 1, any other element adds
+            # exp(v - max); both exponents are -|v - max| (in log2 units, c = log2(e) / temperature).
+            # Masked lanes load -inf: their term is exp2(-inf) = 0 and they never take the max.
+            e = tl.exp2(-tl.abs((v - best_val) * c))
+            s_vec = tl.where(take, s_vec * e + 1.0, s_vec + e)
+        best_it = tl.where(take, it, best_it)
+        best_val = tl.where(take, v, best_val)
+        return best_val, best_it, s_vec
+
+    @triton.jit
     def _row_kernel(
         logits_ptr, stride_row, req_ptr, pos_ptr, valid_ptr, drafts_ptr, stride_dr, adm_ptr,
         temp_ptr, q_ptr, stride_qr, stride_qk, u_ptr, num_reqs,
-        argmax_ptr, max_ptr, sum_ptr, slots_ptr, num_slots,
+        argmax_ptr, max_ptr, slots_ptr, num_slots,
         K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr,
         BLOCK: tl.constexpr, NEG: tl.constexpr,
     ):
@@ -128,57 +158,69 @@ if triton is not None:
         if HAS_TEMP:
             temp = tl.load(temp_ptr + r).to(tl.float32)
             greedy = temp <= 0
-            inv_t = 1.0 / tl.where(greedy, 1.0, temp)
+            c = 1.4426950408889634 / tl.where(greedy, 1.0, temp)
         else:
             greedy = True
-            inv_t = 1.0
+            c = 1.0
         base = logits_ptr + t * stride_row
         offs = tl.arange(0, BLOCK)
         best_val = tl.full([BLOCK], NEG, tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
-        m_vec = tl.full([BLOCK], NEG, tl.float32)
+        best_it = tl.zeros([BLOCK], tl.int32)
         s_vec = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, VOCAB, BLOCK):
-            idx = start + offs
-            mask = (idx < VOCAB) & valid  # padding rows: fully masked loads touch no memory
-            v = tl.load(base + idx, mask=mask, other=NEG).to(tl.float32)
-            # Strict '>' keeps the earliest index per lane, matching torch.argmax's first-maximum rule.
-            take = v > best_val
-            best_idx = tl.where(take, idx, best_idx)
-            best_val = tl.where(take, v, best_val)
-            if HAS_TEMP:
-                z = v * inv_t
-                m_new = tl.maximum(m_vec, z)
-                s_vec = s_vec * tl.exp(m_vec - m_new) + tl.where(mask, tl.exp(z - m_new), 0.0)
-                m_vec = m_new
+        lane_ok = (offs < BLOCK) & valid  # padding rows: fully masked loads touch no memory
+        for it in range(0, VOCAB // BLOCK):  # full tiles: no vocabulary bound per element
+            v = tl.load(base + it * BLOCK + offs, mask=lane_ok, other=float("-inf")).to(tl.float32)
+            best_val, best_it, s_vec = _row_tile(v, it, best_val, best_it, s_vec, c, HAS_TEMP)
+        if VOCAB % BLOCK != 0:
+            it = VOCAB // BLOCK
+            idx = it * BLOCK + offs
+            v = tl.load(base + idx, mask=lane_ok & (idx < VOCAB), other=float("-inf")).to(tl.float32)
+            best_val, best_it, s_vec = _row_tile(v, it, best_val, best_it, s_vec, c, HAS_TEMP)
         top = tl.max(best_val, 0)
-        arg = tl.min(tl.where(best_val == top, best_idx, VOCAB), 0).to(tl.int64)
+        arg = tl.min(tl.where(best_val == top, best_it * BLOCK + offs, VOCAB), 0).to(tl.int64)
         tl.store(argmax_ptr + t, arg)
         accept = x == arg
         if HAS_TEMP:
-            m = tl.max(m_vec, 0)
-            s = tl.sum(s_vec * tl.exp(m_vec - m), 0)
-            z_x = tl.load(base + x, mask=valid, other=NEG).to(tl.float32) * inv_t
-            p_x = tl.where(s > 0, tl.exp(z_x - m) / s, 0.0)
+            s = tl.sum(s_vec * tl.exp2((best_val - top) * c), 0)
+            v_x = tl.load(base + x, mask=valid, other=float("-inf")).to(tl.float32)
+            p_x = tl.where(s > 0, tl.exp2((v_x - top) * c) / s, 0.0)
             if HAS_Q:
                 q_x = tl.load(q_ptr + r * stride_qr + d_col * stride_qk + x).to(tl.float32)
             else:
                 q_x = 1.0
             u0 = tl.load(u_ptr + t * 2).to(tl.float32)
             accept = tl.where(greedy, accept, u0 * q_x < p_x)
-            tl.store(max_ptr + t, m)
-            tl.store(sum_ptr + t, s)
+            tl.store(max_ptr + t, top)  # raw row max: the emit pass rebuilds max(z) = top / t exactly
         accept = accept & has_draft
         slot = r * (K + 1) + p_c
         tl.store(slots_ptr + slot, accept.to(tl.int64), mask=valid)
         tl.store(slots_ptr + num_slots + slot, t, mask=valid)
 
     @triton.jit
+    def _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q: tl.constexpr,
+                      PRECISE: tl.constexpr):
+        # Operation for operation the torch reference (rejection._emit_pass_torch): z = logit / t
+        # (IEEE division), e = exp(z - max z) with the accurate expf, p = e / float32(sum_f64 e).
+        v = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        z = tl.math.div_rn(v, temp) - m
+        if PRECISE:
+            e = libdevice.exp(z)
+        else:  # the CPU interpreter has no libdevice; numpy's exp stands in
+            e = tl.exp(z)
+        e = tl.where(mask, e, 0.0)
+        if HAS_Q:
+            q = tl.load(qbase + idx, mask=mask & use_q_res, other=0.0).to(tl.float32)
+            res = tl.maximum(tl.math.div_rn(e, norm) - q, 0.0)
+        else:
+            res = tl.where(idx == bad, 0.0, e)
+        return e, tl.where(mask, res, 0.0)
+
+    @triton.jit
     def _finalize_kernel(
         logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
-        u_ptr, argmax_ptr, max_ptr, sum_ptr, slots_ptr, num_slots, num_rows, tokens_ptr, nacc_ptr,
+        u_ptr, argmax_ptr, max_ptr, slots_ptr, num_slots, num_rows, tokens_ptr, nacc_ptr,
         K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, NT: tl.constexpr, NB: tl.constexpr, PRECISE: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
         adm = tl.minimum(tl.maximum(tl.load(adm_ptr + r).to(tl.int64), 0), K)
@@ -190,56 +232,60 @@ if triton is not None:
         emit_row = tl.minimum(tl.maximum(emit_row, 0), num_rows - 1)
         token = tl.load(argmax_ptr + emit_row)
         if HAS_TEMP:
-            temp = tl.load(temp_ptr + r).to(tl.float32)
-            sampled_req = temp > 0
-            live = tl.where(sampled_req, VOCAB, 0)
-            inv_t = 1.0 / tl.where(sampled_req, temp, 1.0)
-            m = tl.load(max_ptr + emit_row)
-            s = tl.load(sum_ptr + emit_row)
-            inv_s = tl.where(s > 0, 1.0 / s, 0.0)
+            temp_raw = tl.load(temp_ptr + r).to(tl.float32)
+            sampled_req = temp_raw > 0
+            live = tl.where(sampled_req, VOCAB, 0)  # greedy requests read nothing here
+            temp = tl.where(sampled_req, temp_raw, 1.0)
+            m = tl.math.div_rn(tl.load(max_ptr + emit_row), temp)  # = max of z: rounding is monotone
             rejected = na < adm
             q_col = tl.minimum(na, K - 1)
             bad = tl.load(drafts_ptr + r * stride_dr + q_col).to(tl.int64)
             base = logits_ptr + emit_row * stride_row
             qbase = q_ptr + r * stride_qr + q_col * stride_qk
             offs = tl.arange(0, BLOCK)
-            # Sweep 1: mass of the residual max(p - q, 0) and of p (fallback when the residual is empty).
-            res_acc = tl.zeros([BLOCK], tl.float32)
-            p_acc = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, VOCAB, BLOCK):
-                idx = start + offs
-                mask = idx < live  # greedy requests read nothing here
-                v = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
-                p = tl.where(mask, tl.exp(v * inv_t - m) * inv_s, 0.0)
-                if HAS_Q:
-                    q = tl.load(qbase + idx, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    q = tl.where(idx == bad, 1.0, 0.0)
-                res_acc += tl.maximum(p - q, 0.0)
-                p_acc += p
-            res_total = tl.sum(res_acc, 0)
-            use_res = rejected & (res_total > 0)
-            target = tl.load(u_ptr + emit_row * 2 + 1).to(tl.float32) * tl.where(use_res, res_total,
-                                                                                 tl.sum(p_acc, 0))
-            # Sweep 2: inverse CDF. First index whose running mass exceeds the target, clamped to the
-            # last positive weight in case rounding leaves the target above the final running sum.
-            running = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-            found = tl.max(tl.zeros([BLOCK], tl.int32), 0) + VOCAB
-            last_pos = tl.max(tl.zeros([BLOCK], tl.int32), 0)
-            for start in range(0, VOCAB, BLOCK):
-                idx = start + offs
+            use_q_res = rejected & sampled_req
+            norm = 1.0
+            if HAS_Q:
+                # p = e / sum(e) is only needed against a real q after a rejection.
+                e_acc = tl.zeros([BLOCK], tl.float64)
+                for start in range(0, VOCAB, BLOCK):
+                    idx = start + offs
+                    e, _ = _emit_weights(base, qbase, idx, (idx < live) & use_q_res, temp, m, 1.0, bad,
+                                         False, False, PRECISE)
+                    e_acc += e.to(tl.float64)
+                norm = tl.sum(e_acc, 0).to(tl.float32)
+                norm = tl.where(norm > 0, norm, 1.0)  # only 0 when unused (no rejection, greedy)
+            # One sweep: per-tile masses of both candidate weightings (e for the bonus / empty residual,
+            # the residual after a rejection) and their last positive index. The inverse CDF then needs
+            # only the tile holding the target, not a second pass over the row.
+            nb = tl.arange(0, NB)
+            tiles_e = tl.zeros([NB], tl.float64)
+            tiles_r = tl.zeros([NB], tl.float64)
+            last_e = tl.max(tl.zeros([BLOCK], tl.int32), 0)
+            last_r = tl.max(tl.zeros([BLOCK], tl.int32), 0)
+            for it in range(0, NT):
+                idx = it * BLOCK + offs
                 mask = idx < live
-                v = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
-                p = tl.where(mask, tl.exp(v * inv_t - m) * inv_s, 0.0)
-                if HAS_Q:
-                    q = tl.load(qbase + idx, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    q = tl.where(idx == bad, 1.0, 0.0)
-                w = tl.where(use_res, tl.maximum(p - q, 0.0), p)
-                cdf = tl.cumsum(w, 0) + running
-                found = tl.minimum(found, tl.min(tl.where((cdf > target) & mask, idx, VOCAB), 0))
-                last_pos = tl.maximum(last_pos, tl.max(tl.where((w > 0) & mask, idx, 0), 0))
-                running += tl.sum(w, 0)
+                e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE)
+                tiles_e = tl.where(nb == it, tl.sum(e.to(tl.float64), 0), tiles_e)
+                tiles_r = tl.where(nb == it, tl.sum(res.to(tl.float64), 0), tiles_r)
+                last_e = tl.maximum(last_e, tl.max(tl.where(e > 0, idx, 0), 0))
+                last_r = tl.maximum(last_r, tl.max(tl.where(res > 0, idx, 0), 0))
+            use_res = rejected & (tl.sum(tiles_r, 0) > 0)
+            tiles = tl.where(use_res, tiles_r, tiles_e)
+            last_pos = tl.where(use_res, last_r, last_e)
+            target = tl.load(u_ptr + emit_row * 2 + 1).to(tl.float64) * tl.sum(tiles, 0)
+            cum = tl.cumsum(tiles, 0)
+            tile = tl.min(tl.where(cum > target, nb, NB), 0)
+            before = tl.sum(tl.where(nb < tile, tiles, 0.0), 0)
+            # Inverse CDF inside that tile (searchsorted(right=True): first running mass above the target),
+            # clamped to the last positive weight in case rounding leaves the target above the total.
+            idx = tile * BLOCK + offs
+            mask = (idx < live) & (tile < NB)
+            e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE)
+            w = tl.where(use_res, res, e).to(tl.float64)
+            cdf = tl.cumsum(w, 0) + before
+            found = tl.min(tl.where((cdf > target) & mask, idx, VOCAB), 0)
             token = tl.where(sampled_req, tl.minimum(found, last_pos).to(tl.int64), token)
         jj = tl.arange(0, BLOCK_K)
         drafted = tl.load(drafts_ptr + r * stride_dr + jj, mask=jj < na, other=0).to(tl.int64)
@@ -298,7 +344,6 @@ def rejection_sample_fused(
     slots = torch.zeros(2, num_slots, dtype=torch.int64, device=device)
     argmax = torch.empty(num_rows, dtype=torch.int64, device=device)
     row_max = torch.empty(num_rows, dtype=torch.float32, device=device)
-    row_sum = torch.empty(num_rows, dtype=torch.float32, device=device)
     tokens = torch.empty(num_reqs, num_spec + 1, dtype=torch.int64, device=device)
     num_accepted = torch.empty(num_reqs, dtype=torch.int64, device=device)
     temp = temperature.to(torch.float32).contiguous() if has_temp else row_max  # dummy pointer when unused
@@ -314,13 +359,13 @@ def rejection_sample_fused(
         _row_kernel[(num_rows,)](
             logits, logits.stride(0), req_index.contiguous(), pos_in_req.contiguous(), valid_u8,
             drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k, u, num_reqs,
-            argmax, row_max, row_sum, slots, num_slots,
+            argmax, row_max, slots, num_slots,
             K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=block, NEG=_NEG, num_warps=8,
         )
     _finalize_kernel[(num_reqs,)](
         logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k,
-        u, argmax, row_max, row_sum, slots, num_slots, max(num_rows, 1), tokens, num_accepted,
+        u, argmax, row_max, slots, num_slots, max(num_rows, 1), tokens, num_accepted,
         K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=block, BLOCK_K=_pow2(num_spec + 1),
-        num_warps=8,
+        NT=-(-vocab // block), NB=_pow2(-(-vocab // block)), PRECISE=not _interpreting(), num_warps=8,
     )
     return tokens, num_accepted

@@ -249,7 +249,7 @@ def choose_budget(
 
 
 def allocate(
-    survival: torch.Tensor, num_drafts: torch.Tensor, budget: torch.Tensor | int
+    survival: torch.Tensor, num_drafts: torch.Tensor, budget: torch.Tensor | int, use_triton: bool | None = None
 ) -> torch.Tensor:
     """Admit the top-``budget`` slots by fresh survival; returns admitted drafts per request ``[R]`` int32.
 
@@ -258,7 +258,33 @@ def allocate(
     whatever the values are. Survival is made non-increasing along each row (``cummin``) so the admitted
     set is a prefix per request even for hand-made inputs, and the per-row count is the verify length.
     Fixed shapes and no host reads: capturable in a CUDA graph, ``budget`` may be a 0-d device tensor.
+
+    ``use_triton``: None = the single-launch kernel (``_triton_capacity``) on CUDA when triton is installed
+    and the batch fits one program, else the torch sort below (the reference); False = torch only.
     """
+    if _use_triton_allocate(survival, budget, use_triton):
+        from dspark_cli.core import _triton_capacity
+
+        return _triton_capacity.allocate_fused(survival, num_drafts, budget)
+    return _allocate_torch(survival, num_drafts, budget)
+
+
+def _use_triton_allocate(survival: torch.Tensor, budget: torch.Tensor | int, use_triton: bool | None) -> bool:
+    if use_triton is False or survival.dim() != 2:
+        return False
+    from dspark_cli.core import _triton_capacity, _triton_rejection
+
+    # A fractional budget tensor keeps the torch semantics (rank < budget) rather than being rounded.
+    shape_ok = _triton_capacity.fits(*survival.shape) and not (
+        isinstance(budget, torch.Tensor) and (budget.is_floating_point() or budget.numel() != 1))
+    if use_triton is None:
+        return shape_ok and _triton_rejection.available(survival.device)
+    if not _triton_rejection.supported(survival.device):
+        raise RuntimeError("use_triton=True needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    return shape_ok
+
+
+def _allocate_torch(survival: torch.Tensor, num_drafts: torch.Tensor, budget: torch.Tensor | int) -> torch.Tensor:
     r, k = survival.shape
     device = survival.device
     surv = survival.float()

@@ -91,9 +91,11 @@ def inverse_cdf_sample(weights: Tensor, u: Tensor) -> Tensor:
     """Sample one index per row from unnormalised non-negative ``weights[N, V]`` with ``u[N]`` in [0, 1).
 
     ``searchsorted(right=True)`` skips zero-weight tokens; the clamp to the last positive token guards
-    against ``u * total`` rounding up to ``total``. A row of all zeros returns 0.
+    against ``u * total`` rounding up to ``total``. A row of all zeros returns 0. The CDF is accumulated in
+    float64: over a large vocabulary a float32 running sum drifts by more than a typical token's mass, so
+    the sampled token would depend on the summation order (the fused kernel and this reference differ).
     """
-    cdf = torch.cumsum(weights, dim=-1)
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
     target = u.to(cdf.dtype).unsqueeze(1) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     cols = torch.arange(weights.shape[-1], device=weights.device)
@@ -247,16 +249,24 @@ def _emit_pass_torch(
     logits: Tensor, emit_row: Tensor, temperature: Tensor, top_p: Tensor | None, rejected: Tensor,
     bad_draft: Tensor, num_accepted: Tensor, draft_probs: Tensor | None, u_emit: Tensor,
 ) -> Tensor:
-    """Sample each request's correction (residual) or bonus (target) token from its emit row: [R]."""
-    probs = apply_sampling_params(logits[emit_row], temperature, top_p).softmax(dim=-1)
+    """Sample each request's correction (residual) or bonus (target) token from its emit row: [R].
+
+    The arithmetic is spelled out (not ``softmax``) so the fused kernel can repeat it operation for
+    operation: ``e = exp(z - max z)`` is p up to its normaliser; the bonus and the one-hot residual (p with
+    the rejected draft removed) sample from ``e`` directly, and only a real ``q`` needs ``p = e / sum(e)``,
+    with the sum taken in float64 so its float32 rounding does not depend on the summation order.
+    """
+    z = apply_sampling_params(logits[emit_row], temperature, top_p)
+    e = torch.exp(z - z.amax(dim=-1, keepdim=True))
     if draft_probs is None:
-        q = torch.zeros_like(probs).scatter_(1, bad_draft.unsqueeze(1), 1.0)
+        residual = e.scatter(1, bad_draft.unsqueeze(1), 0.0)
     else:
         num_spec = draft_probs.shape[1]
-        req_ar = torch.arange(probs.shape[0], device=probs.device)
+        req_ar = torch.arange(e.shape[0], device=e.device)
         q = draft_probs[req_ar, num_accepted.clamp(max=num_spec - 1)].to(torch.float32)
-    residual = (probs - q).clamp_min_(0.0)
+        probs = e / e.sum(dim=-1, keepdim=True, dtype=torch.float64).to(torch.float32)
+        residual = (probs - q).clamp_min_(0.0)
     # p == q makes the residual empty, but then every draft is accepted; fall back to p for rounding.
-    use_residual = rejected & (residual.sum(dim=-1) > 0)
-    weights = torch.where(use_residual.unsqueeze(1), residual, probs)
+    use_residual = rejected & (residual.sum(dim=-1, dtype=torch.float64) > 0)
+    weights = torch.where(use_residual.unsqueeze(1), residual, e)
     return inverse_cdf_sample(weights, u_emit)
