@@ -48,10 +48,67 @@ def _root(
     """Confidence-scheduled speculative decoding that pays off at every load."""
 
 
-@app.command("profile-sps")
-def profile_sps() -> None:
-    """Measure the engine's step cost vs batch tokens and requests; write sps_curve.json."""
-    _not_built("profile-sps")
+@app.command("profile-sps", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def profile_sps(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="Target: tiny, smollm2-135m, a checkpoint dir, random:<shape> "
+                                "(e.g. random:llama-3-8b); with --engine vllm, the vLLM model.", show_default=False),
+    engine: str = typer.Option("embedded", "--engine", help="embedded (one device) or vllm (profiles in the workers)."),
+    draft: str | None = typer.Option(None, "--draft", help="Draft: auto (default), a checkpoint dir, or random:small."),
+    num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", "-k",
+                                                      help="Drafted tokens per step (default 4)."),
+    capture_sizes: str | None = typer.Option(None, "--capture-sizes",
+                                             help="Verify sizes to capture and profile, e.g. 1,2,4,8,16,32."),
+    overhead_ms: str = typer.Option("auto", "--overhead-ms", help="Per-step overhead: auto (measure) or a number of ms."),
+    speculative_config: str | None = typer.Option(None, "--speculative-config",
+                                                  help="JSON as for vllm serve (model, num_speculative_tokens)."),
+    engine_args: str | None = typer.Option(None, "--engine-args", help="JSON of vLLM EngineArgs (the seed's shape)."),
+    output: Path = typer.Option(Path("sps_curve.json"), "--output", "-o", help="Where to write the curve."),
+    plot: Path | None = typer.Option(None, "--plot", help="Also draw the curve into this PNG."),
+    device: str | None = typer.Option(None, "--device", help="auto (default), cpu or cuda (embedded)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Requests decoded together (as served)."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length (as served)."),
+    context_len: int = typer.Option(128, "--context-len", help="KV length of the synthetic requests (embedded)."),
+    warmup: int | None = typer.Option(None, "--warmup", help="Untimed runs per point (default 3)."),
+    replays: int | None = typer.Option(None, "--replays", help="Timed runs per point; the median is kept "
+                                       "(default 7 embedded, 20 vllm)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="With --engine vllm: print the profiler command only."),
+) -> None:
+    """Measure the engine's step cost vs batch tokens (verify) and requests (draft), plus its fixed per-step
+    overhead; write sps_curve.json.
+
+    With --engine vllm, options this command does not know pass through to vLLM's engine.
+    """
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from dspark_cli import profile_sps as ps
+    from dspark_cli.profile_report import curve_tables, plot_curve
+
+    req = ps.ProfileRequest(
+        model=model, engine=engine, draft=draft, num_speculative_tokens=num_speculative_tokens,
+        capture_sizes=ps.parse_capture_sizes(capture_sizes), overhead_ms=ps.parse_overhead(overhead_ms),
+        speculative_config=speculative_config, engine_args=engine_args, output=output, device=device, dtype=dtype,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, context_len=context_len, warmup=warmup,
+        replays=replays, extra=[a for a in ctx.args if a != "--"],
+    )
+    if engine == "vllm":
+        curve = ps.run_vllm(req, dry_run=dry_run)
+        if curve is None:
+            return
+    else:
+        if dry_run:
+            raise DsparkError("--dry-run prints the vLLM profiler command; it needs --engine vllm")
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
+                      transient=True) as progress:
+            task = progress.add_task("profiling", total=None)
+            curve = ps.run_embedded(req, progress=lambda msg: progress.update(task, description=msg))
+    for table in curve_tables(curve):
+        console.print(table)
+    written = [output]
+    if plot is not None:
+        written.append(plot_curve(curve, plot))
+    console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
 
 
 @app.command("calibrate")
@@ -120,6 +177,7 @@ def serve(
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model name the API reports."),
     speculative_config: str | None = typer.Option(None, "--speculative-config",
                                                   help="JSON, as for vllm serve; dspark_* keys are understood."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="With --engine vllm: print the vllm serve command only."),
 ) -> None:
     """Start an OpenAI-compatible server with confidence-scheduled verification.
 
@@ -146,10 +204,14 @@ def serve(
             raise DsparkError("--engine vllm is not available in this build (no vLLM launcher); use --engine embedded")
         from dspark_cli.engines.vllm.launcher import run_vllm_serve
 
+        if dry_run:
+            raise typer.Exit(run_vllm_serve(settings, extra, dry_run=True) or 0)
         raise typer.Exit(run_vllm_serve(settings, extra) or 0)
     if extra:
         raise DsparkError(f"unknown option(s) for the embedded engine: {' '.join(extra)} "
                           "(only --engine vllm passes options through); see dspark serve --help")
+    if dry_run:
+        raise DsparkError("--dry-run prints the vllm serve command; it needs --engine vllm")
 
     from rich.table import Table
 

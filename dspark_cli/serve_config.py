@@ -441,6 +441,8 @@ def _check_model_ref(flag: str, name: str) -> None:
     aliases = sorted(set(getattr(assets, "ALIASES", {})))
     if name.strip().lower() in aliases or (Path(name).expanduser() / "config.json").is_file():
         return
+    if name.strip().lower().startswith("random:"):  # random-initialised shapes (engines/embedded/shapes.py)
+        return
     raise DsparkError(f"{flag} {name!r}: neither a known model ({', '.join(aliases)}) nor a checkpoint "
                       "directory with config.json")
 

@@ -384,7 +384,7 @@ def test_profile_sps_returns_a_usable_curve_and_the_blocks(tiny_pair: TinyPair) 
     curve = profile_sps(engine, context_len=32, warmup=1, iters=3)
     assert engine.block_manager.num_free_blocks == free
     xs = [x for x, _ in curve.verify_ms]
-    assert xs == [1, 2, 4, 8, 16, 32]  # powers of two up to (K + 1) * max_num_seqs
+    assert xs == [1, 2, 4, 8, 16, 32, 48, 64]  # powers of two up to (K + 1) * max_num_seqs, then beyond it
     assert [x for x, _ in curve.draft_ms] == [1, 2, 4, 8]
     assert all(b[1] >= a[1] for a, b in zip(curve.verify_ms, curve.verify_ms[1:], strict=False))
     assert curve.overhead_ms > 0

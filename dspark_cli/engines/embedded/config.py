@@ -53,6 +53,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     # Largest captured verify size; None = (K + 1) * max_num_seqs.
     max_capture_size: int | None = None
+    # Captured verify sizes (CUDA graphs); None = powers of two up to the largest, plus the largest.
+    capture_sizes: tuple[int, ...] | None = None
     # "auto" = the Triton paged-attention kernel on CUDA when triton is importable, else the torch path.
     attention_backend: str = "auto"
 
@@ -70,6 +72,8 @@ class EngineConfig:
             raise DsparkError(f"num_kv_blocks must be >= 2 (one is a reserved scratch block), got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise DsparkError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.capture_sizes is not None and (not self.capture_sizes or min(self.capture_sizes) < 1):
+            raise DsparkError(f"capture_sizes must be positive token counts, got {list(self.capture_sizes)}")
         if self.dtype not in ("auto", *_DTYPES):
             raise DsparkError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.capacity.mode not in ("none", "mask", "varlen"):

@@ -297,6 +297,11 @@ def load_llama(
     """Build the model from ``config.json`` and load its safetensors weights (extra tensors are ignored)."""
     checkpoint = Path(checkpoint)
     args = read_llama_args(checkpoint)
+    from dspark_cli.engines.embedded.shapes import build_random_llama, random_init_spec
+
+    random_spec = random_init_spec(checkpoint)
+    if random_spec is not None:  # a weightless `random:<shape>` checkpoint: weights made on the device
+        return build_random_llama(args, backend, max_positions, dtype, device, random_spec)
     hf = read_safetensors(checkpoint) if hf_tensors is None else hf_tensors
     with torch.device("meta"):
         model = LlamaForCausalLM(args, backend, max_positions)

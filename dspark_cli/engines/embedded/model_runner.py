@@ -38,6 +38,7 @@ from dspark_cli.engines.embedded.drafter import (
 )
 from dspark_cli.engines.embedded.model import LlamaForCausalLM, load_llama, read_safetensors
 from dspark_cli.engines.embedded.sequence import Sequence
+from dspark_cli.engines.embedded.shapes import random_init_spec
 from dspark_cli.errors import DsparkError
 
 __all__ = ["ModelRunner", "capture_sizes_for"]
@@ -201,7 +202,8 @@ class ModelRunner:
         draft_model: LlamaForCausalLM | None = None
         conf_head = None
         if draft_path is not None and self.num_spec > 0:
-            draft_tensors = read_safetensors(draft_path)
+            # A `random:` draft has no weight files (and so no confidence head).
+            draft_tensors = {} if random_init_spec(draft_path) is not None else read_safetensors(draft_path)
             draft_model = load_llama(draft_path, self.backend, self.max_positions, dtype, device, draft_tensors)
             if draft_model.args.vocab_size != self.vocab_size:
                 raise DsparkError(
@@ -277,7 +279,7 @@ class ModelRunner:
         cfg = self.config
         k = self.num_spec
         max_verify = cfg.max_capture_size or (k + 1) * cfg.max_num_seqs
-        self.capture_sizes = capture_sizes_for(max_verify)
+        self.capture_sizes = sorted(set(cfg.capture_sizes)) if cfg.capture_sizes else capture_sizes_for(max_verify)
         pool = None
         self._verify_graphs = _GraphedForward(
             self.target_fwd, self.capture_sizes, cfg.max_num_seqs, k + 1, self.max_blocks_per_seq, self.device, pool

@@ -1,0 +1,279 @@
+"""``dspark profile-sps``: flags -> the engine that will serve -> a validated ``sps_curve.json``.
+
+Both engines take the seed's shapes of configuration: ``--speculative-config`` JSON (the draft ``model`` and
+``num_speculative_tokens``; ``dspark_*`` keys are about serving and do not change step cost) and
+``--engine-args`` JSON (vLLM ``EngineArgs`` names). The embedded engine maps the engine args it has an
+equivalent for and refuses the rest (a ``tensor_parallel_size`` it cannot honour would profile a different
+engine than the one that serves). With ``--engine vllm`` the engine args become ``vllm serve`` flags and
+the profile runs in vLLM's workers (``engines/vllm/profile.py``); afterwards both paths share the same
+finish: optional overhead override, validation (flat curves are refused, nothing is written), atomic save.
+
+Explicit flags win over the JSON objects.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dspark_cli.core.sps import SpsCurve
+from dspark_cli.errors import DsparkError
+
+__all__ = ["ProfileRequest", "parse_capture_sizes", "parse_overhead", "run_embedded", "run_vllm", "vllm_argv"]
+
+ENGINES = ("embedded", "vllm")
+# --engine-args keys (vLLM EngineArgs names) -> EngineConfig fields of the embedded engine.
+_EMBEDDED_ENGINE_ARGS = {
+    "max_num_seqs": "max_num_seqs",
+    "max_model_len": "max_model_len",
+    "block_size": "block_size",
+    "num_gpu_blocks_override": "num_kv_blocks",
+    "num_kv_blocks": "num_kv_blocks",
+    "dtype": "dtype",
+    "device": "device",
+    "seed": "seed",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_capture_size": "max_capture_size",
+    "attention_backend": "attention_backend",
+}
+# Keys that only name things the embedded engine already does its own way (tokenizer files live with the
+# checkpoint), so accepting them changes nothing about the profile.
+_EMBEDDED_IGNORED_ARGS = ("tokenizer", "trust_remote_code", "tokenizer_mode", "model")
+
+
+@dataclass
+class ProfileRequest:
+    """Everything ``dspark profile-sps`` was asked, after parsing (``None`` = not given on the command line)."""
+
+    model: str
+    engine: str = "embedded"
+    draft: str | None = None
+    num_speculative_tokens: int | None = None
+    capture_sizes: tuple[int, ...] | None = None
+    overhead_ms: float | None = None  # None = measure
+    speculative_config: str | None = None
+    engine_args: str | None = None
+    output: Path = Path("sps_curve.json")
+    device: str | None = None
+    dtype: str | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    context_len: int = 128
+    warmup: int | None = None
+    replays: int | None = None
+    extra: list[str] = field(default_factory=list)  # unknown options: vllm serve flags (vllm engine only)
+
+
+def parse_capture_sizes(text: str | None) -> tuple[int, ...] | None:
+    """``"1,2,4,8"`` -> (1, 2, 4, 8); refuses anything but two or more distinct positive integers."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.replace(" ", ",").split(",") if p.strip()]
+    try:
+        sizes = sorted({int(p) for p in parts})
+    except ValueError:
+        raise DsparkError(f"--capture-sizes: expected comma-separated token counts like 1,2,4,8, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise DsparkError(f"--capture-sizes: token counts must be positive integers, got {text!r}")
+    if len(sizes) < 2:
+        raise DsparkError(f"--capture-sizes: give at least two sizes (one point cannot show a cost rising), got {text!r}")
+    return tuple(sizes)
+
+
+def parse_overhead(text: str | None) -> float | None:
+    """``auto`` (or nothing) -> None (measure it); else a finite number of ms >= 0."""
+    if text is None or text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise DsparkError(f"--overhead-ms: expected auto or a number of milliseconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise DsparkError(f"--overhead-ms: expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _json_object(flag: str, text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise DsparkError(f"{flag}: not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise DsparkError(f"{flag}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _check_common(req: ProfileRequest) -> None:
+    if req.engine not in ENGINES:
+        raise DsparkError(f"--engine: expected embedded or vllm, got {req.engine!r}")
+    if req.num_speculative_tokens is not None and req.num_speculative_tokens < 1:
+        raise DsparkError(f"-k/--num-speculative-tokens: profiling needs K >= 1, got {req.num_speculative_tokens}")
+    if req.warmup is not None and req.warmup < 0:
+        raise DsparkError(f"--warmup: expected >= 0, got {req.warmup}")
+    if req.replays is not None and req.replays < 1:
+        raise DsparkError(f"--replays: expected >= 1, got {req.replays}")
+    if req.context_len < 2:
+        raise DsparkError(f"--context-len: expected >= 2, got {req.context_len}")
+    if req.output.exists() and req.output.is_dir():
+        raise DsparkError(f"--output {req.output} is a directory; name the JSON file to write")
+
+
+# ---------------------------------------------------------------------------------------------- embedded
+
+
+def embedded_config(req: ProfileRequest) -> Any:
+    """The ``EngineConfig`` of the engine that will serve, from flags > JSON objects > defaults."""
+    from dspark_cli.engines.embedded.config import EngineConfig
+
+    _check_common(req)
+    if req.extra:
+        raise DsparkError(f"unknown option(s) for the embedded engine: {' '.join(req.extra)} "
+                          "(only --engine vllm passes vllm flags through); see dspark profile-sps --help")
+    spec = _json_object("--speculative-config", req.speculative_config)
+    args = _json_object("--engine-args", req.engine_args)
+    kwargs: dict[str, Any] = {"model": req.model}
+    unknown = []
+    for key, value in args.items():
+        if key in _EMBEDDED_ENGINE_ARGS:
+            kwargs[_EMBEDDED_ENGINE_ARGS[key]] = value
+        elif key == "enforce_eager":
+            kwargs["cuda_graphs"] = not bool(value)
+        elif key == "compilation_config" and isinstance(value, dict):
+            if "max_cudagraph_capture_size" in value:
+                kwargs["max_capture_size"] = int(value["max_cudagraph_capture_size"])
+            if "cudagraph_capture_sizes" in value:
+                kwargs["capture_sizes"] = tuple(int(s) for s in value["cudagraph_capture_sizes"])
+        elif key not in _EMBEDDED_IGNORED_ARGS:
+            unknown.append(key)
+    if unknown:
+        raise DsparkError(f"--engine-args: the embedded engine has no equivalent for {', '.join(sorted(unknown))}; "
+                          "profile vLLM with --engine vllm, or drop them")
+    draft = req.draft if req.draft is not None else spec.get("model", "auto")
+    k = req.num_speculative_tokens if req.num_speculative_tokens is not None else spec.get("num_speculative_tokens", 4)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise DsparkError(f"num_speculative_tokens: profiling needs an integer K >= 1, got {k!r}")
+    if draft is None or str(draft).strip().lower() == "none":
+        raise DsparkError("profiling the step cost needs a draft model: pass --draft (a checkpoint, auto, or random:small)")
+    kwargs.update(draft=str(draft), num_speculative_tokens=k)
+    for name in ("device", "dtype", "max_num_seqs", "max_model_len"):
+        if getattr(req, name) is not None:
+            kwargs[name] = getattr(req, name)
+    if req.capture_sizes is not None:
+        kwargs["capture_sizes"] = req.capture_sizes
+    try:
+        cfg = EngineConfig(**kwargs)
+    except TypeError as exc:
+        raise DsparkError(f"--engine-args: {exc}") from None
+    cfg.validate()
+    return cfg
+
+
+def run_embedded(req: ProfileRequest, progress: Callable[[str], None] | None = None) -> SpsCurve:
+    """Profile the embedded engine, validate, save atomically; returns the saved curve."""
+    from dspark_cli.engines.embedded.profile import curve_from_measurements, profile_config
+
+    cfg = embedded_config(req)
+    m = profile_config(cfg, context_len=req.context_len, token_sizes=req.capture_sizes,
+                       warmup=3 if req.warmup is None else req.warmup, iters=7 if req.replays is None else req.replays,
+                       progress=progress, measure_overhead=req.overhead_ms is None)
+    if sys.argv[1:2] == ["profile-sps"]:  # provenance, when run from the command line
+        m.meta["command"] = shlex.join(["dspark", *sys.argv[1:]])
+    if req.capture_sizes is not None:
+        m.meta["capture_sizes_requested"] = list(req.capture_sizes)
+    curve = curve_from_measurements(m, req.overhead_ms)  # SpsCurveError: nothing is written
+    curve.save(req.output)
+    return curve
+
+
+# ---------------------------------------------------------------------------------------------- vLLM
+
+
+def _engine_args_flags(args: dict[str, Any]) -> list[str]:
+    """vLLM ``EngineArgs`` JSON -> ``vllm serve`` flags (bools as --flag / --no-flag, objects as JSON)."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            out += [flag, orjson.dumps(value).decode()]
+        elif isinstance(value, list):
+            out += [flag, *(str(v) for v in value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def vllm_argv(req: ProfileRequest) -> list[str]:
+    """Arguments for ``engines.vllm.profile.build_profile_command``: MODEL, vllm serve flags, profile flags."""
+    _check_common(req)
+    if req.device is not None:
+        raise DsparkError("--device is for the embedded engine; vLLM picks its devices itself")
+    if req.model.startswith("-"):
+        raise DsparkError("profile-sps --engine vllm needs the model first: dspark profile-sps --engine vllm MODEL ...")
+    args = _json_object("--engine-args", req.engine_args)
+    extra = [a for a in req.extra if a != "--"]
+    if req.capture_sizes is not None:
+        if any(a.partition("=")[0] in ("--compilation-config", "-cc", "-O") for a in extra):
+            raise DsparkError("--capture-sizes conflicts with --compilation-config; put cudagraph_capture_sizes "
+                              "inside the compilation config instead")
+        comp = dict(args.get("compilation_config") or {})
+        comp["cudagraph_capture_sizes"] = list(req.capture_sizes)
+        args["compilation_config"] = comp
+    argv = [req.model, *extra, *_engine_args_flags(args)]
+    for flag, value in (("--max-num-seqs", req.max_num_seqs), ("--max-model-len", req.max_model_len),
+                        ("--dtype", req.dtype)):
+        if value is not None:
+            argv += [flag, str(value)]
+    spec = _json_object("--speculative-config", req.speculative_config)
+    if req.draft is not None:
+        spec["model"] = req.draft
+    if req.num_speculative_tokens is not None:
+        spec["num_speculative_tokens"] = req.num_speculative_tokens
+    if spec:
+        argv += ["--speculative-config", orjson.dumps(spec).decode()]
+    argv += ["--output", str(req.output)]
+    if req.warmup is not None:
+        argv += ["--warmup", str(req.warmup)]
+    if req.replays is not None:
+        argv += ["--replays", str(req.replays)]
+    return argv
+
+
+def run_vllm(req: ProfileRequest, *, dry_run: bool) -> SpsCurve | None:
+    """Dry run: print the exact profiler command (None). Else run it, then apply ``--overhead-ms`` to the
+    curve it wrote and return the curve (the profiler itself already refused a flat one)."""
+    from dspark_cli.engines.vllm.profile import build_profile_command, run_vllm_profile
+
+    argv = vllm_argv(req)
+    if dry_run:
+        run_vllm_profile(argv, dry_run=True)
+        return None
+    cmd = build_profile_command(argv)
+    if importlib.util.find_spec("vllm") is None:
+        raise DsparkError("vLLM is not installed here: pip install 'dspark-cli[vllm]' (vllm==0.33.0, CUDA), or "
+                          "profile the embedded engine (drop --engine vllm)")
+    cmd[0] = sys.executable
+    sys.stdout.flush()
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        raise DsparkError(f"the vLLM profiler exited with status {rc} (its output is above); nothing was written")
+    curve = SpsCurve.load(req.output)
+    if req.overhead_ms is not None:
+        meta = {**curve.meta, "overhead_source": "given", "overhead_measured_ms": curve.overhead_ms}
+        curve = SpsCurve.from_points(curve.verify_ms, curve.draft_ms, req.overhead_ms, curve.capture_sizes, meta,
+                                     source=str(req.output))
+        curve.save(req.output)
+    return curve
