@@ -8,11 +8,12 @@ step costs, and losslessness must hold for any weights.
    riser makes mask/varlen trim, so the check is not vacuous (``verified < drafted``).
 2. **syncs** (CUDA) -- ``torch.cuda.set_sync_debug_mode("warn")`` over warm decode steps of a varlen engine;
    every synchronising call site is counted. The step's output copy (tokens, counts) is the expected one.
-3. **steps** -- a SmolLM2-135M-shaped target with a 4-layer draft (bf16 on CUDA): ``profile_sps`` (the
-   ``--sps-curve auto`` profile, saved as ``sps_curve.json``), then generation throughput at several
-   concurrencies for K=0, K=4 capacity none (graphs and eager) and K=4 varlen with the profiled curve. The
+3. **steps** -- the served shape (SmolLM2-135M target, 4-layer draft, K=7, max_num_seqs 256, bf16 on CUDA)
+   for nospec / capacity none / varlen (the profiled H200 curve of this shape) at 16 and 256 concurrent
+   requests: where a decode step's time goes, phase by phase (``EngineStats.phase_ms``), once without
+   added syncs (host cost; device time shows up in the one D2H wait) and once with a sync per phase. The
    draft is random, so acceptance is ~0: this measures the engine's costs and the capacity manager backing
-   off (saturation), not speculative gains.
+   off (saturation), not speculative gains. About 2-3 minutes on an H200.
 
     python benchmarks/embedded_engine.py --out benchmarks/results/embedded_engine   # CUDA: everything
     python benchmarks/embedded_engine.py --quick --out /tmp/embedded                  # CPU smoke run
@@ -36,7 +37,6 @@ from dspark_cli.core.capacity import CapacityConfig
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.engines.embedded.config import EngineConfig
 from dspark_cli.engines.embedded.engine import LLMEngine
-from dspark_cli.engines.embedded.profile import profile_sps
 from dspark_cli.engines.embedded.sequence import SamplingParams
 
 
@@ -70,16 +70,6 @@ def build_tiny(root: Path) -> tuple[Path, Path]:
     target = _save_llama(root / "tiny_target", tok, **cfg)
     _save_llama(root / "tiny_draft", tok, noise_from=target, **cfg)
     return root / "tiny_target", root / "tiny_draft"
-
-
-def build_smol_shaped(root: Path, vocab: int) -> tuple[Path, Path]:
-    torch.manual_seed(0)
-    tok = _tokenizer(vocab)
-    base = dict(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=100000.0)
-    _save_llama(root / "smol_target", tok, num_hidden_layers=30, **base)
-    _save_llama(root / "smol_draft", tok, num_hidden_layers=4, **base)
-    return root / "smol_target", root / "smol_draft"
 
 
 def _prompts(n: int, vocab: int, length: int, seed: int = 1) -> list[list[int]]:
@@ -142,58 +132,129 @@ def check_syncs(root: Path, device: str) -> dict[str, Any]:
     return {"steps": steps, "sync_sites": dict(sites), "syncs_per_step": sum(sites.values()) / steps}
 
 
-def _throughput(engine: LLMEngine, conc: int, vocab: int, max_tokens: int) -> dict[str, Any]:
-    prompts = _prompts(conc, vocab, 64, seed=conc)
+PHASES = ("prepare", "draft", "plan", "layout", "verify", "reject", "sync", "emit")
+H200_CURVE = Path(__file__).resolve().parent / "results" / "h200" / "profile_sps" / "smollm2.json"
+
+
+def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, prompt_len: int,
+                mode: str) -> dict[str, Any]:
+    """Generate ``conc`` requests at once and break the decode steps down by phase (``mode``: host/device)."""
+    prompts = _prompts(conc, vocab, prompt_len, seed=conc)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    s0 = engine.stats
-    steps0, drafts0, verified0, paused0 = (s0.num_decode_steps, s0.num_draft_tokens, s0.num_verified_draft_tokens,
-                                           s0.num_paused_steps)
+    s = engine.stats
+    s.phase_ms.clear()
+    s.phase_steps.clear()
+    before = (s.num_decode_steps, s.num_draft_tokens, s.num_verified_draft_tokens, s.num_paused_steps,
+              s.num_accepted_tokens, s.num_drafts)
+    engine.phase_timing = mode
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    try:
+        outs = engine.generate(prompts, params)
+    finally:
+        engine.phase_timing = None
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    tokens = sum(len(o) for o in outs)
-    steps = engine.stats.num_decode_steps - steps0
-    return dict(concurrency=conc, tok_s=tokens / elapsed, ms_per_decode_step=1000 * elapsed / max(steps, 1),
-                drafted=engine.stats.num_draft_tokens - drafts0,
-                verified=engine.stats.num_verified_draft_tokens - verified0,
-                paused_steps=engine.stats.num_paused_steps - paused0)
+    kinds: dict[str, Any] = {}
+    for kind, steps in s.phase_steps.items():
+        per = {ph: s.phase_ms.get(f"{kind}.{ph}", 0.0) / steps for ph in PHASES + ("forward",)}
+        per = {ph: v for ph, v in per.items() if f"{kind}.{ph}" in s.phase_ms}
+        kinds[kind] = dict(steps=steps, ms_per_step=per, total_ms_per_step=sum(per.values()))
+    drafts = s.num_drafts - before[5]
+    return dict(
+        concurrency=conc, mode=mode, tok_s=sum(len(o) for o in outs) / elapsed, wall_s=elapsed,
+        decode_steps=s.num_decode_steps - before[0], paused_steps=s.num_paused_steps - before[3],
+        drafted=s.num_draft_tokens - before[1], verified=s.num_verified_draft_tokens - before[2],
+        acceptance_length=(1 + (s.num_accepted_tokens - before[4]) / drafts) if drafts else None,
+        schedule_ms_per_step=s.phase_ms.get("schedule", 0.0) / max(1, sum(s.phase_steps.values())),
+        kinds=kinds,
+    )
 
 
 def time_steps(root: Path, device: str, quick: bool, out: Path) -> dict[str, Any]:
-    vocab = 2048 if quick else 49152
-    target, draft = build_smol_shaped(root, vocab)
-    concs = [1, 4] if quick else [1, 8, 32, 64]
-    max_tokens = 16 if quick else 128
-    common = dict(model=str(target), draft=str(draft), device=device, max_num_seqs=max(concs), max_model_len=1024)
-    result: dict[str, Any] = {}
-    probe = LLMEngine(EngineConfig(**common, num_speculative_tokens=4))
-    t0 = time.perf_counter()
-    curve = profile_sps(probe, context_len=256)
-    result["profile_s"] = time.perf_counter() - t0
-    curve.save(out / "sps_curve.json")
-    result["sps_curve"] = curve.to_dict()
+    """Per-phase breakdown of decode steps: nospec / none / varlen at a low and a high concurrency.
+
+    The shapes are the served configuration's (SmolLM2-135M target, a 4-layer draft of the same width,
+    K = 7, max_num_seqs = 256); weights are random (acceptance ~0), which changes how many steps a request
+    takes, not what one step costs. "host" timing adds no syncs (device time surfaces in "sync", the one
+    device -> host copy); "device" timing syncs after every phase so each phase owns its device time.
+    """
+    if quick:
+        model, draft, k, max_seqs, concs, max_tokens, prompt_len = (
+            "random:smollm2-135m:layers=2", "random:small:layers=1", 3, 8, [2, 8], 8, 16)
+    else:
+        model, draft, k, max_seqs, concs, max_tokens, prompt_len = (
+            "random:smollm2-135m", "random:small:layers=4", 7, 256, [16, 256], 128, 128)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    common = dict(model=model, device=device, dtype=dtype, max_num_seqs=max_seqs, max_model_len=1024)
+    curve_path = out / "sps_curve.json"
+    if device == "cuda" and H200_CURVE.exists() and not quick:
+        curve_path.write_text(H200_CURVE.read_text())  # the profiled curve of exactly this shape (H200)
+    else:
+        SpsCurve.from_points([(1, 1.0), (8, 1.1), (64, 2.0), (512, 6.0)], [(1, 0.5), (256, 1.0)], 0.2).save(curve_path)
     configs = [
-        ("k0", dict(num_speculative_tokens=0)),
-        ("k4-none", dict(num_speculative_tokens=4)),
-        ("k4-none-eager", dict(num_speculative_tokens=4, cuda_graphs=False)),
-        ("k4-varlen", dict(num_speculative_tokens=4, sps_curve=str(out / "sps_curve.json"),
-                           capacity=CapacityConfig(mode="varlen"))),
+        ("nospec", dict(num_speculative_tokens=0)),
+        ("none", dict(num_speculative_tokens=k, draft=draft)),
+        ("varlen", dict(num_speculative_tokens=k, draft=draft, sps_curve=str(curve_path),
+                        capacity=CapacityConfig(mode="varlen"))),
     ]
     rows = []
     for name, overrides in configs:
+        t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**common, **overrides))
+        build_s = time.perf_counter() - t0
+        # Warm-up: Triton JIT of eager prefill shapes and every kernel outside the graphs.
+        engine.generate(_prompts(min(max(concs), 32), 128, prompt_len, seed=99),
+                        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         for conc in concs:
-            rows.append(dict(config=name, **_throughput(engine, conc, vocab, max_tokens)))
+            rows.append(dict(config=name, build_s=build_s,
+                             **_run_phases(engine, conc, engine.vocab_size, max_tokens, prompt_len, "host")))
+            rows.append(dict(config=name, build_s=build_s,
+                             **_run_phases(engine, conc, engine.vocab_size, max(8, max_tokens // 4), prompt_len,
+                                           "device")))
         del engine
         if device != "cpu":
             torch.cuda.empty_cache()
-    result["throughput"] = rows
-    return result
+    return {"model": model, "draft": draft, "k": k, "max_num_seqs": max_seqs, "max_tokens": max_tokens,
+            "prompt_len": prompt_len, "phases": rows}
+
+
+def _print_phases(console: Any, steps: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"decode step breakdown, ms per step ({steps['model']} + {steps['draft']}, K={steps['k']}, "
+                    f"{steps['max_tokens']} tokens; host = no added syncs, device = sync per phase)")
+    for col in ("config", "c", "timing", "kind", "steps", *PHASES, "sum", "sched", "tok/s", "ms/step*", "paused",
+                "acc len"):
+        t.add_column(col, justify="right")
+    for r in steps["phases"]:
+        first = True
+        for kind in ("spec", "paused", "nospec", "prefill"):
+            if kind not in r["kinds"]:
+                continue
+            kd = r["kinds"][kind]
+            ph = kd["ms_per_step"]
+            cells = [f"{ph[p]:.2f}" if p in ph else "" for p in PHASES]
+            if kind == "prefill":
+                cells = ["", f"{ph.get('forward', 0.0):.2f}", "", "", "", "", f"{ph.get('sync', 0.0):.2f}",
+                         f"{ph.get('emit', 0.0):.2f}"]
+            acc = r["acceptance_length"]
+            t.add_row(r["config"] if first else "", str(r["concurrency"]) if first else "", r["mode"] if first else "",
+                      kind, str(kd["steps"]), *cells, f"{kd['total_ms_per_step']:.2f}",
+                      f"{r['schedule_ms_per_step']:.2f}" if first else "",
+                      f"{r['tok_s']:.0f}" if first else "",
+                      f"{1000 * r['wall_s'] / max(1, r['decode_steps']):.2f}" if first else "",
+                      f"{r['paused_steps']}/{r['decode_steps']}" if first else "",
+                      f"{acc:.2f}" if first and acc else "")
+            first = False
+    console.print(t)
+    console.print("ms/step* = generate() wall / decode steps (prefill steps included in the wall). Phases: prepare "
+                  "(block tables, H2D), draft (catch-up + K drafts; paused: the 1-token draft catch-up), plan "
+                  "(capacity record/plan/allocate), layout, verify (target forward + logits), reject (rejection "
+                  "sampler / sampling, STS), sync (the one D2H copy: waits for the device in host timing), emit "
+                  "(counters, traces, token emission); prefill rows: draft column = prefill forward.")
 
 
 def main() -> None:
@@ -218,7 +279,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+
+    console = Console(width=190)
     t = Table(title=f"lossless greedy on {report['device']}: {'OK' if report['lossless']['ok'] else 'FAILED'}")
     for col in ("mode", "graphs", "identical", "drafted", "verified", "accepted"):
         t.add_column(col)
@@ -229,16 +291,7 @@ def main() -> None:
     if "syncs" in report:
         s = report["syncs"]
         console.print(f"host syncs per decode step: {s['syncs_per_step']:.1f} at {s['sync_sites']}")
-    curve = report["steps"]["sps_curve"]
-    console.print(f"profiled in {report['steps']['profile_s']:.1f}s: verify_ms {curve['verify_curve_ms']}, "
-                  f"draft_ms {curve['draft_curve_ms']}, overhead {curve['overhead_ms']:.3f} ms")
-    t = Table(title="SmolLM2-shaped random pair, greedy, ignore_eos (acceptance ~0 by construction)")
-    for col in ("config", "conc", "tok/s", "ms/decode step", "verified/drafted", "paused steps"):
-        t.add_column(col)
-    for r in report["steps"]["throughput"]:
-        t.add_row(r["config"], str(r["concurrency"]), f"{r['tok_s']:.1f}", f"{r['ms_per_decode_step']:.2f}",
-                  f"{r['verified']}/{r['drafted']}", str(r["paused_steps"]))
-    console.print(t)
+    _print_phases(console, report["steps"])
     console.print(f"written: {args.out / 'embedded_engine.json'}")
 
 

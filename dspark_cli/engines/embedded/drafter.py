@@ -106,6 +106,9 @@ class Drafter:
         self.conf_head = conf_head
         self._forward = forward  # catch-up pass (ragged)
         self._step_forward = step_forward or forward  # one token per request (CUDA graph per request count)
+        # The whole greedy loop after the catch-up as one replay (CUDA graphs): (h, next_pos, tables) ->
+        # (tokens, confidences), or None when no captured size fits. None = the eager loop below.
+        self.loop_fn: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor] | None] | None = None
 
     @property
     def has_confidence_head(self) -> bool:
@@ -137,6 +140,10 @@ class Drafter:
             inp.block_tables, inp.max_catchup, inp.max_kv_len,
         )
         h = hidden[inp.catchup_last]
+        if inp.temperature is None and self.loop_fn is not None and num_tokens > 0:
+            looped = self.loop_fn(h, inp.next_pos, inp.block_tables)
+            if looped is not None:
+                return DraftOutput(tokens=looped[0], confidence=looped[1], draft_probs=None)
         tokens, confs, probs = [], [], []
         req_ar = torch.arange(num_reqs, device=device)
         step_pad = torch.zeros(num_reqs, dtype=torch.bool, device=device)

@@ -20,6 +20,7 @@ is the same token sequence in every mode and with no speculation at all.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,44 @@ class EngineStats:
     last_budget: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    # Per-phase wall time (ms, cumulative) keyed "<step kind>.<phase>", and steps per kind; filled only while
+    # ``LLMEngine.phase_timing`` is set (see there). Kinds: prefill, spec (drafting decode), paused (K > 0
+    # without drafting: saturation), nospec (K == 0).
+    phase_ms: dict[str, float] = field(default_factory=dict)
+    phase_steps: dict[str, int] = field(default_factory=dict)
+
+
+class _PhaseClock:
+    """Accumulates wall time between ``mark`` calls into ``EngineStats.phase_ms``.
+
+    ``sync=False`` (mode "host") measures host time only: device work overlaps and shows up where the
+    host waits for it (the step's one device -> host copy, phase "sync"), which is what tells host-bound
+    from device-bound steps. ``sync=True`` (mode "device") synchronises at every mark so each phase owns
+    its device time too -- it serialises host and device, so the total is slower than a real step.
+    """
+
+    def __init__(self, stats: EngineStats, kind: str, sync_device: torch.device | None) -> None:
+        self.stats = stats
+        self.kind = kind
+        self.sync_device = sync_device
+        stats.phase_steps[kind] = stats.phase_steps.get(kind, 0) + 1
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.sync_device is not None:
+            torch.cuda.synchronize(self.sync_device)
+        now = time.perf_counter()
+        key = f"{self.kind}.{phase}"
+        self.stats.phase_ms[key] = self.stats.phase_ms.get(key, 0.0) + (now - self._t) * 1000.0
+        self._t = now
+
+
+class _NoClock:
+    def mark(self, phase: str) -> None:
+        pass
+
+
+_NO_CLOCK = _NoClock()
 
 
 @dataclass
@@ -131,6 +170,11 @@ class LLMEngine:
         self._slot_of: dict[str, int] = {}
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
+        # Debug breakdown of each step into phases (EngineStats.phase_ms): None (off), "host" (no added
+        # syncs; device time surfaces in the "sync" phase) or "device" (a sync per phase, CUDA only).
+        self.phase_timing: str | None = None
+        self._full_cache: dict[int, Tensor] = {}
+        self._empty_cache: dict[int, Tensor] = {}
 
         # Offline temperatures seed the online fit; either way one persistent device tensor holds them.
         self.online_sts: OnlineSTS | None = None
@@ -211,9 +255,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------ step
 
+    def _clock(self, kind: str) -> _PhaseClock | _NoClock:
+        if self.phase_timing is None:
+            return _NO_CLOCK
+        if self.phase_timing not in ("host", "device"):
+            raise DsparkError(f"phase_timing must be None, 'host' or 'device', got {self.phase_timing!r}")
+        sync = self.device if self.phase_timing == "device" and self.device.type == "cuda" else None
+        return _PhaseClock(self.stats, kind, sync)
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.phase_timing is not None:
+            self.stats.phase_ms["schedule"] = self.stats.phase_ms.get("schedule", 0.0) + (time.perf_counter() - t0) * 1e3
         self.stats.num_steps += 1
         if batch is None:
             return []
@@ -232,7 +287,9 @@ class LLMEngine:
 
     def _prefill_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         self.stats.num_prefill_steps += 1
+        clock = self._clock("prefill")
         logits = self.runner.prefill(seqs)
+        clock.mark("forward")
         for seq in seqs:
             if seq.num_preemptions == 0:
                 self.stats.prompt_tokens += seq.num_prompt_tokens
@@ -245,7 +302,10 @@ class LLMEngine:
         temperature, top_p = self._sampling_tensors(seqs)
         u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
         tokens = sample(logits, temperature, top_p, u).tolist()
-        return [self._emit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=True)]
+        clock.mark("sync")
+        outputs = [self._emit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=True)]
+        clock.mark("emit")
+        return outputs
 
     def _decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         self.stats.num_decode_steps += 1
@@ -254,52 +314,44 @@ class LLMEngine:
         drafting = k > 0 and (self.capacity.begin_step(num_reqs) if self.capacity is not None else True)
         if k > 0 and not drafting:
             self.stats.num_paused_steps += 1
-        dev = self.device
-        tables = self.runner.block_tables(seqs)
-        temperature, top_p = self._sampling_tensors(seqs)
-        lens = [seq.num_tokens for seq in seqs]
-        start_pos = self.runner._to_device(torch.tensor([n - 1 for n in lens], dtype=torch.int64))
-        last_tokens = self.runner._to_device(torch.tensor([seq.last_token for seq in seqs], dtype=torch.int64))
-
         if not drafting:
-            layout = build_varlen_layout(
-                last_tokens, torch.zeros(num_reqs, 0, dtype=torch.int64, device=dev),
-                torch.zeros(num_reqs, dtype=torch.int64, device=dev), start_pos, self.runner.padded_size(num_reqs),
-            )
-            logits = self.runner.verify(layout, tables, start_pos, max(lens) - 1)
-            u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
-            tokens = sample(logits[:num_reqs], temperature, top_p, u).tolist()
-            outputs = []
-            for seq, tok in zip(seqs, tokens, strict=True):
-                seq.num_computed_tokens = seq.num_tokens
-                outputs.append(self._emit(seq, [tok]))
-            return outputs
+            return self._plain_decode_step(seqs)
+        clock = self._clock("spec")
+        runner = self.runner
+        dev = self.device
+        slots_np = np.fromiter((self._slot_of[s.request_id] for s in seqs), dtype=np.int64, count=num_reqs)
+        tables, (start_pos, last_tokens, slots) = runner.decode_inputs(seqs, [slots_np])
+        max_len = max(seq.num_tokens for seq in seqs)
+        temperature, top_p = self._sampling_tensors(seqs)
+        clock.mark("prepare")
 
         u_draft = self._uniforms(seqs, k) if temperature is not None else None
-        draft = self.runner.propose(seqs, tables, temperature, u_draft)
+        draft = runner.propose(seqs, tables, temperature, u_draft)
         conf_raw = draft.confidence
         conf = conf_raw if self.sts_temperatures is None else apply_temperatures(conf_raw, self.sts_temperatures)
-        num_drafts = torch.full((num_reqs,), k, dtype=torch.int64, device=dev)
+        clock.mark("draft")
         if self.capacity is not None:
-            slots_np = np.array([self._slot_of[s.request_id] for s in seqs], dtype=np.int64)
-            slots = self.runner._to_device(torch.from_numpy(slots_np))
+            num_drafts = torch.full((num_reqs,), k, dtype=torch.int64, device=dev)
             self.capacity.record_confidences(slots, conf)
             decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs)
             budget = decision.budget
             admitted = self.capacity.allocate(slots, num_drafts, budget)
         else:
             budget = num_reqs * k
-            admitted = num_drafts
+            admitted = self._full_drafts(num_reqs)
         self.stats.last_budget = budget
+        clock.mark("plan")
 
         if self.config.capacity.mode == "mask":
             layout = build_mask_layout(last_tokens, draft.tokens, admitted, start_pos)
-            layout = _pad_layout(layout, self.runner.padded_size(layout.num_rows))
+            layout = _pad_layout(layout, runner.padded_size(layout.num_rows))
         else:
             layout = build_varlen_layout(
-                last_tokens, draft.tokens, admitted, start_pos, self.runner.padded_size(num_reqs + budget)
+                last_tokens, draft.tokens, admitted, start_pos, runner.padded_size(num_reqs + budget)
             )
-        logits = self.runner.verify(layout, tables, start_pos, max(lens) - 1 + k)
+        clock.mark("layout")
+        logits = runner.verify(layout, tables, start_pos, max_len - 1 + k)
+        clock.mark("verify")
         uniforms = None
         if temperature is not None:
             # One [K + 1, 2] table per request (its own generator when seeded), read by row position.
@@ -312,32 +364,96 @@ class LLMEngine:
         if self.online_sts is not None:
             self.online_sts.record(conf_raw, admitted, out.num_accepted)
             self.online_sts.step()
-
-        # The step's one device -> host transfer: emitted tokens, counts, and what the traces need.
-        tokens_h = out.tokens.cpu().tolist()
-        accepted_h = out.num_accepted.cpu().tolist()
-        admitted_h = admitted.cpu().tolist()
+        # The step's one device -> host transfer: emitted tokens, accepted and admitted counts together.
+        packed = torch.cat(
+            [out.tokens, out.num_accepted.view(-1, 1).to(torch.int64), admitted.view(-1, 1).to(torch.int64)], dim=1
+        )
+        clock.mark("reject")
+        host = packed.cpu().numpy()
+        clock.mark("sync")
+        accepted_np = host[:, k + 1]
+        admitted_np = host[:, k + 2]
         if self.traces is not None:
             self.traces.write_batch(
-                conf_raw.cpu(), np.asarray(admitted_h), np.asarray(accepted_h),
+                conf_raw.cpu(), admitted_np, accepted_np,
                 requests=[s.request_id for s in seqs], step=[s.num_verify_steps for s in seqs],
             )
-        self.stats.num_drafts += num_reqs
-        self.stats.num_draft_tokens += num_reqs * k
-        self.stats.num_verified_draft_tokens += int(sum(admitted_h))
-        self.stats.num_accepted_tokens += int(sum(accepted_h))
-        for a in accepted_h:
-            for i in range(a):
-                self.stats.accepted_per_pos[i] += 1
+        stats = self.stats
+        stats.num_drafts += num_reqs
+        stats.num_draft_tokens += num_reqs * k
+        stats.num_verified_draft_tokens += int(admitted_np.sum())
+        stats.num_accepted_tokens += int(accepted_np.sum())
+        per_pos = np.bincount(accepted_np, minlength=k + 1)  # requests that accepted exactly a drafts
+        at_least = np.cumsum(per_pos[::-1])[::-1]  # at_least[i] = requests that accepted >= i drafts
+        for i in range(k):
+            stats.accepted_per_pos[i] += int(at_least[i + 1])
 
         outputs = []
-        for seq, row, a, old_len in zip(seqs, tokens_h, accepted_h, lens, strict=True):
+        rows = host[:, : k + 1].tolist()
+        for seq, row, a in zip(seqs, rows, accepted_np.tolist(), strict=True):
+            old_len = seq.num_tokens
             seq.num_verify_steps += 1
             # Target KV is valid through the accepted drafts; the draft never fed its own K-th draft.
             seq.num_computed_tokens = old_len + a
             seq.num_draft_computed = old_len + min(a, k - 1)
             outputs.append(self._emit(seq, row[: a + 1]))
+        clock.mark("emit")
         return outputs
+
+    def _plain_decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """One token per request (K == 0, or drafting paused by the saturation policy).
+
+        While paused, the draft is fed the same tokens as the target (one per request in steady state, a
+        replay of the captured catch-up graph), so its KV never falls behind: a probe or resume step then
+        drafts at the cost of a normal step instead of first re-feeding every token generated in the pause.
+        """
+        num_reqs = len(seqs)
+        paused = self.num_spec > 0
+        clock = self._clock("paused" if paused else "nospec")
+        runner = self.runner
+        dev = self.device
+        tables, (start_pos, last_tokens) = runner.decode_inputs(seqs)
+        max_len = max(seq.num_tokens for seq in seqs)
+        temperature, top_p = self._sampling_tensors(seqs)
+        clock.mark("prepare")
+        if paused and runner.drafter is not None:
+            runner.catch_up(seqs, tables)
+            for seq in seqs:
+                seq.num_draft_computed = seq.num_tokens
+            clock.mark("draft")
+        layout = build_varlen_layout(
+            last_tokens, self._no_drafts(num_reqs), torch.zeros(num_reqs, dtype=torch.int64, device=dev), start_pos,
+            runner.padded_size(num_reqs),
+        )
+        clock.mark("layout")
+        logits = runner.verify(layout, tables, start_pos, max_len - 1)
+        clock.mark("verify")
+        u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
+        sampled = sample(logits[:num_reqs], temperature, top_p, u)
+        clock.mark("reject")
+        tokens = sampled.tolist()
+        clock.mark("sync")
+        outputs = []
+        for seq, tok in zip(seqs, tokens, strict=True):
+            seq.num_computed_tokens = seq.num_tokens
+            outputs.append(self._emit(seq, [tok]))
+        clock.mark("emit")
+        return outputs
+
+    def _full_drafts(self, num_reqs: int) -> Tensor:
+        """``[R]`` filled with K (capacity "none": every draft admitted), cached per R: no launch per step."""
+        cached = self._full_cache.get(num_reqs)
+        if cached is None:
+            cached = torch.full((num_reqs,), self.num_spec, dtype=torch.int64, device=self.device)
+            self._full_cache[num_reqs] = cached
+        return cached
+
+    def _no_drafts(self, num_reqs: int) -> Tensor:
+        cached = self._empty_cache.get(num_reqs)
+        if cached is None:
+            cached = torch.zeros(num_reqs, 0, dtype=torch.int64, device=self.device)
+            self._empty_cache[num_reqs] = cached
+        return cached
 
     # ------------------------------------------------------------------------------------------ helpers
 
@@ -357,7 +473,7 @@ class LLMEngine:
         """``[R, n]`` uniforms: the engine's generator, except seeded requests draw from their own."""
         u = torch.rand(len(seqs), n, device=self.device, generator=self.generator)
         for i, seq in enumerate(seqs):
-            if seq.generator is not None:
+            if seq.generator is not None:  # only seeded requests own a generator
                 u[i] = torch.rand(n, device=self.device, generator=seq.generator)
         return u
 

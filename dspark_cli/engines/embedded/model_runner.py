@@ -9,11 +9,16 @@ kinds of forward:
   for every row (rows are padding or verified; the rejection sampler picks);
 * **draft** -- the drafter's catch-up pass and its K - 1 one-token steps.
 
-On CUDA (``cuda_graphs=True``) each of the three decode-time forwards is captured per padded size: the
-verify forward per token count (powers of two up to ``(K + 1) * max_num_seqs``), the draft catch-up pass
-the same way, and the draft step per request count. Replays copy the step's tensors into static buffers
+On CUDA (``cuda_graphs=True``) each of the decode-time forwards is captured per padded size: the verify
+forward per token count (powers of two up to ``(K + 1) * max_num_seqs``), the draft catch-up pass the same
+way, the draft step per request count, and -- for all-greedy batches -- the *whole* K-token draft loop
+(K LM heads, argmaxes and confidences, K - 1 draft steps) as one graph per request count, so a proposal is
+two replays instead of ~25 launches per draft token. Replays copy the step's tensors into static buffers
 with ``copy_``; nothing reads device values on the host, so the only host knowledge a replay needs is
 the padded size -- the budget the capacity manager chose. CPU runs everything eagerly.
+
+Host-built batch tensors (block tables, catch-up tokens, positions) are packed into one int64 array and
+moved with one host-to-device copy, not one small copy per field.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -183,6 +189,97 @@ class _GraphedForward:
         return out[:num_tokens]
 
 
+class _DraftLoopGraphs:
+    """The greedy K-token draft loop (after the catch-up pass) as one CUDA graph per padded request count.
+
+    Input: the final-normed hidden state that yields draft 1 per request, the position of draft 1 and the
+    block tables. The body runs K times LM head -> argmax -> confidence and K - 1 one-token draft forwards,
+    so a replay replaces ~25 eager launches per draft token with a few ``copy_`` and one ``replay()``.
+    Padding requests (rows ``>= R`` of a bucket) are marked from one device scalar (``num_real``): their
+    tokens write to the scratch slot and own no query rows, exactly like the step graphs' padding.
+    Sampling batches (some temperature > 0) keep the eager loop: their program differs and is rarer.
+    """
+
+    def __init__(
+        self, drafter: Drafter, fwd: _Forward, sizes: list[int], num_spec: int, max_blocks: int,
+        device: torch.device, dtype: torch.dtype, pool: object | None,
+    ) -> None:
+        self.drafter = drafter
+        self.fwd = fwd
+        self.sizes = sorted(sizes)
+        self.k = num_spec
+        self.kv_len = max_blocks * fwd.block_size
+        top = self.sizes[-1]
+        hidden = drafter.model.args.hidden_size
+        self.h = torch.zeros(top, hidden, dtype=dtype, device=device)
+        self.next_pos = torch.zeros(top, dtype=torch.int64, device=device)
+        self.block_tables = torch.full((top, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device)
+        self.num_real = torch.zeros((), dtype=torch.int64, device=device)
+        self.arange = torch.arange(top, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, tuple[Tensor, Tensor] | None]] = {}
+        self.pool = pool
+
+    def _body(self, size: int) -> tuple[Tensor, Tensor]:
+        ar = self.arange[:size]
+        pad = ar >= self.num_real
+        req = torch.where(pad, size, ar)
+        pos0 = torch.where(pad, 0, self.next_pos[:size])
+        tables = self.block_tables[:size]
+        h = self.h[:size]
+        model = self.drafter.model
+        tokens, confs = [], []
+        for j in range(self.k):
+            logits = model.compute_logits(h)
+            tok = logits.argmax(dim=-1)
+            tokens.append(tok)
+            confs.append(self.drafter._confidence(h, logits, tok))
+            if j + 1 == self.k:
+                break
+            pos = pos0 + j
+            qstart = torch.where(pad, 0, pos)
+            h = self.fwd.run(tok, pos, req, pad, qstart, tables, 1, self.kv_len)
+        return torch.stack(tokens, dim=1), torch.stack(confs, dim=1).float()
+
+    @torch.inference_mode()
+    def capture(self, emulate: bool = False) -> None:
+        if emulate:
+            self.graphs = {size: (None, None) for size in self.sizes}
+            return
+        for size in reversed(self.sizes):
+            self.num_real.fill_(0)  # capture with every row padding: warm-up writes only the scratch slot
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._body(size)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._body(size)
+            self.pool = graph.pool()
+            self.graphs[size] = (graph, out)
+
+    def run(self, h: Tensor, next_pos: Tensor, block_tables: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Drafts and raw confidences ``[R, K]``; None when no captured size holds ``R`` (caller runs eagerly)."""
+        num_reqs = h.shape[0]
+        size = next((s for s in self.sizes if s >= num_reqs and s in self.graphs), None)
+        if size is None:
+            return None
+        self.h[:num_reqs].copy_(h)
+        self.next_pos[:num_reqs].copy_(next_pos)
+        width = block_tables.shape[1]
+        self.block_tables[:num_reqs, :width].copy_(block_tables)
+        self.block_tables[num_reqs:size].fill_(SCRATCH_BLOCK)
+        self.num_real.fill_(num_reqs)
+        graph, out = self.graphs[size]
+        if graph is None:
+            tokens, conf = self._body(size)
+        else:
+            graph.replay()
+            tokens, conf = out
+        return tokens[:num_reqs], conf[:num_reqs]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, target_path: Path, draft_path: Path | None,
                  device: torch.device, dtype: torch.dtype) -> None:
@@ -229,6 +326,7 @@ class ModelRunner:
         self._verify_graphs: _GraphedForward | None = None
         self._catchup_graphs: _GraphedForward | None = None
         self._step_graphs: _GraphedForward | None = None
+        self._loop_graphs: _DraftLoopGraphs | None = None
         verify_fn = self.target_fwd.run
         catchup_fn = self.draft_fwd.run if self.draft_fwd else None
         step_fn = catchup_fn
@@ -239,6 +337,8 @@ class ModelRunner:
         self._conf_head = conf_head
         if self.draft_fwd is not None:
             self.drafter = Drafter(draft_model, conf_head, catchup_fn, step_fn)
+            if self.use_graphs:
+                self._capture_loop_graphs()
 
     def emulate_graphs(self) -> None:
         """Route decode-time forwards through the graph families' static buffers without capturing
@@ -247,6 +347,17 @@ class ModelRunner:
         self._verify_fn = verify_fn
         if self.draft_fwd is not None:
             self.drafter = Drafter(self._draft_model, self._conf_head, catchup_fn, step_fn)
+            self._capture_loop_graphs(emulate=True)
+
+    def _capture_loop_graphs(self, emulate: bool = False) -> None:
+        assert self.drafter is not None and self.draft_fwd is not None
+        pool = self._step_graphs.pool if self._step_graphs is not None else None
+        self._loop_graphs = _DraftLoopGraphs(
+            self.drafter, self.draft_fwd, capture_sizes_for(self.config.max_num_seqs), self.num_spec,
+            self.max_blocks_per_seq, self.device, self.dtype, pool,
+        )
+        self._loop_graphs.capture(emulate)
+        self.drafter.loop_fn = self._loop_graphs.run
 
     # ------------------------------------------------------------------------------------------ sizing
 
@@ -312,10 +423,27 @@ class ModelRunner:
         return min(-(-(max_position + 1) // self.block_size), self.max_blocks_per_seq) * self.block_size
 
     def block_tables(self, seqs: list[Sequence]) -> Tensor:
-        table = torch.full((len(seqs), self.max_blocks_per_seq), SCRATCH_BLOCK, dtype=torch.int64)
+        return self._to_device(torch.from_numpy(self._host_tables(seqs)))
+
+    def _host_tables(self, seqs: list[Sequence]) -> np.ndarray:
+        table = np.full((len(seqs), self.max_blocks_per_seq), SCRATCH_BLOCK, dtype=np.int64)
         for i, seq in enumerate(seqs):
-            table[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
-        return self._to_device(table)
+            table[i, : len(seq.block_table)] = seq.block_table
+        return table
+
+    def decode_inputs(self, seqs: list[Sequence], extra: list[np.ndarray] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """Block tables ``[R, max_blocks]`` and per-request int64 rows (``start_pos``, ``last_tokens`` and
+        any ``extra[i]`` of length R) on the device, packed into one host array and one copy."""
+        n = len(seqs)
+        width = self.max_blocks_per_seq
+        cols = [np.fromiter((s.num_tokens - 1 for s in seqs), dtype=np.int64, count=n),
+                np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n), *(extra or [])]
+        packed = np.empty((n, width + len(cols)), dtype=np.int64)
+        packed[:, :width] = self._host_tables(seqs)
+        for i, col in enumerate(cols):
+            packed[:, width + i] = col
+        dev = self._to_device(torch.from_numpy(packed))
+        return dev[:, :width], [dev[:, width + i] for i in range(len(cols))]
 
     def _to_device(self, t: Tensor) -> Tensor:
         if self.device.type == "cpu":
@@ -354,42 +482,63 @@ class ModelRunner:
             self.drafter.prefill(t_ids, t_pos, t_req, t_start, tables, max_q, kv_len)
         return self.target.compute_logits(hidden[t_last])
 
+    def _catchup_inputs(
+        self, seqs: list[Sequence], tables: Tensor, temperature: Tensor | None, uniforms: Tensor | None
+    ) -> DraftInputs:
+        """Every token the draft has not fed yet (``token_ids[num_draft_computed:]``), request-major, as one
+        packed host array and one copy."""
+        counts = np.fromiter((s.num_tokens - s.num_draft_computed for s in seqs), dtype=np.int64, count=len(seqs))
+        starts = np.fromiter((s.num_draft_computed for s in seqs), dtype=np.int64, count=len(seqs))
+        total = int(counts.sum())
+        num_reqs = len(seqs)
+        packed = np.empty(3 * total + 3 * num_reqs, dtype=np.int64)
+        ids = packed[:total]
+        if total == num_reqs:  # the common case: one token each, the last one
+            ids[:] = [s.token_ids[-1] for s in seqs]
+        else:
+            ids[:] = [t for s in seqs for t in s.token_ids[s.num_draft_computed:]]
+        ends = np.cumsum(counts)
+        req = np.repeat(np.arange(num_reqs, dtype=np.int64), counts)
+        packed[total : 2 * total] = starts[req] + np.arange(total) - (ends - counts)[req]
+        packed[2 * total : 3 * total] = req
+        tail = packed[3 * total :].reshape(3, num_reqs)
+        tail[0] = ends - 1
+        tail[1] = starts
+        tail[2] = starts + counts
+        dev = self._to_device(torch.from_numpy(packed))
+        dev_tail = dev[3 * total :].view(3, num_reqs)
+        max_catchup = int(counts.max())
+        return DraftInputs(
+            catchup_ids=dev[:total],
+            catchup_positions=dev[total : 2 * total],
+            catchup_req=dev[2 * total : 3 * total],
+            catchup_last=dev_tail[0],
+            catchup_start=dev_tail[1],
+            next_pos=dev_tail[2],
+            block_tables=tables,
+            temperature=temperature,
+            uniforms=uniforms,
+            max_catchup=max_catchup,
+            max_kv_len=self._kv_len(int(tail[2].max()) + self.num_spec),
+        )
+
     @torch.inference_mode()
     def propose(
         self, seqs: list[Sequence], tables: Tensor, temperature: Tensor | None, uniforms: Tensor | None
     ) -> DraftOutput:
         """K drafts per sequence; the catch-up feeds ``token_ids[num_draft_computed:]`` first."""
         assert self.drafter is not None
-        ids: list[int] = []
-        positions: list[int] = []
-        req: list[int] = []
-        starts: list[int] = []
-        last: list[int] = []
-        next_pos: list[int] = []
-        for i, seq in enumerate(seqs):
-            start = seq.num_draft_computed
-            toks = seq.token_ids[start:]
-            ids.extend(toks)
-            positions.extend(range(start, seq.num_tokens))
-            req.extend([i] * len(toks))
-            starts.append(start)
-            last.append(len(ids) - 1)
-            next_pos.append(seq.num_tokens)
-        max_catchup = max(seq.num_tokens - seq.num_draft_computed for seq in seqs)
-        inp = DraftInputs(
-            catchup_ids=self._to_device(torch.tensor(ids, dtype=torch.int64)),
-            catchup_positions=self._to_device(torch.tensor(positions, dtype=torch.int64)),
-            catchup_req=self._to_device(torch.tensor(req, dtype=torch.int64)),
-            catchup_last=self._to_device(torch.tensor(last, dtype=torch.int64)),
-            catchup_start=self._to_device(torch.tensor(starts, dtype=torch.int64)),
-            next_pos=self._to_device(torch.tensor(next_pos, dtype=torch.int64)),
-            block_tables=tables,
-            temperature=temperature,
-            uniforms=uniforms,
-            max_catchup=max_catchup,
-            max_kv_len=self._kv_len(max(next_pos) + self.num_spec),
-        )
-        return self.drafter.propose(inp, self.num_spec)
+        return self.drafter.propose(self._catchup_inputs(seqs, tables, temperature, uniforms), self.num_spec)
+
+    @torch.inference_mode()
+    def catch_up(self, seqs: list[Sequence], tables: Tensor) -> None:
+        """Feed the draft every token it has not seen (its KV only, no proposal): run on steps that do not
+        draft, so the draft stays one token behind and resuming costs no long catch-up pass. In steady
+        state this is one token per request through the captured catch-up graph."""
+        assert self.drafter is not None
+        inp = self._catchup_inputs(seqs, tables, None, None)
+        self.drafter.prefill(inp.catchup_ids, inp.catchup_positions, inp.catchup_req, inp.catchup_start,
+                             inp.block_tables, inp.max_catchup, inp.max_kv_len)
 
     @torch.inference_mode()
     def verify(self, layout: VerifyLayout, tables: Tensor, start_pos: Tensor, max_position: int) -> Tensor:

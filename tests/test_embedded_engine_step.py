@@ -1,0 +1,134 @@
+"""The decode step's host path: the graphed greedy draft loop, the draft kept in sync while drafting is
+paused, the packed host transfers and the per-phase timing breakdown (all on CPU, graphs emulated)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_embedded_engine import TinyPair, build_tiny_pair, make_engine, prompts
+
+from dspark_cli.core.capacity import CapacityConfig
+from dspark_cli.core.sps import SpsCurve
+from dspark_cli.engines.embedded.sequence import SamplingParams, Sequence
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
+    return build_tiny_pair(tmp_path_factory.mktemp("tiny_llama_step"))
+
+
+@pytest.fixture(scope="module")
+def reference(pair: TinyPair) -> list[list[int]]:
+    return make_engine(pair, num_speculative_tokens=0).generate(prompts(5), GREEDY)
+
+
+@pytest.fixture(scope="module")
+def never_pays(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A curve whose draft pass costs far more than any verify gain: every drafting step fails to pay."""
+    path = tmp_path_factory.mktemp("curve") / "expensive_draft.json"
+    SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 500.0), (8, 500.0)], 0.1).save(path)
+    return path
+
+
+def _running_seqs(engine) -> list[Sequence]:  # type: ignore[no-untyped-def]
+    return list(engine.scheduler.running)
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_paused_steps_keep_the_draft_one_token_behind(
+    pair: TinyPair, reference: list[list[int]], never_pays: Path, emulate: bool
+) -> None:
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(never_pays),
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=3))
+    if emulate:
+        engine.runner.emulate_graphs()
+    ids = [f"r{i}" for i in range(5)]
+    for rid, prompt in zip(ids, prompts(5), strict=True):
+        engine.add_request(rid, prompt, GREEDY)
+    results: dict[str, list[int]] = {rid: [] for rid in ids}
+    lags_after_paused: list[int] = []
+    while engine.has_unfinished_requests():
+        paused_before = engine.stats.num_paused_steps
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+        if engine.stats.num_paused_steps > paused_before:
+            # A paused step fed the draft its last token: only the token just sampled is unseen.
+            lags_after_paused += [s.num_tokens - s.num_draft_computed for s in _running_seqs(engine)]
+    assert engine.stats.num_paused_steps > 0 and lags_after_paused
+    assert set(lags_after_paused) == {1}
+    assert [results[rid] for rid in ids] == reference
+    # Probe steps drafted (and were verified) after pauses: the draft's KV was valid for them.
+    assert engine.stats.num_drafts > 0
+
+
+def test_graphed_draft_loop_matches_the_eager_loop(pair: TinyPair) -> None:
+    engine = make_engine(pair, draft=str(pair.draft_head), max_num_seqs=8)
+    runner = engine.runner
+    runner.emulate_graphs()
+    assert runner.drafter is not None and runner.drafter.loop_fn is not None
+    for rid, prompt in zip("abc", prompts(3), strict=True):
+        engine.add_request(rid, prompt, GREEDY)
+    engine.step()  # prefill
+    seqs = _running_seqs(engine)
+    tables = runner.block_tables(seqs)
+    # 3 requests replay the size-4 bucket: one padding request rides along in the static buffers.
+    looped = runner.propose(seqs, tables, None, None)
+    loop_fn, runner.drafter.loop_fn = runner.drafter.loop_fn, None
+    try:
+        eager = runner.propose(seqs, tables, None, None)
+    finally:
+        runner.drafter.loop_fn = loop_fn
+    assert torch.equal(looped.tokens, eager.tokens)
+    torch.testing.assert_close(looped.confidence, eager.confidence)
+    assert looped.draft_probs is None
+
+
+def test_sampling_batches_bypass_the_greedy_loop_and_stay_seeded(pair: TinyPair) -> None:
+    params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=7)
+    outs = []
+    for emulate in (False, True):
+        engine = make_engine(pair)
+        if emulate:
+            engine.runner.emulate_graphs()
+        outs.append(engine.generate(prompts(2), params))
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_phase_timing_breaks_steps_down(pair: TinyPair, never_pays: Path, mode: str) -> None:
+    engine = make_engine(pair, sps_curve=str(never_pays),
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2))
+    engine.phase_timing = mode
+    engine.generate(prompts(3), GREEDY)
+    s = engine.stats
+    assert s.phase_steps["prefill"] == s.num_prefill_steps
+    assert s.phase_steps["spec"] + s.phase_steps["paused"] == s.num_decode_steps
+    assert s.phase_steps["paused"] == s.num_paused_steps > 0
+    for phase in ("prepare", "draft", "plan", "layout", "verify", "reject", "sync", "emit"):
+        assert s.phase_ms[f"spec.{phase}"] >= 0.0
+    assert s.phase_ms["spec.verify"] > 0.0 and s.phase_ms["paused.draft"] > 0.0
+    assert "paused.plan" not in s.phase_ms
+
+
+def test_phase_timing_is_off_by_default_and_checked(pair: TinyPair) -> None:
+    engine = make_engine(pair)
+    engine.generate(prompts(1), SamplingParams(temperature=0.0, max_tokens=4))
+    assert engine.stats.phase_ms == {} and engine.stats.phase_steps == {}
+    engine.phase_timing = "gpu"
+    engine.add_request("x", prompts(1)[0], GREEDY)
+    from dspark_cli.errors import DsparkError
+
+    with pytest.raises(DsparkError, match="phase_timing"):
+        engine.step()
