@@ -313,6 +313,9 @@ def build_varlen_layout_fused(
     ntok = torch.empty((), dtype=i64, device=device)
     if drafts.stride(1) != 1:
         drafts = drafts.contiguous()
+    # The kernel indexes the per-request vectors with unit stride; callers may hand in column views of a
+    # packed batch tensor, so make them dense (a no-op when they already are).
+    last_tokens, admitted, start_pos = last_tokens.contiguous(), admitted.contiguous(), start_pos.contiguous()
     block_r = min(128, _pow2(num_reqs))
     block_t = min(1024, _pow2(rows))
     _varlen_layout_kernel[(1,)](

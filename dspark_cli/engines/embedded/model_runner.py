@@ -438,12 +438,13 @@ class ModelRunner:
         width = self.max_blocks_per_seq
         cols = [np.fromiter((s.num_tokens - 1 for s in seqs), dtype=np.int64, count=n),
                 np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n), *(extra or [])]
-        packed = np.empty((n, width + len(cols)), dtype=np.int64)
-        packed[:, :width] = self._host_tables(seqs)
+        # Flat and field-major, so every device view is dense: kernels index these with unit strides.
+        packed = np.empty(n * (width + len(cols)), dtype=np.int64)
+        packed[: n * width] = self._host_tables(seqs).reshape(-1)
         for i, col in enumerate(cols):
-            packed[:, width + i] = col
+            packed[n * (width + i) : n * (width + i + 1)] = col
         dev = self._to_device(torch.from_numpy(packed))
-        return dev[:, :width], [dev[:, width + i] for i in range(len(cols))]
+        return dev[: n * width].view(n, width), [dev[n * (width + i) : n * (width + i + 1)] for i in range(len(cols))]
 
     def _to_device(self, t: Tensor) -> Tensor:
         if self.device.type == "cpu":
