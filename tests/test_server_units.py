@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dspark_cli.engines.embedded.metrics import MetricsSnapshot, parse_metrics, render_metrics
@@ -97,6 +97,9 @@ def _run_buffer(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
 @given(text=st.text(alphabet="abc\n", max_size=40),
        stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
        cuts=st.lists(st.integers(0, 40), max_size=10))
+# A complete match ("a" at 1) waits while a longer stop starting earlier ("\naa" at 0) may complete.
+@example(text="\naa", stops=["a", "\naa"], cuts=[2])
+@example(text="xab", stops=["b", "xaby"], cuts=[3])
 def test_stop_buffer_equals_cutting_the_whole_text(text: str, stops: list[str], cuts: list[int]) -> None:
     """However the text arrives, the client sees it cut before the earliest stop string, and no more."""
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
@@ -114,6 +117,16 @@ def test_stop_buffer_holds_back_a_possible_stop_prefix() -> None:
     assert buf.add("N") == " "
     assert buf.add("D and more") == ""
     assert buf.stopped and buf.text == "hello "
+
+
+def test_stop_buffer_waits_for_an_earlier_longer_stop_then_takes_the_shorter_one() -> None:
+    buf = StopTextBuffer(["b", "xaby"])
+    assert buf.add("xab") == ""  # "b" matched, but "xaby" (starting at 0) may still complete
+    assert not buf.stopped
+    assert buf.add("z") == "xa"  # it did not: cut before "b"
+    assert buf.stopped and buf.text == "xa"
+    late = StopTextBuffer(["b", "xaby"])
+    assert late.add("xab") == "" and late.flush() == "xa" and late.stopped  # the output ended instead
 
 
 # -------------------------------------------------------------------------------- detokenisation

@@ -11,7 +11,8 @@ Design points:
   different experiment.
 - Stop strings are matched on incrementally detokenised text. While streaming, the last
   ``len(longest stop) - 1`` characters are held back so a stop string split across steps is never sent
-  to the client; on a match the text is cut and the engine request aborted (its KV blocks freed).
+  to the client; the text is cut before the earliest-starting stop string (whatever the step split) and
+  the engine request aborted (its KV blocks freed).
 - The handler is cancelled when its client disconnects (``handler_cancellation``), and leaving the
   ``generate`` iterator aborts the engine request, so a vanished client never keeps decoding.
 """
@@ -111,27 +112,51 @@ class IncrementalDetokenizer:
 
 
 class StopTextBuffer:
-    """Accumulates output text, finds stop strings, and says which part is safe to send now."""
+    """Accumulates output text, finds stop strings, and says which part is safe to send now.
+
+    The text is cut before the stop string that *starts* earliest, so the result does not depend on how
+    the text was split into deltas. A complete match therefore only ends the request once no other stop
+    string could still start before it: with stops ``["a", "xaa"]`` the text ``"xa"`` is held (``"xaa"``
+    may yet complete and cut at 0) until the next delta or the end of the output decides.
+    """
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self._sent = 0
+        # No stop string starts before this index (every earlier start was ruled out by a previous delta):
+        # a start at ``j`` is open only while ``text[j:]`` is shorter than the longest stop.
+        self._scan = 0
         self.stopped = False
+
+    def _earliest_match(self) -> int:
+        hits = [i for i in (self.text.find(s, self._scan) for s in self.stops) if i >= 0]
+        return min(hits, default=-1)
+
+    def _open_start_before(self, end: int) -> bool:
+        """Could a stop string still start at some ``j < end`` (``text[j:]`` a proper prefix of it)?"""
+        n = len(self.text)
+        return any(len(s) > n - j and s.startswith(self.text[j:])
+                   for j in range(self._scan, end) for s in self.stops)
+
+    def _cut(self, at: int) -> str:
+        self.text = self.text[:at]
+        self.stopped = True
+        return self.flush()
 
     def add(self, delta: str) -> str:
         """Append ``delta``; return the newly sendable text (cut before a stop string if one matched)."""
         if self.stopped or not delta:
             return ""
-        search_from = max(0, len(self.text) - self._hold)
         self.text += delta
         if self.stops:
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                self.stopped = True
-                return self.flush()
+            first = self._earliest_match()
+            if first >= 0 and not self._open_start_before(first):
+                return self._cut(first)
+            # Starts this far back can no longer hold a whole stop string that was not found above.
+            self._scan = max(self._scan, len(self.text) - self._hold)
+        # Any complete match still pending here starts after an open start, so inside the held-back tail.
         safe = len(self.text) - self._hold
         if safe > self._sent:
             out = self.text[self._sent:safe]
@@ -140,6 +165,12 @@ class StopTextBuffer:
         return ""
 
     def flush(self) -> str:
+        """The rest of the text at the end of the output; a match waiting on a longer stop is final now."""
+        if not self.stopped and self.stops:
+            first = self._earliest_match()
+            if first >= 0:
+                self.text = self.text[:first]
+                self.stopped = True
         out = self.text[self._sent:]
         self._sent = len(self.text)
         return out
