@@ -1,0 +1,130 @@
+"""Lossless over HTTP: greedy outputs of `dspark serve` are token-identical across no speculation and the
+capacity modes none, mask and varlen, with the packaged tiny pair (acceptance strictly between 0 and 1).
+
+Each configuration is a real server process spoken to over HTTP, as a user would. The SPS curve is steep
+(verifying a few more tokens costs a lot), so mask and varlen really trim drafts -- checked through
+/metrics -- and the equality is not vacuous.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dspark_cli.core.sps import SpsCurve
+from dspark_cli.engines.embedded.metrics import parse_metrics
+
+TINY = Path(__file__).resolve().parents[1] / "dspark_cli/engines/embedded/assets/tiny/target/config.json"
+K = 4
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "Betty is saving money for a new wallet which costs $100. How much more money does Betty need?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+]
+
+pytestmark = pytest.mark.skipif(not TINY.is_file(), reason="the packaged tiny pair is missing")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _complete(url: str, prompt: str) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    assert out["usage"]["completion_tokens"] == 48
+    return out["choices"][0]["text"]
+
+
+def _counter(metrics: dict, name: str) -> float:
+    return sum(v for (n, _labels), v in metrics.items() if n == name)
+
+
+def _serve(args: list[str], log: Path) -> Iterator[str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "dspark_cli.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", str(port),
+           "--max-num-seqs", "4", "--max-model-len", "256", "--seed", "0", "--served-model-name", "tiny", *args]
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"dspark serve {args} exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if _get(url + "/health")[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"dspark serve {args} did not become healthy:\n{log.read_text()}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_greedy_outputs_identical_across_capacity_modes_over_http(tmp_path: Path) -> None:
+    curve = tmp_path / "steep_sps_curve.json"
+    # Each extra verified token is expensive: only drafts with a high survival are worth verifying.
+    SpsCurve.from_points([(1, 1.0), (2, 1.6), (3, 2.2), (4, 2.8), (5, 3.4), (8, 5.0)], [(1, 0.3), (4, 0.4)],
+                         0.1).save(curve)
+    configs = {
+        "nospec": ["-k", "0"],
+        "none": ["-k", str(K), "--capacity-mode", "none"],
+        "mask": ["-k", str(K), "--capacity-mode", "mask", "--sps-curve", str(curve)],
+        "varlen": ["-k", str(K), "--capacity-mode", "varlen", "--sps-curve", str(curve)],
+    }
+    texts: dict[str, list[str]] = {}
+    counters: dict[str, tuple[float, float, float]] = {}
+    for name, args in configs.items():
+        for url in _serve(args, tmp_path / f"{name}.log"):
+            texts[name] = [_complete(url, p) for p in PROMPTS]
+            status, body = _get(url + "/metrics")
+            assert status == 200
+            m = parse_metrics(body.decode())
+            counters[name] = (_counter(m, "vllm:spec_decode_num_draft_tokens_total"),
+                              _counter(m, "dspark:verified_draft_tokens_total"),
+                              _counter(m, "vllm:spec_decode_num_accepted_tokens_total"))
+
+    for name in ("none", "mask", "varlen"):
+        assert texts[name] == texts["nospec"], f"{name} differs from no speculation"
+    drafted, verified, accepted = counters["none"]
+    assert drafted > 0 and verified == drafted
+    assert 0 < accepted < drafted, "the tiny pair's acceptance must lie strictly between 0 and 1"
+    for name in ("mask", "varlen"):
+        drafted, verified, _ = counters[name]
+        assert verified < drafted, f"{name} verified every draft: the equality above would be vacuous"
