@@ -165,3 +165,25 @@ def test_pick_padded_tokens() -> None:
     assert pick_padded_tokens(3, []) == 3
     with pytest.raises(ValueError):
         pick_padded_tokens(-1, sizes)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_varlen_layout_accepts_column_views_of_a_packed_batch(device: str) -> None:
+    """Engines pack per-request fields into one tensor and hand column views to the layout; the fused
+    kernel must read them by their strides, not as dense vectors (a unit-stride read returns neighbours)."""
+    g = torch.Generator().manual_seed(3)
+    num_reqs, k = 9, 4
+    packed = torch.randint(0, 50, (num_reqs, 5), generator=g).to(device)  # columns: last, start, admitted, 2 others
+    packed[:, 2] = torch.randint(0, k + 1, (num_reqs,), generator=g).to(device)
+    drafts = torch.randint(0, 50, (num_reqs, k), generator=g).to(device)
+    last, start, admitted = packed[:, 0], packed[:, 1], packed[:, 2]
+    assert not last.is_contiguous()
+    padded = num_reqs * (k + 1)
+    got = build_varlen_layout(last, drafts, admitted, start, padded)
+    want = build_varlen_layout(last.contiguous(), drafts, admitted.contiguous(), start.contiguous(), padded)
+    for name in ("input_ids", "positions", "req_index", "pos_in_req", "is_padding", "query_start_loc", "seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
