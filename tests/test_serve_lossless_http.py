@@ -9,18 +9,14 @@ Each configuration is a real server process spoken to over HTTP, as a user would
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from dspark_cli.bench.matrix import ServerProcess, _free_port
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.engines.embedded.metrics import parse_metrics
 
@@ -35,14 +31,6 @@ PROMPTS = [
 ]
 
 pytestmark = pytest.mark.skipif(not TINY.is_file(), reason="the packaged tiny pair is missing")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -67,34 +55,12 @@ def _counter(metrics: dict, name: str) -> float:
     return sum(v for (n, _labels), v in metrics.items() if n == name)
 
 
-def _serve(args: list[str], log: Path) -> Iterator[str]:
-    port = _free_port()
+def _server(args: list[str], log: Path) -> ServerProcess:
+    """The same process handling `dspark bench --serve` uses: start, wait for /health, stop the group."""
+    port = _free_port("127.0.0.1")
     cmd = [sys.executable, "-m", "dspark_cli.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", str(port),
            "--max-num-seqs", "4", "--max-model-len", "256", "--seed", "0", "--served-model-name", "tiny", *args]
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"dspark serve {args} exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if _get(url + "/health")[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"dspark serve {args} did not become healthy:\n{log.read_text()}")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return ServerProcess(cmd, log, f"http://127.0.0.1:{port}", timeout_s=180)
 
 
 def test_greedy_outputs_identical_across_capacity_modes_over_http(tmp_path: Path) -> None:
@@ -111,7 +77,8 @@ def test_greedy_outputs_identical_across_capacity_modes_over_http(tmp_path: Path
     texts: dict[str, list[str]] = {}
     counters: dict[str, tuple[float, float, float]] = {}
     for name, args in configs.items():
-        for url in _serve(args, tmp_path / f"{name}.log"):
+        with _server(args, tmp_path / f"{name}.log") as server:
+            url = server.base_url
             texts[name] = [_complete(url, p) for p in PROMPTS]
             status, body = _get(url + "/metrics")
             assert status == 200
