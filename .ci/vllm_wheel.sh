@@ -19,6 +19,7 @@ FILES=(
   vllm/v1/worker/gpu/spec_decode/rejection_sampler.py
   vllm/v1/worker/gpu/spec_decode/dflash/speculator.py
   vllm/v1/worker/gpu/spec_decode/dspark/speculator.py
+  vllm/v1/worker/gpu/spec_decode/standalone_ar/speculator.py
   vllm/v1/worker/gpu/spec_decode/__init__.py
   vllm/v1/worker/gpu/cudagraph_utils.py
   vllm/v1/worker/gpu/input_batch.py

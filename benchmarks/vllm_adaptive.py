@@ -27,6 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -76,7 +78,13 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--load-format", default=None, help="e.g. dummy (real step costs, no weights)")
-    ap.add_argument("--configs", default="upstream,varlen,mask")
+    ap.add_argument("--configs", default="upstream,varlen,mask",
+                    help="comma list of nospec, all (verify every draft), upstream, varlen, mask")
+    ap.add_argument("--synthetic-rates", default=None,
+                    help="comma list of per-position *conditional* acceptance rates: vLLM's synthetic rejection "
+                         "sampler then accepts draft i with that probability (dummy weights accept nothing)")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--dspark", default="{}", help="extra JSON for ours (e.g. {\"online_sts\": true})")
     ap.add_argument("--startup-timeout", type=float, default=240.0)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -85,20 +93,33 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(_entry_point_dir(tmp)), env.get("PYTHONPATH", "")])
     vllm = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     base_spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
-    engine = [args.model, "--max-model-len", "2048", "--max-num-seqs", "128", "--gpu-memory-utilization", "0.35",
+    if args.synthetic_rates:
+        conditional = [float(x) for x in args.synthetic_rates.split(",")]
+        if len(conditional) != args.k:
+            ap.error(f"--synthetic-rates needs {args.k} values")
+        unconditional = [float(v) for v in np.cumprod(conditional)]  # vLLM wants P(first i+1 all accepted)
+        base_spec.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=unconditional)
+    ours = json.loads(args.dspark)
+    engine = [args.model, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
+              "--gpu-memory-utilization", "0.35", "--dtype", "bfloat16",
               "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
     if args.load_format:
         engine += ["--load-format", args.load_format]
-    specs = {
+    dspark_keys = {f"dspark_{k}": v for k, v in ours.items()}
+    specs: dict[str, dict | None] = {
+        "nospec": None,
+        "all": dict(base_spec),
         "upstream": {**base_spec, "enable_adaptive_verification": True},
-        "varlen": {**base_spec, "dspark_capacity_verification_mode": "varlen"},
-        "mask": {**base_spec, "dspark_capacity_verification_mode": "mask"},
+        "varlen": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "varlen"},
+        "mask": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask"},
     }
     results: list[dict] = []
     t_start = time.time()
     for name in args.configs.split(","):
         port = _free_port()
-        plan = plan_vllm_serve([*engine, "--port", str(port), "--speculative-config", json.dumps(specs[name])])
+        spec = specs[name]
+        spec_args = [] if spec is None else ["--speculative-config", json.dumps(spec)]
+        plan = plan_vllm_serve([*engine, "--port", str(port), *spec_args])
         cmd = plan.command(vllm)
         log_path = args.out / f"serve-{name}.log"
         print(f"[{time.time() - t_start:5.0f}s] {name}: {shlex.join(cmd)}", flush=True)
@@ -107,8 +128,9 @@ def main() -> int:
             try:
                 _wait_ready(port, proc, args.startup_timeout)
                 active = ACTIVE_LINE in log_path.read_text(errors="replace")
-                if (name != "upstream") != active:
-                    raise RuntimeError(f"plugin {'inactive' if name != 'upstream' else 'active'} for {name}")
+                ours_expected = name in ("varlen", "mask")
+                if ours_expected != active:
+                    raise RuntimeError(f"plugin {'inactive' if ours_expected else 'active'} for {name}")
                 for c in [int(x) for x in args.concurrency.split(",")]:
                     fname = f"bench-{name}-c{c}.json"
                     bench = [*vllm, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
@@ -135,8 +157,9 @@ def main() -> int:
                     os.killpg(proc.pid, signal.SIGKILL)
         (args.out / "results.json").write_text(json.dumps({"results": results, "args": vars(args)}, default=str,
                                                           indent=2))
-    base = {r["concurrency"]: r["output_tok_s"] for r in results if r.get("config") == "upstream" and "error" not in r}
-    print(f"\n{'config':10} {'c':>4} {'tok/s':>9} {'ITL ms':>8} {'accept':>7} {'vs upstream':>12}")
+    ref_name = "upstream" if any(r.get("config") == "upstream" for r in results) else results[0].get("config")
+    base = {r["concurrency"]: r["output_tok_s"] for r in results if r.get("config") == ref_name and "error" not in r}
+    print(f"\n{'config':10} {'c':>4} {'tok/s':>9} {'ITL ms':>8} {'accept':>7} {'vs ' + str(ref_name):>12}")
     for r in results:
         if "error" in r:
             print(f"{r['config']:10} FAILED: {r['error']}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -152,18 +153,56 @@ def test_mask_keeps_the_uniform_layout_and_pads_pruned_rows(manager_cls) -> None
     assert invalid.tolist() == [p > int(caps[r]) for r in range(3) for p in range(5)]
 
 
-def test_saturation_skips_drafting_and_verifies_placeholders_with_budget_zero(manager_cls) -> None:
+class ExecuteModelState(NamedTuple):
+    """The two fields of vLLM's ExecuteModelState the saturation hook reads (a NamedTuple there too)."""
+
+    input_batch: Any
+    num_spec_tokens_to_schedule: int
+
+
+def _step_state(r: int, scheduled: int = K) -> Any:
+    return types.SimpleNamespace(execute_model_state=ExecuteModelState(types.SimpleNamespace(num_reqs=r), scheduled))
+
+
+def test_saturation_pauses_drafting_by_scheduling_zero_drafts_and_probes_back(manager_cls) -> None:
     m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
-    m._pause_supported = True  # what attach() sets for a DFlash-family speculator
+    m._pause_supported = True  # what attach() sets for a DFlash-family or draft_model speculator
     per_req = {f"r{i}": 1 + K for i in range(3)}
     drafts = {x: [0] * K for x in per_req}
-    _record(m, [[0.01] * K] * 3)  # nothing survives: verifying does not pay
-    m.get_num_tokens(per_req, drafts)
-    assert m._draft_next
-    m.get_num_tokens(per_req, drafts)
-    assert not m._draft_next  # paused after `patience` non-paying steps
-    m._drafts_real = False  # the propose hook skipped the draft pass
+
+    def step(conf: float) -> int:
+        """One runner step: budget (execute_model), then the drafting decision (sample_tokens)."""
+        if m._drafts_real:
+            _record(m, [[conf] * K] * 3)
+        m.get_num_tokens(per_req, drafts)
+        runner = _step_state(3)
+        m.begin_drafting_step(runner)
+        return runner.execute_model_state.num_spec_tokens_to_schedule
+
+    assert step(0.01) == K  # one non-paying step: still drafting
+    assert step(0.01) == 0  # `patience` non-paying steps: this step's propose is told 0 drafts
+    assert not m._drafts_real
+    # placeholder drafts (async scheduling) are never verified while paused
     assert m.get_num_tokens(per_req, drafts) == 3 and m._batch_budget[2] == 0
+    # paused steps (the pausing step was the first), then every `resume_every`-th one probes
+    runner = _step_state(3)
+    m.begin_drafting_step(runner)
+    assert runner.execute_model_state.num_spec_tokens_to_schedule == 0
+    runner = _step_state(3)
+    m.begin_drafting_step(runner)
+    assert runner.execute_model_state.num_spec_tokens_to_schedule == K and m._drafts_real  # the probe
+    # the probe's drafts are confident now: its budget pays, so drafting resumes for good
+    assert step(0.99) == K and m.saturation.drafting_enabled
+    assert step(0.99) == K
+
+
+def test_steps_scheduled_without_drafts_are_never_verified(manager_cls) -> None:
+    m = _make(manager_cls, "varlen")  # pausing unsupported: vLLM itself scheduled 0 drafts this step
+    runner = _step_state(3, scheduled=0)
+    m.begin_drafting_step(runner)
+    assert runner.execute_model_state.num_spec_tokens_to_schedule == 0 and not m._drafts_real
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    assert m.get_num_tokens(per_req, {x: [0] * K for x in per_req}) == 3
 
 
 def test_online_sts_learns_from_observed_outcomes(manager_cls) -> None:

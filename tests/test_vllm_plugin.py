@@ -79,6 +79,10 @@ def make_standins(*, rejection_params: tuple[str, ...] | None = None) -> dict[st
             self.events.append("capture")
             return 0
 
+        def sample_tokens(self, grammar_output: Any) -> Any:
+            self.events.append("sample_tokens")
+            return grammar_output
+
     def sampler_call(self: Any, logits: Any, input_batch: Any, draft_logits: Any = None, invalid_drafts: Any = None):
         return invalid_drafts
 
@@ -113,6 +117,9 @@ class FakeManager:
 
     def attach(self, runner: Any) -> None:
         self.attached.append(runner)
+
+    def begin_drafting_step(self, runner: Any) -> None:
+        runner.events.append("begin_drafting_step")
 
 
 def _state(modules: dict, mode: str = "mask") -> tuple[plugin.PatchState, list]:
@@ -194,12 +201,18 @@ def test_our_settings_install_the_runtime_patches_once() -> None:
     assert manager.attached == [runner] and runner.events == ["capture"]
     batch = runner.prepare_inputs(None, None, None, 0)
     assert manager.masked == [batch]
+    # the saturation decision runs before the runner's own sample_tokens, which still gets its argument
+    assert runner.sample_tokens("grammar") == "grammar"
+    assert runner.events == ["capture", "begin_drafting_step", "sample_tokens"]
     # installing again (a second plugin load) wraps nothing twice
-    patched = (runner_mod.GPUModelRunner.prepare_inputs, runner_mod.GPUModelRunner.capture_model,
-               modules[contract.REJECTION].RejectionSampler.__call__, runner_mod.ModelCudaGraphManager)
+    def current() -> tuple:
+        cls = runner_mod.GPUModelRunner
+        return (cls.prepare_inputs, cls.capture_model, cls.sample_tokens,
+                modules[contract.REJECTION].RejectionSampler.__call__, runner_mod.ModelCudaGraphManager)
+
+    patched = current()
     plugin.install_runtime_patches(plugin.PatchState(modules))
-    assert patched == (runner_mod.GPUModelRunner.prepare_inputs, runner_mod.GPUModelRunner.capture_model,
-                       modules[contract.REJECTION].RejectionSampler.__call__, runner_mod.ModelCudaGraphManager)
+    assert patched == current()
 
 
 def test_varlen_manager_keeps_varlen_graphs_and_upstream_runner_is_untouched() -> None:

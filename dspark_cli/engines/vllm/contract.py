@@ -31,6 +31,7 @@ AV = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
 SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator"
 DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
 DSPARK = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
+STANDALONE_AR = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
 SPEC_INIT = "vllm.v1.worker.gpu.spec_decode"
 REJECTION = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 CUDAGRAPH = "vllm.v1.worker.gpu.cudagraph_utils"
@@ -195,7 +196,15 @@ CONTRACT: tuple[Assumption, ...] = (
     Assumption(RUNNER, "GPUModelRunner.sample_tokens", "contains",
                ("self.speculator.observe_verification(", "self.adaptive_verification.record_confidences("),
                why="outcomes reach observe_verification before propose; confidences are recorded after it"),
-    Assumption(RUNNER, "ExecuteModelState.num_spec_tokens_to_schedule", "field"),
+    Assumption(RUNNER, "ExecuteModelState.num_spec_tokens_to_schedule", "field",
+               why="a paused step rewrites it to 0 (NamedTuple._replace) before sample_tokens reads it"),
+    Assumption(RUNNER, "GPUModelRunner.sample_tokens", "method", ("grammar_output",), patched=True,
+               why="the saturation policy decides, after this step's budget, whether this step drafts"),
+    Assumption(RUNNER, "GPUModelRunner.sample_tokens", "contains",
+               ("num_spec_tokens = self.execute_model_state.num_spec_tokens_to_schedule",
+                "num_speculative_tokens=num_spec_tokens,", "draft_tokens[:, num_spec_tokens:] = -1",
+                "draft_tokens[:, :num_spec_tokens]"),
+               why="0 scheduled drafts: propose is told 0, the drafts handed to the scheduler are empty"),
     Assumption(INPUT_BATCH, "InputBatch.is_padding", "field", why="MoE skip mask; a view of InputBuffers.is_padding"),
     Assumption(INPUT_BATCH, "InputBatch.input_ids", "field"),
     Assumption(INPUT_BATCH, "InputBatch.query_start_loc", "field"),
@@ -226,10 +235,18 @@ CONTRACT: tuple[Assumption, ...] = (
                ("draft_tokens", "draft_token_confidence_probs", "enable_adaptive_verification")),
     Assumption(SPECULATOR, "BaseSpeculator.propose", "method", ("input_batch", "num_speculative_tokens")),
     Assumption(DFLASH, "DFlashSpeculator.propose", "contains", ("if num_speculative_tokens == 0:",),
-               patched=True,
                why="saturation: the DFlash family skips its query pass (keeping context K/V) for 0 drafts"),
     Assumption(DFLASH, "DFlashSpeculator", "class", why="isinstance check: which speculators can skip the draft pass"),
     Assumption(DSPARK, "DSparkSpeculator", "class"),
+    Assumption(STANDALONE_AR, "StandaloneARSpeculator", "class",
+               why="isinstance check: the draft_model speculator, which pauses by skipping its decode loop"),
+    Assumption(STANDALONE_AR, "StandaloneARSpeculator._multi_step_decode", "method",
+               ("input_batch", "num_rejected", "num_reqs", "skip_attn", "num_tokens_across_dp"),
+               why="saturation: a paused draft_model step keeps the prefill pass (the draft's K/V stays "
+                   "complete) and skips the K - 1 decode passes, wrapped per instance"),
+    Assumption(STANDALONE_AR, "StandaloneARSpeculator.propose", "contains",
+               ("self._prefill(", "self._multi_step_decode("),
+               why="propose = one prefill pass over the step's tokens, then the decode loop"),
     Assumption(DSPARK, "DSparkSpeculator._sample_sequential", "contains", ("self.model.compute_confidence(",),
                patched=True, why="STS: we wrap the model's compute_confidence, which runs inside the draft graph"),
     Assumption(SPEC_INIT, "init_speculator", "contains", ('speculative_config.method == "dspark"',)),

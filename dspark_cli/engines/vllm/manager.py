@@ -284,9 +284,9 @@ def build_manager_class(base: type) -> type:
             self._in_graph_sts = False  # set once the wrapped compute_confidence is seen
             self._mask_pending: int | None = None
             self._verify_pending: tuple[list[str], int, np.ndarray, bool] | None = None
-            self._draft_next = True  # whether the coming propose drafts
             self._drafts_real = True  # whether the drafts verified next are real (not a paused step's stale ids)
             self._pause_supported = False
+            self._skip_decode = False  # StandaloneAR: this propose keeps its prefill pass only
             self._attached = False
             self._traces: _TraceStager | None = None
             self._moe_skip = bool(envs.VLLM_MOE_SKIP_PADDING)
@@ -378,8 +378,6 @@ def build_manager_class(base: type) -> type:
                     self.saturation.observe(decision, num_running=r)
             else:
                 budget = 0  # placeholders from a paused draft pass: verify none of them
-            if self._pause_supported:
-                self._draft_next = self.saturation.begin_step(r)
             self._batch_budget = (
                 dict(zip(req_ids, drafts.tolist(), strict=True)),
                 dict(zip(req_ids, nondraft.tolist(), strict=True)),
@@ -470,26 +468,40 @@ def build_manager_class(base: type) -> type:
 
                 spec.observe_verification = observe_verification
             from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+            from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 
+            # Pausing = the runner schedules 0 drafts for the step (begin_drafting_step), which vLLM 0.33
+            # already supports per step: the speculator is told num_speculative_tokens=0, the scheduler gets
+            # no drafts, and the next step decodes one token per request. The DFlash family then stores its
+            # context K/V and skips the query pass; StandaloneAR ignores the count, so its K-1 decode passes
+            # are skipped here while its prefill pass still runs (the draft's K/V stays complete, so drafts
+            # after resuming are as good as before the pause). Other speculators only trim (budget 0).
+            standalone = isinstance(spec, StandaloneARSpeculator)
             self._pause_supported = (
-                isinstance(spec, DFlashSpeculator) and self._dp_size == 1 and self.cfg.saturation_patience > 0
+                (isinstance(spec, DFlashSpeculator) or standalone)
+                and self._dp_size == 1 and self.cfg.saturation_patience > 0
             )
-            if self._pause_supported:
+            if self._pause_supported and standalone:
+                original_decode = spec._multi_step_decode
                 original_propose = spec.propose
 
-                def propose(*args: Any, **kwargs: Any) -> torch.Tensor:
-                    if kwargs.get("dummy_run"):
-                        return original_propose(*args, **kwargs)
-                    drafting = self._draft_next
-                    if not drafting:
-                        kwargs["num_speculative_tokens"] = 0
-                    self._drafts_real = drafting
-                    return original_propose(*args, **kwargs)
+                def _multi_step_decode(*args: Any, **kwargs: Any) -> None:
+                    if self._skip_decode:
+                        return None
+                    return original_decode(*args, **kwargs)
 
+                def propose(*args: Any, **kwargs: Any) -> torch.Tensor:
+                    self._skip_decode = kwargs.get("num_speculative_tokens") == 0 and not kwargs.get("dummy_run")
+                    try:
+                        return original_propose(*args, **kwargs)
+                    finally:
+                        self._skip_decode = False
+
+                spec._multi_step_decode = _multi_step_decode
                 spec.propose = propose
-            elif self.cfg.saturation_patience > 0:
+            elif not self._pause_supported and self.cfg.saturation_patience > 0:
                 logger.info("dspark: saturation can only trim (budget 0); skipping the draft pass needs a "
-                            "DFlash-family speculator and data_parallel_size 1")
+                            "DFlash-family or draft_model speculator and data_parallel_size 1")
             if self.settings.record_traces is not None:
                 tp = self._tp()
                 if tp is None or tp.rank_in_group == 0:
@@ -497,6 +509,24 @@ def build_manager_class(base: type) -> type:
                     self._traces = _TraceStager(path, self.req_states.max_num_reqs, self.num_speculative_steps,
                                                 self.req_states.device)
                     logger.info("dspark: recording verification traces to %s", path)
+
+        def begin_drafting_step(self, runner: Any) -> None:
+            """Before ``sample_tokens``: decide whether this step's propose drafts (saturation policy).
+
+            Runs after this step's budget decision (``get_num_tokens`` in ``execute_model``), so a probe's
+            outcome is observed before the next decision. A paused step rewrites the runner's pending
+            ``num_spec_tokens_to_schedule`` to 0 -- the path vLLM takes for a step that needs no drafts.
+            """
+            state = getattr(runner, "execute_model_state", None)
+            if state is None:
+                return
+            scheduled = int(state.num_spec_tokens_to_schedule)
+            drafting = scheduled > 0
+            if drafting and self._pause_supported:
+                drafting = self.saturation.begin_step(state.input_batch.num_reqs)
+                if not drafting:
+                    runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
+            self._drafts_real = drafting
 
         def _wrap_compute_confidence(self, model: Any) -> None:
             original = model.compute_confidence

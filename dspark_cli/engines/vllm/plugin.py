@@ -11,6 +11,8 @@ object. Only then, from inside the runner's ``initialize_kv_cache``, does it ins
   manager (uniform decode graphs; the backend may not replay varlen ones);
 * ``GPUModelRunner.capture_model``: attach the speculator hooks (STS inside the draft graph, outcomes,
   saturation) before any graph is captured;
+* ``GPUModelRunner.sample_tokens``: the saturation policy decides, after the step's budget, whether the
+  step drafts (a paused step schedules 0 drafts, as vLLM does for a step that needs none);
 * ``GPUModelRunner.prepare_inputs``: mask mode pads pruned rows once the drafts are in ``input_ids``;
 * ``RejectionSampler.__call__``: OR mask mode's ``invalid_drafts`` into the runner's (grammar) mask.
 
@@ -180,18 +182,10 @@ def install_runtime_patches(state: PatchState) -> None:
         runner.ModelCudaGraphManager = ModelCudaGraphManager
 
     cls = runner.GPUModelRunner
-    if not is_patched(cls.capture_model):
-        capture_original = cls.capture_model
-
-        @functools.wraps(capture_original)
-        def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-            manager = getattr(self, "adaptive_verification", None)
-            if _is_ours(manager):
-                manager.attach(self)
-            return capture_original(self, *args, **kwargs)
-
-        setattr(capture_model, MARK, capture_original)
-        cls.capture_model = capture_model
+    # Before capture: speculator hooks (STS inside the draft graph, outcomes, saturation) exist before any
+    # graph is captured. Before sample_tokens: the saturation policy decides whether this step drafts.
+    _run_before(cls, "capture_model", lambda manager, runner_self: manager.attach(runner_self))
+    _run_before(cls, "sample_tokens", lambda manager, runner_self: manager.begin_drafting_step(runner_self))
 
     if not is_patched(cls.prepare_inputs):
         prepare_original = cls.prepare_inputs
@@ -225,6 +219,23 @@ def install_runtime_patches(state: PatchState) -> None:
         setattr(__call__, MARK, call_original)
         sampler_cls.__call__ = __call__
     state.runtime_installed = True
+
+
+def _run_before(cls: type, name: str, hook: Callable[[Any, Any], None]) -> None:
+    """Wrap ``cls.name`` so that ``hook(our_manager, runner)`` runs first when the runner holds our manager."""
+    original = getattr(cls, name)
+    if is_patched(original):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        manager = getattr(self, "adaptive_verification", None)
+        if _is_ours(manager):
+            hook(manager, self)
+        return original(self, *args, **kwargs)
+
+    setattr(wrapper, MARK, original)
+    setattr(cls, name, wrapper)
 
 
 # ---------------------------------------------------------------------------------------------- entry point
