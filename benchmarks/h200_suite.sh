@@ -6,15 +6,15 @@
 # Stages: core (core_step.py + GPU tests of the core), attention (Triton paged attention check + tests),
 #         engine (embedded_engine.py: lossless with graphs, host syncs, step costs),
 #         profile (profile-sps curves: SmolLM2-135M shape and Llama-3-8B shape, K=7, 256 requests).
-# The host has torch + triton but no orjson: bring its wheel (.whl/) and it is installed into /tmp/site.
+# The host has torch + triton but no orjson: bring its wheel (.whl/) and it is installed into /tmp/dspark-site (apart from the vLLM set in /tmp/site).
 set -uo pipefail
 OUT=${1:?usage: h200_suite.sh OUT_DIR STAGE...}
 shift
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl >/dev/null 2>&1
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/dspark-site:$PWD PYTHONUNBUFFERED=1
 mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m dspark_cli.cli "$@"\n' >/tmp/bin/dspark && chmod +x /tmp/bin/dspark
 export PATH=/tmp/bin:$PATH
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
