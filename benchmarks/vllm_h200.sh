@@ -11,7 +11,9 @@ set -euo pipefail
 OUT="$1"; STAGE="${2:-proof}"
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD" PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
-export PYTHONUNBUFFERED=1 DSPARK_CACHE_DIR="${DSPARK_CACHE_DIR:-/tmp/dspark-cache}"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+# vLLM 0.33 picks the speculative method from the draft's path ("dspark" in it -> method dspark): keep it out.
+export DSPARK_CACHE_DIR="${DSPARK_CACHE_DIR:-/tmp/mcache}"
 RATES="0.8,0.7,0.6,0.5,0.35,0.2,0.08"
 models() {  # print "TARGET DRAFT" weightless checkpoint dirs for a target shape and a draft spec
   python3 -c "from dspark_cli.engines.embedded.shapes import resolve_random as r; p = r('$1', '$2'); print(p.target, p.draft)"
