@@ -11,10 +11,18 @@ probabilistic with draft probabilities -- for the torch and (when available) Tri
 memory-bandwidth floor of the bytes the sampler must read (the logits [T, V], plus the R emit rows of
 draft_probs when given), with the device copy bandwidth measured in the same run.
 
+For the Triton probabilistic sampler (one-hot and real q) it also times every launch on its own (each in
+its own graph, the launches before it replayed untimed first so its inputs and the L2 state are those of a
+real step) for both finalize variants -- "split" (tile-mass kernel over requests x vocabulary chunks, then
+a per-request final kernel; the default) and "single" (one program per request) -- and, at the largest R,
+every launch under other kernel shapes: row-kernel tile / warps / paired loads (``--row-configs``) and
+split-finalize tile / tiles per program / warps (``--tile-configs``), so defaults are chosen from data.
+
 Timed sampler replays use the full budget (every row real): that is the captured size's worst case.
 
     python benchmarks/core_step.py --out results/core_step            # CUDA: the full proof
     python benchmarks/core_step.py --device cpu --quick --out /tmp/x  # CPU smoke run (eager, tiny sizes)
+    TRITON_INTERPRET=1 python benchmarks/core_step.py --device cpu --quick --paths torch,triton --out /tmp/x
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from typing import Any
 
 import torch
 
+from dspark_cli.core import _triton_rejection
 from dspark_cli.core.capacity import allocate, prefix_survival
 from dspark_cli.core.layout import VerifyLayout, build_varlen_layout, pick_padded_tokens
 from dspark_cli.core.rejection import RejectionOutput, rejection_sample
@@ -43,8 +52,6 @@ HOT_TOKENS = 8  # drafts are drawn from the first tokens and the logits favour t
 
 
 def _triton_ok(device: torch.device) -> bool:
-    from dspark_cli.core import _triton_rejection
-
     return _triton_rejection.available(device)
 
 
@@ -224,26 +231,120 @@ def compare_paths(b: Buffers, rows: int, k: int, gen: torch.Generator, rng: rand
         torch.equal(getattr(lay, f), getattr(lay_t, f)) for f in
         ("input_ids", "positions", "req_index", "pos_in_req", "is_padding", "query_start_loc", "seq_lens",
          "num_tokens", "num_logits_per_req"))}
-    for name, kw in (("greedy", {}), ("prob", {"temperature": b.temperature, "uniforms": b.uniforms}),
-                     ("prob_q", {"temperature": b.temperature, "uniforms": b.uniforms, "draft_probs": b.draft_probs})):
+    for name, kw in sampler_kinds(b).items():
         a = rejection_sample(b.logits, lay, b.drafts, admitted, use_triton=False, **kw)
         t = rejection_sample(b.logits, lay, b.drafts, admitted, use_triton=True, **kw)
         diff = int((a.tokens != t.tokens).any(dim=1).sum())
         res[name] = diff / num_reqs
         res[f"{name}_count"] = diff
+        # The single-program finalize (kept for comparison) must agree with the default split one: both
+        # sum float64 masses, only grouped differently.
+        single, _ = _triton_rejection.rejection_sample_fused(
+            b.logits, lay.req_index, lay.pos_in_req, ~lay.is_padding, b.drafts, admitted, kw.get("temperature"),
+            kw.get("draft_probs"), kw.get("uniforms"), finalize="single")
+        res[f"{name}_single_vs_split_count"] = int((single != t.tokens).any(dim=1).sum())
     res["ok"] = (res["alloc_equal"] and res["layout_equal"] and res["greedy_count"] == 0
-                 and res["prob_count"] <= 1 and res["prob_q_count"] <= 1)
+                 and res["prob_count"] <= 1 and res["prob_q_count"] <= 1
+                 and res["greedy_single_vs_split_count"] == 0 and res["prob_single_vs_split_count"] <= 1
+                 and res["prob_q_single_vs_split_count"] <= 1)
     return res
 
 
+def sampler_kinds(b: Buffers) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        "greedy": {},
+        "prob": {"temperature": b.temperature, "uniforms": b.uniforms},
+        "prob_q": {"temperature": b.temperature, "uniforms": b.uniforms, "draft_probs": b.draft_probs},
+    }
+
+
+def sampler_plan(b: Buffers, lay: VerifyLayout, admitted: torch.Tensor, kw: dict[str, torch.Tensor],
+                 **knobs: Any) -> Any:
+    return _triton_rejection.plan_rejection_sample(
+        b.logits, lay.req_index, lay.pos_in_req, ~lay.is_padding, b.drafts, admitted, kw.get("temperature"),
+        kw.get("draft_probs"), kw.get("uniforms"), **knobs)
+
+
+def time_stages(plan: Any, b: Buffers, device: torch.device, timer: Timer, replays: int,
+                gen: torch.Generator, only: str | None = None) -> dict[str, float]:
+    """Median µs of every launch of a Triton sampler plan on its own, and of the whole plan ("total").
+
+    Each launch is its own graph; before each timed replay the logits get new values and the launches
+    before it replay untimed, so it reads what a real step hands it (and the L2 holds what it would).
+    ``only`` times just that stage (and no total).
+    """
+    plan.run()  # every scratch buffer valid before any stage replays on its own
+    graphs = [(name, capture(fn, device)[0]) for name, fn in plan.stages]
+    out: dict[str, float] = {}
+    for i, (name, replay) in enumerate(graphs):
+        if only is not None and name != only:
+            continue
+        prefix = [g for _, g in graphs[:i]]
+
+        def update(_: int, prefix: list[Callable[[], None]] = prefix) -> None:
+            b.logits.normal_(generator=gen)
+            for g in prefix:
+                g()
+
+        out[name] = timer.median_us(replay, update, replays)
+    if only is None:
+        total, _ = capture(plan.run, device)
+        out["total"] = timer.median_us(total, lambda i: b.logits.normal_(generator=gen), replays)
+    return out
+
+
+def stage_breakdown(b: Buffers, lay: VerifyLayout, admitted: torch.Tensor, row: dict[str, Any],
+                    device: torch.device, timer: Timer, replays: int, gen: torch.Generator) -> None:
+    """Per-launch times of the probabilistic Triton sampler, both finalize variants, into ``row``."""
+    for kind, kw in sampler_kinds(b).items():
+        if kind == "greedy":
+            continue
+        floor = row[f"{kind}_floor_us"]
+        stages = {}
+        for finalize in _triton_rejection.FINALIZE_MODES:
+            stages[finalize] = time_stages(sampler_plan(b, lay, admitted, kw, finalize=finalize), b, device,
+                                           timer, replays, gen)
+            row[f"{kind}_{finalize}_us"] = stages[finalize]["total"]
+            row[f"{kind}_{finalize}_x_floor"] = stages[finalize]["total"] / floor
+        row[f"{kind}_stages_us"] = stages
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+ROW_KNOBS = ("row_block", "row_warps", "row_unroll")
+TILE_KNOBS = ("tile_block", "tile_subs", "tile_warps")
+
+
+def knob_sweep(b: Buffers, lay: VerifyLayout, admitted: torch.Tensor, dname: str, sweep: str,
+               configs: list[dict[str, int]], kinds: tuple[str, ...], floor_us: dict[str, float],
+               device: torch.device, timer: Timer, replays: int, gen: torch.Generator) -> list[dict[str, Any]]:
+    """Every launch of the split Triton sampler under other kernel shapes (``configs``: plan knobs).
+
+    ``x_floor`` is the whole plan against the kind's floor. ``diff_vs_default`` counts requests whose
+    tokens differ from the default shapes on the same inputs: greedy must be 0; sampled may differ where a
+    regrouped sum rounds differently (p(x) at the accept test, about one row in a million)."""
+    out = []
+    kinds_kw = sampler_kinds(b)
+    for kind in kinds:
+        for knobs in configs:
+            plan = sampler_plan(b, lay, admitted, kinds_kw[kind], **knobs)
+            times = time_stages(plan, b, device, timer, replays, gen)
+            ref = sampler_plan(b, lay, admitted, kinds_kw[kind]).run()[0]
+            got = plan.run()[0]
+            out.append({"sweep": sweep, "R": admitted.shape[0], "dtype": dname, "kind": kind, **knobs,
+                        "stages_us": times, "x_floor": times["total"] / floor_us[kind],
+                        "diff_vs_default": int((got != ref).any(dim=1).sum())})
+    return out
+
 def bench_size(num_reqs: int, args: argparse.Namespace, device: torch.device, timer: Timer, bw: float,
-               paths: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+               paths: list[str], sweep: bool) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
     k, vocab = args.k, args.vocab
     rows = pick_padded_tokens(num_reqs + num_reqs * k, CAPTURE_SIZES)
     gen = torch.Generator(device=device).manual_seed(1234 + num_reqs)
     rng = random.Random(num_reqs)
     results: list[dict[str, Any]] = []
     checks: dict[str, Any] = {}
+    sweeps: list[dict[str, Any]] = []
     full_budget = num_reqs * k
     for dname in args.dtypes:
         b = Buffers.make(num_reqs, k, vocab, rows, DTYPES[dname], device)
@@ -269,11 +370,7 @@ def bench_size(num_reqs: int, args: argparse.Namespace, device: torch.device, ti
             # (b) the sampler alone on a fixed full-budget layout, logits refreshed every replay.
             b.refresh(gen, full_budget)
             admitted, lay = alloc_layout(b, rows, use_triton)
-            kinds = {
-                "greedy": {},
-                "prob": {"temperature": b.temperature, "uniforms": b.uniforms},
-                "prob_q": {"temperature": b.temperature, "uniforms": b.uniforms, "draft_probs": b.draft_probs},
-            }
+            kinds = sampler_kinds(b)
             row: dict[str, Any] = {"R": num_reqs, "K": k, "V": vocab, "T": rows, "dtype": dname, "path": path,
                                    "alloc_us": alloc_only[path], "alloc_torch_us": alloc_only["torch"],
                                    "alloc_layout_us": alloc_us}
@@ -293,21 +390,35 @@ def bench_size(num_reqs: int, args: argparse.Namespace, device: torch.device, ti
             row["full_step_us"] = timer.median_us(
                 replay_full, lambda i, b=b: (b.budget.fill_(rng.randint(0, full_budget)),
                                              b.logits.normal_(generator=gen)), args.replays)
+            if use_triton:
+                stage_breakdown(b, lay, admitted, row, device, timer, args.replays, gen)
+                if sweep:
+                    floors = {kind: row[f"{kind}_floor_us"] for kind in kinds}
+                    sweeps += knob_sweep(b, lay, admitted, dname, "row", args.row_configs, ("greedy", "prob"),
+                                         floors, device, timer, args.replays, gen)
+                    sweeps += knob_sweep(b, lay, admitted, dname, "tile", args.tile_configs, ("prob", "prob_q"),
+                                         floors, device, timer, args.replays, gen)
             results.append(row)
         if "triton" in paths:
             checks[f"R{num_reqs}/{dname}/triton_vs_torch"] = compare_paths(b, rows, k, gen, rng)
         del b
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return results, checks
+    return results, checks, sweeps
 
 
-def render(results: list[dict[str, Any]], checks: dict[str, Any], bw: float, device_name: str) -> None:
+STAGE_COLUMNS = ("row", "tile_e", "tile_mass", "final")
+
+
+def render(results: list[dict[str, Any]], checks: dict[str, Any], sweeps: list[dict[str, Any]], bw: float,
+           device_name: str) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # plain fallback keeps the script usable in a bare environment
         for r in results:
+            print(r)
+        for r in sweeps:
             print(r)
         for k, v in checks.items():
             print(k, v)
@@ -324,8 +435,50 @@ def render(results: list[dict[str, Any]], checks: dict[str, Any], bw: float, dev
             f"{r['full_step_us']:.1f}",
         )
     con.print(table)
+    staged = [r for r in results if "prob_stages_us" in r]
+    if staged:
+        table = Table(title="Triton probabilistic sampler per launch (median µs, each launch in its own graph; "
+                            "memset omitted)")
+        for col in ("R", "T", "dtype", "kind", *STAGE_COLUMNS, "split total (x floor)", "single: finalize",
+                    "single total (x floor)"):
+            table.add_column(col, justify="right")
+        for r in staged:
+            for kind in ("prob", "prob_q"):
+                split, single = r[f"{kind}_stages_us"]["split"], r[f"{kind}_stages_us"]["single"]
+                table.add_row(
+                    str(r["R"]), str(r["T"]), r["dtype"], kind,
+                    *(f"{split[c]:.1f}" if c in split else "-" for c in STAGE_COLUMNS),
+                    f"{split['total']:.1f} ({r[f'{kind}_split_x_floor']:.2f}x)", f"{single['finalize']:.1f}",
+                    f"{single['total']:.1f} ({r[f'{kind}_single_x_floor']:.2f}x)",
+                )
+        con.print(table)
+    for sweep, knobs, shown in (("row", ROW_KNOBS, ("row",)), ("tile", TILE_KNOBS, ("tile_e", "tile_mass", "final"))):
+        rows = [r for r in sweeps if r["sweep"] == sweep]
+        if not rows:
+            continue
+        table = Table(title=f"{sweep} kernel shapes at R={rows[0]['R']} (median µs per launch; total = whole "
+                            "split plan, x its floor)")
+        for col in ("dtype", "kind", *knobs, *shown, "total (x floor)", "requests differing from default"):
+            table.add_column(col, justify="right")
+        for r in rows:
+            st = r["stages_us"]
+            table.add_row(r["dtype"], r["kind"], *(str(r[k]) for k in knobs),
+                          *(f"{st[c]:.1f}" if c in st else "-" for c in shown),
+                          f"{st['total']:.1f} ({r['x_floor']:.2f}x)", str(r["diff_vs_default"]))
+        con.print(table)
     bad = {k: v for k, v in checks.items() if not v["ok"]}
     con.print(f"checks: {len(checks) - len(bad)}/{len(checks)} ok" + ("" if not bad else f"  FAILED: {bad}"))
+
+
+def _knob_configs(text: str, names: tuple[str, ...], min_parts: int) -> list[dict[str, int]]:
+    """'4096x8,2048x4x2' -> [{names[0]: 4096, names[1]: 8, names[2]: 1}, {...: 2}]; powers of two only."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        parts = [int(x) for x in item.split("x")]
+        if not min_parts <= len(parts) <= len(names) or any(v < 1 or v & (v - 1) for v in parts):
+            raise ValueError(item)
+        out.append(dict(zip(names, parts + [1] * (len(names) - len(parts)), strict=True)))  # missing: 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,12 +493,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--check-replays", type=int, default=20)
     ap.add_argument("--paths", default="auto", help="torch, triton or auto (both when triton runs here)")
+    ap.add_argument("--row-configs", default="4096x8,4096x8x2,2048x4x2,8192x16",
+                    help="row-kernel BLOCKxWARPS[xUNROLL] shapes timed at the largest R ('' = none)")
+    ap.add_argument("--tile-configs", default="1024x4x8,1024x2x4,2048x2x8,512x8x8",
+                    help="split finalize TILExSUBSxWARPS shapes (tokens per inverse-CDF tile, tiles per "
+                         "tile-mass program, its warps) timed at the largest R ('' = none)")
     args = ap.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda but no CUDA device is visible", file=sys.stderr)
         return 1
     reqs = [int(x) for x in args.reqs.split(",")]
+    try:
+        args.row_configs = _knob_configs(args.row_configs, ROW_KNOBS, 2)
+        args.tile_configs = _knob_configs(args.tile_configs, TILE_KNOBS, 3)
+    except ValueError as exc:
+        print(f"--row-configs / --tile-configs: bad shape {exc} (powers of two, like 4096x8 or 1024x4x8)",
+              file=sys.stderr)
+        return 1
+    if any(c["row_unroll"] > 2 for c in args.row_configs if "row_unroll" in c):
+        print("--row-configs: UNROLL must be 1 or 2", file=sys.stderr)
+        return 1
     args.dtypes = [d.strip() for d in args.dtypes.split(",")]
     if any(d not in DTYPES for d in args.dtypes):
         print(f"--dtypes must be among {sorted(DTYPES)}", file=sys.stderr)
@@ -362,21 +530,28 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth_gbps(device, timer, args.quick)
     results: list[dict[str, Any]] = []
     checks: dict[str, Any] = {}
+    sweeps: list[dict[str, Any]] = []
     for num_reqs in reqs:
-        rs, cs = bench_size(num_reqs, args, device, timer, bw, paths)
+        rs, cs, sw = bench_size(num_reqs, args, device, timer, bw, paths, sweep=num_reqs == max(reqs))
         results += rs
         checks.update(cs)
+        sweeps += sw
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    render(results, checks, bw, device_name)
     ok = all(v["ok"] for v in checks.values())
     payload = {
         "device": device_name, "torch": torch.__version__, "paths": paths, "copy_bandwidth_gbps": bw,
         "k": args.k, "vocab": args.vocab, "dtypes": args.dtypes, "replays": args.replays,
         "floor_definition": "bytes the sampler must read (logits [T, V]; + R emit rows of draft_probs for "
                             "prob_q) / measured copy bandwidth (read + write bytes per second)",
+        "stage_timing": "Triton prob / prob_q rows: <kind>_stages_us[finalize][launch] = median µs of that "
+                        "launch alone (own graph, earlier launches replayed untimed before it), 'total' = the "
+                        "whole plan in one graph; <kind>_us is the default (split) path through "
+                        "rejection_sample",
+        "shape_sweeps": sweeps,
         "graph_captured": device.type == "cuda", "results": results, "checks": checks, "ok": ok,
     }
-    atomic_write_json(args.out / "core_step.json", payload)
+    atomic_write_json(args.out / "core_step.json", payload)  # before rendering: a table bug loses nothing
+    render(results, checks, sweeps, bw, device_name)
     return 0 if ok else 2
 
 

@@ -3,17 +3,29 @@
 Why kernels: inside a CUDA graph every tiny torch op is still a graph node costing on the order of a
 microsecond or more, and the torch reference of the sampler is ~50 of them around a few passes over the
 logits (upcast, scale, exp materialise ``[T, V]`` float32 temporaries). The sampler is memory-bound, so
-here it is three launches:
+here it is a handful of launches:
 
 1. a memset of the ``[R, K + 1]`` slot scratch;
 2. the **row kernel** (one program per logits row): reads its row exactly once -- argmax and an online
    log-sum-exp under the request's temperature that costs one exp per element (the running lane max is
    the argmax value), ``p`` of the row's draft -- decides acceptance, and scatters the accept bit and its
    row index into the request's slot;
-3. the **finalize kernel** (one program per request): first rejection from the slot bits, then for
-   sampled requests one sweep over the emit row (per-tile masses of the bonus and residual weights; a
-   real ``q`` after a rejection first needs the normaliser, one more sweep) and a re-read of the single
-   tile holding the inverse-CDF target, then the ``[K + 1]`` output row.
+3. for sampled batches, the **tile-mass kernel** (one program per request and vocabulary chunk): float64
+   masses of the bonus weights and of the residual weights per vocabulary tile of the request's emit row,
+   and each tile's last positive index, into small ``[R, tiles]`` scratch tensors. A real ``q`` needs the
+   normaliser ``sum(e)`` before the residual exists, so then a first launch of the same kernel writes the
+   ``e`` masses and a second one the residual masses (the normaliser is the float64 sum of the ``e``
+   tile masses);
+4. the **final kernel** (one program per request): first rejection from the slot bits, the tile holding
+   the inverse-CDF target from the cumulative tile masses, the inverse CDF inside that one tile, then the
+   ``[K + 1]`` output row.
+
+Why the split: the emit work is one ``[V]`` row per request, and one program per request (``R`` programs
+on ~130 SMs) has to sweep its row serially with the accurate ``expf`` and float64 sums: latency-bound
+(with it, the probabilistic sampler took 2.1x the greedy one on an H200 at R=256, K=7, V=49152, although
+both read the logits once). Spread over ``R x chunks`` programs it is a short pass over ``R`` rows. The
+one-program-per-request finalize is still here (``finalize="single"``) so a benchmark can compare both
+in the same run.
 
 The emit weights repeat the torch reference operation for operation (IEEE division by the temperature,
 the accurate ``expf``, a float64 normaliser) and the inverse CDF runs in float64 in both paths: over a
@@ -23,16 +35,19 @@ still differ is the accept test ``u * q < p`` at about one row in a million (``p
 another reduction order) -- each path is lossless on its own; they are just not bitwise twins there.
 
 The varlen layout is one single-program launch (the cumulative sum over requests carries across chunks).
-Padding rows are fully masked (no memory traffic); no launch shape depends on tensor values, so all of
-it is CUDA-graph capturable. Loop trip counts are compile-time constants (the vocabulary size, and
-power-of-two bucket counts for R and T), which keeps recompilation rare and the CPU interpreter
-(``TRITON_INTERPRET=1``) usable. The torch code in ``layout.py`` / ``rejection.py`` is the reference:
-tests check these kernels against it. Top-p batches stay on torch because the nucleus needs a sort.
+Padding rows (and greedy requests in the emit kernels) are fully masked (no memory traffic); no launch
+shape depends on tensor values, so all of it is CUDA-graph capturable. Loop trip counts are compile-time
+constants (the vocabulary size, and power-of-two bucket counts for R and T), which keeps recompilation
+rare and the CPU interpreter (``TRITON_INTERPRET=1``) usable. The torch code in ``layout.py`` /
+``rejection.py`` is the reference: tests check these kernels against it. Top-p batches stay on torch
+because the nucleus needs a sort.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -142,7 +157,7 @@ if triton is not None:
         temp_ptr, q_ptr, stride_qr, stride_qk, u_ptr, num_reqs,
         argmax_ptr, max_ptr, slots_ptr, num_slots,
         K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr,
-        BLOCK: tl.constexpr, NEG: tl.constexpr,
+        BLOCK: tl.constexpr, NEG: tl.constexpr, PAIRS: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         req_raw = tl.load(req_ptr + t).to(tl.int64)
@@ -168,7 +183,16 @@ if triton is not None:
         best_it = tl.zeros([BLOCK], tl.int32)
         s_vec = tl.zeros([BLOCK], tl.float32)
         lane_ok = (offs < BLOCK) & valid  # padding rows: fully masked loads touch no memory
-        for it in range(0, VOCAB // BLOCK):  # full tiles: no vocabulary bound per element
+        # Full tiles: no vocabulary bound per element. The first PAIRS pairs of tiles have both loads issued
+        # before either is used (more bytes in flight per thread: the loop is not software-pipelined); the
+        # tiles are still folded in order, so every lane sees the same operations as without pairing.
+        for it2 in range(0, PAIRS):
+            it = it2 * 2
+            v = tl.load(base + it * BLOCK + offs, mask=lane_ok, other=float("-inf")).to(tl.float32)
+            w = tl.load(base + (it + 1) * BLOCK + offs, mask=lane_ok, other=float("-inf")).to(tl.float32)
+            best_val, best_it, s_vec = _row_tile(v, it, best_val, best_it, s_vec, c, HAS_TEMP)
+            best_val, best_it, s_vec = _row_tile(w, it + 1, best_val, best_it, s_vec, c, HAS_TEMP)
+        for it in range(PAIRS * 2, VOCAB // BLOCK):
             v = tl.load(base + it * BLOCK + offs, mask=lane_ok, other=float("-inf")).to(tl.float32)
             best_val, best_it, s_vec = _row_tile(v, it, best_val, best_it, s_vec, c, HAS_TEMP)
         if VOCAB % BLOCK != 0:
@@ -294,6 +318,126 @@ if triton is not None:
         tl.store(nacc_ptr + r, na)
 
 
+    @triton.jit
+    def _first_rejection(r, adm_ptr, slots_ptr, num_slots, num_rows, K: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Slots past admitted[r] were never written (memset 0), so the first zero is the first rejection.
+        adm = tl.minimum(tl.maximum(tl.load(adm_ptr + r).to(tl.int64), 0), K)
+        j = tl.arange(0, BLOCK_K)
+        acc = tl.load(slots_ptr + r * (K + 1) + j, mask=j < K, other=0)  # BLOCK_K >= K + 1
+        na = tl.min(tl.where((acc == 0) & (j < K), j, K), 0).to(tl.int64)
+        emit_row = tl.load(slots_ptr + num_slots + r * (K + 1) + na)
+        emit_row = tl.minimum(tl.maximum(emit_row, 0), num_rows - 1)
+        return adm, na, emit_row
+
+    @triton.jit
+    def _emit_params(r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K: tl.constexpr):
+        temp_raw = tl.load(temp_ptr + r).to(tl.float32)
+        sampled_req = temp_raw > 0
+        temp = tl.where(sampled_req, temp_raw, 1.0)
+        m = tl.math.div_rn(tl.load(max_ptr + emit_row), temp)  # = max of z: rounding is monotone
+        rejected = na < adm
+        q_col = tl.minimum(na, K - 1)
+        bad = tl.load(drafts_ptr + r * stride_dr + q_col).to(tl.int64)
+        return sampled_req, temp, m, rejected, q_col, bad
+
+    @triton.jit
+    def _tile_mass_kernel(
+        logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
+        max_ptr, slots_ptr, num_slots, num_rows, mass_ptr, last_ptr, norm_ptr, plane,
+        K: tl.constexpr, VOCAB: tl.constexpr, HAS_Q: tl.constexpr, E_ONLY: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_S: tl.constexpr, SUBS: tl.constexpr, NTS: tl.constexpr, NB: tl.constexpr, PRECISE: tl.constexpr,
+    ):
+        # Program (r, c) covers SUBS consecutive tiles of BLOCK_S tokens of request r's emit row. Every
+        # program stores all its tiles (zeros when masked), so the scratch never holds stale values.
+        # mass/last planes: 0 = bonus weights e, 1 = residual weights.
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        adm, na, emit_row = _first_rejection(r, adm_ptr, slots_ptr, num_slots, num_rows, K, BLOCK_K)
+        sampled_req, temp, m, rejected, q_col, bad = _emit_params(
+            r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K)
+        live = tl.where(sampled_req, VOCAB, 0)  # greedy requests read nothing here
+        use_q_res = rejected & sampled_req
+        base = logits_ptr + emit_row * stride_row
+        qbase = q_ptr + r * stride_qr + q_col * stride_qk
+        tile = c * SUBS + tl.arange(0, SUBS)
+        idx = tile[:, None] * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
+        out = r * NTS + tile
+        if E_ONLY:
+            # First pass against a real q: e masses, which give both the bonus CDF and the normaliser.
+            e, _ = _emit_weights(base, qbase, idx, idx < live, temp, m, 1.0, bad, False, False, PRECISE)
+            tl.store(mass_ptr + out, tl.sum(e.to(tl.float64), 1))
+            tl.store(last_ptr + out, tl.max(tl.where(e > 0, idx, 0), 1))
+        elif HAS_Q:
+            # p = e / sum(e) against q is only needed after a rejection: other requests read nothing.
+            nb = tl.arange(0, NB)
+            e_tiles = tl.load(mass_ptr + r * NTS + nb, mask=nb < NTS, other=0.0)
+            norm = tl.sum(e_tiles, 0).to(tl.float32)
+            norm = tl.where(norm > 0, norm, 1.0)
+            tl.store(norm_ptr + r, norm, mask=c == 0)  # the final kernel must use this exact value
+            _, res = _emit_weights(base, qbase, idx, (idx < live) & use_q_res, temp, m, norm, bad, use_q_res,
+                                   True, PRECISE)
+            tl.store(mass_ptr + plane + out, tl.sum(res.to(tl.float64), 1))
+            tl.store(last_ptr + plane + out, tl.max(tl.where(res > 0, idx, 0), 1))
+        else:
+            e, res = _emit_weights(base, qbase, idx, idx < live, temp, m, 1.0, bad, use_q_res, False, PRECISE)
+            tl.store(mass_ptr + out, tl.sum(e.to(tl.float64), 1))
+            tl.store(last_ptr + out, tl.max(tl.where(e > 0, idx, 0), 1))
+            tl.store(mass_ptr + plane + out, tl.sum(res.to(tl.float64), 1))
+            tl.store(last_ptr + plane + out, tl.max(tl.where(res > 0, idx, 0), 1))
+
+    @triton.jit
+    def _final_kernel(
+        logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
+        u_ptr, argmax_ptr, max_ptr, slots_ptr, num_slots, num_rows, mass_ptr, last_ptr, norm_ptr, plane,
+        tokens_ptr, nacc_ptr,
+        K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_S: tl.constexpr, NTS: tl.constexpr, NB: tl.constexpr, PRECISE: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64)
+        adm, na, emit_row = _first_rejection(r, adm_ptr, slots_ptr, num_slots, num_rows, K, BLOCK_K)
+        token = tl.load(argmax_ptr + emit_row)
+        if HAS_TEMP:
+            sampled_req, temp, m, rejected, q_col, bad = _emit_params(
+                r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K)
+            live = tl.where(sampled_req, VOCAB, 0)
+            use_q_res = rejected & sampled_req
+            base = logits_ptr + emit_row * stride_row
+            qbase = q_ptr + r * stride_qr + q_col * stride_qk
+            if HAS_Q:
+                norm = tl.load(norm_ptr + r)
+            else:
+                norm = 1.0
+            nb = tl.arange(0, NB)
+            nmask = nb < NTS
+            tiles_e = tl.load(mass_ptr + r * NTS + nb, mask=nmask, other=0.0)
+            tiles_r = tl.load(mass_ptr + plane + r * NTS + nb, mask=nmask, other=0.0)
+            last_e = tl.max(tl.load(last_ptr + r * NTS + nb, mask=nmask, other=0), 0)
+            last_r = tl.max(tl.load(last_ptr + plane + r * NTS + nb, mask=nmask, other=0), 0)
+            # From here on the same decisions as the single-program finalize, over smaller tiles.
+            use_res = rejected & (tl.sum(tiles_r, 0) > 0)
+            tiles = tl.where(use_res, tiles_r, tiles_e)
+            last_pos = tl.where(use_res, last_r, last_e)
+            target = tl.load(u_ptr + emit_row * 2 + 1).to(tl.float64) * tl.sum(tiles, 0)
+            cum = tl.cumsum(tiles, 0)
+            tile = tl.min(tl.where(cum > target, nb, NB), 0)
+            before = tl.sum(tl.where(nb < tile, tiles, 0.0), 0)
+            # Inverse CDF inside that tile (searchsorted(right=True): first running mass above the target),
+            # clamped to the last positive weight in case rounding leaves the target above the total.
+            offs = tl.arange(0, BLOCK_S)
+            idx = tile * BLOCK_S + offs
+            mask = (idx < live) & (tile < NTS)
+            e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE)
+            w = tl.where(use_res, res, e).to(tl.float64)
+            cdf = tl.cumsum(w, 0) + before
+            found = tl.min(tl.where((cdf > target) & mask, idx, VOCAB), 0)
+            token = tl.where(sampled_req, tl.minimum(found, last_pos).to(tl.int64), token)
+        jj = tl.arange(0, BLOCK_K)
+        drafted = tl.load(drafts_ptr + r * stride_dr + jj, mask=jj < na, other=0).to(tl.int64)
+        out = tl.where(jj < na, drafted, tl.where(jj == na, token, -1))
+        tl.store(tokens_ptr + r * (K + 1) + jj, out, mask=jj < K + 1)
+        tl.store(nacc_ptr + r, na)
+
+
 def build_varlen_layout_fused(
     last_tokens: Tensor, drafts: Tensor, admitted: Tensor, start_pos: Tensor, padded_tokens: int
 ) -> tuple[Tensor, ...]:
@@ -328,11 +472,47 @@ def build_varlen_layout_fused(
     return ids, positions, req_index, pos_in_req, pad.view(torch.bool), qsl, seq_lens, nlog, ntok
 
 
-def rejection_sample_fused(
+FINALIZE_MODES = ("split", "single")
+
+
+@dataclass
+class SamplerPlan:
+    """The sampler's launches bound to their buffers: ``run`` them in order, or time them one by one.
+
+    Every stage is a fixed-shape launch (or memset) that reads only device memory, so a stage, a prefix or
+    the whole list can be captured in a CUDA graph; ``tokens`` / ``num_accepted`` are written by the last.
+    """
+
+    stages: list[tuple[str, Callable[[], None]]]
+    tokens: Tensor
+    num_accepted: Tensor
+
+    def run(self) -> tuple[Tensor, Tensor]:
+        for _, launch in self.stages:
+            launch()
+        return self.tokens, self.num_accepted
+
+
+def plan_rejection_sample(
     logits: Tensor, req_index: Tensor, pos_in_req: Tensor, valid: Tensor, drafts: Tensor, admitted: Tensor,
-    temperature: Tensor | None, draft_probs: Tensor | None, uniforms: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """Same contract as ``rejection.rejection_sample`` without top-p: returns (tokens[R, K+1], num_accepted[R])."""
+    temperature: Tensor | None, draft_probs: Tensor | None, uniforms: Tensor | None, *,
+    finalize: str = "split", row_block: int | None = None, row_warps: int = 8, row_unroll: int = 1,
+    tile_block: int | None = None, tile_subs: int | None = None, tile_warps: int | None = None,
+) -> SamplerPlan:
+    """Allocate the sampler's buffers and bind its launches (see ``rejection_sample_fused``).
+
+    ``finalize``: "split" (tile-mass kernel over requests x vocabulary chunks, then a per-request final
+    kernel) or "single" (one program per request sweeps its emit row). ``row_block`` / ``row_warps`` /
+    ``row_unroll`` (1 or 2 tiles loaded per step): the row kernel's shape; ``tile_block`` / ``tile_subs`` /
+    ``tile_warps``: tokens per inverse-CDF tile, tiles per tile-mass program and its warps. The knobs exist
+    for benchmarks and tests (small tiles exercise many of them on a small vocabulary); None picks the
+    defaults. ``row_unroll`` leaves every lane's operations unchanged; other block sizes regroup the row
+    kernel's float32 sums (``p(x)`` may round differently) and the float64 tile masses.
+    """
+    if finalize not in FINALIZE_MODES:
+        raise ValueError(f"finalize must be one of {FINALIZE_MODES}, got {finalize!r}")
+    if row_unroll not in (1, 2):
+        raise ValueError(f"row_unroll must be 1 or 2, got {row_unroll}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
@@ -343,8 +523,9 @@ def rejection_sample_fused(
     has_temp = temperature is not None
     has_q = has_temp and draft_probs is not None
     num_slots = num_reqs * (num_spec + 1)
-    # Row 0: accept bits per slot; row 1: which logits row holds the slot. Zeroed: unwritten = rejected.
-    slots = torch.zeros(2, num_slots, dtype=torch.int64, device=device)
+    # Row 0: accept bits per slot; row 1: which logits row holds the slot. Zeroed by the first stage:
+    # unwritten = rejected.
+    slots = torch.empty(2, num_slots, dtype=torch.int64, device=device)
     argmax = torch.empty(num_rows, dtype=torch.int64, device=device)
     row_max = torch.empty(num_rows, dtype=torch.float32, device=device)
     tokens = torch.empty(num_reqs, num_spec + 1, dtype=torch.int64, device=device)
@@ -357,18 +538,91 @@ def rejection_sample_fused(
         q, sq_r, sq_k = row_max, 0, 0
     u = uniforms.to(torch.float32).contiguous() if has_temp else row_max
     valid_u8 = valid.to(torch.bool).contiguous().view(torch.uint8)
-    block = min(4096, _pow2(vocab))
-    if num_rows > 0:
+    req_c, pos_c = req_index.contiguous(), pos_in_req.contiguous()
+    precise = not _interpreting()
+    block_k = _pow2(num_spec + 1)
+    rows_ok = max(num_rows, 1)
+    block = row_block or min(4096, _pow2(vocab))
+    pairs = (vocab // block) // 2 if row_unroll == 2 else 0
+    stages: list[tuple[str, Callable[[], None]]] = [("memset", slots.zero_)]
+
+    def row() -> None:
         _row_kernel[(num_rows,)](
-            logits, logits.stride(0), req_index.contiguous(), pos_in_req.contiguous(), valid_u8,
+            logits, logits.stride(0), req_c, pos_c, valid_u8,
             drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k, u, num_reqs,
             argmax, row_max, slots, num_slots,
-            K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=block, NEG=_NEG, num_warps=8,
+            K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=block, NEG=_NEG, PAIRS=pairs,
+            num_warps=row_warps,
         )
-    _finalize_kernel[(num_reqs,)](
-        logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k,
-        u, argmax, row_max, slots, num_slots, max(num_rows, 1), tokens, num_accepted,
-        K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=block, BLOCK_K=_pow2(num_spec + 1),
-        NT=-(-vocab // block), NB=_pow2(-(-vocab // block)), PRECISE=not _interpreting(), num_warps=8,
-    )
-    return tokens, num_accepted
+
+    if num_rows > 0:
+        stages.append(("row", row))
+    if finalize == "single":
+        fblock = min(4096, _pow2(vocab))
+
+        def single() -> None:
+            _finalize_kernel[(num_reqs,)](
+                logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k,
+                u, argmax, row_max, slots, num_slots, rows_ok, tokens, num_accepted,
+                K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=fblock, BLOCK_K=block_k,
+                NT=-(-vocab // fblock), NB=_pow2(-(-vocab // fblock)), PRECISE=precise, num_warps=8,
+            )
+
+        stages.append(("finalize", single))
+        return SamplerPlan(stages, tokens, num_accepted)
+
+    # Split finalize. Tiles of 1024 keep the final kernel's single-tile float64 scan short; chunks of 4
+    # tiles give the tile-mass programs a 4096-token read each (fewer, longer-lived programs).
+    tblock = tile_block or min(1024, _pow2(vocab))
+    subs = tile_subs or min(4, _pow2(-(-vocab // tblock)))
+    chunks = -(-vocab // (tblock * subs))
+    nts = chunks * subs  # tiles per request, a multiple of subs: the last ones may be past the vocabulary
+    nb = _pow2(nts)
+    if has_temp:
+        mass = torch.empty(2, num_reqs, nts, dtype=torch.float64, device=device)
+        last = torch.empty(2, num_reqs, nts, dtype=torch.int32, device=device)
+        norm = torch.empty(num_reqs, dtype=torch.float32, device=device)
+    else:  # greedy: the final kernel reads none of these
+        mass, last, norm = row_max, row_max, row_max
+    plane = num_reqs * nts
+    tile_warps = tile_warps or max(1, min(8, tblock * subs // 512))
+
+    def tile_pass(e_only: bool) -> Callable[[], None]:
+        def launch() -> None:
+            _tile_mass_kernel[(num_reqs, chunks)](
+                logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k,
+                row_max, slots, num_slots, rows_ok, mass, last, norm, plane,
+                K=num_spec, VOCAB=vocab, HAS_Q=has_q, E_ONLY=e_only, BLOCK_K=block_k,
+                BLOCK_S=tblock, SUBS=subs, NTS=nts, NB=nb, PRECISE=precise, num_warps=tile_warps,
+            )
+
+        return launch
+
+    if has_q:
+        stages.append(("tile_e", tile_pass(True)))
+    if has_temp:
+        stages.append(("tile_mass", tile_pass(False)))
+
+    def final() -> None:
+        _final_kernel[(num_reqs,)](
+            logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k,
+            u, argmax, row_max, slots, num_slots, rows_ok, mass, last, norm, plane, tokens, num_accepted,
+            K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK_K=block_k,
+            BLOCK_S=tblock, NTS=nts, NB=nb, PRECISE=precise, num_warps=max(1, min(8, tblock // 256)),
+        )
+
+    stages.append(("final", final))
+    return SamplerPlan(stages, tokens, num_accepted)
+
+
+def rejection_sample_fused(
+    logits: Tensor, req_index: Tensor, pos_in_req: Tensor, valid: Tensor, drafts: Tensor, admitted: Tensor,
+    temperature: Tensor | None, draft_probs: Tensor | None, uniforms: Tensor | None, *,
+    finalize: str = "split", **knobs: int | None,
+) -> tuple[Tensor, Tensor]:
+    """Same contract as ``rejection.rejection_sample`` without top-p: returns (tokens[R, K+1], num_accepted[R]).
+
+    ``finalize`` / ``knobs``: see ``plan_rejection_sample`` (defaults are what the sampler uses).
+    """
+    return plan_rejection_sample(logits, req_index, pos_in_req, valid, drafts, admitted, temperature,
+                                 draft_probs, uniforms, finalize=finalize, **knobs).run()

@@ -24,10 +24,10 @@ distribution it came from.
 Everything is fixed-shape tensor code (no ``.item()``, boolean indexing or data-dependent shapes), so a
 CUDA graph replays it for any admitted counts. Whether every request is greedy, and whether top-p is used
 at all, are host-known sampling parameters (like vLLM's ``all_greedy``): ``temperature=None`` selects the
-argmax-only program. On CUDA with Triton (and no top-p) the whole sampler runs as three launches
-(``_triton_rejection``: a memset, the row kernel, the per-request finalize kernel), because a chain of
-~50 tiny torch ops would cost more than reading the logits; the torch code below is the reference, the
-CPU path and the top-p path.
+argmax-only program. On CUDA with Triton (and no top-p) the whole sampler runs as a few launches
+(``_triton_rejection``: a memset, the row kernel, per-tile emit masses, a per-request final kernel),
+because a chain of ~50 tiny torch ops would cost more than reading the logits; the torch code below is
+the reference, the CPU path and the top-p path.
 """
 
 from __future__ import annotations
