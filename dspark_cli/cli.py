@@ -54,7 +54,8 @@ def profile_sps(
     model: str = typer.Argument(..., help="Target: tiny, smollm2-135m, a checkpoint dir, random:<shape> "
                                 "(e.g. random:llama-3-8b); with --engine vllm, the vLLM model.", show_default=False),
     engine: str = typer.Option("embedded", "--engine", help="embedded (one device) or vllm (profiles in the workers)."),
-    draft: str | None = typer.Option(None, "--draft", help="Draft: auto (default), a checkpoint dir, or random:small."),
+    draft: str | None = typer.Option(None, "--draft", help="Draft: auto (default), a checkpoint dir, random:small, or "
+                                     "synthetic[:...] (profiles the draft model it runs, random:small by default)."),
     num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", "-k",
                                                       help="Drafted tokens per step (default 4)."),
     capture_sizes: str | None = typer.Option(None, "--capture-sizes",
@@ -153,7 +154,13 @@ def serve(
     ctx: typer.Context,
     engine: str | None = typer.Option(None, "--engine", help="embedded (default, one device) or vllm."),
     model: str | None = typer.Option(None, "--model", help="Target model: alias or checkpoint path (default smollm2-135m)."),
-    draft: str | None = typer.Option(None, "--draft", help="Draft model: alias, path, auto (default) or none."),
+    draft: str | None = typer.Option(
+        None, "--draft",
+        help="Draft model: alias, path, auto (default), random:small, none, or synthetic[:KEY=VALUE,...] -- a "
+             "speed-study mode, never for real outputs: a real draft (draft=NAME, last key, default random:small) "
+             "runs for its cost while acceptance is drawn per request and position from a latent probability "
+             "b_k = first*decay^(k-1) (first=0.8, decay=0.7, or last=X, or probs=a/b/c; spread=1.0 varies it "
+             "per request) and the reported confidence is miscalibrated (temp=0.5, noise=0.3); seed=N."),
     num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", "-k",
                                                       help="Drafted tokens per step (0 = no speculation)."),
     capacity_mode: str | None = typer.Option(None, "--capacity-mode", help="none (default), mask or varlen; capacity settings alone imply varlen."),

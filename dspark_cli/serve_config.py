@@ -368,6 +368,9 @@ def _check_consistency(s: ServeSettings) -> None:
     if s.engine == "embedded" and s.sts_refit_interval is not None:
         raise DsparkError("--speculative-config dspark_sts_refit_interval is only supported by --engine vllm "
                           "(the embedded engine refits online STS on its own schedule)")
+    if s.engine == "vllm" and s.draft is not None and s.draft.strip().lower().split(":")[0] == "synthetic":
+        raise DsparkError("--draft synthetic is the embedded engine's speed-study drafter; with --engine vllm use "
+                          "vLLM's own synthetic rejection sampler (rejection_sample_method) and a real draft")
     if s.engine == "embedded" and s.method is not None and s.method not in _EMBEDDED_METHODS:
         raise DsparkError(f"--speculative-config method {s.method!r} is not supported by the embedded engine "
                           f"(use {' or '.join(_EMBEDDED_METHODS)}, or --engine vllm)")
@@ -439,6 +442,14 @@ def _check_model_ref(flag: str, name: str) -> None:
     from dspark_cli.engines.embedded import assets
 
     aliases = sorted(set(getattr(assets, "ALIASES", {})))
+    if flag == "--draft" and name.strip().lower().startswith("synthetic"):  # speed-study drafts (synthetic.py)
+        from dspark_cli.engines.embedded.synthetic import is_synthetic, parse_synthetic
+
+        if is_synthetic(name):
+            inner = parse_synthetic(name).draft
+            if inner != "auto":
+                _check_model_ref("--draft synthetic:...,draft=", inner)
+            return
     if name.strip().lower() in aliases or (Path(name).expanduser() / "config.json").is_file():
         return
     if name.strip().lower().startswith("random:"):  # random-initialised shapes (engines/embedded/shapes.py)

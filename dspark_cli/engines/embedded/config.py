@@ -8,11 +8,15 @@ so a command line written for one engine reads the same for the other. Resolutio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dspark_cli.core.capacity import CapacityConfig
 from dspark_cli.errors import DsparkError
+
+if TYPE_CHECKING:
+    from dspark_cli.engines.embedded.synthetic import SyntheticSpec
 
 __all__ = ["EngineConfig", "resolve_device", "resolve_dtype"]
 
@@ -31,7 +35,9 @@ _DTYPES = {
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"  # checkpoint dir or an alias resolved by assets.resolve_model(...)
-    draft: str | None = "auto"  # checkpoint dir | "auto" (the model's default draft) | None (no draft)
+    # checkpoint dir | "auto" (the model's default draft) | "random:small" | None (no draft) |
+    # "synthetic[:k=v,...]" (speed studies: drawn acceptance, a real draft run for its cost; see synthetic.py)
+    draft: str | None = "auto"
     num_speculative_tokens: int = 4  # 0 = no speculation
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     sps_curve: str | None = None  # path to sps_curve.json | "auto" (profile at start-up) | None
@@ -78,6 +84,17 @@ class EngineConfig:
             raise DsparkError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.capacity.mode not in ("none", "mask", "varlen"):
             raise DsparkError(f"unknown capacity mode {self.capacity.mode!r}; use none, mask or varlen")
+        synthetic = self.synthetic
+        if synthetic is not None:
+            synthetic.base_probs(self.num_speculative_tokens)  # probs= must cover K
+
+    @property
+    def synthetic(self) -> SyntheticSpec | None:
+        """The parsed ``synthetic:...`` draft spec, or None for a real draft; DsparkError when malformed.
+        Imported here, not at module load: synthetic.py pulls in the model code."""
+        from dspark_cli.engines.embedded.synthetic import is_synthetic, parse_synthetic
+
+        return parse_synthetic(self.draft) if is_synthetic(self.draft) else None
 
     @property
     def batched_token_limit(self) -> int:

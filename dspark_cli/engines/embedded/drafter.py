@@ -21,6 +21,9 @@ estimate that is usually miscalibrated -- STS is what turns it into a usable sur
 Tokens are drawn from the request's sampling distribution (greedy = argmax, else softmax(logits / T), no
 top-p: the rejection sampler is lossless for any draft distribution as long as it is told which one);
 ``draft_probs [R, K, V]`` is returned only when some request samples.
+
+``synthetic.SyntheticDrafter`` (``--draft synthetic:...``, speed studies only) subclasses :class:`Drafter`:
+the same real draft pass, then drawn confidences and acceptance outcomes in place of the real ones.
 """
 
 from __future__ import annotations
@@ -95,6 +98,10 @@ class DraftOutput:
     tokens: Tensor  # [R, K] int64
     confidence: Tensor  # [R, K] float32, raw (before STS)
     draft_probs: Tensor | None  # [R, K, V] float32 sampling distributions, None when all greedy
+    # Synthetic drafter only (synthetic.py; speed studies): the latent acceptance probabilities a_k and the
+    # drawn outcomes u_k < a_k that decide acceptance in place of the target. None for a real drafter.
+    latent: Tensor | None = None  # [R, K] float32
+    accept: Tensor | None = None  # [R, K] bool
 
 
 class Drafter:

@@ -14,7 +14,8 @@ running request::
 
 Losslessness does not depend on the capacity decision: pruned drafts are never accepted, every request
 emits exactly one token from the target's own distribution after its accepted prefix, so greedy output
-is the same token sequence in every mode and with no speculation at all.
+is the same token sequence in every mode and with no speculation at all. The one exception is the synthetic
+drafter (``--draft synthetic:...``, synthetic.py), a speed-study mode whose acceptance is drawn, not verified.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dspark_cli.engines.embedded.model import read_llama_args
 from dspark_cli.engines.embedded.model_runner import ModelRunner
 from dspark_cli.engines.embedded.scheduler import Scheduler
 from dspark_cli.engines.embedded.sequence import SamplingParams, Sequence
+from dspark_cli.engines.embedded.synthetic import expected_accepted, synthetic_rejection_sample
 from dspark_cli.errors import DsparkError
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "resolve_checkpoints"]
@@ -133,10 +135,14 @@ class _Checkpoints:
 
 def resolve_checkpoints(config: EngineConfig) -> _Checkpoints:
     """Model/draft names -> checkpoint directories through ``assets.resolve_model`` (aliases, conversion of
-    the default model, packaged drafts). Without speculation no draft is resolved at all."""
+    the default model, packaged drafts). Without speculation no draft is resolved at all; a synthetic draft
+    resolves to the real draft model it runs for its cost."""
     from dspark_cli.engines.embedded.assets import resolve_model
 
     draft = None if config.num_speculative_tokens == 0 else config.draft
+    synthetic = config.synthetic
+    if draft is not None and synthetic is not None:
+        draft = synthetic.draft
     paths = resolve_model(config.model, draft=draft)
     return _Checkpoints(target=Path(paths.target), draft=paths.draft and Path(paths.draft),
                         tokenizer=Path(paths.tokenizer), name=paths.name)
@@ -156,6 +162,14 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(ckpt.tokenizer)
         self.runner = ModelRunner(config, ckpt.target, ckpt.draft, self.device, self.dtype)
         self.num_spec = self.runner.num_spec
+        synthetic = config.synthetic
+        if synthetic is not None and self.num_spec > 0:
+            log.warning(
+                "synthetic drafter (%s): acceptance is drawn, not verified against the target, so outputs are "
+                "NOT the target's distribution -- a speed-study mode, never for real outputs; expected accepted "
+                "drafts per step with all %d verified: %.3f", synthetic.describe(self.num_spec), self.num_spec,
+                float(expected_accepted(synthetic, self.num_spec)[-1]),
+            )
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_ids(self.tokenizer, read_llama_args(ckpt.target).eos_token_ids)
 
@@ -358,9 +372,14 @@ class LLMEngine:
             table = self._uniforms(seqs, (k + 1) * 2).view(num_reqs, k + 1, 2)
             req = layout.req_index.clamp(max=num_reqs - 1)
             uniforms = table[req, layout.pos_in_req.clamp(max=k)]
-        out = rejection_sample(
-            logits, layout, draft.tokens, admitted, temperature, top_p, draft.draft_probs, uniforms
-        )
+        if draft.accept is not None:  # synthetic drafter: acceptance was drawn with the drafts
+            out = synthetic_rejection_sample(
+                logits, layout, draft.tokens, admitted, draft.accept, temperature, top_p, uniforms
+            )
+        else:
+            out = rejection_sample(
+                logits, layout, draft.tokens, admitted, temperature, top_p, draft.draft_probs, uniforms
+            )
         if self.online_sts is not None:
             self.online_sts.record(conf_raw, admitted, out.num_accepted)
             self.online_sts.step()

@@ -45,6 +45,7 @@ from dspark_cli.engines.embedded.drafter import (
 from dspark_cli.engines.embedded.model import LlamaForCausalLM, load_llama, read_safetensors
 from dspark_cli.engines.embedded.sequence import Sequence
 from dspark_cli.engines.embedded.shapes import random_init_spec
+from dspark_cli.engines.embedded.synthetic import SyntheticDrafter
 from dspark_cli.errors import DsparkError
 
 __all__ = ["ModelRunner", "capture_sizes_for"]
@@ -336,7 +337,7 @@ class ModelRunner:
         self._draft_model = draft_model
         self._conf_head = conf_head
         if self.draft_fwd is not None:
-            self.drafter = Drafter(draft_model, conf_head, catchup_fn, step_fn)
+            self.drafter = self._new_drafter(catchup_fn, step_fn)
             if self.use_graphs:
                 self._capture_loop_graphs()
 
@@ -346,8 +347,19 @@ class ModelRunner:
         verify_fn, catchup_fn, step_fn = self._capture_graphs(emulate=True)
         self._verify_fn = verify_fn
         if self.draft_fwd is not None:
-            self.drafter = Drafter(self._draft_model, self._conf_head, catchup_fn, step_fn)
+            self.drafter = self._new_drafter(catchup_fn, step_fn)
             self._capture_loop_graphs(emulate=True)
+
+    def _new_drafter(self, catchup_fn: ForwardFn | None, step_fn: ForwardFn | None) -> Drafter:
+        """The drafter over the loaded draft model; in synthetic mode (speed studies) the same draft pass with
+        drawn confidences and acceptance (synthetic.py), seeded by the spec's seed or the engine's."""
+        assert self._draft_model is not None and catchup_fn is not None
+        spec = self.config.synthetic
+        if spec is None:
+            return Drafter(self._draft_model, self._conf_head, catchup_fn, step_fn)
+        seed = self.config.seed if spec.seed is None else spec.seed
+        return SyntheticDrafter(self._draft_model, self._conf_head, catchup_fn, step_fn, spec, self.num_spec,
+                                self.device, seed)
 
     def _capture_loop_graphs(self, emulate: bool = False) -> None:
         assert self.drafter is not None and self.draft_fwd is not None
