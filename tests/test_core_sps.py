@@ -244,3 +244,28 @@ def test_from_points_accepts_numpy_measurements() -> None:
                              capture_sizes=np.array([8, 16, 32]), meta={"device": "cpu"})
     assert c.verify_ms[1] == (16, 12.0)
     assert c.to_dict()["meta"] == {"device": "cpu"}
+
+
+@given(st.lists(st.tuples(st.integers(1, 10_000), st.floats(0.01, 100.0)), min_size=1, max_size=30,
+                unique_by=lambda p: p[0]))
+@settings(max_examples=200, deadline=None)
+def test_monotone_fit_is_a_nondecreasing_mean_preserving_projection(points: list[tuple[int, float]]) -> None:
+    from dspark_cli.core.sps import monotone_fit
+
+    fit = monotone_fit(points)
+    ys = [y for _, y in fit]
+    assert [x for x, _ in fit] == sorted(x for x, _ in points)
+    assert all(a <= b + 1e-9 for a, b in zip(ys, ys[1:], strict=False))
+    assert sum(ys) == pytest.approx(sum(y for _, y in points))  # pooled runs keep their mean
+    assert monotone_fit(fit) == pytest.approx(fit)  # a projection: fitting again changes nothing
+    ordered = sorted(points)
+    if all(a[1] <= b[1] for a, b in zip(ordered, ordered[1:], strict=False)):
+        assert fit == ordered
+
+
+def test_monotone_fit_averages_a_spike_where_a_running_max_would_keep_it() -> None:
+    from dspark_cli.core.sps import monotone_fit
+
+    # vLLM's start-up profile on an H200: one slow replay at 288 tokens, then faster larger batches
+    assert monotone_fit([(8, 2.0), (288, 24.9), (496, 18.5), (1024, 30.0)]) == [
+        (8, 2.0), (288, 21.7), (496, 21.7), (1024, 30.0)]

@@ -144,3 +144,14 @@ def test_parsed_serve_settings_take_the_same_translation(capsys: pytest.CaptureF
     assert _flag(cmd, "--speculative-config")["enable_adaptive_verification"] is True
     dspark = _flag(cmd, "--additional-config")["dspark"]
     assert dspark["mode"] == "mask" and dspark["online_sts"] is True
+
+
+@pytest.mark.parametrize("path", ["/models/dspark-draft", "/cache/DSpark/x", "/m/my-dflash", "/m/EAGLE3-x"])
+def test_draft_paths_that_would_flip_the_method_are_refused(path: str) -> None:
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4,
+            "dspark_capacity_verification_mode": "varlen"}
+    with pytest.raises(DsparkError, match="picks the speculative method from the draft's path"):
+        plan_vllm_serve(["M", "--speculative-config", json.dumps(spec)])
+    # methods vLLM keeps as given are fine with any path
+    spec["method"] = "dspark"
+    assert plan_vllm_serve(["M", "--speculative-config", json.dumps(spec)]).settings is not None

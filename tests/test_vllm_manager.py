@@ -75,6 +75,22 @@ def test_curve_from_startup_samples_uses_medians_and_graph_only_draft_times() ->
     assert with_overhead(curve, 1.0).overhead_ms == 1.0 and with_overhead(curve, None) is curve
 
 
+def test_startup_profile_noise_is_fitted_and_a_flat_profile_means_verify_everything() -> None:
+    S = types.SimpleNamespace
+
+    def sample(tokens: int, ms: float) -> types.SimpleNamespace:
+        return S(num_target_tokens=tokens, forward_ms=ms, drafter_ms=1.0, num_reqs=min(tokens, 64),
+                 full_cudagraph=tokens <= 512)
+
+    # one slow size (seen on an H200) no longer refuses start-up, nor prices every larger batch
+    noisy = [sample(8, 2.0), sample(288, 24.9), sample(496, 18.5), sample(1024, 30.0)]
+    curve = curve_from_samples(noisy, [8, 288, 496], 0.0, {})
+    assert curve.verify_ms == ((8, 2.0), (288, 21.7), (496, 21.7), (1024, 30.0))
+    # verification that costs the same at every size: no curve (the manager then verifies every draft)
+    flat = [sample(8, 10.0), sample(288, 10.05), sample(496, 10.0), sample(8064, 10.06)]
+    assert curve_from_samples(flat, [8, 288, 496], 0.0, {}) is None
+
+
 def test_user_curves_inline_file_and_auto(tmp_path: Path) -> None:
     assert load_curve(DsparkVllmSettings()) is None  # start-up profile
     inline = load_curve(DsparkVllmSettings(sps_curve=[[8, 200.0], [16, 150.0]]))

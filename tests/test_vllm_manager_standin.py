@@ -153,6 +153,42 @@ def test_mask_keeps_the_uniform_layout_and_pads_pruned_rows(manager_cls) -> None
     assert invalid.tolist() == [p > int(caps[r]) for r in range(3) for p in range(5)]
 
 
+def test_mask_mode_hands_the_estimator_rejections_censored_by_what_was_verified(manager_cls) -> None:
+    m = _make(manager_cls, "mask")
+    _record(m, [[0.9, 0.9, 0.9, 0.9], [0.9, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2]])
+    per_req = {"r0": 1 + K, "r1": 1 + K, "r2": 1 + K}
+    m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
+    m.reallocate_drafts(["r0", "r1", "r2"], torch.arange(3))
+    caps = m._batch_draft_capacity[:3].long()
+    assert int(caps.min()) < K  # something was pruned
+    # every admitted draft accepted: the runner's uniform layout reports the pruned tail as rejected
+    num_sampled = caps + 1
+    num_rejected = K - caps
+    seen = m.verified_rejections(num_sampled, num_rejected)
+    assert seen.tolist() == [0, 0, 0]  # nothing verified was rejected; the pruned tail is censored
+    # a real rejection inside the admitted prefix stays one
+    num_sampled = torch.ones(3, dtype=torch.long)  # first draft rejected everywhere
+    seen = m.verified_rejections(num_sampled, torch.full((3,), K))
+    assert seen.tolist() == [min(K, int(c)) for c in caps]
+    # varlen counts over compacted logits already: passed through untouched
+    v = _make(manager_cls, "varlen")
+    x = torch.tensor([3, 1, 0])
+    assert v.verified_rejections(torch.ones(3, dtype=torch.long), x) is x
+
+
+def test_a_flat_startup_profile_verifies_every_draft_instead_of_refusing(manager_cls) -> None:
+    m = _make(manager_cls, "varlen")
+    m._user_curve = None  # no --sps-curve: vLLM's start-up profile prices the steps
+    S = types.SimpleNamespace
+    flat = [S(num_target_tokens=t, forward_ms=10.0, drafter_ms=1.0, num_reqs=min(t, 8), full_cudagraph=True)
+            for t in (4, 8, 16, 32)]
+    m.set_initial_cost_curves(flat)
+    assert m._verify_all
+    _record(m, [[0.01] * K] * 3)  # hopeless confidences would trim everything with a rising curve
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    assert m.get_num_tokens(per_req, {x: [0] * K for x in per_req}) == 3 * (1 + K)
+
+
 class ExecuteModelState(NamedTuple):
     """The two fields of vLLM's ExecuteModelState the saturation hook reads (a NamedTuple there too)."""
 

@@ -118,6 +118,28 @@ def _clean_points(
     return tuple(repaired)
 
 
+def monotone_fit(points: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Least-squares non-decreasing fit of ``(x, ms)`` points (pool-adjacent-violators), sorted by x.
+
+    For noisy timings taken by someone else (vLLM's start-up profile: a few replays per size, some eager):
+    a running maximum lets one slow outlier price every larger batch, while the isotonic fit averages a
+    violating run, so a spike moves the curve only by its share of the run. A curve the user hands us is
+    not repaired this way -- it is refused when it is not monotone (beyond noise).
+    """
+    pts = sorted((int(x), float(y)) for x, y in points)
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for _, y in pts:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted: list[float] = []
+    for total, count in blocks:
+        fitted.extend([total / count] * int(count))
+    return [(x, y) for (x, _), y in zip(pts, fitted, strict=True)]
+
+
 def _clean_capture_sizes(sizes: Any, source: str) -> tuple[int, ...]:
     if sizes is None:
         return ()

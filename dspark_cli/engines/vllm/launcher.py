@@ -31,7 +31,7 @@ from dspark_cli.engines.vllm.config import (
     resolve_paths,
     settings_from_seed_keys,
 )
-from dspark_cli.engines.vllm.contract import ADDITIONAL_CONFIG_KEY, PLUGIN_GROUP, PLUGIN_NAME
+from dspark_cli.engines.vllm.contract import ADDITIONAL_CONFIG_KEY, PLUGIN_GROUP, PLUGIN_NAME, VLLM_VERSION
 from dspark_cli.errors import DsparkError
 
 SPEC_FLAGS = ("--speculative-config", "-sc")
@@ -177,6 +177,7 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
         raise DsparkError("dspark settings need speculative decoding: pass --speculative-config "
                           "'{\"method\": ..., \"model\": ..., \"num_speculative_tokens\": ...}'")
     new_spec = {k: v for k, v in spec.items() if not k.startswith("dspark_")}
+    _check_method_detection(new_spec)
     new_additional = {k: v for k, v in additional.items() if k != ADDITIONAL_CONFIG_KEY}
     if settings.active:
         new_spec["enable_adaptive_verification"] = True
@@ -191,6 +192,26 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
         argv += [ADDITIONAL_FLAG, orjson.dumps(new_additional).decode()]
     return VllmServePlan(argv=argv, settings=settings if settings.active else None,
                          speculative_config=new_spec, additional_config=new_additional)
+
+
+# vLLM 0.33 (SpeculativeConfig.__post_init__) re-derives the method of every speculator other than these
+# from the draft's *path*: a "draft_model" whose folder name contains "dspark" runs as a DSpark speculator.
+_EXPLICIT_METHODS = ("eagle", "eagle3", "dflash", "dspark")
+_PATH_MARKERS = ("eagle-", "eagle3", "dflash", "dspark")
+
+
+def _check_method_detection(spec: dict[str, Any]) -> None:
+    """Refuse a draft path that would silently change the speculative method vLLM runs."""
+    method, model = spec.get("method"), spec.get("model")
+    if method in _EXPLICIT_METHODS or not isinstance(model, str):
+        return
+    lowered = model.lower()
+    for marker in _PATH_MARKERS:
+        if marker in lowered:
+            raise DsparkError(
+                f"--speculative-config: vLLM {VLLM_VERSION} picks the speculative method from the draft's path, "
+                f"and {model!r} contains {marker!r}, so method {method!r} would not run as asked; move or link the "
+                f"draft to a path without {marker!r}")
 
 
 def build_vllm_serve_command(argv: list[str]) -> list[str]:

@@ -73,20 +73,33 @@ def invalid_draft_rows(expanded_local_pos: torch.Tensor, cu_num_logits: torch.Te
 
 
 def curve_from_samples(samples: list[Any], capture_sizes: list[int], overhead_ms: float, meta: dict[str, Any]) -> Any:
-    """vLLM's start-up ``StepTimingSample`` list -> ``core.sps.SpsCurve`` (medians per size).
+    """vLLM's start-up ``StepTimingSample`` list -> ``core.sps.SpsCurve`` (medians per size), or None if flat.
 
     Like upstream, the draft curve uses FULL-graph samples only: eager target steps inflate drafter timings.
+    The start-up profile is 5 replays per size, some eager or piecewise, so a larger batch can time below a
+    smaller one: the medians get a least-squares monotone fit (``core.sps.monotone_fit``), where upstream
+    takes a running maximum that lets one slow outlier price every larger batch. A user's file is never
+    repaired this way. A verify curve that is still flat means verification costs the same at every size
+    on this engine: None, and the manager verifies every draft (saying so) instead of refusing to start.
     """
-    from dspark_cli.core.sps import SpsCurve
+    from dspark_cli.core.sps import MIN_COST_RATIO, SpsCurve, monotone_fit
 
     def medians(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
         grouped: dict[int, list[float]] = {}
         for key, value in points:
             grouped.setdefault(int(key), []).append(float(value))
-        return [(k, float(np.median(v))) for k, v in sorted(grouped.items())]
+        raw = [(k, float(np.median(v))) for k, v in sorted(grouped.items())]
+        fitted = monotone_fit(raw)
+        if fitted != raw:
+            logger.info("dspark: vLLM's start-up profile was not monotone; fitted a monotone curve (%d sizes "
+                        "adjusted)", sum(a != b for a, b in zip(raw, fitted, strict=True)))
+        return fitted
 
     verify = medians([(s.num_target_tokens, s.forward_ms) for s in samples])
     draft = medians([(s.num_reqs, s.drafter_ms) for s in samples if s.full_cudagraph])
+    costs = [y for _, y in verify]
+    if not costs or max(costs) < MIN_COST_RATIO * min(costs):
+        return None
     return SpsCurve.from_points(verify, draft, overhead_ms, capture_sizes, meta, source="vLLM start-up profile")
 
 
@@ -261,6 +274,7 @@ def build_manager_class(base: type) -> type:
             self._dp_rank = int(getattr(pc, "data_parallel_rank", 0))
             self._user_curve = load_curve(settings)
             self.curve: Any = None
+            self._verify_all = False  # the start-up profile was flat: no curve, verify every draft
             self._capture_sizes: list[int] = []
             k = self.num_speculative_steps
             device = self.req_states.device
@@ -308,6 +322,8 @@ def build_manager_class(base: type) -> type:
             return super().batches_to_profile(capture_sizes)
 
         def set_initial_cost_curves(self, samples: list[Any]) -> None:
+            from dspark_cli.core.sps import SpsCurve
+
             if self._user_curve is not None:
                 curve = self._user_curve
             elif samples:
@@ -316,12 +332,18 @@ def build_manager_class(base: type) -> type:
             else:
                 raise RuntimeError("dspark: vLLM's start-up profile produced no step timings; pass --sps-curve "
                                    "(measure one with `dspark profile-sps --engine vllm`)")
-            curve = with_overhead(curve, self.settings.overhead_ms)
+            if curve is not None:
+                curve = with_overhead(curve, self.settings.overhead_ms)
             tp = self._tp()
-            if tp is not None:
-                from dspark_cli.core.sps import SpsCurve
-
-                curve = SpsCurve.from_dict(tp.broadcast_object(curve.to_dict(), src=0), source="TP rank 0")
+            if tp is not None:  # every rank takes rank 0's curve (or rank 0's verdict that it was flat)
+                shared = tp.broadcast_object(None if curve is None else curve.to_dict(), src=0)
+                curve = None if shared is None else SpsCurve.from_dict(shared, source="TP rank 0")
+            if curve is None:
+                logger.warning("dspark: vLLM's start-up profile prices every verify batch the same, so capacity "
+                               "scheduling cannot pay here: verifying every draft. Measure a curve with "
+                               "`dspark profile-sps --engine vllm` and pass it as --sps-curve")
+                self._verify_all = True
+                return
             self.curve = curve
             logger.info("dspark: SPS curve with %d verify points (capture limit %d), %d draft points, overhead "
                         "%.3f ms", len(curve.verify_ms), curve.capture_limit, len(curve.draft_ms), curve.overhead_ms)
@@ -357,7 +379,7 @@ def build_manager_class(base: type) -> type:
 
         # ---------------------------------------------------------------- budget (host, stale)
         def get_num_tokens(self, num_tokens_per_req: dict[str, int], draft_tokens: dict[str, list[int]]) -> int:
-            assert self.curve is not None, "dspark: SPS curve not set (capture_model did not run)"
+            assert self.curve is not None or self._verify_all, "dspark: SPS curve not set (capture_model did not run)"
             req_ids = list(num_tokens_per_req)
             r = len(req_ids)
             scheduled = np.fromiter(num_tokens_per_req.values(), dtype=np.int64, count=r)
@@ -366,7 +388,9 @@ def build_manager_class(base: type) -> type:
             slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids), dtype=np.int64, count=r)
             total = int(drafts.sum())
             cap = min(total, max(0, self._max_total_logits - r * self.num_bonus_tokens))
-            if self._drafts_real:
+            if self._verify_all:
+                budget = cap if self._drafts_real else 0
+            elif self._drafts_real:
                 stale = self._stale_confidences[self._stale_idx].np[slots]
                 survival = np.cumprod(np.clip(stale.astype(np.float64), 0.0, 1.0), axis=1)
                 num_sampling = int(np.count_nonzero(
@@ -463,7 +487,7 @@ def build_manager_class(base: type) -> type:
 
                 def observe_verification(idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
                                          num_rejected: torch.Tensor) -> None:
-                    original_observe(idx_mapping, num_sampled, num_rejected)
+                    original_observe(idx_mapping, num_sampled, self.verified_rejections(num_sampled, num_rejected))
                     self.observe(num_sampled)
 
                 spec.observe_verification = observe_verification
@@ -540,6 +564,24 @@ def build_manager_class(base: type) -> type:
                 return apply_temperatures(flat, self.temperatures).to(conf.dtype).reshape(conf.shape)
 
             model.compute_confidence = compute_confidence
+
+        def verified_rejections(self, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> torch.Tensor:
+            """``num_rejected`` as upstream's acceptance estimator must see it: censored by what was verified.
+
+            The estimator labels positions below ``accepted + rejected``. In varlen the runner counts rejections
+            over the compacted logits, so pruned drafts are already left out; in mask mode the logits stay
+            uniform and a pruned draft reads as a rejection, which would teach the estimator that what we
+            did not verify was wrong -- and lower the confidences that decide what gets verified next.
+            """
+            pending = self._verify_pending
+            if self.mode != "mask" or pending is None:
+                return num_rejected
+            r = pending[1]
+            caps = self._batch_draft_capacity[:r].to(num_rejected.dtype)
+            accepted = (num_sampled[:r] - self.num_bonus_tokens).clamp_min(0).to(num_rejected.dtype)
+            out = num_rejected.clone()
+            out[:r] = torch.minimum(num_rejected[:r], (caps - accepted).clamp_min(0))
+            return out
 
         def observe(self, num_sampled: torch.Tensor) -> None:
             """Outcomes of this step's verification (device), before propose overwrites the drafts."""
