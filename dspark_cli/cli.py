@@ -256,6 +256,7 @@ def bench(
     sps_curve: str = typer.Option(None, "--sps-curve", help="SPS curve FILE or 'auto' for mask/varlen configs."),
     concurrency: str = typer.Option("1,4,16", "--concurrency", "-c", help="Comma list of in-flight requests."),
     num_prompts: int = typer.Option(64, "--num-prompts", "-n", help="Requests per cell (equal work per cell)."),
+    waves: int = typer.Option(None, "--waves", help="Requests per cell = WAVES x concurrency instead of -n."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Output tokens per request."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Keep outputs full length."),
     temperature: float = typer.Option(0.0, "--temperature"),
@@ -332,6 +333,10 @@ def bench(
         raise DsparkError(f"--serve-args is not valid shell syntax: {exc}") from exc
     cfgs = mx.parse_configs(configs, sps_curve, common) if serve else [mx.BenchConfig(label)]
     concs = mx.parse_concurrencies(concurrency)
+    if waves is not None:
+        if waves < 1:
+            raise DsparkError(f"--waves must be >= 1, got {waves}")
+        num_prompts = waves * max(concs)
     prompts = load_prompts(dataset, num_prompts, dataset_path=dataset_path, speed_bench_subset=speed_bench_subset,
                            speed_bench_category=speed_bench_category, input_len=input_len, seed=seed,
                            tokenizer=tokenizer)
@@ -339,12 +344,14 @@ def bench(
                 "speed_bench_category": speed_bench_category, "input_len": input_len if dataset == "random" else None,
                 "num_prompts": num_prompts, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
                 "temperature": temperature, "seed": seed, "endpoint": endpoint}
+    if waves is not None:
+        workload["waves"] = waves
     load = LoadConfig(base_url=base_url or "", endpoint=endpoint, model=model, max_tokens=max_tokens,  # type: ignore[arg-type]
                       temperature=temperature, seed=seed, ignore_eos=ignore_eos, request_timeout_s=request_timeout)
     spec = mx.MatrixSpec(configs=cfgs, concurrencies=concs, prompts=prompts, load=load, results_dir=results_dir,
                          workload=workload, serve=serve, serve_args=common, host=host, port=port,
                          server_timeout_s=server_timeout, force=force, warmup_prompts=warmup_prompts,
-                         sts_warmup_prompts=sts_warmup_prompts)
+                         sts_warmup_prompts=sts_warmup_prompts, waves=waves)
     total = len(cfgs) * len(concs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
@@ -367,7 +374,8 @@ def bench(
                 err_console.print(exc.log_tail, markup=False, highlight=False, style="dim")
             raise
     names = [k.name for k in spec.configs]
-    title = f"dspark bench ({dataset}, {num_prompts} prompts x {max_tokens} tokens, temperature {temperature:g})"
+    per_cell = f"{waves} x concurrency" if waves is not None else f"{num_prompts}"
+    title = f"dspark bench ({dataset}, {per_cell} prompts x {max_tokens} tokens, temperature {temperature:g})"
     json_path, md_path = report.write_summary(results_dir, cells, names, concs, title)
     console.print(report.to_rich(report.build_table(cells, names, concs), title))
     failed = sum(int(c["metrics"].get("failed") or 0) for c in cells)

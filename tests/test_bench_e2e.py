@@ -128,3 +128,14 @@ def test_eval_gsm8k_resumes_and_compares(tmp_path: Path) -> None:
                          text=True, timeout=60)
     assert cmp.returncode == 0, cmp.stderr
     assert "n=4 shared questions" in cmp.stdout and "within" in cmp.stdout
+
+
+def test_waves_send_waves_times_concurrency_requests_per_cell(tmp_path: Path) -> None:
+    results = tmp_path / "res"
+    run = subprocess.run(_bench(results, "none", "--waves", "2", "--no-plots"), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    completed = {c: read_json(results / "cells" / f"none__c{c}.json")["metrics"]["completed"] for c in (1, 2)}
+    assert completed == {1: 2, 2: 4}
+    assert read_json(results / "cells" / "none__c2.json")["workload"]["waves"] == 2
+    assert "2 x concurrency prompts" in " ".join(run.stdout.split())  # the table title (rich wraps it)

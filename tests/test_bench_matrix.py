@@ -151,3 +151,12 @@ def test_cell_where_every_request_failed_is_not_saved(tmp_path: Path) -> None:
     with pytest.raises(DsparkError, match="every request of cell srv c=1 failed"):
         run_matrix(spec, base_url=f"http://127.0.0.1:{port}", label="srv")
     assert not (tmp_path / "cells").exists() or not any((tmp_path / "cells").iterdir())
+
+
+def test_waves_take_the_same_leading_prompts_for_every_config(tmp_path: Path) -> None:
+    prompts = [Prompt(text=str(i)) for i in range(8)]
+    spec = MatrixSpec(configs=[BenchConfig("none")], concurrencies=[1, 4], prompts=prompts,
+                      load=LoadConfig(base_url=""), results_dir=tmp_path, workload={}, waves=2)
+    assert [p.text for p in spec.cell_prompts(1)] == ["0", "1"]
+    assert [p.text for p in spec.cell_prompts(4)] == [str(i) for i in range(8)]
+    assert len(_spec(tmp_path).cell_prompts(4)) == 1  # without waves: every prompt, at any concurrency

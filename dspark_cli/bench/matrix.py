@@ -160,6 +160,17 @@ class MatrixSpec:
     sts_warmup_prompts: int | None = None  # None: --num-prompts
     sts_warmup_max_tokens: int | None = None  # None: max_tokens // 4
     serve_command: tuple[str, ...] = SERVE_COMMAND
+    waves: int | None = None  # requests per cell = waves x concurrency (else every prompt)
+
+    def cell_prompts(self, concurrency: int) -> list[Prompt]:
+        """The prompts of one cell: identical for every config at a concurrency (equal work per cell).
+
+        With ``waves`` a cell sends ``waves x concurrency`` requests, so low concurrencies are not timed on
+        many more waves than high ones (and a sweep up to 256 in flight fits a short GPU sitting).
+        """
+        if self.waves is None:
+            return list(self.prompts)
+        return list(self.prompts[: self.waves * concurrency])
 
 
 def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
@@ -291,7 +302,7 @@ async def _measure(spec: MatrixSpec, cfg: BenchConfig, c: int, base_url: str, se
     started = _now()
     async with make_session(load) as session:
         before = await fetch_counters(session, base_url)
-        results, wall, model = await run_load(spec.prompts, load, hooks.request_done, session)
+        results, wall, model = await run_load(spec.cell_prompts(c), load, hooks.request_done, session)
         after = await fetch_counters(session, base_url)
     stats = counter_delta(before, after)
     return {
@@ -379,7 +390,7 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
             else:
                 url = base_url.rstrip("/")
                 for c in cells:
-                    hooks.cell_started(cfg.name, c, len(spec.prompts))
+                    hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
                     cell = asyncio.run(_measure(spec, cfg, c, url, {"mode": "external", "base_url": url}, hooks))
                     _write_cell(spec, cell, hooks)
     except KeyboardInterrupt:
@@ -410,7 +421,7 @@ def _run_served_config(spec: MatrixSpec, cfg: BenchConfig, concurrencies: list[i
     with ServerProcess(command, log_path, base_url, spec.server_timeout_s):
         asyncio.run(_warmup(spec, cfg, base_url, hooks))
         for c in concurrencies:
-            hooks.cell_started(cfg.name, c, len(spec.prompts))
+            hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
             cell = asyncio.run(_measure(spec, cfg, c, base_url, server, hooks))
             _write_cell(spec, cell, hooks)
     hooks.log(f"{cfg.name}: server stopped")
