@@ -18,8 +18,9 @@ class ScriptedServer:
     split across writes. Records request bodies and the peak number of requests in flight."""
 
     def __init__(self, plan: list[int], continuous_usage: bool = False, split_events: bool = True,
-                 status: int = 200) -> None:
+                 status: int = 200, text: str = "tok ") -> None:
         self.plan = plan
+        self.text = text
         self.continuous_usage = continuous_usage
         self.split_events = split_events
         self.status = status
@@ -43,7 +44,7 @@ class ScriptedServer:
             for n in self.plan:
                 await asyncio.sleep(0.01)
                 sent += n
-                text = "tok " * n
+                text = self.text * n
                 choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                 msg: dict[str, Any] = {"choices": [choice]}
                 if self.continuous_usage:
@@ -114,6 +115,18 @@ def test_per_chunk_usage_splits_each_gap_over_its_tokens() -> None:
     assert per_tok[3:] == pytest.approx([r.itl[1] / 2] * 2)
 
 
+def test_steps_that_spell_no_text_still_count_through_per_chunk_usage() -> None:
+    # A random model's ids that a small tokenizer cannot spell: every chunk is empty text.
+    server = ScriptedServer([1, 3, 2], continuous_usage=True, text="")
+    (r,), _, _ = _run(server, [Prompt(text="hi")], max_tokens=6)
+    assert r.success, r.error
+    assert r.output_tokens == 6 and r.chunk_tokens == [1, 3, 2] and len(r.itl) == 2
+    assert server.bodies[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    # without per-chunk usage an empty stream carries nothing measurable: a failure, not a fake number
+    (r,), _, _ = _run(ScriptedServer([1, 3], text=""), [Prompt(text="hi")], max_tokens=4)
+    assert not r.success and "no output tokens" in r.error
+
+
 def test_request_payload_carries_equal_work_fields() -> None:
     server = ScriptedServer([2])
     _run(server, [Prompt(text="a"), Prompt(messages=({"role": "user", "content": "b"},))],
@@ -122,7 +135,7 @@ def test_request_payload_carries_equal_work_fields() -> None:
     assert first["messages"] == [{"role": "user", "content": "a"}]
     assert second["messages"] == [{"role": "user", "content": "b"}]
     for i, body in enumerate(server.bodies):
-        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         assert body["ignore_eos"] is True and body["max_tokens"] == 5 and body["temperature"] == 1.0
         assert body["seed"] == 10 + i and body["model"] == "m1"
 

@@ -190,6 +190,18 @@ def test_completion_shape_usage_and_stream_equivalence(server: Server) -> None:
     assert status == 200 and again["choices"][0]["text"] == choice["text"]
 
 
+def test_continuous_usage_counts_every_token_in_every_chunk(server: Server) -> None:
+    body = {"model": "test-model", "prompt": "The quick brown", "max_tokens": 12, **GREEDY,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = server.stream("/v1/completions", body)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    counts = [e["usage"]["completion_tokens"] for e in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] >= 1
+    # every chunk reports what was generated so far; no step is reported twice
+    assert len(set(counts)) == len(counts)
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 12
+
+
 def _prompt_ids(server: Server, text: str) -> list[int]:
     """Tokenise like the server does for a string prompt, with the tokenizer of the model it serves."""
     from transformers import AutoTokenizer

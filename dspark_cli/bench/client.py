@@ -6,7 +6,9 @@ makes cells of different configs comparable token for token.
 
 Timing follows ``vllm bench serve`` so numbers line up with vLLM's own tool:
 
-- TTFT: request start to the first chunk that carries output text.
+- TTFT: request start to the first chunk that carries output: text, or (with vLLM's
+  ``continuous_usage_stats``, which we ask for) a rise in ``usage.completion_tokens`` -- a step can emit
+  tokens that spell no text yet (partial UTF-8, a random model's ids a small tokenizer cannot spell).
 - ITL: gaps between consecutive token-carrying chunks. With speculative decoding one chunk may carry several
   tokens (everything one verify step emitted), so a per-chunk ITL is a per-*step* latency -- the number the
   seed table reports. We also keep a per-token ITL (each gap split over the tokens it delivered, counted
@@ -103,7 +105,7 @@ def build_payload(prompt: Prompt, cfg: LoadConfig, model: str, index: int) -> di
         "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     if cfg.endpoint == "chat":
         payload["messages"] = prompt.as_messages()
@@ -157,7 +159,10 @@ async def stream_request(
                             return res
                         usage = msg.get("usage") or None
                         choices = msg.get("choices") or []
-                        if choices and _has_output(choices[0]):
+                        tokens_now = int(usage["completion_tokens"]) if usage and usage.get(
+                            "completion_tokens") is not None else None
+                        advanced = tokens_now is not None and bool(choices) and tokens_now > prev_usage_tokens
+                        if choices and (_has_output(choices[0]) or advanced):
                             if res.ttft is None:
                                 res.ttft = now - st
                             else:

@@ -187,6 +187,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
 
 
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
@@ -370,12 +371,17 @@ def parse_completion(ctx: ServerContext, body: Any) -> ParsedRequest:
         raise BadRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
     max_tokens = _check_length(ctx, ids, body)
     return ParsedRequest(ids, _make_params(body, max_tokens), stops, bool(body.get("stream")),
-                         _include_usage(body), model)
+                         _include_usage(body), model, _continuous_usage(body))
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
     so = body.get("stream_options") or {}
     return bool(so.get("include_usage"))
+
+
+def _continuous_usage(body: dict[str, Any]) -> bool:
+    so = body.get("stream_options") or {}
+    return bool(so.get("include_usage")) and bool(so.get("continuous_usage_stats"))
 
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -419,7 +425,7 @@ def parse_chat(ctx: ServerContext, body: Any) -> ParsedRequest:
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
     max_tokens = _check_length(ctx, ids, body)
     return ParsedRequest(ids, _make_params(body, max_tokens), stops, bool(body.get("stream")),
-                         _include_usage(body), model)
+                         _include_usage(body), model, _continuous_usage(body))
 
 
 # --------------------------------------------------------------------------------------------- handlers
@@ -527,10 +533,11 @@ async def _stream(request: web.Request, gen: _Generation, rid: str, created: int
         payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
                                    "choices": [choice]}
         if req.include_usage:
-            payload["usage"] = None
+            payload["usage"] = _usage(len(req.prompt_ids), gen.num_tokens) if req.continuous_usage else None
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
     resp: web.StreamResponse | None = None
+    sent_tokens = 0
     deltas = gen.deltas()
     try:
         async with contextlib.aclosing(deltas):
@@ -544,8 +551,12 @@ async def _stream(request: web.Request, gen: _Generation, rid: str, created: int
                         await resp.write(chunk("", None, first=True))
                 if gen.finish_reason is not None:
                     await resp.write(chunk(delta if (delta or not chat) else None, gen.finish_reason))
-                elif delta:
+                elif delta or gen.num_tokens > sent_tokens:
+                    # One chunk per engine step that produced tokens, even when they produced no text yet
+                    # (a partial UTF-8 sequence, text held back by a stop string, ids a random model's
+                    # tokenizer cannot spell): timing clients see every step, usage counts every token.
                     await resp.write(chunk(delta, None))
+                sent_tokens = gen.num_tokens
     except (EngineDeadError, RequestRejectedError) as exc:
         if resp is None:
             return _engine_error(exc)

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The seed's matrix with the embedded engine on one GPU, per setup, in one sitting:
+# no speculation, no capacity, mask+SPS, varlen+SPS, mask+SPS+STS, varlen+SPS+STS at k=7, temperature 1,
+# ignore-eos, equal work per cell (WAVES x concurrency requests), SPS curve profiled first on the same GPU.
+#
+#   bash benchmarks/h200_matrix.sh OUT scaled   # random Llama-3-8B shape + synthetic drafter (V4-Flash decay)
+#   bash benchmarks/h200_matrix.sh OUT real     # SmolLM2-135M-Instruct + its distilled draft, GSM8K prompts
+#   bash benchmarks/h200_matrix.sh OUT gsm8k    # real setup: GSM8K accuracy, no capacity vs varlen+SPS+STS
+#
+# The real setup needs the SmolLM2 GGUF on the host: here, `python3 examples/distill_smollm2_draft.py
+# --prepare .carry/smol` cuts it into .carry/smol/part{1,2,3}; carry each part in its own call and copy it
+# to /tmp/smol (`mkdir -p /tmp/smol && cp .carry/smol/partN/* /tmp/smol/`). Wheels the host lacks (orjson,
+# gguf) travel in .whl. Env: CONC (16,32,64,128,256), WAVES (2), TOK (128), CONFIGS, MAX_NUM_SEQS (256),
+# DEVICE (cuda), SCALED_MODEL (random:llama-3-8b; a smaller shape checks the plumbing on a CPU).
+set -uo pipefail
+OUT=${1:?usage: h200_matrix.sh OUT scaled|real|gsm8k}
+SETUP=${2:?usage: h200_matrix.sh OUT scaled|real|gsm8k}
+mkdir -p "$OUT/$SETUP"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl >/dev/null 2>&1
+fi
+export PYTHONPATH=/tmp/dspark-site:$PWD PYTHONUNBUFFERED=1 DSPARK_CACHE_DIR=${DSPARK_CACHE_DIR:-/tmp/dcache}
+mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m dspark_cli.cli "$@"\n' >/tmp/bin/dspark && chmod +x /tmp/bin/dspark
+export PATH=/tmp/bin:$PATH
+K=7
+CONC=${CONC:-16,32,64,128,256}
+WAVES=${WAVES:-2}
+TOK=${TOK:-128}
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
+CONFIGS=${CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts}
+DEVICE=${DEVICE:-cuda}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"; } | tee "$OUT/$SETUP/machine.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' \
+  | tee -a "$OUT/$SETUP/machine.txt"
+
+smollm2() {  # the converted SmolLM2 checkpoint in the cache, from the GGUF parts in /tmp/smol
+  python3 - <<'PY'
+import glob, os, shutil
+from pathlib import Path
+from dspark_cli.engines.embedded import assets
+out = assets.cache_dir() / assets.SMOLLM2_DIRNAME
+if not (out / "config.json").is_file():
+    parts = sorted(glob.glob("/tmp/smol/*.gguf.part*"), key=lambda p: int(p.rsplit("part", 1)[1]))
+    if not parts:
+        raise SystemExit("no /tmp/smol/*.gguf.part*: stage .carry/smol/part1..3 first (see the header)")
+    gguf = Path("/tmp/smol") / Path(parts[0]).name.rsplit(".part", 1)[0]
+    with open(gguf, "wb") as fh:
+        for p in parts:
+            with open(p, "rb") as src:
+                shutil.copyfileobj(src, fh)
+    assets._build_dir_atomically(out, lambda tmp: assets.convert_gguf(gguf, tmp))
+print(out)
+PY
+}
+
+case $SETUP in
+  scaled)
+    MODEL=${SCALED_MODEL:-random:llama-3-8b}
+    DRAFT=synthetic
+    TOKENIZER=$(python3 -c "from dspark_cli.engines.embedded.shapes import resolve_random as r; print(r('$MODEL', None).tokenizer)")
+    DATA=(--dataset random --input-len 128 --tokenizer "$TOKENIZER") ;;
+  real | gsm8k)
+    smollm2 >/dev/null || exit 1
+    MODEL=smollm2-135m
+    DRAFT=auto
+    DATA=(--dataset /tmp/smol/gsm8k.jsonl) ;;
+  *) echo "unknown setup $SETUP (scaled|real|gsm8k)" >&2; exit 2 ;;
+esac
+SERVE="--model $MODEL --draft $DRAFT -k $K --max-num-seqs $MAX_NUM_SEQS --device $DEVICE"
+CURVE=$OUT/$SETUP/sps_curve.json
+[[ $SETUP == gsm8k ]] && CURVE=$OUT/real/sps_curve.json
+t0=$SECONDS
+if [[ ! -f $CURVE ]]; then
+  dspark profile-sps "$MODEL" --draft "$DRAFT" -k $K --max-num-seqs "$MAX_NUM_SEQS" --device "$DEVICE" -o "$CURVE" \
+    --plot "${CURVE%.json}.png" 2>&1 | tee "$OUT/$SETUP/profile.log"
+  echo "profile: $((SECONDS - t0)) s" | tee -a "$OUT/$SETUP/stages.txt"
+fi
+
+if [[ $SETUP == gsm8k ]]; then
+  # Full test set, one concurrency: accuracy of verifying everything vs the full dspark configuration.
+  for cfg in none varlen+sts; do
+    port=$((8100 + RANDOM % 500))
+    extra="--capacity-mode ${cfg%%+*}"
+    [[ $cfg == *+sts ]] && extra="$extra --sps-curve $CURVE --online-sts"
+    # shellcheck disable=SC2086
+    dspark serve $SERVE $extra --port $port >"$OUT/$SETUP/serve-$cfg.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+    dspark eval gsm8k --port $port --data /tmp/smol/gsm8k.jsonl -c 256 --max-tokens 256 \
+      -o "$OUT/$SETUP/gsm8k-$cfg.jsonl" 2>&1 | tail -3 | tee -a "$OUT/$SETUP/gsm8k.log"
+    kill -INT $pid; wait $pid
+  done
+  dspark eval gsm8k --compare "$OUT/$SETUP/gsm8k-none.jsonl" "$OUT/$SETUP/gsm8k-varlen+sts.jsonl" \
+    | tee -a "$OUT/$SETUP/gsm8k.log"
+  echo "gsm8k: $((SECONDS - t0)) s" | tee -a "$OUT/$SETUP/stages.txt"
+  exit 0
+fi
+
+dspark bench --serve --configs "$CONFIGS" --sps-curve "$CURVE" --serve-args "$SERVE" -c "$CONC" --waves "$WAVES" \
+  --max-tokens "$TOK" --temperature 1 "${DATA[@]}" -o "$OUT/$SETUP/bench" 2>&1 | tee "$OUT/$SETUP/bench.log"
+echo "bench: $((SECONDS - t0)) s" | tee -a "$OUT/$SETUP/stages.txt"
