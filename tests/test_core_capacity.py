@@ -404,15 +404,30 @@ def test_saturation_pauses_after_patience_and_probes() -> None:
         assert pol.begin_step(100)
         pol.observe(_decision(3, 0.95, 1.0), 100)  # budget > 0 but no better than plain decoding
     assert not pol.drafting_enabled
-    # Paused: steps 1..3 skip drafting, step 4 is a probe; a losing probe keeps the pause.
+    # Paused: steps 1..3 skip drafting, step 4 is a probe; a losing probe keeps the pause and doubles
+    # the wait before the next one (8 steps), and so on up to 16 x resume_every.
     assert [pol.begin_step(100) for _ in range(3)] == [False, False, False]
     assert pol.begin_step(100) and pol.probing
     pol.observe(losing, 100)
-    assert not pol.drafting_enabled and not pol.probing
-    assert [pol.begin_step(100) for _ in range(3)] == [False, False, False]
-    assert pol.begin_step(100)
+    assert not pol.drafting_enabled and not pol.probing and pol.probe_wait == 8
+    assert [pol.begin_step(100) for _ in range(7)] == [False] * 7
+    assert pol.begin_step(100) and pol.probing
+    pol.observe(losing, 100)
+    assert pol.probe_wait == 16
+    for _ in range(10):  # keeps losing: the wait saturates
+        while not pol.begin_step(100):
+            pass
+        pol.observe(losing, 100)
+    assert pol.probe_wait == SaturationPolicy.MAX_PROBE_BACKOFF * 4
+    while not pol.begin_step(100):
+        pass
     pol.observe(paying, 100)
     assert pol.drafting_enabled
+    # the next pause starts probing at resume_every again
+    for _ in range(3):
+        pol.begin_step(100)
+        pol.observe(losing, 100)
+    assert not pol.drafting_enabled and pol.probe_wait == 4
 
 
 def test_saturation_resumes_when_load_falls() -> None:

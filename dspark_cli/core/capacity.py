@@ -315,11 +315,17 @@ class SaturationPolicy:
 
     * **load fell**: when the number of running requests is <= 3/4 of the count at which drafting
       paused, drafting resumes at once (the contention that made it unprofitable is gone);
-    * **probe**: every ``resume_every``-th paused step drafts once; if that step's decision pays
-      (reported through :meth:`observe`), drafting resumes, otherwise the pause continues.
+    * **probe**: after ``resume_every`` paused steps, one step drafts; if that step's decision pays
+      (reported through :meth:`observe`), drafting resumes, otherwise the pause continues and the wait
+      before the next probe doubles, up to ``MAX_PROBE_BACKOFF x resume_every``. A probe costs a whole
+      speculative step plus the draft's catch-up over the pause, so under sustained saturation fixed-rate
+      probes would tax throughput by ~1/resume_every forever; the backoff bounds that tax at
+      1/(16 resume_every) while a falling load still resumes at once.
 
     ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
     """
+
+    MAX_PROBE_BACKOFF = 16
 
     def __init__(self, patience: int, resume_every: int) -> None:
         _check_int("saturation_patience", patience, 0)
@@ -330,6 +336,7 @@ class SaturationPolicy:
         self._paused = False
         self._paused_running = 0
         self._paused_steps = 0
+        self._probe_wait = resume_every
         self._probing = False
 
     @property
@@ -348,15 +355,24 @@ class SaturationPolicy:
             self._resume()
             return True
         self._paused_steps += 1
-        self._probing = self._paused_steps % self.resume_every == 0
+        self._probing = self._paused_steps >= self._probe_wait
         return self._probing
+
+    @property
+    def probe_wait(self) -> int:
+        """Paused steps before the next probe (``resume_every``, doubled by every failed probe)."""
+        return self._probe_wait
 
     def observe(self, pays: bool | BudgetDecision, num_running: int = 0) -> None:
         """Report whether a drafting step paid; ``num_running`` is remembered if this pauses drafting."""
         paid = pays.pays if isinstance(pays, BudgetDecision) else bool(pays)
         if self._paused:
-            if self._probing and paid:
-                self._resume()
+            if self._probing:
+                if paid:
+                    self._resume()
+                    return
+                self._paused_steps = 0
+                self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.resume_every)
             self._probing = False
             return
         if paid:
@@ -367,6 +383,7 @@ class SaturationPolicy:
             self._paused = True
             self._paused_running = num_running
             self._paused_steps = 0
+            self._probe_wait = self.resume_every
             self._streak = 0
 
     def _resume(self) -> None:
@@ -374,6 +391,7 @@ class SaturationPolicy:
         self._probing = False
         self._streak = 0
         self._paused_steps = 0
+        self._probe_wait = self.resume_every
 
 
 # ---------------------------------------------------------------------------------------------- manager

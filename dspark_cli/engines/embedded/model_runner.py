@@ -544,16 +544,6 @@ class ModelRunner:
         return self.drafter.propose(self._catchup_inputs(seqs, tables, temperature, uniforms), self.num_spec)
 
     @torch.inference_mode()
-    def catch_up(self, seqs: list[Sequence], tables: Tensor) -> None:
-        """Feed the draft every token it has not seen (its KV only, no proposal): run on steps that do not
-        draft, so the draft stays one token behind and resuming costs no long catch-up pass. In steady
-        state this is one token per request through the captured catch-up graph."""
-        assert self.drafter is not None
-        inp = self._catchup_inputs(seqs, tables, None, None)
-        self.drafter.prefill(inp.catchup_ids, inp.catchup_positions, inp.catchup_req, inp.catchup_start,
-                             inp.block_tables, inp.max_catchup, inp.max_kv_len)
-
-    @torch.inference_mode()
     def verify(self, layout: VerifyLayout, tables: Tensor, start_pos: Tensor, max_position: int) -> Tensor:
         """Target logits ``[T, V]`` (float32) for every row of the layout."""
         hidden = self._verify_fn(
