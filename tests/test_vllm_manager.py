@@ -111,3 +111,57 @@ def test_initial_temperatures(tmp_path: Path) -> None:
 def test_traces_path_per_data_parallel_rank() -> None:
     assert traces_path("/x/t.jsonl", 0, 1) == Path("/x/t.jsonl")
     assert traces_path("/x/t.jsonl", 1, 2) == Path("/x/t.dp1.jsonl")
+
+
+def test_speculator_hooks_are_installed_once_and_serve_the_latest_manager() -> None:
+    from dspark_cli.engines.vllm.manager import SPECULATOR_MANAGER_ATTR, install_speculator_hooks
+
+    calls: list[str] = []
+
+    class Spec:
+        def __init__(self) -> None:
+            self.model = types.SimpleNamespace(compute_confidence=lambda x: x)
+
+        def observe_verification(self, idx_mapping, num_sampled, num_rejected) -> None:
+            calls.append(f"estimator saw {num_rejected}")
+
+        def _multi_step_decode(self, *args) -> None:
+            calls.append("decode")
+
+        def propose(self, *args, num_speculative_tokens=None, dummy_run=False):
+            calls.append("prefill")
+            self._multi_step_decode()
+            return "drafts"
+
+    class Manager:
+        def __init__(self, name: str, scale: float) -> None:
+            self.name, self.scale = name, scale
+            self._skip_decode = False
+            self._pause_supported = True
+
+        def calibrate_in_graph(self, conf):
+            return conf * self.scale
+
+        def verified_rejections(self, num_sampled, num_rejected):
+            return num_rejected - 1
+
+        def observe(self, num_sampled) -> None:
+            calls.append(f"{self.name} observed")
+
+    spec = Spec()
+    for m in (Manager("profiling", 2.0), Manager("serving", 3.0)):
+        hooked = getattr(spec, SPECULATOR_MANAGER_ATTR, None) is not None
+        setattr(spec, SPECULATOR_MANAGER_ATTR, m)
+        if not hooked:  # what DsparkVerificationManager.attach does
+            install_speculator_hooks(spec, calibrate=True, skip_decode=True)
+    # one wrapping, serving the latest manager: temperatures are applied once, by the serving manager
+    assert spec.model.compute_confidence(1.0) == 3.0
+    spec.observe_verification(None, 2, 5)
+    assert calls == ["estimator saw 4", "serving observed"]
+    calls.clear()
+    assert spec.propose(num_speculative_tokens=0) == "drafts"  # paused: prefill only
+    assert calls == ["prefill"]
+    calls.clear()
+    spec.propose(num_speculative_tokens=7)
+    spec.propose(num_speculative_tokens=0, dummy_run=True)  # profiling runs always draft fully
+    assert calls == ["prefill", "decode", "prefill", "decode"]

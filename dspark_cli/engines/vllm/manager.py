@@ -197,6 +197,60 @@ class _TraceStager:
 # ---------------------------------------------------------------------------------------------- factory
 
 
+SPECULATOR_MANAGER_ATTR = "_dspark_manager"  # on a hooked speculator: the manager its hooks serve
+
+
+def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -> None:
+    """Wrap the speculator once; every wrapper calls whichever manager ``spec._dspark_manager`` is now.
+
+    * ``model.compute_confidence`` (``calibrate``): STS inside the draft graph (DSpark confidence heads);
+    * ``observe_verification``: outcomes for online STS and traces, and upstream's estimator censored;
+    * ``propose`` / ``_multi_step_decode`` (``skip_decode``, StandaloneAR): a paused step keeps the draft's
+      prefill pass and skips its K - 1 decode passes.
+    """
+    def manager() -> Any:
+        return getattr(spec, SPECULATOR_MANAGER_ATTR)
+
+    model = getattr(spec, "model", None)
+    if calibrate and model is not None and hasattr(model, "compute_confidence"):
+        original_confidence = model.compute_confidence
+
+        def compute_confidence(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return manager().calibrate_in_graph(original_confidence(*args, **kwargs))
+
+        model.compute_confidence = compute_confidence
+    if hasattr(spec, "observe_verification"):
+        original_observe = spec.observe_verification
+
+        def observe_verification(idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
+                                 num_rejected: torch.Tensor) -> None:
+            m = manager()
+            original_observe(idx_mapping, num_sampled, m.verified_rejections(num_sampled, num_rejected))
+            m.observe(num_sampled)
+
+        spec.observe_verification = observe_verification
+    if skip_decode:
+        original_decode = spec._multi_step_decode
+        original_propose = spec.propose
+
+        def _multi_step_decode(*args: Any, **kwargs: Any) -> None:
+            if manager()._skip_decode:
+                return None
+            return original_decode(*args, **kwargs)
+
+        def propose(*args: Any, **kwargs: Any) -> torch.Tensor:
+            m = manager()
+            m._skip_decode = (m._pause_supported and kwargs.get("num_speculative_tokens") == 0
+                              and not kwargs.get("dummy_run"))
+            try:
+                return original_propose(*args, **kwargs)
+            finally:
+                m._skip_decode = False
+
+        spec._multi_step_decode = _multi_step_decode
+        spec.propose = propose
+
+
 def create_manager(settings: DsparkVllmSettings, av_module: Any, kwargs: dict[str, Any]) -> Any:
     """Our replacement for ``maybe_create_adaptive_verification_manager`` (called by the plugin's gate).
 
@@ -472,25 +526,18 @@ def build_manager_class(base: type) -> type:
 
         # ---------------------------------------------------------------- speculator hooks
         def attach(self, runner: Any) -> None:
-            """Install the per-runner hooks before graphs are captured (idempotent)."""
+            """Point the speculator's hooks at this manager before graphs are captured (idempotent).
+
+            vLLM builds a manager for its profiling pass (``initialize_kv_cache(..., is_profiling=True)``) and
+            another for serving, on the same speculator; the hooks are installed once and always serve the
+            latest manager, so nothing is wrapped twice (offline STS temperatures applied twice, say).
+            """
             if self._attached:
                 return
             self._attached = True
             spec = runner.speculator
             if spec is None:
                 return
-            model = getattr(spec, "model", None)
-            if model is not None and hasattr(model, "compute_confidence") and not self._identity_t:
-                self._wrap_compute_confidence(model)
-            if hasattr(spec, "observe_verification"):
-                original_observe = spec.observe_verification
-
-                def observe_verification(idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
-                                         num_rejected: torch.Tensor) -> None:
-                    original_observe(idx_mapping, num_sampled, self.verified_rejections(num_sampled, num_rejected))
-                    self.observe(num_sampled)
-
-                spec.observe_verification = observe_verification
             from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
             from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 
@@ -505,27 +552,13 @@ def build_manager_class(base: type) -> type:
                 (isinstance(spec, DFlashSpeculator) or standalone)
                 and self._dp_size == 1 and self.cfg.saturation_patience > 0
             )
-            if self._pause_supported and standalone:
-                original_decode = spec._multi_step_decode
-                original_propose = spec.propose
-
-                def _multi_step_decode(*args: Any, **kwargs: Any) -> None:
-                    if self._skip_decode:
-                        return None
-                    return original_decode(*args, **kwargs)
-
-                def propose(*args: Any, **kwargs: Any) -> torch.Tensor:
-                    self._skip_decode = kwargs.get("num_speculative_tokens") == 0 and not kwargs.get("dummy_run")
-                    try:
-                        return original_propose(*args, **kwargs)
-                    finally:
-                        self._skip_decode = False
-
-                spec._multi_step_decode = _multi_step_decode
-                spec.propose = propose
-            elif not self._pause_supported and self.cfg.saturation_patience > 0:
+            if not self._pause_supported and self.cfg.saturation_patience > 0:
                 logger.info("dspark: saturation can only trim (budget 0); skipping the draft pass needs a "
                             "DFlash-family or draft_model speculator and data_parallel_size 1")
+            hooked = getattr(spec, SPECULATOR_MANAGER_ATTR, None) is not None
+            setattr(spec, SPECULATOR_MANAGER_ATTR, self)
+            if not hooked:
+                install_speculator_hooks(spec, calibrate=not self._identity_t, skip_decode=standalone)
             if self.settings.record_traces is not None:
                 tp = self._tp()
                 if tp is None or tp.rank_in_group == 0:
@@ -552,18 +585,17 @@ def build_manager_class(base: type) -> type:
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
             self._drafts_real = drafting
 
-        def _wrap_compute_confidence(self, model: Any) -> None:
-            original = model.compute_confidence
+        def calibrate_in_graph(self, conf: torch.Tensor) -> torch.Tensor:
+            """The draft model's confidences -> STS-calibrated, inside the captured draft graph.
+
+            The raw values are kept (for online STS and traces); the temperatures are read from the one
+            persistent buffer that online STS updates in place, so replays see every refit.
+            """
             k = self.num_speculative_steps
-
-            def compute_confidence(*args: Any, **kwargs: Any) -> torch.Tensor:
-                conf = original(*args, **kwargs)
-                flat = conf.reshape(-1, k)
-                self._raw_batch[: flat.shape[0]].copy_(flat)
-                self._in_graph_sts = True
-                return apply_temperatures(flat, self.temperatures).to(conf.dtype).reshape(conf.shape)
-
-            model.compute_confidence = compute_confidence
+            flat = conf.reshape(-1, k)
+            self._raw_batch[: flat.shape[0]].copy_(flat)
+            self._in_graph_sts = True
+            return apply_temperatures(flat, self.temperatures).to(conf.dtype).reshape(conf.shape)
 
         def verified_rejections(self, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> torch.Tensor:
             """``num_rejected`` as upstream's acceptance estimator must see it: censored by what was verified.
