@@ -556,3 +556,17 @@ def test_manager_on_cuda_hot_path_has_no_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(out.sum()) == 20
+
+
+def test_warm_up_allocate_is_a_noop_where_the_torch_path_runs() -> None:
+    from dspark_cli.core.capacity import warm_up_allocate
+
+    assert warm_up_allocate(7, 256, "cpu") == 0  # CPU: the torch reference, nothing to compile
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_up_allocate_compiles_every_bucket_on_cuda() -> None:
+    from dspark_cli.core.capacity import warm_up_allocate
+
+    assert warm_up_allocate(7, 100, "cuda") == 8  # 1, 2, 4, ..., 64, then 100

@@ -51,7 +51,9 @@ if triton is not None:
     def _min_combine(a, b):
         return tl.minimum(a, b)
 
-    @triton.jit
+    # One compiled variant per (BLOCK_R, K), not one more per request count's divisibility: the batch size
+    # changes every step, and a compile inside serving is a latency spike (vLLM logs it as one).
+    @triton.jit(do_not_specialize=["num_reqs", "budget_val"])
     def _allocate_kernel(
         surv_ptr, stride_r, nd_ptr, budget_ptr, budget_val, out_ptr, num_reqs,
         K: tl.constexpr, BUDGET_IS_PTR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -269,6 +269,27 @@ def allocate(
     return _allocate_torch(survival, num_drafts, budget)
 
 
+def warm_up_allocate(num_spec: int, max_reqs: int, device: torch.device | str) -> int:
+    """Compile the allocation kernel for every request-count bucket up to ``max_reqs`` now.
+
+    Engines call this at start-up so that no step pays a kernel compile the first time its batch size
+    lands in a new power-of-two bucket. Returns how many buckets ran (0 where the torch path is used).
+    """
+    device = torch.device(device)
+    ran = 0
+    size = 1
+    while True:
+        r = min(size, max_reqs)
+        survival = torch.ones(r, num_spec, device=device)
+        if not _use_triton_allocate(survival, r, None):
+            return ran
+        allocate(survival, torch.full((r,), num_spec, device=device), r)
+        ran += 1
+        if size >= max_reqs:
+            return ran
+        size *= 2
+
+
 def _use_triton_allocate(survival: torch.Tensor, budget: torch.Tensor | int, use_triton: bool | None) -> bool:
     if use_triton is False or survival.dim() != 2:
         return False

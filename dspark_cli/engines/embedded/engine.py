@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark_cli.core.capacity import CapacityManager
+from dspark_cli.core.capacity import CapacityManager, warm_up_allocate
 from dspark_cli.core.layout import VerifyLayout, build_mask_layout, build_varlen_layout
 from dspark_cli.core.rejection import rejection_sample, sample
 from dspark_cli.core.sps import SpsCurve
@@ -209,6 +209,7 @@ class LLMEngine:
             self.capacity = CapacityManager(
                 config.capacity, self.sps_curve, self.num_spec, config.max_num_seqs, self.device
             )
+            warm_up_allocate(self.num_spec, config.max_num_seqs, self.device)  # no compiles while serving
 
     # ------------------------------------------------------------------------------------------ setup
 

@@ -310,7 +310,13 @@ def build_manager_class(base: type) -> type:
     from vllm.utils.torch_utils import async_tensor_h2d
     from vllm.v1.worker.gpu.spec_decode.adaptive_verification import AdmittedDraftCounts
 
-    from dspark_cli.core.capacity import SaturationPolicy, allocate, choose_budget, prefix_survival
+    from dspark_cli.core.capacity import (
+        SaturationPolicy,
+        allocate,
+        choose_budget,
+        prefix_survival,
+        warm_up_allocate,
+    )
     from dspark_cli.core.sts import OnlineSTS, apply_temperatures
 
     class DsparkVerificationManager(base):  # type: ignore[misc, valid-type]
@@ -555,6 +561,8 @@ def build_manager_class(base: type) -> type:
             if not self._pause_supported and self.cfg.saturation_patience > 0:
                 logger.info("dspark: saturation can only trim (budget 0); skipping the draft pass needs a "
                             "DFlash-family or draft_model speculator and data_parallel_size 1")
+            # Compile the allocation kernel for every batch-size bucket now, not during serving.
+            warm_up_allocate(self.num_speculative_steps, self.req_states.max_num_reqs, self.req_states.device)
             hooked = getattr(spec, SPECULATOR_MANAGER_ATTR, None) is not None
             setattr(spec, SPECULATOR_MANAGER_ATTR, self)
             if not hooked:
