@@ -67,6 +67,34 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"server not ready after {timeout:.0f} s")
 
 
+def _greedy_outputs(port: int, model: str, n: int) -> list[list[int]]:
+    """Token ids of N fixed prompts, greedy, one request at a time (the same requests for every config)."""
+    outs = []
+    for i in range(n):
+        body = {"model": model, "prompt": [1 + (37 * i + 11 * j) % 900 for j in range(16 + i)], "max_tokens": 32,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            choice = json.loads(r.read())["choices"][0]
+        outs.append(list(choice.get("token_ids") or []) or [ord(ch) for ch in choice["text"]])
+    return outs
+
+
+def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], out: Path) -> int:
+    ref = outputs.get("nospec")
+    table = {}
+    for name, outs in outputs.items():
+        same = None if ref is None else sum(a == b for a, b in zip(outs, ref, strict=True))
+        table[name] = {"identical_to_nospec": same, "prompts": len(outs)}
+        print(f"{name:10} identical to nospec: {same}/{len(outs)}" if ref is not None else f"{name:10} (no nospec)")
+    (out / "lossless.json").write_text(json.dumps({"outputs": outputs, "summary": table,
+                                                    "errors": [r for r in results if "error" in r]}, indent=1))
+    ok = ref is not None and all(v["identical_to_nospec"] == v["prompts"] for v in table.values())
+    print("lossless greedy: " + ("OK" if ok else "FAILED"))
+    return 0 if ok and not any("error" in r for r in results) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -86,6 +114,10 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--dspark", default="{}", help="extra JSON for ours (e.g. {\"online_sts\": true})")
     ap.add_argument("--startup-timeout", type=float, default=240.0)
+    ap.add_argument("--lossless", type=int, default=0, metavar="N",
+                    help="instead of benchmarking, send N fixed prompts greedily (temperature 0, 32 tokens) to "
+                         "each config and check every config's token ids against nospec's (run it without "
+                         "--synthetic-rates: synthetic acceptance is not lossless by design)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="dspark-ep-"))
@@ -114,6 +146,9 @@ def main() -> int:
         "mask": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask"},
     }
     results: list[dict] = []
+    outputs: dict[str, list[list[int]]] = {}
+    if args.lossless and args.synthetic_rates:
+        ap.error("--lossless checks real verification: drop --synthetic-rates")
     t_start = time.time()
     for name in args.configs.split(","):
         port = _free_port()
@@ -131,7 +166,10 @@ def main() -> int:
                 ours_expected = name in ("varlen", "mask")
                 if ours_expected != active:
                     raise RuntimeError(f"plugin {'inactive' if ours_expected else 'active'} for {name}")
-                for c in [int(x) for x in args.concurrency.split(",")]:
+                if args.lossless:
+                    outputs[name] = _greedy_outputs(port, args.model, args.lossless)
+                    print(f"[{time.time() - t_start:5.0f}s]   {args.lossless} greedy outputs", flush=True)
+                for c in [] if args.lossless else [int(x) for x in args.concurrency.split(",")]:
                     fname = f"bench-{name}-c{c}.json"
                     bench = [*vllm, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
                              "--model", args.model, "--dataset-name", "random", "--random-input-len",
@@ -157,6 +195,8 @@ def main() -> int:
                     os.killpg(proc.pid, signal.SIGKILL)
         (args.out / "results.json").write_text(json.dumps({"results": results, "args": vars(args)}, default=str,
                                                           indent=2))
+    if args.lossless:
+        return _report_lossless(outputs, results, args.out)
     ref_name = "upstream" if any(r.get("config") == "upstream" for r in results) else results[0].get("config")
     base = {r["concurrency"]: r["output_tok_s"] for r in results if r.get("config") == ref_name and "error" not in r}
     print(f"\n{'config':10} {'c':>4} {'tok/s':>9} {'ITL ms':>8} {'accept':>7} {'vs ' + str(ref_name):>12}")

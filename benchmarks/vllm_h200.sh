@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/vllm_h200.sh OUT proof     # SmolLM2-135M shape: nospec, all, upstream, varlen, mask at c=8,64
 #   bash benchmarks/vllm_h200.sh OUT scaled    # Llama-3-8B shape, k=7: the same configs at c=16,64,256
+#   bash benchmarks/vllm_h200.sh OUT lossless  # greedy token ids of upstream/varlen/mask against nospec
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
 # vLLM's synthetic rejection sampler with a V4-Flash-like decay (conditional 0.8 ... 0.08 along the block).
@@ -26,10 +27,14 @@ case "$STAGE" in
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/proof" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" \
       --concurrency 8,64 --num-prompts 128 --input-len 128 --output-len 128 --dspark '{"online_sts": true}' ;;
+  lossless)  # greedy outputs of every config against no speculation (real verification, no synthetic)
+    read -r TARGET DRAFT < <(models random:smollm2-135m random:small:layers=2)
+    python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless" --load-format dummy \
+      --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --dspark '{"online_sts": true}' ;;
   scaled)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
       --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark '{"online_sts": true}' ;;
-  *) echo "unknown stage $STAGE (proof|scaled)" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE (proof|scaled|lossless)" >&2; exit 2 ;;
 esac
