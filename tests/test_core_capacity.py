@@ -570,3 +570,55 @@ def test_warm_up_allocate_compiles_every_bucket_on_cuda() -> None:
     from dspark_cli.core.capacity import warm_up_allocate
 
     assert warm_up_allocate(7, 100, "cuda") == 8  # 1, 2, 4, ..., 64, then 100
+
+
+def _flat_draft_curve() -> SpsCurve:
+    # Verification nearly free, drafting not: only accepted drafts decide whether a drafting step pays.
+    return SpsCurve.from_points([(1, 10.0), (64, 10.5), (512, 11.0)], [(1, 4.0), (64, 4.0)])
+
+
+def _step(mgr: CapacityManager, r: int, conf: float, accepted_per_req: float) -> bool | None:
+    """One engine step: begin, (draft, record, plan deferred, allocate, outcome). None when paused."""
+    if not mgr.begin_step(r):
+        return None
+    slots = torch.arange(r)
+    mgr.record_confidences(slots, torch.full((r, 3), conf))
+    d = mgr.plan(np.arange(r), np.full(r, 3), r, r, defer_saturation=True)
+    mgr.allocate(slots, torch.full((r,), 3), d.budget)
+    return mgr.record_outcome(r + int(round(accepted_per_req * r)))
+
+
+def test_outcomes_pause_a_confidently_wrong_head_that_predictions_never_would() -> None:
+    cfg = CapacityConfig(mode="varlen", saturation_patience=3, resume_every=4)
+    mgr = CapacityManager(cfg, _flat_draft_curve(), num_spec_tokens=3, max_slots=64)
+    for s in range(64):
+        mgr.add_request(s)
+    # The head says 0.95 per draft (predicted ~2.7 accepted: drafting pays); really 0.2 get accepted,
+    # so a step yields 1.2 tokens per request at 14.5 ms against 1 token at 10.5 ms without drafting.
+    verdicts = [_step(mgr, 64, 0.95, 0.2) for _ in range(4)]
+    assert mgr.last_decision is not None and mgr.last_decision.pays  # the prediction never doubts it
+    assert verdicts[:3] == [False, False, False] and verdicts[3] is None  # paused after `patience` steps
+    assert mgr.realized_gain is not None and mgr.realized_gain < 1.0
+    # the same head with outcomes that match it keeps drafting
+    honest = CapacityManager(cfg, _flat_draft_curve(), num_spec_tokens=3, max_slots=64)
+    assert all(_step(honest, 64, 0.95, 2.7) for _ in range(20)) and honest.drafting_enabled
+
+
+def test_a_probe_at_low_load_drafts_long_enough_to_judge_and_can_resume() -> None:
+    from dspark_cli.core.capacity import PROBE_REQUEST_STEPS
+
+    cfg = CapacityConfig(mode="varlen", saturation_patience=2, resume_every=3)
+    mgr = CapacityManager(cfg, _flat_draft_curve(), num_spec_tokens=3, max_slots=4)
+    for s in range(2):
+        mgr.add_request(s)
+    while _step(mgr, 2, 0.95, 0.0) is not None:  # nothing accepted: pauses (the loop ends on paused step 1)
+        pass
+    assert not mgr.drafting_enabled
+    assert _step(mgr, 2, 0.95, 2.5) is None  # paused step 2; step 3 starts the probe
+    probing = []
+    for _ in range(PROBE_REQUEST_STEPS // 2):  # a probe covers PROBE_REQUEST_STEPS request-steps: 8 steps of 2
+        assert _step(mgr, 2, 0.95, 2.5) is not None
+        probing.append(mgr.saturation.probing)
+    assert probing == [True] * (PROBE_REQUEST_STEPS // 2 - 1) + [False]
+    # judged on its own outcome (it paid), not on the losing history: drafting resumes
+    assert mgr.drafting_enabled and mgr.saturation.probe_wait == 3

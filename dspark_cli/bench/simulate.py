@@ -384,9 +384,10 @@ def _run_manager(
         conf_raw = torch.from_numpy(conf[t]).float()
         c = conf_raw if temps is None else apply_temperatures(conf_raw, temps)
         mgr.record_confidences(slots, c)
-        decision = mgr.plan(slots_np, nd_np, r, r)
+        decision = mgr.plan(slots_np, nd_np, r, r, defer_saturation=True)
         v = mgr.allocate(slots, nd, decision.budget).numpy().astype(np.int64)
         acc.add(v, accepted[t], float(curve.step_cost_ms(r, r + int(v.sum()))), True)
+        mgr.record_outcome(r + int(np.minimum(accepted[t], v).sum()))  # as the engine does after its sync
         if sts is not None:
             # Only what both the policy and the recording engine verified was observed.
             seen = torch.from_numpy(np.minimum(v, verified[t]))

@@ -35,6 +35,11 @@ Mode = Literal["none", "mask", "varlen"]
 Policy = Literal["argmax", "paper", "threshold"]
 MODES: tuple[str, ...] = ("none", "mask", "varlen")
 POLICIES: tuple[str, ...] = ("argmax", "paper", "threshold")
+# CapacityManager.record_outcome: the realized gain is averaged over ~REALIZED_MEMORY request-steps (4 steps
+# at 16 requests, one at 64+, ~64 at one request) -- enough to ride out acceptance noise without letting a
+# miscalibrated head draft at a loss for long; a probe drafts for at least PROBE_REQUEST_STEPS request-steps.
+REALIZED_MEMORY = 64
+PROBE_REQUEST_STEPS = 16
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -375,6 +380,8 @@ class SaturationPolicy:
         if num_running <= 0.75 * self._paused_running:
             self._resume()
             return True
+        if self._probing:
+            return True  # a probe lasts until its verdict is observed (one step unless judged on outcomes)
         self._paused_steps += 1
         self._probing = self._paused_steps >= self._probe_wait
         return self._probing
@@ -431,7 +438,10 @@ class CapacityManager:
        ``plan`` runs before this step's record) -- never this step's values, whose Markov dependence on
        the sampled drafts would leak into the count; waiting on that copy's event costs nothing because
        it was issued a whole step earlier;
-    4. ``allocate(slots, num_drafts, budget)`` spends the budget on the device with fresh survival.
+    4. ``allocate(slots, num_drafts, budget)`` spends the budget on the device with fresh survival;
+    5. optionally, once the step's outcome is on the host, ``record_outcome(emitted_tokens)``: with
+       ``plan(..., defer_saturation=True)`` the saturation policy then judges the step by what it really
+       produced, not only by what the confidences predicted (see :meth:`record_outcome`).
 
     Slots are engine-owned rows (0..max_slots-1). ``add_request(slot)`` marks a slot fresh: its device
     row and both host rows become 1 (unknown = "certainly accepted", as vLLM/SGLang do), and a snapshot
@@ -465,6 +475,14 @@ class CapacityManager:
         self._write = 0  # host buffer the next record fills
         self._added_at = np.full(max_slots, -1, dtype=np.int64)
         self.last_decision: BudgetDecision | None = None
+        self._pending_running = 0
+        self._realized: float | None = None  # windowed realized Θ / Θ(plain decoding) over judged steps
+        self._realized_w = 0.0
+        self._realized_x = 0.0
+        self._probe_tokens = 0.0  # the probe in progress: emitted tokens, priced ms, plain-decoding ms, requests
+        self._probe_ms = 0.0
+        self._probe_plain = 0.0
+        self._probe_requests = 0
 
     # -- saturation
     @property
@@ -517,15 +535,64 @@ class CapacityManager:
         num_drafts_np: np.ndarray,
         num_nondraft_tokens: int,
         num_sampling: int,
+        defer_saturation: bool = False,
     ) -> BudgetDecision:
         stale = self.stale_confidences(slots_np)
         decision = choose_budget(
             _np_survival(stale), num_drafts_np, num_nondraft_tokens, num_sampling, self.curve, self.cfg
         )
-        if self.cfg.mode != "none":
-            self.saturation.observe(decision, num_running=len(slots_np))
         self.last_decision = decision
+        self._pending_running = len(slots_np)
+        if self.cfg.mode != "none" and not defer_saturation:
+            self.saturation.observe(decision, num_running=len(slots_np))
         return decision
+
+    def record_outcome(self, emitted_tokens: int) -> bool:
+        """Judge the last planned step by its outcome; returns whether it paid (and tells the saturation policy).
+
+        Confidences can be confidently wrong (a head predicting 3-4x the accepted drafts is common, and STS
+        cannot pull a confidence across 0.5), and then every prediction says drafting pays while plain
+        decoding would be faster. The outcome cannot be fooled: ``emitted_tokens`` (accepted drafts plus one
+        per sampling request) over the step's priced cost is the Θ the step really achieved, on the same
+        cost model the decision used. A step pays when the prediction says so *and* the realized Θ beats
+        plain decoding -- averaged over a request-weighted window to ride out acceptance noise, except for a
+        probe, which is judged on its own outcome over at least ``PROBE_REQUEST_STEPS`` request-steps (the
+        history is what paused drafting).
+        """
+        decision = self.last_decision
+        if decision is None or decision.step_ms <= 0 or decision.theta_no_draft <= 0:
+            return False
+        r = max(1, self._pending_running)
+        ratio = (emitted_tokens / decision.step_ms) / decision.theta_no_draft
+        # Request-weighted exponential window (~REALIZED_MEMORY request-steps): one step of a full batch
+        # is solid evidence, one step of a single request is noise.
+        decay = (1.0 - 1.0 / REALIZED_MEMORY) ** r
+        self._realized_w = decay * self._realized_w + r
+        self._realized_x = decay * self._realized_x + r * ratio
+        self._realized = self._realized_x / self._realized_w
+        if self.saturation.probing:
+            # A probe is judged on its own outcome (the history is what paused drafting), over enough
+            # request-steps to mean something: at low load it drafts for several steps.
+            self._probe_tokens += emitted_tokens
+            self._probe_ms += decision.step_ms
+            self._probe_plain += r / decision.theta_no_draft
+            self._probe_requests += r
+            if self._probe_requests < PROBE_REQUEST_STEPS:
+                return decision.pays
+            realized = (self._probe_tokens / self._probe_ms) / (self._probe_requests / self._probe_plain)
+            self._probe_tokens = self._probe_ms = self._probe_plain = 0.0
+            self._probe_requests = 0
+        else:
+            realized = self._realized
+        paid = decision.pays and realized >= 1.0
+        if self.cfg.mode != "none":
+            self.saturation.observe(paid, num_running=self._pending_running)
+        return paid
+
+    @property
+    def realized_gain(self) -> float | None:
+        """Windowed realized Θ over plain decoding's (> 1: drafting has been paying); None before any outcome."""
+        return self._realized
 
     def allocate(self, slots: torch.Tensor, num_drafts: torch.Tensor, budget: torch.Tensor | int) -> torch.Tensor:
         fresh = self.conf.index_select(0, slots.to(self.device).long())

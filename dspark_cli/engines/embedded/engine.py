@@ -348,7 +348,7 @@ class LLMEngine:
         if self.capacity is not None:
             num_drafts = torch.full((num_reqs,), k, dtype=torch.int64, device=dev)
             self.capacity.record_confidences(slots, conf)
-            decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs)
+            decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs, defer_saturation=True)
             budget = decision.budget
             admitted = self.capacity.allocate(slots, num_drafts, budget)
         else:
@@ -393,6 +393,9 @@ class LLMEngine:
         clock.mark("sync")
         accepted_np = host[:, k + 1]
         admitted_np = host[:, k + 2]
+        if self.capacity is not None:
+            # The saturation policy judges the step by what it produced (robust to a miscalibrated head).
+            self.capacity.record_outcome(num_reqs + int(accepted_np.sum()))
         if self.traces is not None:
             self.traces.write_batch(
                 conf_raw.cpu(), admitted_np, accepted_np,
