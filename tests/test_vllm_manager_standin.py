@@ -206,30 +206,34 @@ def test_saturation_pauses_drafting_by_scheduling_zero_drafts_and_probes_back(ma
     per_req = {f"r{i}": 1 + K for i in range(3)}
     drafts = {x: [0] * K for x in per_req}
 
-    def step(conf: float) -> int:
-        """One runner step: budget (execute_model), then the drafting decision (sample_tokens)."""
+    def step(conf: float, accepted: int) -> int:
+        """One runner step: budget (execute_model), verification outcome, then the drafting decision
+        (sample_tokens). The outcome is judged by the saturation policy one step later."""
         if m._drafts_real:
             _record(m, [[conf] * K] * 3)
         m.get_num_tokens(per_req, drafts)
+        if m._batch_budget is not None and m._drafts_real:
+            m.reallocate_drafts(list(per_req), torch.arange(3))
+            m.observe(torch.full((3,), 1 + accepted, dtype=torch.int32))
         runner = _step_state(3)
         m.begin_drafting_step(runner)
         return runner.execute_model_state.num_spec_tokens_to_schedule
 
-    assert step(0.01) == K  # one non-paying step: still drafting
-    assert step(0.01) == 0  # `patience` non-paying steps: this step's propose is told 0 drafts
+    # confidences so low the budget is 0: no step pays; the verdicts arrive one step late
+    scheduled = [step(0.01, 0) for _ in range(4)]
+    assert scheduled[:2] == [K, K] and 0 in scheduled  # paused after `patience` judged steps
     assert not m._drafts_real
     # placeholder drafts (async scheduling) are never verified while paused
     assert m.get_num_tokens(per_req, drafts) == 3 and m._batch_budget[2] == 0
-    # paused steps (the pausing step was the first), then every `resume_every`-th one probes
-    runner = _step_state(3)
-    m.begin_drafting_step(runner)
-    assert runner.execute_model_state.num_spec_tokens_to_schedule == 0
-    runner = _step_state(3)
-    m.begin_drafting_step(runner)
-    assert runner.execute_model_state.num_spec_tokens_to_schedule == K and m._drafts_real  # the probe
-    # the probe's drafts are confident now: its budget pays, so drafting resumes for good
-    assert step(0.99) == K and m.saturation.drafting_enabled
-    assert step(0.99) == K
+    # paused steps, then a probe drafts (it continues until its outcome is judged)
+    while (n := step(0.01, 0)) == 0:
+        pass
+    assert n == K and m.saturation.probing and m._drafts_real
+    # the probe's drafts are confident and all accepted: it pays, drafting resumes for good
+    while m.saturation.probing:
+        step(0.99, K)
+    assert m.saturation.drafting_enabled
+    assert [step(0.99, K) for _ in range(3)] == [K, K, K]
 
 
 def test_steps_scheduled_without_drafts_are_never_verified(manager_cls) -> None:

@@ -364,6 +364,13 @@ class SaturationPolicy:
         self._paused_steps = 0
         self._probe_wait = resume_every
         self._probing = False
+        self._realized: float | None = None  # windowed realized Θ / Θ(plain decoding) over judged steps
+        self._realized_w = 0.0
+        self._realized_x = 0.0
+        self._probe_tokens = 0.0  # the probe in progress: emitted tokens, priced ms, plain-decoding ms, requests
+        self._probe_ms = 0.0
+        self._probe_plain = 0.0
+        self._probe_requests = 0
 
     @property
     def drafting_enabled(self) -> bool:
@@ -385,6 +392,49 @@ class SaturationPolicy:
         self._paused_steps += 1
         self._probing = self._paused_steps >= self._probe_wait
         return self._probing
+
+    @property
+    def realized_gain(self) -> float | None:
+        """Windowed realized Θ over plain decoding's (> 1: drafting has been paying); None before any outcome."""
+        return self._realized
+
+    def observe_outcome(self, decision: BudgetDecision, emitted_tokens: int, num_running: int) -> bool:
+        """Judge a drafting step by what it produced, then :meth:`observe` the verdict; returns it.
+
+        Confidences can be confidently wrong (a head predicting 3-4x the accepted drafts is common, and STS
+        cannot pull a confidence across 0.5), and then every prediction says drafting pays while plain
+        decoding would be faster. The outcome cannot be fooled: ``emitted_tokens`` (accepted drafts plus one
+        per sampling request) over the step's priced cost is the Θ the step really achieved, on the same
+        cost model the decision used. A step pays when the prediction says so *and* the realized Θ beats
+        plain decoding -- averaged over a request-weighted window (``REALIZED_MEMORY`` request-steps) to
+        ride out acceptance noise, except for a probe, which is judged on its own outcome over at least
+        ``PROBE_REQUEST_STEPS`` request-steps (the history is what paused drafting).
+        """
+        if decision.step_ms <= 0 or decision.theta_no_draft <= 0:
+            return False
+        r = max(1, num_running)
+        ratio = (emitted_tokens / decision.step_ms) / decision.theta_no_draft
+        # One step of a full batch is solid evidence, one step of a single request is noise.
+        decay = (1.0 - 1.0 / REALIZED_MEMORY) ** r
+        self._realized_w = decay * self._realized_w + r
+        self._realized_x = decay * self._realized_x + r * ratio
+        self._realized = self._realized_x / self._realized_w
+        if self._probing:
+            # At low load a probe drafts for several steps before its verdict (begin_step keeps it going).
+            self._probe_tokens += emitted_tokens
+            self._probe_ms += decision.step_ms
+            self._probe_plain += r / decision.theta_no_draft
+            self._probe_requests += r
+            if self._probe_requests < PROBE_REQUEST_STEPS:
+                return decision.pays
+            realized = (self._probe_tokens / self._probe_ms) / (self._probe_requests / self._probe_plain)
+            self._probe_tokens = self._probe_ms = self._probe_plain = 0.0
+            self._probe_requests = 0
+        else:
+            realized = self._realized
+        paid = decision.pays and realized >= 1.0
+        self.observe(paid, num_running=num_running)
+        return paid
 
     @property
     def probe_wait(self) -> int:
@@ -476,13 +526,6 @@ class CapacityManager:
         self._added_at = np.full(max_slots, -1, dtype=np.int64)
         self.last_decision: BudgetDecision | None = None
         self._pending_running = 0
-        self._realized: float | None = None  # windowed realized Θ / Θ(plain decoding) over judged steps
-        self._realized_w = 0.0
-        self._realized_x = 0.0
-        self._probe_tokens = 0.0  # the probe in progress: emitted tokens, priced ms, plain-decoding ms, requests
-        self._probe_ms = 0.0
-        self._probe_plain = 0.0
-        self._probe_requests = 0
 
     # -- saturation
     @property
@@ -548,51 +591,21 @@ class CapacityManager:
         return decision
 
     def record_outcome(self, emitted_tokens: int) -> bool:
-        """Judge the last planned step by its outcome; returns whether it paid (and tells the saturation policy).
+        """Judge the last planned step by what it produced (``SaturationPolicy.observe_outcome``).
 
-        Confidences can be confidently wrong (a head predicting 3-4x the accepted drafts is common, and STS
-        cannot pull a confidence across 0.5), and then every prediction says drafting pays while plain
-        decoding would be faster. The outcome cannot be fooled: ``emitted_tokens`` (accepted drafts plus one
-        per sampling request) over the step's priced cost is the Θ the step really achieved, on the same
-        cost model the decision used. A step pays when the prediction says so *and* the realized Θ beats
-        plain decoding -- averaged over a request-weighted window to ride out acceptance noise, except for a
-        probe, which is judged on its own outcome over at least ``PROBE_REQUEST_STEPS`` request-steps (the
-        history is what paused drafting).
+        ``emitted_tokens``: accepted drafts plus one per sampling request. Use with
+        ``plan(..., defer_saturation=True)``; returns whether the step paid.
         """
-        decision = self.last_decision
-        if decision is None or decision.step_ms <= 0 or decision.theta_no_draft <= 0:
+        if self.last_decision is None:
             return False
-        r = max(1, self._pending_running)
-        ratio = (emitted_tokens / decision.step_ms) / decision.theta_no_draft
-        # Request-weighted exponential window (~REALIZED_MEMORY request-steps): one step of a full batch
-        # is solid evidence, one step of a single request is noise.
-        decay = (1.0 - 1.0 / REALIZED_MEMORY) ** r
-        self._realized_w = decay * self._realized_w + r
-        self._realized_x = decay * self._realized_x + r * ratio
-        self._realized = self._realized_x / self._realized_w
-        if self.saturation.probing:
-            # A probe is judged on its own outcome (the history is what paused drafting), over enough
-            # request-steps to mean something: at low load it drafts for several steps.
-            self._probe_tokens += emitted_tokens
-            self._probe_ms += decision.step_ms
-            self._probe_plain += r / decision.theta_no_draft
-            self._probe_requests += r
-            if self._probe_requests < PROBE_REQUEST_STEPS:
-                return decision.pays
-            realized = (self._probe_tokens / self._probe_ms) / (self._probe_requests / self._probe_plain)
-            self._probe_tokens = self._probe_ms = self._probe_plain = 0.0
-            self._probe_requests = 0
-        else:
-            realized = self._realized
-        paid = decision.pays and realized >= 1.0
-        if self.cfg.mode != "none":
-            self.saturation.observe(paid, num_running=self._pending_running)
-        return paid
+        if self.cfg.mode == "none":
+            return self.last_decision.pays
+        return self.saturation.observe_outcome(self.last_decision, emitted_tokens, self._pending_running)
 
     @property
     def realized_gain(self) -> float | None:
         """Windowed realized Θ over plain decoding's (> 1: drafting has been paying); None before any outcome."""
-        return self._realized
+        return self.saturation.realized_gain
 
     def allocate(self, slots: torch.Tensor, num_drafts: torch.Tensor, budget: torch.Tensor | int) -> torch.Tensor:
         fresh = self.conf.index_select(0, slots.to(self.device).long())

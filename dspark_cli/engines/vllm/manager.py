@@ -363,6 +363,13 @@ def build_manager_class(base: type) -> type:
             self._skip_decode = False  # StandaloneAR: this propose keeps its prefill pass only
             self._attached = False
             self._traces: _TraceStager | None = None
+            # The saturation policy's outcome feedback: a step's emitted-token count goes to the host on a
+            # side copy and is judged one step later (never a sync on the hot path).
+            pin = device.type == "cuda"
+            self._outcome_host = torch.zeros((), dtype=torch.int64, pin_memory=pin)
+            self._outcome_event = torch.cuda.Event() if pin else None
+            self._outcome_decision: tuple[Any, int] | None = None  # the decision of the step being verified
+            self._outcome_pending: tuple[Any, int] | None = None  # a decision whose outcome is being copied
             self._moe_skip = bool(envs.VLLM_MOE_SKIP_PADDING)
             logger.info("dspark: adaptive verification by dspark (mode=%s, policy=%s, curve=%s, sts=%s)",
                         mode, self.cfg.policy, "start-up profile" if self._user_curve is None else "user",
@@ -448,6 +455,7 @@ def build_manager_class(base: type) -> type:
             slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids), dtype=np.int64, count=r)
             total = int(drafts.sum())
             cap = min(total, max(0, self._max_total_logits - r * self.num_bonus_tokens))
+            self._judge_last_outcome()
             if self._verify_all:
                 budget = cap if self._drafts_real else 0
             elif self._drafts_real:
@@ -459,7 +467,8 @@ def build_manager_class(base: type) -> type:
                 decision = choose_budget(survival, drafts, int(nondraft.sum()), num_sampling, self.curve, self.cfg)
                 budget = min(decision.budget, cap)
                 if self._pause_supported:
-                    self.saturation.observe(decision, num_running=r)
+                    # Judged by its outcome once that is on the host (observe -> next get_num_tokens).
+                    self._outcome_decision = (decision, r)
             else:
                 budget = 0  # placeholders from a paused draft pass: verify none of them
             self._batch_budget = (
@@ -623,6 +632,16 @@ def build_manager_class(base: type) -> type:
             out[:r] = torch.minimum(num_rejected[:r], (caps - accepted).clamp_min(0))
             return out
 
+        def _judge_last_outcome(self) -> None:
+            """Hand the saturation policy the outcome copied a step ago (complete by now: its event is old)."""
+            pending, self._outcome_pending = self._outcome_pending, None
+            if pending is None:
+                return
+            if self._outcome_event is not None:
+                self._outcome_event.synchronize()
+            decision, r = pending
+            self.saturation.observe_outcome(decision, int(self._outcome_host.item()), r)
+
         def observe(self, num_sampled: torch.Tensor) -> None:
             """Outcomes of this step's verification (device), before propose overwrites the drafts."""
             pending, self._verify_pending = self._verify_pending, None
@@ -631,6 +650,12 @@ def build_manager_class(base: type) -> type:
             req_ids, r, idx_mapping, real = pending
             if not real:
                 return  # placeholders of a paused step: nothing was drafted, nothing to learn
+            decision, self._outcome_decision = self._outcome_decision, None
+            if decision is not None:
+                self._outcome_host.copy_(num_sampled[:r].sum(), non_blocking=True)
+                if self._outcome_event is not None:
+                    self._outcome_event.record()
+                self._outcome_pending = decision
             caps = self._batch_draft_capacity[:r]
             accepted = torch.minimum((num_sampled[:r] - self.num_bonus_tokens).clamp_min(0), caps)
             valid = self._sched_gpu[:r] > 0
