@@ -155,3 +155,11 @@ def test_draft_paths_that_would_flip_the_method_are_refused(path: str) -> None:
     # methods vLLM keeps as given are fine with any path
     spec["method"] = "dspark"
     assert plan_vllm_serve(["M", "--speculative-config", json.dumps(spec)]).settings is not None
+
+
+def test_profiler_prices_sizes_above_the_capture_limit() -> None:
+    from dspark_cli.engines.vllm.profile import tail_sizes
+
+    assert tail_sizes([8, 16, 512], 8192) == [768, 1024, 2048, 4096, 8192]
+    assert tail_sizes([8, 16, 512], 600) == [600]
+    assert tail_sizes([8, 512], 512) == [] and tail_sizes([], 8192) == []

@@ -256,6 +256,13 @@ CONTRACT: tuple[Assumption, ...] = (
     # --- profiler
     Assumption(LLM, "LLM.collective_rpc", "method", ("method", "timeout", "args", "kwargs"),
                why="profile-sps runs its timing in every worker"),
+    Assumption(RUNNER, "GPUModelRunner._dummy_run", "method", ("num_tokens", "context_len"),
+               why="profile-sps times whole dummy steps (sizes above the capture limit, eager drafters)"),
+    Assumption(RUNNER, "GPUModelRunner.__init__", "self_attr",
+               ("step_timing", "max_num_tokens", "max_num_reqs", "speculator"),
+               why="profile-sps reads vLLM's own step timing and the batch limits"),
+    Assumption(ASYNC_UTILS, "StepTimingCollector.collect", "method", (),
+               why="forward / drafter split of each timed dummy step"),
 )
 
 

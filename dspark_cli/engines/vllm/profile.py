@@ -3,8 +3,10 @@
 The engine is built with the *same* flags as ``dspark serve --engine vllm`` (so the captured graphs are the
 ones serving will replay: varlen decode graphs for varlen, uniform ones for mask). Then, in every worker
 (``LLM.collective_rpc``), each captured FULL target graph and each draft graph is replayed and timed with
-CUDA events (median of ``--replays``); the fixed per-step overhead is a full dummy step's wall time minus
-the replays it contains. Rank 0's numbers become ``sps_curve.json`` (``core.sps.SpsCurve``).
+CUDA events (median of ``--replays``); sizes above the capture limit, and drafters that run eagerly (vLLM
+0.33's ``draft_model``), are timed from whole dummy steps with vLLM's own step timing (forward and drafter
+parts); the fixed per-step overhead is a dummy step's wall time minus both. Rank 0's numbers become
+``sps_curve.json`` (``core.sps.SpsCurve``).
 
 Command line: ``python -m dspark_cli.engines.vllm.profile MODEL [vllm serve flags] [--output F]
 [--replays N] [--warmup N]`` -- :func:`build_profile_command` writes it from ``dspark profile-sps`` args.
@@ -95,8 +97,31 @@ def _time_replays(replay: Any, replays: int, warmup: int) -> float:
     return float(np.median(times))
 
 
-def profile_worker(worker: Any, replays: int, warmup: int) -> dict[str, Any]:
-    """Runs inside each vLLM worker: time every captured FULL graph (target and draft) and the overhead."""
+def tail_sizes(capture_sizes: list[int], max_tokens: int) -> list[int]:
+    """Verify sizes above the capture limit worth pricing: 1.5x the limit, then doubling to ``max_tokens``.
+
+    Real steps run there (eagerly or piecewise) and a line through the graph points badly underprices them.
+    """
+    if not capture_sizes:
+        return []
+    limit = max(capture_sizes)
+    sizes = {min(limit + limit // 2, max_tokens)}
+    size = limit
+    while size < max_tokens:
+        size = min(2 * size, max_tokens)
+        sizes.add(size)
+    return sorted(s for s in sizes if s > limit)
+
+
+def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 4096) -> dict[str, Any]:
+    """Runs inside each vLLM worker: the verify and draft cost per size, and the fixed per-step overhead.
+
+    * verify: each captured FULL target graph replayed on its own (CUDA events, median); sizes above the
+      capture limit from whole dummy steps (vLLM's own step timing: the forward part);
+    * draft: each captured draft graph replayed, or -- for speculators that draft eagerly (``draft_model``
+      in vLLM 0.33) -- the drafter part of whole dummy steps, per request count;
+    * overhead: a whole dummy step's wall time minus its forward and drafter parts.
+    """
     import numpy as np
     import torch
 
@@ -106,31 +131,54 @@ def profile_worker(worker: Any, replays: int, warmup: int) -> dict[str, Any]:
         if getattr(desc, "num_active_loras", 0) or getattr(desc, "num_ubatches", 1) != 1:
             continue
         verify.setdefault(int(desc.num_tokens), []).append(_time_replays(graph.replay, replays, warmup))
+    captured = sorted(verify)
     draft: dict[int, list[float]] = {}
     spec = runner.speculator
     manager = getattr(spec, "query_cudagraph_manager", None) or getattr(spec, "cudagraph_manager", None)
     for desc, graph in list(getattr(manager, "graphs", {}).items()):
         draft.setdefault(int(desc.num_reqs or desc.num_tokens), []).append(_time_replays(graph.replay, replays, warmup))
+    draft_from_graphs = bool(draft)
+
+    # Whole dummy steps at every captured size and the tail: forward / drafter split and wall time.
+    sizes = captured + tail_sizes(captured, int(runner.max_num_tokens))
+    walls: dict[int, list[float]] = {}
+    for n in sizes:  # warm-up (and the tail's first compiles) outside the timed block
+        for _ in range(warmup):
+            runner._dummy_run(n, context_len=context_len)
+    with runner.step_timing.collect() as samples:
+        for n in sizes:
+            for _ in range(max(3, replays // 2)):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                runner._dummy_run(n, context_len=context_len)
+                torch.cuda.synchronize()
+                walls.setdefault(n, []).append((time.perf_counter() - t0) * 1000.0)
+    forward: dict[int, list[float]] = {}
+    drafter: dict[int, list[float]] = {}
+    for smp in samples:
+        forward.setdefault(int(smp.num_target_tokens), []).append(float(smp.forward_ms))
+        if smp.drafter_ms > 0:
+            drafter.setdefault(int(smp.num_reqs), []).append(float(smp.drafter_ms))
+    for n in sizes:
+        if n not in verify and n in forward:
+            verify[n] = [float(np.median(forward[n]))]
+    if not draft_from_graphs:
+        draft = {r: [float(np.median(v))] for r, v in drafter.items()}
     verify_ms = sorted((k, float(np.median(v))) for k, v in verify.items())
     draft_ms = sorted((k, float(np.median(v))) for k, v in draft.items())
-    # Overhead: a whole dummy step (host prepare + launches + sync) minus the graph time it replays.
+    fwd_med = {n: float(np.median(v)) for n, v in forward.items()}
+    drf_med = {r: float(np.median(v)) for r, v in drafter.items()}
     overheads = []
-    draft_by_reqs = dict(draft_ms)
-    for tokens, ms in verify_ms[: min(3, len(verify_ms))]:
-        walls = []
-        for _ in range(max(3, replays // 4)):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            runner._dummy_run(tokens)
-            torch.cuda.synchronize()
-            walls.append((time.perf_counter() - t0) * 1000.0)
-        reqs = min(tokens, runner.max_num_reqs)
-        overheads.append(float(np.median(walls)) - ms - draft_by_reqs.get(reqs, 0.0))
+    for n in captured[: min(3, len(captured))]:
+        if n in walls and n in fwd_med:
+            reqs = min(n, runner.max_num_reqs)
+            overheads.append(float(np.median(walls[n])) - fwd_med[n] - drf_med.get(reqs, 0.0))
     return {
         "verify_ms": verify_ms,
         "draft_ms": draft_ms,
         "overhead_ms": max(0.0, float(np.median(overheads))) if overheads else 0.0,
-        "capture_sizes": sorted(verify),
+        "capture_sizes": captured,
+        "draft_source": "graph replays" if draft_from_graphs else "dummy steps (eager drafter)",
         "device": torch.cuda.get_device_name(),
     }
 
@@ -156,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = llm.llm_engine.vllm_config.speculative_config
     curve = SpsCurve.from_points(
         r0["verify_ms"], r0["draft_ms"], r0["overhead_ms"], r0["capture_sizes"],
-        meta={"engine": "vllm", "model": args.model, "device": r0["device"],
+        meta={"engine": "vllm", "model": args.model, "device": r0["device"], "draft_source": r0["draft_source"],
               "k": getattr(spec, "num_speculative_tokens", None),
               "tensor_parallel_size": args.tensor_parallel_size, "command": shlex.join(sys.argv)},
         source="vLLM graph replays",
