@@ -5,6 +5,7 @@
 #   bash benchmarks/vllm_h200.sh OUT proof     # SmolLM2-135M shape: nospec, all, upstream, varlen, mask at c=8,64
 #   bash benchmarks/vllm_h200.sh OUT scaled    # Llama-3-8B shape, k=7: the same configs at c=16,64,256
 #   bash benchmarks/vllm_h200.sh OUT lossless  # greedy token ids of upstream/varlen/mask against nospec
+#   bash benchmarks/vllm_h200.sh OUT profile   # dspark profile-sps --engine vllm (the proof stage then uses it)
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
 # vLLM's synthetic rejection sampler with a V4-Flash-like decay (conditional 0.8 ... 0.08 along the block).
@@ -21,12 +22,22 @@ models() {  # print "TARGET DRAFT" weightless checkpoint dirs for a target shape
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$OUT/machine.txt"
+# Ours use the measured curve when the profile stage ran first, else vLLM's start-up profile.
+OURS='{"online_sts": true}'
+[[ -f $OUT/profile/sps_curve.json ]] && OURS="{\"online_sts\": true, \"sps_curve\": \"$OUT/profile/sps_curve.json\"}"
 case "$STAGE" in
   proof)
     read -r TARGET DRAFT < <(models random:smollm2-135m random:small:layers=2)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/proof" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" \
-      --concurrency 8,64 --num-prompts 128 --input-len 128 --output-len 128 --dspark '{"online_sts": true}' ;;
+      --concurrency 8,64 --num-prompts 128 --input-len 128 --output-len 128 --dspark "$OURS" ;;
+  profile)  # `dspark profile-sps --engine vllm` with the proof stage's engine flags (issue: profile-sps on vLLM)
+    read -r TARGET DRAFT < <(models random:smollm2-135m random:small:layers=2)
+    mkdir -p "$OUT/profile"
+    python3 -m dspark_cli.cli profile-sps --engine vllm "$TARGET" -o "$OUT/profile/sps_curve.json" \
+      --speculative-config "{\"method\":\"draft_model\",\"model\":\"$DRAFT\",\"num_speculative_tokens\":7,\"dspark_capacity_verification_mode\":\"varlen\"}" \
+      --engine-args '{"load_format":"dummy","max_model_len":2048,"max_num_seqs":128,"gpu_memory_utilization":0.35,"dtype":"bfloat16","compilation_config":{"mode":0,"cudagraph_mode":"FULL_DECODE_ONLY"}}' \
+      2>&1 | tee "$OUT/profile/profile.log" ;;
   lossless)  # greedy outputs of every config against no speculation (real verification, no synthetic)
     read -r TARGET DRAFT < <(models random:smollm2-135m random:small:layers=2)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless" --load-format dummy \
@@ -36,5 +47,5 @@ case "$STAGE" in
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
       --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark '{"online_sts": true}' ;;
-  *) echo "unknown stage $STAGE (proof|scaled|lossless)" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE (proof|scaled|lossless|profile)" >&2; exit 2 ;;
 esac
