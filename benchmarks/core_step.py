@@ -11,12 +11,14 @@ probabilistic with draft probabilities -- for the torch and (when available) Tri
 memory-bandwidth floor of the bytes the sampler must read (the logits [T, V], plus the R emit rows of
 draft_probs when given), with the device copy bandwidth measured in the same run.
 
-For the Triton probabilistic sampler (one-hot and real q) it also times every launch on its own (each in
-its own graph, the launches before it replayed untimed first so its inputs and the L2 state are those of a
-real step) for both finalize variants -- "split" (tile-mass kernel over requests x vocabulary chunks, then
-a per-request final kernel; the default) and "single" (one program per request) -- and, at the largest R,
-every launch under other kernel shapes: row-kernel tile / warps / paired loads (``--row-configs``) and
-split-finalize tile / tiles per program / warps (``--tile-configs``), so defaults are chosen from data.
+For the Triton sampler it then times, at every R and dtype, every kernel variant of
+``_triton_rejection.SWEEP_VARIANTS`` (``--variants``): each launch on its own (each in its own graph, the
+launches before it replayed untimed first so its inputs and the L2 state are those of a real step) and the
+whole plan in one graph, for the greedy (row-kernel variants only), one-hot-q and real-q samplers. Row-kernel
+variants keep the default emit kernels and vice versa, so the best of each side is also timed together.
+Every variant's tokens are compared with the torch sampler on the same inputs (part of the triton_vs_torch
+check), and a table names the fastest variant per (R, dtype, kind) next to the default. All variants are
+compiled up front on a thread pool, so one run fits in a few minutes.
 
 Timed sampler replays use the full budget (every row real): that is the captured size's worst case.
 
@@ -28,12 +30,14 @@ Timed sampler replays use the full budget (every row real): that is the captured
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 
 from dspark_cli.core import _triton_rejection
+from dspark_cli.core._triton_rejection import SamplerPlan
 from dspark_cli.core.capacity import allocate, prefix_survival
 from dspark_cli.core.layout import VerifyLayout, build_varlen_layout, pick_padded_tokens
 from dspark_cli.core.rejection import RejectionOutput, rejection_sample
@@ -259,26 +264,23 @@ def sampler_kinds(b: Buffers) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def sampler_plan(b: Buffers, lay: VerifyLayout, admitted: torch.Tensor, kw: dict[str, torch.Tensor],
-                 **knobs: Any) -> Any:
+                 **knobs: Any) -> SamplerPlan:
     return _triton_rejection.plan_rejection_sample(
         b.logits, lay.req_index, lay.pos_in_req, ~lay.is_padding, b.drafts, admitted, kw.get("temperature"),
         kw.get("draft_probs"), kw.get("uniforms"), **knobs)
 
 
-def time_stages(plan: Any, b: Buffers, device: torch.device, timer: Timer, replays: int,
-                gen: torch.Generator, only: str | None = None) -> dict[str, float]:
+def time_stages(plan: SamplerPlan, b: Buffers, device: torch.device, timer: Timer, replays: int,
+                gen: torch.Generator) -> dict[str, float]:
     """Median µs of every launch of a Triton sampler plan on its own, and of the whole plan ("total").
 
     Each launch is its own graph; before each timed replay the logits get new values and the launches
     before it replay untimed, so it reads what a real step hands it (and the L2 holds what it would).
-    ``only`` times just that stage (and no total).
     """
     plan.run()  # every scratch buffer valid before any stage replays on its own
     graphs = [(name, capture(fn, device)[0]) for name, fn in plan.stages]
     out: dict[str, float] = {}
     for i, (name, replay) in enumerate(graphs):
-        if only is not None and name != only:
-            continue
         prefix = [g for _, g in graphs[:i]]
 
         def update(_: int, prefix: list[Callable[[], None]] = prefix) -> None:
@@ -287,57 +289,99 @@ def time_stages(plan: Any, b: Buffers, device: torch.device, timer: Timer, repla
                 g()
 
         out[name] = timer.median_us(replay, update, replays)
-    if only is None:
-        total, _ = capture(plan.run, device)
-        out["total"] = timer.median_us(total, lambda i: b.logits.normal_(generator=gen), replays)
+    total, _ = capture(plan.run, device)
+    out["total"] = timer.median_us(total, lambda i: b.logits.normal_(generator=gen), replays)
     return out
 
 
-def stage_breakdown(b: Buffers, lay: VerifyLayout, admitted: torch.Tensor, row: dict[str, Any],
-                    device: torch.device, timer: Timer, replays: int, gen: torch.Generator) -> None:
-    """Per-launch times of the probabilistic Triton sampler, both finalize variants, into ``row``."""
-    for kind, kw in sampler_kinds(b).items():
-        if kind == "greedy":
+def variant_names(kind: str, names: list[str]) -> list[str]:
+    """Greedy runs no emit kernels: there only the row-kernel variants differ from the default."""
+    return [n for n in names if kind != "greedy" or n == "default" or n.startswith("row:")]
+
+
+def precompile(plans: list[SamplerPlan], device: torch.device) -> float:
+    """Compile every launch of ``plans`` up front, many at once; returns the seconds it took.
+
+    Compiles (tens per batch size and dtype) would otherwise dominate the sweep's wall time. Triton's
+    asynchronous compile mode runs them on a thread pool; without it they compile one by one here.
+    """
+    if device.type != "cuda":
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
+            for plan in plans:
+                plan.precompile()
+    except (ImportError, AttributeError, TypeError) as exc:  # another triton: the launches compile lazily
+        print(f"parallel precompile unavailable ({exc!r}); kernels compile on first use", file=sys.stderr)
+    return time.perf_counter() - t0
+
+
+ROW_SIDE = ("default", "row:")  # variants that change the row kernel (or nothing)
+TILE_SIDE = ("default", "tile:", "single", "emit:")  # variants that change the emit kernels
+
+
+def _side_best(rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> dict[str, Any]:
+    return min((r for r in rows if r["variant"].startswith(prefixes)), key=lambda r: r["stages_us"]["total"])
+
+
+def variant_plans(b: Buffers, lay: VerifyLayout, admitted: torch.Tensor,
+                  names: list[str]) -> dict[tuple[str, str], SamplerPlan]:
+    kinds = sampler_kinds(b)
+    return {(kind, name): sampler_plan(b, lay, admitted, kinds[kind], **_triton_rejection.SWEEP_VARIANTS[name])
+            for kind in kinds for name in variant_names(kind, names)}
+
+
+def sweep_variants(b: Buffers, lay: VerifyLayout, admitted: torch.Tensor, dname: str, names: list[str],
+                   floors: dict[str, float], device: torch.device, timer: Timer, replays: int,
+                   gen: torch.Generator) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every kernel variant x sampler kind: medians per launch and in total, and tokens vs the torch sampler.
+
+    The row-kernel variants keep the default emit kernels and vice versa, so the stages are separable: the
+    best row-side and the best emit-side variant are then also timed together ("combo:"). ``diff_vs_torch``
+    counts requests whose tokens differ from the torch path on the same inputs: greedy must be 0; sampled
+    may differ at the accept test (p(x) round-off, about one row in a million): more than 1 is a defect.
+    """
+    kinds = sampler_kinds(b)
+    plans = variant_plans(b, lay, admitted, names)
+    compile_s = precompile(list(plans.values()), device)  # normally all cached by bench_size already
+    refs = {kind: rejection_sample(b.logits, lay, b.drafts, admitted, use_triton=False, **kw).tokens
+            for kind, kw in kinds.items()}
+    diffs = {key: int((plan.run()[0] != refs[key[0]]).any(dim=1).sum()) for key, plan in plans.items()}
+    out: list[dict[str, Any]] = []
+
+    def record(kind: str, name: str, plan: SamplerPlan, knobs: dict[str, Any], diff: int) -> None:
+        times = time_stages(plan, b, device, timer, replays, gen)
+        out.append({"R": admitted.shape[0], "dtype": dname, "kind": kind, "variant": name, "knobs": knobs,
+                    "config": plan.config, "stages_us": times, "x_floor": times["total"] / floors[kind],
+                    "diff_vs_torch": diff})
+
+    t0 = time.perf_counter()
+    for (kind, name), plan in plans.items():
+        record(kind, name, plan, _triton_rejection.SWEEP_VARIANTS[name], diffs[(kind, name)])
+    for kind in ("prob", "prob_q"):
+        rows = [r for r in out if r["kind"] == kind]
+        if not rows:
             continue
-        floor = row[f"{kind}_floor_us"]
-        stages = {}
-        for finalize in _triton_rejection.FINALIZE_MODES:
-            stages[finalize] = time_stages(sampler_plan(b, lay, admitted, kw, finalize=finalize), b, device,
-                                           timer, replays, gen)
-            row[f"{kind}_{finalize}_us"] = stages[finalize]["total"]
-            row[f"{kind}_{finalize}_x_floor"] = stages[finalize]["total"] / floor
-        row[f"{kind}_stages_us"] = stages
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        best_row, best_tile = _side_best(rows, ROW_SIDE), _side_best(rows, TILE_SIDE)
+        if best_row["variant"] == "default" or best_tile["variant"] == "default":
+            continue  # the combination is one of the timed variants already
+        knobs = {**best_row["knobs"], **best_tile["knobs"]}
+        plan = sampler_plan(b, lay, admitted, kinds[kind], **knobs)
+        ref = rejection_sample(b.logits, lay, b.drafts, admitted, use_triton=False, **kinds[kind]).tokens
+        diff = int((plan.run()[0] != ref).any(dim=1).sum())
+        diffs[(kind, "combo")] = diff
+        record(kind, f"combo:{best_row['variant']}+{best_tile['variant']}", plan, knobs, diff)
+    bad = {f"{kind}/{name}": d for (kind, name), d in diffs.items() if d > (0 if kind == "greedy" else 1)}
+    check = {"variants": len(diffs), "variants_differing": {f"{k}/{n}": d for (k, n), d in diffs.items() if d},
+             "variants_failed": bad, "compile_s": compile_s, "sweep_s": time.perf_counter() - t0}
+    return out, check
 
-
-ROW_KNOBS = ("row_block", "row_warps", "row_unroll")
-TILE_KNOBS = ("tile_block", "tile_subs", "tile_warps")
-
-
-def knob_sweep(b: Buffers, lay: VerifyLayout, admitted: torch.Tensor, dname: str, sweep: str,
-               configs: list[dict[str, int]], kinds: tuple[str, ...], floor_us: dict[str, float],
-               device: torch.device, timer: Timer, replays: int, gen: torch.Generator) -> list[dict[str, Any]]:
-    """Every launch of the split Triton sampler under other kernel shapes (``configs``: plan knobs).
-
-    ``x_floor`` is the whole plan against the kind's floor. ``diff_vs_default`` counts requests whose
-    tokens differ from the default shapes on the same inputs: greedy must be 0; sampled may differ where a
-    regrouped sum rounds differently (p(x) at the accept test, about one row in a million)."""
-    out = []
-    kinds_kw = sampler_kinds(b)
-    for kind in kinds:
-        for knobs in configs:
-            plan = sampler_plan(b, lay, admitted, kinds_kw[kind], **knobs)
-            times = time_stages(plan, b, device, timer, replays, gen)
-            ref = sampler_plan(b, lay, admitted, kinds_kw[kind]).run()[0]
-            got = plan.run()[0]
-            out.append({"sweep": sweep, "R": admitted.shape[0], "dtype": dname, "kind": kind, **knobs,
-                        "stages_us": times, "x_floor": times["total"] / floor_us[kind],
-                        "diff_vs_default": int((got != ref).any(dim=1).sum())})
-    return out
 
 def bench_size(num_reqs: int, args: argparse.Namespace, device: torch.device, timer: Timer, bw: float,
-               paths: list[str], sweep: bool) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
+               paths: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
     k, vocab = args.k, args.vocab
     rows = pick_padded_tokens(num_reqs + num_reqs * k, CAPTURE_SIZES)
     gen = torch.Generator(device=device).manual_seed(1234 + num_reqs)
@@ -349,6 +393,7 @@ def bench_size(num_reqs: int, args: argparse.Namespace, device: torch.device, ti
     for dname in args.dtypes:
         b = Buffers.make(num_reqs, k, vocab, rows, DTYPES[dname], device)
         b.refresh(gen, full_budget)
+        sweep_check: dict[str, Any] | None = None
 
         def new_plan(i: int, b: Buffers = b) -> None:
             b.budget.fill_(rng.randint(0, full_budget))
@@ -361,6 +406,12 @@ def bench_size(num_reqs: int, args: argparse.Namespace, device: torch.device, ti
             replay_alloc, _ = capture(lambda b=b, t=path == "triton": allocate(
                 prefix_survival(b.conf), b.num_drafts, b.budget, use_triton=t), device)
             alloc_only[path] = timer.median_us(replay_alloc, new_plan, args.replays)
+        compile_s = 0.0
+        if "triton" in paths:
+            # Every kernel this (R, dtype) will launch -- the default sampler in the graphs below and every
+            # sweep variant -- compiled up front and in parallel (the shapes match the full-budget layout).
+            admitted, lay = alloc_layout(b, rows, True)
+            compile_s = precompile(list(variant_plans(b, lay, admitted, args.variants).values()), device)
         for path in paths:
             use_triton = path == "triton"
             replay_a, _ = capture(lambda b=b, use_triton=use_triton: alloc_layout(b, rows, use_triton), device)
@@ -391,23 +442,50 @@ def bench_size(num_reqs: int, args: argparse.Namespace, device: torch.device, ti
                 replay_full, lambda i, b=b: (b.budget.fill_(rng.randint(0, full_budget)),
                                              b.logits.normal_(generator=gen)), args.replays)
             if use_triton:
-                stage_breakdown(b, lay, admitted, row, device, timer, args.replays, gen)
-                if sweep:
-                    floors = {kind: row[f"{kind}_floor_us"] for kind in kinds}
-                    sweeps += knob_sweep(b, lay, admitted, dname, "row", args.row_configs, ("greedy", "prob"),
-                                         floors, device, timer, args.replays, gen)
-                    sweeps += knob_sweep(b, lay, admitted, dname, "tile", args.tile_configs, ("prob", "prob_q"),
-                                         floors, device, timer, args.replays, gen)
+                floors = {kind: row[f"{kind}_floor_us"] for kind in kinds}
+                sw, sweep_check = sweep_variants(b, lay, admitted, dname, args.variants, floors, device, timer,
+                                                 args.sweep_replays, gen)
+                sweep_check["compile_s"] += compile_s
+                for r in sw:
+                    r["T"] = rows
+                sweeps += sw
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             results.append(row)
         if "triton" in paths:
-            checks[f"R{num_reqs}/{dname}/triton_vs_torch"] = compare_paths(b, rows, k, gen, rng)
+            cmp = compare_paths(b, rows, k, gen, rng)
+            if sweep_check is not None:  # every timed kernel variant must keep the contract too
+                cmp.update(sweep_check)
+                cmp["ok"] = cmp["ok"] and not sweep_check["variants_failed"]
+            checks[f"R{num_reqs}/{dname}/triton_vs_torch"] = cmp
         del b
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return results, checks, sweeps
 
 
-STAGE_COLUMNS = ("row", "tile_e", "tile_mass", "final")
+STAGE_COLUMNS = ("row", "combine", "tile_e", "tile_res", "final")
+
+
+def _stage_cells(st: dict[str, float]) -> list[str]:
+    cells = [f"{st[c]:.1f}" if c in st else "-" for c in STAGE_COLUMNS]
+    if "finalize" in st:  # the single-program finalize stands in the final column
+        cells[-1] = f"{st['finalize']:.1f}*"
+    return cells
+
+
+def winners(sweeps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (R, dtype, kind): the default variant and the fastest one (whole plan), with their stage times."""
+    out = []
+    keys = dict.fromkeys((r["R"], r["dtype"], r["kind"]) for r in sweeps)
+    for key in keys:
+        rows = [r for r in sweeps if (r["R"], r["dtype"], r["kind"]) == key]
+        default = next(r for r in rows if r["variant"] == "default")
+        best = min(rows, key=lambda r: r["stages_us"]["total"])
+        out.append({"R": key[0], "T": default.get("T"), "dtype": key[1], "kind": key[2],
+                    "floor_us": default["stages_us"]["total"] / default["x_floor"],
+                    "default": default, "winner": best, "variants_timed": len(rows)})
+    return out
 
 
 def render(results: list[dict[str, Any]], checks: dict[str, Any], sweeps: list[dict[str, Any]], bw: float,
@@ -418,12 +496,12 @@ def render(results: list[dict[str, Any]], checks: dict[str, Any], sweeps: list[d
     except ImportError:  # plain fallback keeps the script usable in a bare environment
         for r in results:
             print(r)
-        for r in sweeps:
-            print(r)
+        for r in winners(sweeps):
+            print(r["R"], r["dtype"], r["kind"], r["winner"]["variant"], r["winner"]["stages_us"])
         for k, v in checks.items():
             print(k, v)
         return
-    con = Console(width=150)
+    con = Console(width=170)
     table = Table(title=f"core step on {device_name} (copy bandwidth {bw:.0f} GB/s, median µs)")
     for col in ("R", "T", "dtype", "path", "alloc", "alloc+layout", "greedy (x floor)", "prob (x floor)",
                 "prob+q (x floor)", "full step"):
@@ -435,50 +513,56 @@ def render(results: list[dict[str, Any]], checks: dict[str, Any], sweeps: list[d
             f"{r['full_step_us']:.1f}",
         )
     con.print(table)
-    staged = [r for r in results if "prob_stages_us" in r]
-    if staged:
-        table = Table(title="Triton probabilistic sampler per launch (median µs, each launch in its own graph; "
-                            "memset omitted)")
-        for col in ("R", "T", "dtype", "kind", *STAGE_COLUMNS, "split total (x floor)", "single: finalize",
-                    "single total (x floor)"):
+    won = winners(sweeps)
+    if won:
+        table = Table(title="Triton sampler: default vs fastest variant per (R, dtype, kind) -- median µs of the "
+                            "whole plan in one graph (x floor), and the winner's launches, each in its own graph")
+        for col in ("R", "dtype", "kind", "floor", "default", "winner", "winner total", "winner launches"):
             table.add_column(col, justify="right")
-        for r in staged:
-            for kind in ("prob", "prob_q"):
-                split, single = r[f"{kind}_stages_us"]["split"], r[f"{kind}_stages_us"]["single"]
-                table.add_row(
-                    str(r["R"]), str(r["T"]), r["dtype"], kind,
-                    *(f"{split[c]:.1f}" if c in split else "-" for c in STAGE_COLUMNS),
-                    f"{split['total']:.1f} ({r[f'{kind}_split_x_floor']:.2f}x)", f"{single['finalize']:.1f}",
-                    f"{single['total']:.1f} ({r[f'{kind}_single_x_floor']:.2f}x)",
-                )
+        for w in won:
+            d, b = w["default"], w["winner"]
+            launches = ", ".join(f"{c} {v:.1f}" for c, v in b["stages_us"].items() if c != "total")
+            table.add_row(str(w["R"]), w["dtype"], w["kind"], f"{w['floor_us']:.1f}",
+                          f"{d['stages_us']['total']:.1f} ({d['x_floor']:.2f}x)", b["variant"],
+                          f"{b['stages_us']['total']:.1f} ({b['x_floor']:.2f}x)", launches)
         con.print(table)
-    for sweep, knobs, shown in (("row", ROW_KNOBS, ("row",)), ("tile", TILE_KNOBS, ("tile_e", "tile_mass", "final"))):
-        rows = [r for r in sweeps if r["sweep"] == sweep]
-        if not rows:
-            continue
-        table = Table(title=f"{sweep} kernel shapes at R={rows[0]['R']} (median µs per launch; total = whole "
-                            "split plan, x its floor)")
-        for col in ("dtype", "kind", *knobs, *shown, "total (x floor)", "requests differing from default"):
+        top = max(r["R"] for r in sweeps)
+        table = Table(title=f"every variant at R={top} (median µs per launch; total = whole plan, x its floor; "
+                            "diff = requests whose tokens differ from torch)")
+        for col in ("dtype", "kind", "variant", *STAGE_COLUMNS, "total (x floor)", "diff"):
             table.add_column(col, justify="right")
-        for r in rows:
-            st = r["stages_us"]
-            table.add_row(r["dtype"], r["kind"], *(str(r[k]) for k in knobs),
-                          *(f"{st[c]:.1f}" if c in st else "-" for c in shown),
-                          f"{st['total']:.1f} ({r['x_floor']:.2f}x)", str(r["diff_vs_default"]))
+        for r in sweeps:
+            if r["R"] == top:
+                table.add_row(r["dtype"], r["kind"], r["variant"], *_stage_cells(r["stages_us"]),
+                              f"{r['stages_us']['total']:.1f} ({r['x_floor']:.2f}x)", str(r["diff_vs_torch"]))
         con.print(table)
+        spent = [(v.get("compile_s", 0.0), v.get("sweep_s", 0.0)) for v in checks.values() if "compile_s" in v]
+        con.print(f"variant sweep: compiles {sum(c for c, _ in spent):.0f} s, timing {sum(t for _, t in spent):.0f} s")
     bad = {k: v for k, v in checks.items() if not v["ok"]}
     con.print(f"checks: {len(checks) - len(bad)}/{len(checks)} ok" + ("" if not bad else f"  FAILED: {bad}"))
 
 
-def _knob_configs(text: str, names: tuple[str, ...], min_parts: int) -> list[dict[str, int]]:
-    """'4096x8,2048x4x2' -> [{names[0]: 4096, names[1]: 8, names[2]: 1}, {...: 2}]; powers of two only."""
-    out = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        parts = [int(x) for x in item.split("x")]
-        if not min_parts <= len(parts) <= len(names) or any(v < 1 or v & (v - 1) for v in parts):
-            raise ValueError(item)
-        out.append(dict(zip(names, parts + [1] * (len(names) - len(parts)), strict=True)))  # missing: 1
-    return out
+def division_check(device: torch.device) -> dict[str, Any]:
+    """The emit kernels' fast division against torch's IEEE division, bitwise, on 4M floats x 11 divisors."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    n = 1 << 22
+    a = ((torch.rand(n, device=device, generator=gen) + 1.0)
+         * torch.exp2(torch.randint(-96, 64, (n,), device=device, generator=gen).float()))
+    a = torch.where(torch.rand(n, device=device, generator=gen) < 0.5, -a, a)
+    a[:4096] = torch.randn(4096, device=device, generator=gen) * 8  # logit-like
+    a[4096:4101] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")], device=device)
+    edges = torch.exp2(torch.arange(-40, 40, device=device).float())
+    a[8192:8192 + edges.numel()] = torch.nextafter(edges, torch.zeros_like(edges))
+    out = torch.empty_like(a)
+    bad = 0
+    for b in (0.05, 0.3, 0.7, 0.9999999, 1.0, 1.3, 2.0, 1.9999999, 37.5, 12345.678, 49152.0):
+        _triton_rejection.probe_division(a, b, out)
+        ref = a / torch.tensor(b, dtype=torch.float32, device=device)
+        bad += int((~((out == ref) | (out.isnan() & ref.isnan()))).sum())
+    return {"values": 11 * n, "mismatches": bad, "ok": bad == 0}
+
+
+QUICK_VARIANTS = "default,row:split2,single"  # the CPU interpreter is slow: one of each kind of change
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,29 +575,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--dtypes", default="fp32,bf16", help="logits dtypes to time (fp32, bf16)")
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--sweep-replays", type=int, default=100, help="replays per launch of every sweep variant")
     ap.add_argument("--check-replays", type=int, default=20)
     ap.add_argument("--paths", default="auto", help="torch, triton or auto (both when triton runs here)")
-    ap.add_argument("--row-configs", default="4096x8,4096x8x2,2048x4x2,8192x16",
-                    help="row-kernel BLOCKxWARPS[xUNROLL] shapes timed at the largest R ('' = none)")
-    ap.add_argument("--tile-configs", default="1024x4x8,1024x2x4,2048x2x8,512x8x8",
-                    help="split finalize TILExSUBSxWARPS shapes (tokens per inverse-CDF tile, tiles per "
-                         "tile-mass program, its warps) timed at the largest R ('' = none)")
+    ap.add_argument("--variants", default=None,
+                    help="Triton sampler variants timed at every R: 'all' (the default; --quick: "
+                         f"{QUICK_VARIANTS}) or names from {sorted(_triton_rejection.SWEEP_VARIANTS)}; "
+                         "'default' is always timed")
     args = ap.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda but no CUDA device is visible", file=sys.stderr)
         return 1
     reqs = [int(x) for x in args.reqs.split(",")]
-    try:
-        args.row_configs = _knob_configs(args.row_configs, ROW_KNOBS, 2)
-        args.tile_configs = _knob_configs(args.tile_configs, TILE_KNOBS, 3)
-    except ValueError as exc:
-        print(f"--row-configs / --tile-configs: bad shape {exc} (powers of two, like 4096x8 or 1024x4x8)",
-              file=sys.stderr)
+    variants = args.variants if args.variants is not None else (QUICK_VARIANTS if args.quick else "all")
+    names = list(_triton_rejection.SWEEP_VARIANTS) if variants == "all" else [
+        v.strip() for v in variants.split(",") if v.strip()]
+    unknown = [n for n in names if n not in _triton_rejection.SWEEP_VARIANTS]
+    if unknown:
+        print(f"--variants: unknown {unknown}; known: {sorted(_triton_rejection.SWEEP_VARIANTS)}", file=sys.stderr)
         return 1
-    if any(c["row_unroll"] > 2 for c in args.row_configs if "row_unroll" in c):
-        print("--row-configs: UNROLL must be 1 or 2", file=sys.stderr)
-        return 1
+    args.variants = list(dict.fromkeys(["default", *names]))
     args.dtypes = [d.strip() for d in args.dtypes.split(",")]
     if any(d not in DTYPES for d in args.dtypes):
         print(f"--dtypes must be among {sorted(DTYPES)}", file=sys.stderr)
@@ -522,36 +604,48 @@ def main(argv: list[str] | None = None) -> int:
         reqs = [r for r in reqs if r <= 8] or [1, 8]
         args.vocab = min(args.vocab, 1000)
         args.replays = min(args.replays, 10)
+        args.sweep_replays = min(args.sweep_replays, 1)
         args.check_replays = min(args.check_replays, 3)
     paths = ["torch", "triton"] if args.paths == "auto" and _triton_ok(device) else (
         ["torch"] if args.paths == "auto" else [p.strip() for p in args.paths.split(",")])
     torch.manual_seed(0)
     timer = Timer(device)
+    started = time.perf_counter()
     bw = copy_bandwidth_gbps(device, timer, args.quick)
     results: list[dict[str, Any]] = []
     checks: dict[str, Any] = {}
     sweeps: list[dict[str, Any]] = []
     for num_reqs in reqs:
-        rs, cs, sw = bench_size(num_reqs, args, device, timer, bw, paths, sweep=num_reqs == max(reqs))
+        rs, cs, sw = bench_size(num_reqs, args, device, timer, bw, paths)
         results += rs
         checks.update(cs)
         sweeps += sw
+    division = division_check(device) if device.type == "cuda" and "triton" in paths else None
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    ok = all(v["ok"] for v in checks.values())
+    ok = all(v["ok"] for v in checks.values()) and (division is None or division["ok"])
     payload = {
         "device": device_name, "torch": torch.__version__, "paths": paths, "copy_bandwidth_gbps": bw,
         "k": args.k, "vocab": args.vocab, "dtypes": args.dtypes, "replays": args.replays,
+        "sweep_replays": args.sweep_replays, "wall_s": time.perf_counter() - started,
         "floor_definition": "bytes the sampler must read (logits [T, V]; + R emit rows of draft_probs for "
                             "prob_q) / measured copy bandwidth (read + write bytes per second)",
-        "stage_timing": "Triton prob / prob_q rows: <kind>_stages_us[finalize][launch] = median µs of that "
-                        "launch alone (own graph, earlier launches replayed untimed before it), 'total' = the "
-                        "whole plan in one graph; <kind>_us is the default (split) path through "
-                        "rejection_sample",
-        "shape_sweeps": sweeps,
-        "graph_captured": device.type == "cuda", "results": results, "checks": checks, "ok": ok,
+        "stage_timing": "variant_sweep[i].stages_us[launch] = median µs of that launch alone (own graph, earlier "
+                        "launches replayed untimed before it), 'total' = the whole plan in one graph (plan built "
+                        "once: its zeroed slot scratch is not re-zeroed by a memset); results[i].<kind>_us = the "
+                        "default through rejection_sample, captured with its allocations",
+        "variant_sweep": sweeps, "winners": [
+            {**{k: v for k, v in w.items() if k not in ("default", "winner")}, "default_total_us":
+             w["default"]["stages_us"]["total"], "default_x_floor": w["default"]["x_floor"],
+             "winner": w["winner"]["variant"], "winner_knobs": w["winner"]["knobs"],
+             "winner_stages_us": w["winner"]["stages_us"], "winner_x_floor": w["winner"]["x_floor"]}
+            for w in winners(sweeps)],
+        "fast_division": division, "graph_captured": device.type == "cuda", "results": results, "checks": checks,
+        "ok": ok,
     }
     atomic_write_json(args.out / "core_step.json", payload)  # before rendering: a table bug loses nothing
     render(results, checks, sweeps, bw, device_name)
+    if division is not None:
+        print(f"fast emit division vs torch: {division['mismatches']} of {division['values']} values differ")
     return 0 if ok else 2
 
 

@@ -5,49 +5,61 @@ microsecond or more, and the torch reference of the sampler is ~50 of them aroun
 logits (upcast, scale, exp materialise ``[T, V]`` float32 temporaries). The sampler is memory-bound, so
 here it is a handful of launches:
 
-1. a memset of the ``[R, K + 1]`` slot scratch;
-2. the **row kernel** (one program per logits row): reads its row exactly once -- argmax and an online
-   log-sum-exp under the request's temperature that costs one exp per element (the running lane max is
-   the argmax value), ``p`` of the row's draft -- decides acceptance, and scatters the accept bit and its
-   row index into the request's slot;
-3. for sampled batches, the **tile-mass kernel** (one program per request and vocabulary chunk): float64
-   masses of the bonus weights and of the residual weights per vocabulary tile of the request's emit row,
-   and each tile's last positive index, into small ``[R, tiles]`` scratch tensors. A real ``q`` needs the
-   normaliser ``sum(e)`` before the residual exists, so then a first launch of the same kernel writes the
-   ``e`` masses and a second one the residual masses (the normaliser is the float64 sum of the ``e``
-   tile masses);
-4. the **final kernel** (one program per request): first rejection from the slot bits, the tile holding
-   the inverse-CDF target from the cumulative tile masses, the inverse CDF inside that one tile, then the
-   ``[K + 1]`` output row.
+1. the **row kernel**: reads every logits row exactly once -- argmax and an online log-sum-exp under the
+   request's temperature -- then ``p`` of the row's draft, the accept decision, and a scatter of
+   ``row index * 2 + accept bit`` into the request's ``[R, K + 1]`` slot. With ``row_split > 1`` a row is
+   cut into vocabulary chunks, one program each, that leave (max, first argmax, sum of exps) partials; a
+   small **combine** kernel then makes the decisions (more programs in flight when there are few rows);
+2. for sampled batches, the **tile-mass kernel** (one program per request and vocabulary chunk): float64
+   masses of the bonus weights ``e`` per vocabulary tile of the request's emit row. With one-hot ``q``
+   the residual is ``e`` without the rejected draft, so only the tile holding that draft gets a second
+   (residual) mass. A real ``q`` needs the normaliser ``sum(e)`` before the residual exists, so a second
+   launch (**tile_res**) writes the residual masses;
+3. the **final kernel** (one program per request): first rejection from the slots, the tile holding the
+   inverse-CDF target from the cumulative tile masses, the inverse CDF inside that one tile, the
+   ``[K + 1]`` output row -- and it zeroes the request's slots, so the next run needs no memset.
 
-Why the split: the emit work is one ``[V]`` row per request, and one program per request (``R`` programs
-on ~130 SMs) has to sweep its row serially with the accurate ``expf`` and float64 sums: latency-bound
-(with it, the probabilistic sampler took 2.1x the greedy one on an H200 at R=256, K=7, V=49152, although
-both read the logits once). Spread over ``R x chunks`` programs it is a short pass over ``R`` rows. The
-one-program-per-request finalize is still here (``finalize="single"``) so a benchmark can compare both
-in the same run.
+Why the row kernel folds groups: a program streams its row with 16-byte loads, and each thread keeps
+one running (max, argmax tile, sum) per load *group* of 4 fp32 / 8 bf16 tokens instead of per token:
+a group costs one in-register max, one exp per token and one rescale exp, and the state is a few
+registers, so many programs fit on an SM and enough loads are in flight to stream at the copy
+bandwidth. The per-token state (3 registers per token, masked loads) made the compiler issue a thread's
+loads one at a time: the sampled row kernel ran at 1.75x the greedy one on an H200 for the same bytes.
+The exact first argmax inside the winning group is re-read at the end (one 16-byte load of data just
+streamed). The per-token online softmax (``row_group=1``) is kept for comparison.
 
-The emit weights repeat the torch reference operation for operation (IEEE division by the temperature,
-the accurate ``expf``, a float64 normaliser) and the inverse CDF runs in float64 in both paths: over a
-~50k vocabulary a float32 running sum drifts by more than a typical token's mass, which made the sampled
-token depend on the summation order (about 1% of requests differed from torch on an H200). What can
-still differ is the accept test ``u * q < p`` at about one row in a million (``p`` from a faster exp and
-another reduction order) -- each path is lossless on its own; they are just not bitwise twins there.
+Why the emit work is split over ``R x chunks`` programs: it is one ``[V]`` row per request, and one
+program per request (``R`` programs on ~130 SMs) sweeping its row with the accurate ``expf`` and float64
+sums is latency-bound. The one-program-per-request finalize is still here (``finalize="single"``) so a
+benchmark can compare both in the same run. Spread out, the pass is bound by instructions per token
+(division, accurate exp, float64 sum), hence one float64 plane per launch, no masks on whole chunks and the
+division below.
+
+The emit weights repeat the torch reference operation for operation (the correctly rounded division by
+the temperature -- from a reciprocal and two fma corrections, which round the same as the general
+division --, the accurate ``expf``, a float64 normaliser) and the inverse CDF runs in float64 in both
+paths: over a ~50k vocabulary a float32 running sum drifts by more than a typical token's mass, which made
+the sampled token depend on the summation order (about 1% of requests differed from torch on an H200). The
+tile masses only locate the tile; the cumulative mass before it and the scan inside it are float64 sums
+of the same float32 weights, so a different grouping moves the result only when the target lies within
+float64 round-off (~1e-13 of the mass) of a token boundary. What can still differ is the accept test
+``u * q < p`` at about one row in a million (``p`` from a faster exp and another reduction order) -- each
+path is lossless on its own; they are just not bitwise twins there.
 
 The varlen layout is one single-program launch (the cumulative sum over requests carries across chunks).
-Padding rows (and greedy requests in the emit kernels) are fully masked (no memory traffic); no launch
-shape depends on tensor values, so all of it is CUDA-graph capturable. Loop trip counts are compile-time
-constants (the vocabulary size, and power-of-two bucket counts for R and T), which keeps recompilation
-rare and the CPU interpreter (``TRITON_INTERPRET=1``) usable. The torch code in ``layout.py`` /
-``rejection.py`` is the reference: tests check these kernels against it. Top-p batches stay on torch
-because the nucleus needs a sort.
+Padding rows (and greedy requests in the emit kernels) read no logits; no launch shape depends on tensor
+values, so all of it is CUDA-graph capturable. Loop trip counts are compile-time constants (the vocabulary
+size, and power-of-two bucket counts for R and T), which keeps recompilation rare and the CPU interpreter
+(``TRITON_INTERPRET=1``) usable. The torch code in ``layout.py`` / ``rejection.py`` is the reference:
+tests check these kernels against it. Top-p batches stay on torch because the nucleus needs a sort.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,6 +76,7 @@ except ImportError:  # triton is optional: the torch path is the reference and t
 # A finite "minus infinity": online-softmax rescaling of never-touched lanes stays exp(0) * 0 = 0
 # instead of exp(-inf + inf) = nan.
 _NEG = -1.0e30
+_LOG2E = 1.4426950408889634
 
 
 def supported(device: torch.device) -> bool:
@@ -136,134 +149,460 @@ if triton is not None:
             tl.store(pir_ptr + t, zero, mask=tm)
             tl.store(pad_ptr + t, (zero + 1).to(tl.uint8), mask=tm)
 
+
     @triton.jit
-    def _row_tile(v, it, best_val, best_it, s_vec, c, HAS_TEMP: tl.constexpr):
-        # Strict '>' keeps the earliest tile per lane, matching torch.argmax's first-maximum rule.
+    def _lane_step(v, it, best_val, best_it, s_vec, c, HAS_TEMP: tl.constexpr):
+        # Per-token state (row_group=1). Strict '>' keeps the earliest tile per lane, matching torch.argmax's
+        # first-maximum rule.
         take = v > best_val
         if HAS_TEMP:
             # Online softmax with ONE exp per element: the running lane max is the argmax value, so a new
             # maximum rescales the old sum by exp(old - new) and adds exp(0) = 1, any other element adds
             # exp(v - max); both exponents are -|v - max| (in log2 units, c = log2(e) / temperature).
             # Masked lanes load -inf: their term is exp2(-inf) = 0 and they never take the max.
-            e = tl.exp2(-tl.abs((v - best_val) * c))
+            e = tl.exp2(-tl.abs(v - best_val) * c)
             s_vec = tl.where(take, s_vec * e + 1.0, s_vec + e)
         best_it = tl.where(take, it, best_it)
         best_val = tl.where(take, v, best_val)
         return best_val, best_it, s_vec
 
     @triton.jit
-    def _row_kernel(
-        logits_ptr, stride_row, req_ptr, pos_ptr, valid_ptr, drafts_ptr, stride_dr, adm_ptr,
-        temp_ptr, q_ptr, stride_qr, stride_qk, u_ptr, num_reqs,
-        argmax_ptr, max_ptr, slots_ptr, num_slots,
-        K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr,
-        BLOCK: tl.constexpr, NEG: tl.constexpr, PAIRS: tl.constexpr,
-    ):
-        t = tl.program_id(0).to(tl.int64)
-        req_raw = tl.load(req_ptr + t).to(tl.int64)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
+    def _group_step(x, it, m, it_l, s, c, HAS_TEMP: tl.constexpr):
+        # Per-group state: x is [lanes, GROUP], one 16-byte load per lane, reduced in registers. The group
+        # max joins the lane's running max; the sum is rescaled once per group (exp2(0) = 1 when the max
+        # did not move, 0 on the first real group since m starts at the finite NEG) and gains one exp per
+        # token. Only the tile index of the lane's first maximum is kept (strict '>'): the position inside
+        # the group is re-read at the end.
+        gmax = tl.max(x, 1)
+        m_new = tl.maximum(m, gmax)
+        if HAS_TEMP:
+            s = s * tl.exp2((m - m_new) * c) + tl.sum(tl.exp2((x - m_new[:, None]) * c), 1)
+        it_l = tl.where(gmax > m, it, it_l)
+        return m_new, it_l, s
+
+    @triton.jit
+    def _row_load(base, it, offs, lim, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        idx = it * BLOCK + offs
+        if MASKED:
+            return tl.load(base + idx, mask=idx < lim, other=float("-inf")).to(tl.float32)
+        else:
+            return tl.load(base + idx).to(tl.float32)
+
+    @triton.jit
+    def _row_fold(v, it, m, it_l, s, c, GROUP: tl.constexpr, HAS_TEMP: tl.constexpr):
+        if GROUP == 1:
+            return _lane_step(v, it, m, it_l, s, c, HAS_TEMP)
+        else:
+            return _group_step(v, it, m, it_l, s, c, HAS_TEMP)
+
+    @triton.jit
+    def _row_ids(t, tm, req_ptr, pos_ptr, valid_ptr, adm_ptr, drafts_ptr, stride_dr, num_reqs, K: tl.constexpr):
+        # Loads only; the caller consumes adm / x after its streaming loop, so their latency is hidden.
+        req_raw = tl.load(req_ptr + t, mask=tm, other=-1).to(tl.int64)
+        pos = tl.load(pos_ptr + t, mask=tm, other=0).to(tl.int64)
+        flag = tl.load(valid_ptr + t, mask=tm, other=0) != 0
         r = tl.minimum(tl.maximum(req_raw, 0), num_reqs - 1)
         p_c = tl.minimum(tl.maximum(pos, 0), K)
-        adm = tl.minimum(tl.maximum(tl.load(adm_ptr + r).to(tl.int64), 0), K)
-        valid = (tl.load(valid_ptr + t) != 0) & (req_raw >= 0) & (req_raw < num_reqs) & (pos >= 0)
-        valid = valid & (pos <= adm)
-        has_draft = valid & (pos < adm)
         d_col = tl.minimum(p_c, K - 1)
+        adm = tl.load(adm_ptr + r).to(tl.int64)
         x = tl.load(drafts_ptr + r * stride_dr + d_col).to(tl.int64)
+        return req_raw, pos, flag, r, p_c, d_col, adm, x
+
+    @triton.jit
+    def _row_scale(r, temp_ptr, HAS_TEMP: tl.constexpr):
+        # c = log2(e) / temperature: exp(z) = exp2(logit * c). Greedy requests get temperature 1.
         if HAS_TEMP:
             temp = tl.load(temp_ptr + r).to(tl.float32)
             greedy = temp <= 0
             c = 1.4426950408889634 / tl.where(greedy, 1.0, temp)
         else:
-            greedy = True
-            c = 1.0
-        base = logits_ptr + t * stride_row
-        offs = tl.arange(0, BLOCK)
-        best_val = tl.full([BLOCK], NEG, tl.float32)
-        best_it = tl.zeros([BLOCK], tl.int32)
-        s_vec = tl.zeros([BLOCK], tl.float32)
-        lane_ok = (offs < BLOCK) & valid  # padding rows: fully masked loads touch no memory
-        # Full tiles: no vocabulary bound per element. The first PAIRS pairs of tiles have both loads issued
-        # before either is used (more bytes in flight per thread: the loop is not software-pipelined); the
-        # tiles are still folded in order, so every lane sees the same operations as without pairing.
-        for it2 in range(0, PAIRS):
-            it = it2 * 2
-            v = tl.load(base + it * BLOCK + offs, mask=lane_ok, other=float("-inf")).to(tl.float32)
-            w = tl.load(base + (it + 1) * BLOCK + offs, mask=lane_ok, other=float("-inf")).to(tl.float32)
-            best_val, best_it, s_vec = _row_tile(v, it, best_val, best_it, s_vec, c, HAS_TEMP)
-            best_val, best_it, s_vec = _row_tile(w, it + 1, best_val, best_it, s_vec, c, HAS_TEMP)
-        for it in range(PAIRS * 2, VOCAB // BLOCK):
-            v = tl.load(base + it * BLOCK + offs, mask=lane_ok, other=float("-inf")).to(tl.float32)
-            best_val, best_it, s_vec = _row_tile(v, it, best_val, best_it, s_vec, c, HAS_TEMP)
-        if VOCAB % BLOCK != 0:
-            it = VOCAB // BLOCK
-            idx = it * BLOCK + offs
-            v = tl.load(base + idx, mask=lane_ok & (idx < VOCAB), other=float("-inf")).to(tl.float32)
-            best_val, best_it, s_vec = _row_tile(v, it, best_val, best_it, s_vec, c, HAS_TEMP)
-        top = tl.max(best_val, 0)
-        arg = tl.min(tl.where(best_val == top, best_it * BLOCK + offs, VOCAB), 0).to(tl.int64)
-        tl.store(argmax_ptr + t, arg)
+            greedy = r >= 0  # all greedy
+            c = (r * 0 + 1).to(tl.float32)
+        return greedy, c
+
+    @triton.jit
+    def _row_decide(t, tm, req_raw, pos, flag, r, p_c, d_col, adm, x, greedy, c, top, arg, ssum, row_base,
+                    q_ptr, stride_qr, stride_qk, u_ptr, num_reqs, argmax_ptr, max_ptr, slots_ptr,
+                    K: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr):
+        # Works on one row (scalars) or a block of rows (vectors): the fused row kernel and the combine kernel.
+        adm = tl.minimum(tl.maximum(adm, 0), K)
+        valid = flag & (req_raw >= 0) & (req_raw < num_reqs) & (pos >= 0) & (pos <= adm)
+        has_draft = valid & (pos < adm)
+        tl.store(argmax_ptr + t, arg.to(tl.int64), mask=tm)
         accept = x == arg
         if HAS_TEMP:
-            s = tl.sum(s_vec * tl.exp2((best_val - top) * c), 0)
-            v_x = tl.load(base + x, mask=valid, other=float("-inf")).to(tl.float32)
-            p_x = tl.where(s > 0, tl.exp2((v_x - top) * c) / s, 0.0)
+            v_x = tl.load(row_base + x, mask=valid, other=float("-inf")).to(tl.float32)
             if HAS_Q:
-                q_x = tl.load(q_ptr + r * stride_qr + d_col * stride_qk + x).to(tl.float32)
+                q_x = tl.load(q_ptr + r * stride_qr + d_col * stride_qk + x, mask=valid, other=1.0).to(tl.float32)
             else:
                 q_x = 1.0
-            u0 = tl.load(u_ptr + t * 2).to(tl.float32)
+            u0 = tl.load(u_ptr + t * 2, mask=tm, other=1.0).to(tl.float32)
+            p_x = tl.where(ssum > 0, tl.exp2((v_x - top) * c) / tl.where(ssum > 0, ssum, 1.0), 0.0)
             accept = tl.where(greedy, accept, u0 * q_x < p_x)
-            tl.store(max_ptr + t, top)  # raw row max: the emit pass rebuilds max(z) = top / t exactly
+            tl.store(max_ptr + t, top, mask=tm)  # raw row max: the emit pass rebuilds max(z) = top / t exactly
         accept = accept & has_draft
-        slot = r * (K + 1) + p_c
-        tl.store(slots_ptr + slot, accept.to(tl.int64), mask=valid)
-        tl.store(slots_ptr + num_slots + slot, t, mask=valid)
+        # One word per slot: the row holding it and its accept bit (unwritten = 0 = rejected, row 0).
+        tl.store(slots_ptr + r * (K + 1) + p_c, t * 2 + accept.to(tl.int64), mask=valid)
+
+    @triton.jit
+    def _row_kernel(
+        logits_ptr, stride_row, req_ptr, pos_ptr, valid_ptr, drafts_ptr, stride_dr, adm_ptr,
+        temp_ptr, q_ptr, stride_qr, stride_qk, u_ptr, num_reqs,
+        argmax_ptr, max_ptr, slots_ptr, part_ptr, part_arg_ptr, part_plane,
+        K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr,
+        BLOCK: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, UNROLL: tl.constexpr,
+        STAGES: tl.constexpr, NEG: tl.constexpr,
+    ):
+        # Program (t, chunk): row t, full tiles [chunk * TPC, (chunk + 1) * TPC), plus one leftover full tile
+        # for the first REM chunks, plus the partial tail tile for the last chunk. Full tiles load without
+        # masks (padding rows skip the loops instead): a masked load needs its registers preset to the fill
+        # value, and with those the compiler issued a thread's loads one after the other.
+        t = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        tm = t >= 0
+        req_raw, pos, flag, r, p_c, d_col, adm, x = _row_ids(
+            t, tm, req_ptr, pos_ptr, valid_ptr, adm_ptr, drafts_ptr, stride_dr, num_reqs, K)
+        greedy, c = _row_scale(r, temp_ptr, HAS_TEMP)
+        base = logits_ptr + t * stride_row
+        if GROUP == 1:
+            offs = tl.arange(0, BLOCK)
+            m = tl.full([BLOCK], NEG, tl.float32)
+            it_l = tl.zeros([BLOCK], tl.int32)
+            s = tl.zeros([BLOCK], tl.float32)
+        else:
+            lanes = tl.arange(0, BLOCK // GROUP)
+            cols = tl.arange(0, GROUP)
+            offs = lanes[:, None] * GROUP + cols[None, :]
+            m = tl.full([BLOCK // GROUP], NEG, tl.float32)
+            it_l = tl.zeros([BLOCK // GROUP], tl.int32)
+            s = tl.zeros([BLOCK // GROUP], tl.float32)
+        TPC: tl.constexpr = (VOCAB // BLOCK) // SPLIT
+        REM: tl.constexpr = VOCAB // BLOCK - TPC * SPLIT
+        first = chunk * TPC
+        if flag:
+            # The pointers walk the row (one add per load) instead of being rebuilt from the tile index.
+            ptrs = base + first * BLOCK + offs
+            if UNROLL == 2:
+                # Both loads of a pair issue before either tile is folded; tiles still fold in order.
+                for i2 in range(0, TPC // 2):
+                    it = first + 2 * i2
+                    v = tl.load(ptrs).to(tl.float32)
+                    w = tl.load(ptrs + BLOCK).to(tl.float32)
+                    m, it_l, s = _row_fold(v, it, m, it_l, s, c, GROUP, HAS_TEMP)
+                    m, it_l, s = _row_fold(w, it + 1, m, it_l, s, c, GROUP, HAS_TEMP)
+                    ptrs += 2 * BLOCK
+                if TPC % 2 == 1:
+                    v = tl.load(ptrs).to(tl.float32)
+                    m, it_l, s = _row_fold(v, first + TPC - 1, m, it_l, s, c, GROUP, HAS_TEMP)
+            elif STAGES > 0:
+                # The compiler's software pipeline (asynchronous copies through shared memory).
+                for i in tl.range(0, TPC, num_stages=STAGES):
+                    v = tl.load(ptrs).to(tl.float32)
+                    m, it_l, s = _row_fold(v, first + i, m, it_l, s, c, GROUP, HAS_TEMP)
+                    ptrs += BLOCK
+            else:
+                for i in range(0, TPC):
+                    v = tl.load(ptrs).to(tl.float32)
+                    m, it_l, s = _row_fold(v, first + i, m, it_l, s, c, GROUP, HAS_TEMP)
+                    ptrs += BLOCK
+            if REM > 0:
+                if chunk < REM:
+                    it = SPLIT * TPC + chunk
+                    v = _row_load(base, it, offs, VOCAB, BLOCK, False)
+                    m, it_l, s = _row_fold(v, it, m, it_l, s, c, GROUP, HAS_TEMP)
+        if VOCAB % BLOCK != 0:
+            it = VOCAB // BLOCK + chunk * 0
+            lim = tl.where(flag & (chunk == SPLIT - 1), VOCAB, 0)  # 0: every lane masked, no traffic
+            v = _row_load(base, it, offs, lim, BLOCK, True)
+            m, it_l, s = _row_fold(v, it, m, it_l, s, c, GROUP, HAS_TEMP)
+        top = tl.max(m, 0)
+        if GROUP == 1:
+            arg = tl.min(tl.where(m == top, it_l * BLOCK + offs, VOCAB), 0)
+        else:
+            # First maximum: the earliest group holding top among the lanes whose max is top, then the first
+            # position inside it (a 16-byte re-read of data this program just streamed).
+            gstart = it_l * BLOCK + lanes * GROUP
+            gidx = gstart[:, None] + cols[None, :]
+            cand = (m == top) & (m > NEG)
+            xg = tl.load(base + gidx, mask=cand[:, None] & (gidx < VOCAB), other=float("-inf")).to(tl.float32)
+            arg = tl.min(tl.min(tl.where(xg == top, gidx, VOCAB), 1), 0)
+        arg = tl.where(arg >= VOCAB, 0, arg)  # nothing above NEG: torch.argmax of such a row is 0 here too
+        if HAS_TEMP:
+            ssum = tl.sum(s * tl.exp2((m - top) * c), 0)
+        else:
+            ssum = top
+        if SPLIT == 1:
+            _row_decide(t, tm, req_raw, pos, flag, r, p_c, d_col, adm, x, greedy, c, top, arg, ssum, base,
+                        q_ptr, stride_qr, stride_qk, u_ptr, num_reqs, argmax_ptr, max_ptr, slots_ptr,
+                        K, HAS_TEMP, HAS_Q)
+        else:
+            out = t * SPLIT + chunk
+            tl.store(part_ptr + out, top)
+            tl.store(part_ptr + part_plane + out, ssum)
+            tl.store(part_arg_ptr + out, arg)
+
+    @triton.jit
+    def _combine_kernel(
+        logits_ptr, stride_row, req_ptr, pos_ptr, valid_ptr, drafts_ptr, stride_dr, adm_ptr,
+        temp_ptr, q_ptr, stride_qr, stride_qk, u_ptr, num_reqs, num_rows,
+        argmax_ptr, max_ptr, slots_ptr, part_ptr, part_arg_ptr, part_plane,
+        K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr,
+        SPLIT: tl.constexpr, SP: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        # Chunk partials -> row results. Chunks cover disjoint vocabulary ranges and each partial argmax is
+        # the first maximum of its chunk, so the smallest argmax among the chunks holding the row max is the
+        # row's first maximum.
+        t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        tm = t < num_rows
+        req_raw, pos, flag, r, p_c, d_col, adm, x = _row_ids(
+            t, tm, req_ptr, pos_ptr, valid_ptr, adm_ptr, drafts_ptr, stride_dr, num_reqs, K)
+        greedy, c = _row_scale(r, temp_ptr, HAS_TEMP)
+        j = tl.arange(0, SP)
+        pm = tm[:, None] & (j[None, :] < SPLIT)
+        pidx = t[:, None] * SPLIT + j[None, :]
+        pmax = tl.load(part_ptr + pidx, mask=pm, other=float("-inf"))
+        parg = tl.load(part_arg_ptr + pidx, mask=pm, other=VOCAB)
+        top = tl.where(tm, tl.max(pmax, 1), 0.0)  # rows past the end: no -inf - -inf below
+        arg = tl.min(tl.where(pmax == top[:, None], parg, VOCAB), 1)
+        arg = tl.where(arg >= VOCAB, 0, arg)
+        if HAS_TEMP:
+            psum = tl.load(part_ptr + part_plane + pidx, mask=pm, other=0.0)
+            ssum = tl.sum(tl.where(pm, psum * tl.exp2((pmax - top[:, None]) * c[:, None]), 0.0), 1)
+        else:
+            ssum = top
+        _row_decide(t, tm, req_raw, pos, flag, r, p_c, d_col, adm, x, greedy, c, top, arg, ssum,
+                    logits_ptr + t * stride_row, q_ptr, stride_qr, stride_qk, u_ptr, num_reqs,
+                    argmax_ptr, max_ptr, slots_ptr, K, HAS_TEMP, HAS_Q)
+
+    @triton.jit
+    def _first_rejection(r, adm_ptr, slots_ptr, num_rows, K: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One load gives the accept bits and the rows of all slots. Slots past admitted[r] are never written
+        # (zero: rejected), so the first zero bit is the first rejection and its word holds the emit row.
+        adm = tl.minimum(tl.maximum(tl.load(adm_ptr + r).to(tl.int64), 0), K)
+        j = tl.arange(0, BLOCK_K)
+        packed = tl.load(slots_ptr + r * (K + 1) + j, mask=j < K + 1, other=0)  # BLOCK_K >= K + 1
+        na = tl.min(tl.where(((packed & 1) == 0) & (j < K), j, K), 0).to(tl.int64)
+        emit_row = tl.sum(tl.where(j == na, packed >> 1, 0), 0)
+        emit_row = tl.minimum(tl.maximum(emit_row, 0), num_rows - 1)
+        return adm, na, emit_row
+
+    @triton.jit
+    def _clear_slots(r, slots_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+        # The last reader leaves the request's slots zeroed: the next run's scatter starts from "all
+        # rejected" (what a missing row must read as) without a memset launch.
+        j = tl.arange(0, BLOCK_K)
+        tl.store(slots_ptr + r * (K + 1) + j, tl.zeros([BLOCK_K], tl.int64), mask=j < K + 1)
+
+    @triton.jit
+    def _emit_params(r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K: tl.constexpr):
+        temp_raw = tl.load(temp_ptr + r).to(tl.float32)
+        # Re-derived through an integer compare: the CPU interpreter gives a float comparison the float
+        # operand's type, and a mask broadcast from it then fails there.
+        sampled_req = (temp_raw > 0).to(tl.int32) != 0
+        temp = tl.where(sampled_req, temp_raw, 1.0)
+        m = tl.math.div_rn(tl.load(max_ptr + emit_row), temp)  # = max of z: rounding is monotone
+        rejected = na < adm
+        q_col = tl.minimum(na, K - 1)
+        bad = tl.load(drafts_ptr + r * stride_dr + q_col).to(tl.int64)
+        return sampled_req, temp, m, rejected, q_col, bad
+
+    @triton.jit
+    def _fma(x, y, z, PRECISE: tl.constexpr):
+        if PRECISE:
+            return tl.fma(x, y, z)
+        else:  # the CPU interpreter's fma rounds twice; float64 holds the float32 product exactly
+            return (x.to(tl.float64) * y + z).to(tl.float32)
+
+    @triton.jit
+    def _div(a, b, rb, FAST: tl.constexpr, PRECISE: tl.constexpr):
+        # IEEE a / b (what torch computes) for a scalar b > 0. FAST: rb = RN(1 / b), q0 = RN(a * rb) lies
+        # within 1.5 ulp of a / b; one residual correction (the fma's a - b * q is exact or nearly so) brings
+        # it within 1 ulp, and a second one rounds correctly (Markstein's theorem: y = RN(1 / b), q faithful,
+        # r = a - b * q exact => RN(q + r * y) = RN(a / b)). Three fmas and a multiply per token instead of
+        # the general division's range check and slow-path branch. Exact while no intermediate overflows or
+        # turns subnormal (|a| in [2**-96, 2**64] for b in [2**-30, 2**30]); below that a / b is far under
+        # half an ulp of the row max it is offset by, so exp(z - max z) is the same; infinite a gives a * rb.
+        if FAST:
+            inf = tl.abs(a) == float("inf")
+            a_f = tl.where(inf, 0.0, a)  # keeps inf - inf (nan) out of the corrections
+            q = a_f * rb
+            q = _fma(_fma(-b, q, a_f, PRECISE), rb, q, PRECISE)
+            q = _fma(_fma(-b, q, a_f, PRECISE), rb, q, PRECISE)
+            return tl.where(inf, a * rb, q)
+        else:
+            return tl.math.div_rn(a, b)
+
+    @triton.jit
+    def _div_probe_kernel(a_ptr, out_ptr, b, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        a = tl.load(a_ptr + i, mask=i < n, other=0.0)
+        tl.store(out_ptr + i, _div(a, b, tl.math.div_rn(1.0, b), True, True), mask=i < n)
 
     @triton.jit
     def _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q: tl.constexpr,
-                      PRECISE: tl.constexpr):
+                      PRECISE: tl.constexpr, MASKED: tl.constexpr, FAST_DIV: tl.constexpr):
         # Operation for operation the torch reference (rejection._emit_pass_torch): z = logit / t
         # (IEEE division), e = exp(z - max z) with the accurate expf, p = e / float32(sum_f64 e).
-        v = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
-        z = tl.math.div_rn(v, temp) - m
+        # MASKED=False: every index is inside the vocabulary and wanted (no select per token).
+        if MASKED:
+            v = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        else:
+            v = tl.load(base + idx).to(tl.float32)
+        z = _div(v, temp, tl.math.div_rn(1.0, temp), FAST_DIV, PRECISE) - m
         if PRECISE:
             e = libdevice.exp(z)
         else:  # the CPU interpreter has no libdevice; numpy's exp stands in
             e = tl.exp(z)
-        e = tl.where(mask, e, 0.0)
+        if MASKED:
+            e = tl.where(mask, e, 0.0)
         if HAS_Q:
-            q = tl.load(qbase + idx, mask=mask & use_q_res, other=0.0).to(tl.float32)
-            res = tl.maximum(tl.math.div_rn(e, norm) - q, 0.0)
+            if MASKED:
+                q = tl.load(qbase + idx, mask=mask & use_q_res, other=0.0).to(tl.float32)
+            else:
+                q = tl.load(qbase + idx).to(tl.float32)
+            res = tl.maximum(_div(e, norm, tl.math.div_rn(1.0, norm), FAST_DIV, PRECISE) - q, 0.0)
         else:
             res = tl.where(idx == bad, 0.0, e)
-        return e, tl.where(mask, res, 0.0)
+        if MASKED:
+            res = tl.where(mask, res, 0.0)
+        return e, res
+
+    @triton.jit
+    def _tile_mass_kernel(
+        logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
+        max_ptr, slots_ptr, num_rows, mass_ptr, bad_ptr, norm_ptr, plane,
+        K: tl.constexpr, VOCAB: tl.constexpr, HAS_Q: tl.constexpr, RES: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_S: tl.constexpr, SUBS: tl.constexpr, NTS: tl.constexpr, NB: tl.constexpr, PRECISE: tl.constexpr,
+        FAST_DIV: tl.constexpr,
+    ):
+        # Program (r, c) covers SUBS consecutive tiles of BLOCK_S tokens of request r's emit row. mass plane
+        # 0: bonus weights e; plane 1 (RES, a real q): the residual weights. One plane per launch: one
+        # float64 reduction per tile. Requests that will not read a plane (greedy ones; not rejected for the
+        # residual) skip the program: the final kernel never reads their stale values.
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        adm, na, emit_row = _first_rejection(r, adm_ptr, slots_ptr, num_rows, K, BLOCK_K)
+        sampled_req, temp, m, rejected, q_col, bad = _emit_params(
+            r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K)
+        use_q_res = rejected & sampled_req
+        base = logits_ptr + emit_row * stride_row
+        qbase = q_ptr + r * stride_qr + q_col * stride_qk
+        tile = c * SUBS + tl.arange(0, SUBS)
+        idx = tile[:, None] * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
+        out = r * NTS + tile
+        CH: tl.constexpr = BLOCK_S * SUBS
+        # Chunks wholly inside the vocabulary load without masks (no select per token).
+        inside = (c + 1) * CH <= VOCAB
+        if RES:
+            if use_q_res:
+                # p = e / sum(e) against q: the normaliser is the float64 sum of the e tile masses.
+                nb = tl.arange(0, NB)
+                e_tiles = tl.load(mass_ptr + r * NTS + nb, mask=nb < NTS, other=0.0)
+                norm = tl.sum(e_tiles, 0).to(tl.float32)
+                norm = tl.where(norm > 0, norm, 1.0)
+                tl.store(norm_ptr + r, norm, mask=c == 0)  # the final kernel must use this exact value
+                if inside:
+                    _, res = _emit_weights(base, qbase, idx, idx < VOCAB, temp, m, norm, bad, use_q_res, True,
+                                           PRECISE, False, FAST_DIV)
+                else:
+                    _, res = _emit_weights(base, qbase, idx, idx < VOCAB, temp, m, norm, bad, use_q_res, True,
+                                           PRECISE, True, FAST_DIV)
+                tl.store(mass_ptr + plane + out, tl.sum(res.to(tl.float64), 1))
+        else:
+            if sampled_req:
+                if inside:
+                    e, res = _emit_weights(base, qbase, idx, idx < VOCAB, temp, m, 1.0, bad, False, False,
+                                           PRECISE, False, FAST_DIV)
+                else:
+                    e, res = _emit_weights(base, qbase, idx, idx < VOCAB, temp, m, 1.0, bad, False, False,
+                                           PRECISE, True, FAST_DIV)
+                tl.store(mass_ptr + out, tl.sum(e.to(tl.float64), 1))
+                if not HAS_Q:
+                    # One-hot q: the residual is e without the rejected draft, so it differs from e in one
+                    # tile only; the program holding that tile also stores its SUBS residual masses.
+                    if use_q_res & (tl.minimum(tl.maximum(bad // CH, 0), NTS // SUBS - 1) == c):
+                        tl.store(bad_ptr + r * SUBS + tl.arange(0, SUBS), tl.sum(res.to(tl.float64), 1))
+
+    @triton.jit
+    def _final_kernel(
+        logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
+        u_ptr, argmax_ptr, max_ptr, slots_ptr, num_rows, mass_ptr, bad_ptr, norm_ptr, plane,
+        tokens_ptr, nacc_ptr,
+        K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_S: tl.constexpr, SUBS: tl.constexpr, NTS: tl.constexpr, NB: tl.constexpr, PRECISE: tl.constexpr,
+        FAST_DIV: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64)
+        adm, na, emit_row = _first_rejection(r, adm_ptr, slots_ptr, num_rows, K, BLOCK_K)
+        token = tl.load(argmax_ptr + emit_row)
+        if HAS_TEMP:
+            sampled_req, temp, m, rejected, q_col, bad = _emit_params(
+                r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K)
+            live = tl.where(sampled_req, VOCAB, 0)
+            use_q_res = rejected & sampled_req
+            base = logits_ptr + emit_row * stride_row
+            qbase = q_ptr + r * stride_qr + q_col * stride_qk
+            # The tile-mass launches skipped what this request does not read (greedy: everything; no
+            # rejection: the residual), so those loads are masked off here too.
+            nb = tl.arange(0, NB)
+            nmask = nb < NTS
+            tiles_e = tl.load(mass_ptr + r * NTS + nb, mask=nmask & sampled_req, other=0.0)
+            if HAS_Q:
+                tiles_r = tl.load(mass_ptr + plane + r * NTS + nb, mask=nmask & use_q_res, other=0.0)
+                norm = tl.load(norm_ptr + r, mask=use_q_res, other=1.0)
+            else:
+                in_bad = (nb // SUBS) == tl.minimum(tl.maximum(bad // (BLOCK_S * SUBS), 0), NTS // SUBS - 1)
+                bad_tiles = tl.load(bad_ptr + r * SUBS + nb % SUBS, mask=in_bad & nmask & use_q_res, other=0.0)
+                tiles_r = tl.where(in_bad, bad_tiles, tiles_e)
+                norm = 1.0
+            # From here on the decisions of inverse_cdf_sample, over tiles then inside one tile.
+            use_res = rejected & (tl.sum(tiles_r, 0) > 0)
+            tiles = tl.where(use_res, tiles_r, tiles_e)
+            target = tl.load(u_ptr + emit_row * 2 + 1).to(tl.float64) * tl.sum(tiles, 0)
+            cum = tl.cumsum(tiles, 0)
+            tile = tl.min(tl.where(cum > target, nb, NB), 0)
+            # The mass before the tile is the running sum that was compared (<= target), so the first crossing
+            # inside the tile is a positive weight (searchsorted(right=True) skips zero weights).
+            before = tl.sum(tl.where(nb == tile - 1, cum, 0.0), 0)
+            offs = tl.arange(0, BLOCK_S)
+            idx = tile * BLOCK_S + offs
+            mask = (idx < live) & (tile < NTS)
+            e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE, True,
+                                   FAST_DIV)
+            w = tl.where(use_res, res, e).to(tl.float64)
+            cdf = tl.cumsum(w, 0) + before
+            found = tl.min(tl.where((cdf > target) & mask, idx, VOCAB), 0)
+            if sampled_req & (found >= VOCAB):
+                # Round-off left the target at or past the total: the clamp to the last positive weight,
+                # which lies in the last tile of positive mass.
+                idx = tl.max(tl.where(tiles > 0, nb, 0), 0) * BLOCK_S + offs
+                e, res = _emit_weights(base, qbase, idx, idx < live, temp, m, norm, bad, use_q_res, HAS_Q,
+                                       PRECISE, True, FAST_DIV)
+                found = tl.max(tl.where(tl.where(use_res, res, e) > 0, idx, 0), 0)
+            token = tl.where(sampled_req, found.to(tl.int64), token)
+        jj = tl.arange(0, BLOCK_K)
+        drafted = tl.load(drafts_ptr + r * stride_dr + jj, mask=jj < na, other=0).to(tl.int64)
+        out = tl.where(jj < na, drafted, tl.where(jj == na, token, -1))
+        tl.store(tokens_ptr + r * (K + 1) + jj, out, mask=jj < K + 1)
+        tl.store(nacc_ptr + r, na)
+        _clear_slots(r, slots_ptr, K, BLOCK_K)
 
     @triton.jit
     def _finalize_kernel(
         logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
-        u_ptr, argmax_ptr, max_ptr, slots_ptr, num_slots, num_rows, tokens_ptr, nacc_ptr,
+        u_ptr, argmax_ptr, max_ptr, slots_ptr, num_rows, tokens_ptr, nacc_ptr,
         K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr,
         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, NT: tl.constexpr, NB: tl.constexpr, PRECISE: tl.constexpr,
+        FAST_DIV: tl.constexpr,
     ):
+        # finalize="single": one program per request sweeps its emit row (tile masses, then one tile).
         r = tl.program_id(0).to(tl.int64)
-        adm = tl.minimum(tl.maximum(tl.load(adm_ptr + r).to(tl.int64), 0), K)
-        j = tl.arange(0, BLOCK_K)
-        # Slots past admitted[r] were never written (memset 0), so the first zero is the first rejection.
-        acc = tl.load(slots_ptr + r * (K + 1) + j, mask=j < K, other=0)  # BLOCK_K >= K + 1
-        na = tl.min(tl.where((acc == 0) & (j < K), j, K), 0).to(tl.int64)
-        emit_row = tl.load(slots_ptr + num_slots + r * (K + 1) + na)
-        emit_row = tl.minimum(tl.maximum(emit_row, 0), num_rows - 1)
+        adm, na, emit_row = _first_rejection(r, adm_ptr, slots_ptr, num_rows, K, BLOCK_K)
         token = tl.load(argmax_ptr + emit_row)
         if HAS_TEMP:
-            temp_raw = tl.load(temp_ptr + r).to(tl.float32)
-            sampled_req = temp_raw > 0
+            sampled_req, temp, m, rejected, q_col, bad = _emit_params(
+                r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K)
             live = tl.where(sampled_req, VOCAB, 0)  # greedy requests read nothing here
-            temp = tl.where(sampled_req, temp_raw, 1.0)
-            m = tl.math.div_rn(tl.load(max_ptr + emit_row), temp)  # = max of z: rounding is monotone
-            rejected = na < adm
-            q_col = tl.minimum(na, K - 1)
-            bad = tl.load(drafts_ptr + r * stride_dr + q_col).to(tl.int64)
             base = logits_ptr + emit_row * stride_row
             qbase = q_ptr + r * stride_qr + q_col * stride_qk
             offs = tl.arange(0, BLOCK)
@@ -275,7 +614,7 @@ if triton is not None:
                 for start in range(0, VOCAB, BLOCK):
                     idx = start + offs
                     e, _ = _emit_weights(base, qbase, idx, (idx < live) & use_q_res, temp, m, 1.0, bad,
-                                         False, False, PRECISE)
+                                         False, False, PRECISE, True, FAST_DIV)
                     e_acc += e.to(tl.float64)
                 norm = tl.sum(e_acc, 0).to(tl.float32)
                 norm = tl.where(norm > 0, norm, 1.0)  # only 0 when unused (no rejection, greedy)
@@ -290,7 +629,8 @@ if triton is not None:
             for it in range(0, NT):
                 idx = it * BLOCK + offs
                 mask = idx < live
-                e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE)
+                e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE, True,
+                                       FAST_DIV)
                 tiles_e = tl.where(nb == it, tl.sum(e.to(tl.float64), 0), tiles_e)
                 tiles_r = tl.where(nb == it, tl.sum(res.to(tl.float64), 0), tiles_r)
                 last_e = tl.maximum(last_e, tl.max(tl.where(e > 0, idx, 0), 0))
@@ -301,12 +641,13 @@ if triton is not None:
             target = tl.load(u_ptr + emit_row * 2 + 1).to(tl.float64) * tl.sum(tiles, 0)
             cum = tl.cumsum(tiles, 0)
             tile = tl.min(tl.where(cum > target, nb, NB), 0)
-            before = tl.sum(tl.where(nb < tile, tiles, 0.0), 0)
+            before = tl.sum(tl.where(nb == tile - 1, cum, 0.0), 0)
             # Inverse CDF inside that tile (searchsorted(right=True): first running mass above the target),
             # clamped to the last positive weight in case rounding leaves the target above the total.
             idx = tile * BLOCK + offs
             mask = (idx < live) & (tile < NB)
-            e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE)
+            e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE, True,
+                                   FAST_DIV)
             w = tl.where(use_res, res, e).to(tl.float64)
             cdf = tl.cumsum(w, 0) + before
             found = tl.min(tl.where((cdf > target) & mask, idx, VOCAB), 0)
@@ -316,126 +657,8 @@ if triton is not None:
         out = tl.where(jj < na, drafted, tl.where(jj == na, token, -1))
         tl.store(tokens_ptr + r * (K + 1) + jj, out, mask=jj < K + 1)
         tl.store(nacc_ptr + r, na)
+        _clear_slots(r, slots_ptr, K, BLOCK_K)
 
-
-    @triton.jit
-    def _first_rejection(r, adm_ptr, slots_ptr, num_slots, num_rows, K: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Slots past admitted[r] were never written (memset 0), so the first zero is the first rejection.
-        adm = tl.minimum(tl.maximum(tl.load(adm_ptr + r).to(tl.int64), 0), K)
-        j = tl.arange(0, BLOCK_K)
-        acc = tl.load(slots_ptr + r * (K + 1) + j, mask=j < K, other=0)  # BLOCK_K >= K + 1
-        na = tl.min(tl.where((acc == 0) & (j < K), j, K), 0).to(tl.int64)
-        emit_row = tl.load(slots_ptr + num_slots + r * (K + 1) + na)
-        emit_row = tl.minimum(tl.maximum(emit_row, 0), num_rows - 1)
-        return adm, na, emit_row
-
-    @triton.jit
-    def _emit_params(r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K: tl.constexpr):
-        temp_raw = tl.load(temp_ptr + r).to(tl.float32)
-        sampled_req = temp_raw > 0
-        temp = tl.where(sampled_req, temp_raw, 1.0)
-        m = tl.math.div_rn(tl.load(max_ptr + emit_row), temp)  # = max of z: rounding is monotone
-        rejected = na < adm
-        q_col = tl.minimum(na, K - 1)
-        bad = tl.load(drafts_ptr + r * stride_dr + q_col).to(tl.int64)
-        return sampled_req, temp, m, rejected, q_col, bad
-
-    @triton.jit
-    def _tile_mass_kernel(
-        logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
-        max_ptr, slots_ptr, num_slots, num_rows, mass_ptr, last_ptr, norm_ptr, plane,
-        K: tl.constexpr, VOCAB: tl.constexpr, HAS_Q: tl.constexpr, E_ONLY: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_S: tl.constexpr, SUBS: tl.constexpr, NTS: tl.constexpr, NB: tl.constexpr, PRECISE: tl.constexpr,
-    ):
-        # Program (r, c) covers SUBS consecutive tiles of BLOCK_S tokens of request r's emit row. Every
-        # program stores all its tiles (zeros when masked), so the scratch never holds stale values.
-        # mass/last planes: 0 = bonus weights e, 1 = residual weights.
-        r = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
-        adm, na, emit_row = _first_rejection(r, adm_ptr, slots_ptr, num_slots, num_rows, K, BLOCK_K)
-        sampled_req, temp, m, rejected, q_col, bad = _emit_params(
-            r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K)
-        live = tl.where(sampled_req, VOCAB, 0)  # greedy requests read nothing here
-        use_q_res = rejected & sampled_req
-        base = logits_ptr + emit_row * stride_row
-        qbase = q_ptr + r * stride_qr + q_col * stride_qk
-        tile = c * SUBS + tl.arange(0, SUBS)
-        idx = tile[:, None] * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
-        out = r * NTS + tile
-        if E_ONLY:
-            # First pass against a real q: e masses, which give both the bonus CDF and the normaliser.
-            e, _ = _emit_weights(base, qbase, idx, idx < live, temp, m, 1.0, bad, False, False, PRECISE)
-            tl.store(mass_ptr + out, tl.sum(e.to(tl.float64), 1))
-            tl.store(last_ptr + out, tl.max(tl.where(e > 0, idx, 0), 1))
-        elif HAS_Q:
-            # p = e / sum(e) against q is only needed after a rejection: other requests read nothing.
-            nb = tl.arange(0, NB)
-            e_tiles = tl.load(mass_ptr + r * NTS + nb, mask=nb < NTS, other=0.0)
-            norm = tl.sum(e_tiles, 0).to(tl.float32)
-            norm = tl.where(norm > 0, norm, 1.0)
-            tl.store(norm_ptr + r, norm, mask=c == 0)  # the final kernel must use this exact value
-            _, res = _emit_weights(base, qbase, idx, (idx < live) & use_q_res, temp, m, norm, bad, use_q_res,
-                                   True, PRECISE)
-            tl.store(mass_ptr + plane + out, tl.sum(res.to(tl.float64), 1))
-            tl.store(last_ptr + plane + out, tl.max(tl.where(res > 0, idx, 0), 1))
-        else:
-            e, res = _emit_weights(base, qbase, idx, idx < live, temp, m, 1.0, bad, use_q_res, False, PRECISE)
-            tl.store(mass_ptr + out, tl.sum(e.to(tl.float64), 1))
-            tl.store(last_ptr + out, tl.max(tl.where(e > 0, idx, 0), 1))
-            tl.store(mass_ptr + plane + out, tl.sum(res.to(tl.float64), 1))
-            tl.store(last_ptr + plane + out, tl.max(tl.where(res > 0, idx, 0), 1))
-
-    @triton.jit
-    def _final_kernel(
-        logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
-        u_ptr, argmax_ptr, max_ptr, slots_ptr, num_slots, num_rows, mass_ptr, last_ptr, norm_ptr, plane,
-        tokens_ptr, nacc_ptr,
-        K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_S: tl.constexpr, NTS: tl.constexpr, NB: tl.constexpr, PRECISE: tl.constexpr,
-    ):
-        r = tl.program_id(0).to(tl.int64)
-        adm, na, emit_row = _first_rejection(r, adm_ptr, slots_ptr, num_slots, num_rows, K, BLOCK_K)
-        token = tl.load(argmax_ptr + emit_row)
-        if HAS_TEMP:
-            sampled_req, temp, m, rejected, q_col, bad = _emit_params(
-                r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K)
-            live = tl.where(sampled_req, VOCAB, 0)
-            use_q_res = rejected & sampled_req
-            base = logits_ptr + emit_row * stride_row
-            qbase = q_ptr + r * stride_qr + q_col * stride_qk
-            if HAS_Q:
-                norm = tl.load(norm_ptr + r)
-            else:
-                norm = 1.0
-            nb = tl.arange(0, NB)
-            nmask = nb < NTS
-            tiles_e = tl.load(mass_ptr + r * NTS + nb, mask=nmask, other=0.0)
-            tiles_r = tl.load(mass_ptr + plane + r * NTS + nb, mask=nmask, other=0.0)
-            last_e = tl.max(tl.load(last_ptr + r * NTS + nb, mask=nmask, other=0), 0)
-            last_r = tl.max(tl.load(last_ptr + plane + r * NTS + nb, mask=nmask, other=0), 0)
-            # From here on the same decisions as the single-program finalize, over smaller tiles.
-            use_res = rejected & (tl.sum(tiles_r, 0) > 0)
-            tiles = tl.where(use_res, tiles_r, tiles_e)
-            last_pos = tl.where(use_res, last_r, last_e)
-            target = tl.load(u_ptr + emit_row * 2 + 1).to(tl.float64) * tl.sum(tiles, 0)
-            cum = tl.cumsum(tiles, 0)
-            tile = tl.min(tl.where(cum > target, nb, NB), 0)
-            before = tl.sum(tl.where(nb < tile, tiles, 0.0), 0)
-            # Inverse CDF inside that tile (searchsorted(right=True): first running mass above the target),
-            # clamped to the last positive weight in case rounding leaves the target above the total.
-            offs = tl.arange(0, BLOCK_S)
-            idx = tile * BLOCK_S + offs
-            mask = (idx < live) & (tile < NTS)
-            e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE)
-            w = tl.where(use_res, res, e).to(tl.float64)
-            cdf = tl.cumsum(w, 0) + before
-            found = tl.min(tl.where((cdf > target) & mask, idx, VOCAB), 0)
-            token = tl.where(sampled_req, tl.minimum(found, last_pos).to(tl.int64), token)
-        jj = tl.arange(0, BLOCK_K)
-        drafted = tl.load(drafts_ptr + r * stride_dr + jj, mask=jj < na, other=0).to(tl.int64)
-        out = tl.where(jj < na, drafted, tl.where(jj == na, token, -1))
-        tl.store(tokens_ptr + r * (K + 1) + jj, out, mask=jj < K + 1)
-        tl.store(nacc_ptr + r, na)
 
 
 def build_varlen_layout_fused(
@@ -472,47 +695,113 @@ def build_varlen_layout_fused(
     return ids, positions, req_index, pos_in_req, pad.view(torch.bool), qsl, seq_lens, nlog, ntok
 
 
+
 FINALIZE_MODES = ("split", "single")
+EMIT_DIVISIONS = ("fast", "rn")  # logit / temperature in the emit kernels: see _div
+
+# Kernel shapes the benchmark times side by side (plan knobs; {} = the defaults). Every one must keep the
+# sampler's contract: the tests run each of them against the torch reference.
+SWEEP_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    # row kernel (and the combine launch when a row is split)
+    "row:lane": {"row_group": 1, "row_block": 4096},  # per-token online softmax, the former default
+    "row:split1": {"row_split": 1},
+    "row:split2": {"row_split": 2},
+    "row:split4": {"row_split": 4},
+    "row:w4": {"row_warps": 4, "row_bytes": 8192},
+    "row:w16": {"row_warps": 16, "row_bytes": 32768},
+    "row:b32k": {"row_bytes": 32768},  # 128 bytes per thread per tile at 8 warps: more loads in flight, fewer CTAs
+    "row:unroll2": {"row_unroll": 2},
+    "row:stages3": {"row_stages": 3},
+    # emit side: inverse-CDF tile x tiles per tile-mass program x its warps, and the single-program finalize
+    "tile:2048x2": {"tile_block": 2048, "tile_subs": 2, "tile_warps": 8},
+    "tile:4096x1": {"tile_block": 4096, "tile_subs": 1, "tile_warps": 8},
+    "tile:512x8": {"tile_block": 512, "tile_subs": 8, "tile_warps": 8},
+    "tile:1024x2w4": {"tile_block": 1024, "tile_subs": 2, "tile_warps": 4},
+    "single": {"finalize": "single"},
+    "emit:rn": {"emit_div": "rn"},  # the general IEEE division per token in the emit kernels
+}
 
 
 @dataclass
 class SamplerPlan:
     """The sampler's launches bound to their buffers: ``run`` them in order, or time them one by one.
 
-    Every stage is a fixed-shape launch (or memset) that reads only device memory, so a stage, a prefix or
-    the whole list can be captured in a CUDA graph; ``tokens`` / ``num_accepted`` are written by the last.
+    Every stage is a fixed-shape launch that reads only device memory, so a stage, a prefix or the whole
+    list can be captured in a CUDA graph; ``tokens`` / ``num_accepted`` are written by the last. The final
+    stage leaves the slot scratch zeroed for the next run, so a stage timed on its own may see slots of an
+    earlier replay: only values change, not the work. ``config`` holds the resolved kernel shapes;
+    ``precompile`` compiles every launch without running it (under triton's asynchronous compile mode the
+    compiles of many plans overlap).
     """
 
     stages: list[tuple[str, Callable[[], None]]]
     tokens: Tensor
     num_accepted: Tensor
+    config: dict[str, Any] = field(default_factory=dict)
+    warmups: list[Callable[[], None]] = field(default_factory=list)
 
     def run(self) -> tuple[Tensor, Tensor]:
         for _, launch in self.stages:
             launch()
         return self.tokens, self.num_accepted
 
+    def precompile(self) -> None:
+        for warm in self.warmups:
+            warm()
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def auto_row_split(num_rows: int, full_tiles: int, sms: int) -> int:
+    """Chunks per row so that ~4 row programs per SM stream at once; 1 (no combine launch) for big batches.
+
+    A row program streams its whole row serially: with fewer rows than ~4 per SM most of the device
+    waits on a few long programs, and more, shorter ones fill it at the cost of the small combine launch.
+    The split divides the full tiles evenly (a chunk with one more tile than the others sets the pace).
+    """
+    want = (4 * sms) // max(num_rows, 1)
+    if num_rows < 1 or want < 2:
+        return 1
+    return max(d for d in range(1, min(want, full_tiles) + 1) if full_tiles % d == 0) if full_tiles else 1
+
 
 def plan_rejection_sample(
     logits: Tensor, req_index: Tensor, pos_in_req: Tensor, valid: Tensor, drafts: Tensor, admitted: Tensor,
     temperature: Tensor | None, draft_probs: Tensor | None, uniforms: Tensor | None, *,
-    finalize: str = "split", row_block: int | None = None, row_warps: int = 8, row_unroll: int = 1,
+    finalize: str = "split", row_block: int | None = None, row_bytes: int = 16384, row_warps: int = 8,
+    row_unroll: int = 1, row_group: int | None = None, row_split: int | None = None, row_stages: int = 0,
     tile_block: int | None = None, tile_subs: int | None = None, tile_warps: int | None = None,
+    emit_div: str = "fast",
 ) -> SamplerPlan:
     """Allocate the sampler's buffers and bind its launches (see ``rejection_sample_fused``).
 
     ``finalize``: "split" (tile-mass kernel over requests x vocabulary chunks, then a per-request final
-    kernel) or "single" (one program per request sweeps its emit row). ``row_block`` / ``row_warps`` /
-    ``row_unroll`` (1 or 2 tiles loaded per step): the row kernel's shape; ``tile_block`` / ``tile_subs`` /
-    ``tile_warps``: tokens per inverse-CDF tile, tiles per tile-mass program and its warps. The knobs exist
-    for benchmarks and tests (small tiles exercise many of them on a small vocabulary); None picks the
-    defaults. ``row_unroll`` leaves every lane's operations unchanged; other block sizes regroup the row
-    kernel's float32 sums (``p(x)`` may round differently) and the float64 tile masses.
+    kernel) or "single" (one program per request sweeps its emit row). Row kernel: ``row_block`` tokens per
+    tile (default ``row_bytes`` of logits: 64 bytes per thread at 8 warps), ``row_warps``, ``row_unroll``
+    (1 or 2 tiles loaded per step), ``row_group`` (tokens per in-register group; default one 16-byte load,
+    1 = per-token online softmax), ``row_split`` (vocabulary chunks per row, each its own program, combined
+    by a second launch; default ``auto_row_split``), ``row_stages`` (0 = plain loop, n >= 2 = the
+    compiler's n-stage pipelined loop). ``tile_block`` / ``tile_subs`` / ``tile_warps``: tokens per
+    inverse-CDF tile, tiles per tile-mass program and its warps. ``emit_div``: "fast" (a reciprocal and two
+    fma corrections per token, correctly rounded: ``_div``) or "rn" (the general IEEE division per token).
+    The knobs exist for benchmarks and tests
+    (small tiles exercise many of them on a small vocabulary); None picks the defaults. ``row_unroll`` /
+    ``row_stages`` leave every lane's operations unchanged; other shapes regroup the row kernel's float32
+    sums (``p(x)`` may round differently) and the float64 tile masses.
     """
     if finalize not in FINALIZE_MODES:
         raise ValueError(f"finalize must be one of {FINALIZE_MODES}, got {finalize!r}")
+    if emit_div not in EMIT_DIVISIONS:
+        raise ValueError(f"emit_div must be one of {EMIT_DIVISIONS}, got {emit_div!r}")
     if row_unroll not in (1, 2):
         raise ValueError(f"row_unroll must be 1 or 2, got {row_unroll}")
+    if row_stages < 0 or (row_stages and row_unroll != 1):
+        raise ValueError(f"row_stages must be >= 0 and needs row_unroll=1, got {row_stages} / {row_unroll}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
@@ -522,10 +811,17 @@ def plan_rejection_sample(
         drafts = drafts.contiguous()
     has_temp = temperature is not None
     has_q = has_temp and draft_probs is not None
+    elem = logits.element_size()
+    block = row_block or min(max(1, row_bytes // elem), _pow2(vocab))
+    group = row_group or min(max(1, 16 // elem), block)
+    if block & (block - 1) or group & (group - 1) or group > block:
+        raise ValueError(f"row_block and row_group must be powers of two, group <= block; got {block}, {group}")
+    split = row_split or auto_row_split(num_rows, vocab // block, _sm_count(device))
+    if split < 1:
+        raise ValueError(f"row_split must be >= 1, got {split}")
     num_slots = num_reqs * (num_spec + 1)
-    # Row 0: accept bits per slot; row 1: which logits row holds the slot. Zeroed by the first stage:
-    # unwritten = rejected.
-    slots = torch.empty(2, num_slots, dtype=torch.int64, device=device)
+    # One word per slot (row * 2 + accept bit). Zero here; afterwards the final kernel re-zeroes what it read.
+    slots = torch.zeros(num_slots, dtype=torch.int64, device=device)
     argmax = torch.empty(num_rows, dtype=torch.int64, device=device)
     row_max = torch.empty(num_rows, dtype=torch.float32, device=device)
     tokens = torch.empty(num_reqs, num_spec + 1, dtype=torch.int64, device=device)
@@ -539,37 +835,43 @@ def plan_rejection_sample(
     u = uniforms.to(torch.float32).contiguous() if has_temp else row_max
     valid_u8 = valid.to(torch.bool).contiguous().view(torch.uint8)
     req_c, pos_c = req_index.contiguous(), pos_in_req.contiguous()
+    if split > 1:
+        part = torch.empty(2, num_rows, split, dtype=torch.float32, device=device)
+        part_arg = torch.empty(num_rows, split, dtype=torch.int32, device=device)
+    else:
+        part, part_arg = row_max, argmax  # unused
     precise = not _interpreting()
     block_k = _pow2(num_spec + 1)
     rows_ok = max(num_rows, 1)
-    block = row_block or min(4096, _pow2(vocab))
-    pairs = (vocab // block) // 2 if row_unroll == 2 else 0
-    stages: list[tuple[str, Callable[[], None]]] = [("memset", slots.zero_)]
+    config: dict[str, Any] = {"finalize": finalize, "row_block": block, "row_warps": row_warps,
+                              "row_unroll": row_unroll, "row_group": group, "row_split": split,
+                              "row_stages": row_stages, "emit_div": emit_div}
+    fast_div = emit_div == "fast"
+    plan = SamplerPlan([], tokens, num_accepted, config)
 
-    def row() -> None:
-        _row_kernel[(num_rows,)](
-            logits, logits.stride(0), req_c, pos_c, valid_u8,
-            drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k, u, num_reqs,
-            argmax, row_max, slots, num_slots,
-            K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=block, NEG=_NEG, PAIRS=pairs,
-            num_warps=row_warps,
-        )
+    def stage(name: str, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        plan.stages.append((name, lambda: kernel[grid](*args, **kwargs)))
+        plan.warmups.append(lambda: kernel.warmup(*args, grid=grid, **kwargs))
 
+    row_args = (logits, logits.stride(0), req_c, pos_c, valid_u8, drafts, drafts.stride(0), admitted, temp, q,
+                sq_r, sq_k, u, num_reqs)
     if num_rows > 0:
-        stages.append(("row", row))
+        stage("row", _row_kernel, (num_rows, split), *row_args, argmax, row_max, slots, part, part_arg,
+              num_rows * split, K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=block,
+              GROUP=group, SPLIT=split, UNROLL=row_unroll, STAGES=row_stages, NEG=_NEG, num_warps=row_warps)
+        if split > 1:
+            block_t = min(128, _pow2(num_rows))
+            stage("combine", _combine_kernel, (-(-num_rows // block_t),), *row_args, num_rows, argmax, row_max,
+                  slots, part, part_arg, num_rows * split, K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp,
+                  HAS_Q=has_q, SPLIT=split, SP=_pow2(split), BLOCK_T=block_t, num_warps=4)
+    emit_args = (logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k)
     if finalize == "single":
         fblock = min(4096, _pow2(vocab))
-
-        def single() -> None:
-            _finalize_kernel[(num_reqs,)](
-                logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k,
-                u, argmax, row_max, slots, num_slots, rows_ok, tokens, num_accepted,
-                K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=fblock, BLOCK_K=block_k,
-                NT=-(-vocab // fblock), NB=_pow2(-(-vocab // fblock)), PRECISE=precise, num_warps=8,
-            )
-
-        stages.append(("finalize", single))
-        return SamplerPlan(stages, tokens, num_accepted)
+        stage("finalize", _finalize_kernel, (num_reqs,), *emit_args, u, argmax, row_max, slots, rows_ok, tokens,
+              num_accepted, K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=fblock,
+              BLOCK_K=block_k, NT=-(-vocab // fblock), NB=_pow2(-(-vocab // fblock)), PRECISE=precise,
+              FAST_DIV=fast_div, num_warps=8)
+        return plan
 
     # Split finalize. Tiles of 1024 keep the final kernel's single-tile float64 scan short; chunks of 4
     # tiles give the tile-mass programs a 4096-token read each (fewer, longer-lived programs).
@@ -579,40 +881,34 @@ def plan_rejection_sample(
     nts = chunks * subs  # tiles per request, a multiple of subs: the last ones may be past the vocabulary
     nb = _pow2(nts)
     if has_temp:
-        mass = torch.empty(2, num_reqs, nts, dtype=torch.float64, device=device)
-        last = torch.empty(2, num_reqs, nts, dtype=torch.int32, device=device)
+        # Plane 0: bonus-weight masses; plane 1 (real q): residual masses. bad_mass: the residual masses of
+        # the chunk holding the rejected draft (one-hot q).
+        mass = torch.empty(2 if has_q else 1, num_reqs, nts, dtype=torch.float64, device=device)
+        bad_mass = torch.empty(num_reqs, subs, dtype=torch.float64, device=device)
         norm = torch.empty(num_reqs, dtype=torch.float32, device=device)
     else:  # greedy: the final kernel reads none of these
-        mass, last, norm = row_max, row_max, row_max
-    plane = num_reqs * nts
+        mass, bad_mass, norm = row_max, row_max, row_max
     tile_warps = tile_warps or max(1, min(8, tblock * subs // 512))
-
-    def tile_pass(e_only: bool) -> Callable[[], None]:
-        def launch() -> None:
-            _tile_mass_kernel[(num_reqs, chunks)](
-                logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k,
-                row_max, slots, num_slots, rows_ok, mass, last, norm, plane,
-                K=num_spec, VOCAB=vocab, HAS_Q=has_q, E_ONLY=e_only, BLOCK_K=block_k,
-                BLOCK_S=tblock, SUBS=subs, NTS=nts, NB=nb, PRECISE=precise, num_warps=tile_warps,
-            )
-
-        return launch
-
-    if has_q:
-        stages.append(("tile_e", tile_pass(True)))
+    config.update(tile_block=tblock, tile_subs=subs, tile_warps=tile_warps)
+    mass_args = (row_max, slots, rows_ok, mass, bad_mass, norm, num_reqs * nts)
+    shape = dict(K=num_spec, VOCAB=vocab, HAS_Q=has_q, BLOCK_K=block_k, BLOCK_S=tblock, SUBS=subs, NTS=nts, NB=nb,
+                 PRECISE=precise, FAST_DIV=fast_div)
     if has_temp:
-        stages.append(("tile_mass", tile_pass(False)))
+        stage("tile_e", _tile_mass_kernel, (num_reqs, chunks), *emit_args, *mass_args, RES=False, **shape,
+              num_warps=tile_warps)
+    if has_q:
+        stage("tile_res", _tile_mass_kernel, (num_reqs, chunks), *emit_args, *mass_args, RES=True, **shape,
+              num_warps=tile_warps)
+    stage("final", _final_kernel, (num_reqs,), *emit_args, u, argmax, row_max, slots, rows_ok, mass, bad_mass, norm,
+          num_reqs * nts, tokens, num_accepted, HAS_TEMP=has_temp, **shape,
+          num_warps=max(1, min(8, tblock // 256)))
+    return plan
 
-    def final() -> None:
-        _final_kernel[(num_reqs,)](
-            logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k,
-            u, argmax, row_max, slots, num_slots, rows_ok, mass, last, norm, plane, tokens, num_accepted,
-            K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK_K=block_k,
-            BLOCK_S=tblock, NTS=nts, NB=nb, PRECISE=precise, num_warps=max(1, min(8, tblock // 256)),
-        )
 
-    stages.append(("final", final))
-    return SamplerPlan(stages, tokens, num_accepted)
+def probe_division(a: Tensor, b: float, out: Tensor) -> None:
+    """``out = a / b`` through the emit kernels' fast division (CUDA): tests compare it with torch's division."""
+    n = a.numel()
+    _div_probe_kernel[(-(-n // 1024),)](a, out, float(b), n, BLOCK=1024)
 
 
 def rejection_sample_fused(

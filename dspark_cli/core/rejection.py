@@ -25,7 +25,7 @@ Everything is fixed-shape tensor code (no ``.item()``, boolean indexing or data-
 CUDA graph replays it for any admitted counts. Whether every request is greedy, and whether top-p is used
 at all, are host-known sampling parameters (like vLLM's ``all_greedy``): ``temperature=None`` selects the
 argmax-only program. On CUDA with Triton (and no top-p) the whole sampler runs as a few launches
-(``_triton_rejection``: a memset, the row kernel, per-tile emit masses, a per-request final kernel),
+(``_triton_rejection``: the row kernel, per-tile emit masses, a per-request final kernel),
 because a chain of ~50 tiny torch ops would cost more than reading the logits; the torch code below is
 the reference, the CPU path and the top-p path.
 """
