@@ -11,7 +11,8 @@
 # --prepare .carry/smol` cuts it into .carry/smol/part{1,2,3}; carry each part in its own call and copy it
 # to /tmp/smol (`mkdir -p /tmp/smol && cp .carry/smol/partN/* /tmp/smol/`). Wheels the host lacks (orjson,
 # gguf) travel in .whl. Env: CONC (16,32,64,128,256), WAVES (2), TOK (128), CONFIGS, MAX_NUM_SEQS (256),
-# DEVICE (cuda), SCALED_MODEL (random:llama-3-8b; a smaller shape checks the plumbing on a CPU).
+# DEVICE (cuda), SCALED_MODEL (random:llama-3-8b; a smaller shape checks the plumbing on a CPU),
+# GSM8K_LIMIT (all 1319 questions), GSM8K_MAX_TOKENS (256).
 set -uo pipefail
 OUT=${1:?usage: h200_matrix.sh OUT scaled|real|gsm8k}
 SETUP=${2:?usage: h200_matrix.sh OUT scaled|real|gsm8k}
@@ -86,7 +87,9 @@ if [[ $SETUP == gsm8k ]]; then
     dspark serve $SERVE $extra --port $port >"$OUT/$SETUP/serve-$cfg.log" 2>&1 &
     pid=$!
     for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
-    dspark eval gsm8k --port $port --data /tmp/smol/gsm8k.jsonl -c 256 --max-tokens 256 \
+    # shellcheck disable=SC2086
+    dspark eval gsm8k --port $port --data /tmp/smol/gsm8k.jsonl -c 256 --max-tokens "${GSM8K_MAX_TOKENS:-256}" \
+      ${GSM8K_LIMIT:+--limit $GSM8K_LIMIT} \
       -o "$OUT/$SETUP/gsm8k-$cfg.jsonl" 2>&1 | tail -3 | tee -a "$OUT/$SETUP/gsm8k.log"
     kill -INT $pid; wait $pid
   done
