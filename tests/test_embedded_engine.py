@@ -84,19 +84,6 @@ def build_tiny_pair(root: Path) -> TinyPair:
     return TinyPair(target_dir, draft_dir, head_dir, curve_path)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny GEMMs gain nothing from intra-op threads and suffer badly on a busy machine; restore after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
-    return build_tiny_pair(tmp_path_factory.mktemp("tiny_llama"))
-
 
 def make_engine(pair: TinyPair, **overrides) -> LLMEngine:  # type: ignore[no-untyped-def]
     kwargs = dict(

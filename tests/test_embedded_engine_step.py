@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_embedded_engine import TinyPair, build_tiny_pair, make_engine, prompts
+from test_embedded_engine import TinyPair, make_engine, prompts
 
 from dspark_cli.core.capacity import CapacityConfig
 from dspark_cli.core.sps import SpsCurve
@@ -15,18 +15,6 @@ from dspark_cli.engines.embedded.sequence import SamplingParams, Sequence
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
-    return build_tiny_pair(tmp_path_factory.mktemp("tiny_llama_step"))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
-from test_embedded_engine import VOCAB, TinyPair, build_tiny_pair, make_engine, prompts
+from test_embedded_engine import VOCAB, TinyPair, make_engine, prompts
 from typer.testing import CliRunner
 
 from dspark_cli.calibrate import run_calibration
@@ -47,18 +46,6 @@ from dspark_cli.errors import DsparkError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
-    return build_tiny_pair(tmp_path_factory.mktemp("tiny_llama_synthetic"))
 
 
 def _survival(probs: list[float]) -> np.ndarray:

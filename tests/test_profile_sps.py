@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from dspark_cli import profile_sps as ps
@@ -27,15 +26,6 @@ runner = CliRunner()
 K = 4
 MAX_SEQS = 8
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The test machine is shared: two intra-op threads fighting other processes make CPU timings erratic.
-    # Real serving keeps torch's default; the shape of the curve is what these tests look at.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
