@@ -393,7 +393,7 @@ def test_profile_refuses_a_busy_engine(tiny_pair: TinyPair) -> None:
 @given(st.lists(st.floats(min_value=0.01, max_value=100.0), min_size=1, max_size=12))
 @settings(max_examples=200, deadline=None)
 def test_isotonic_fit_is_monotone_and_keeps_the_mass(ys: list[float]) -> None:
-    from dspark_cli.engines.embedded.profile import isotonic
+    from dspark_cli.core.sps import monotone_fit as isotonic
 
     pts = list(enumerate(ys, start=1))
     fit = isotonic(pts)

@@ -121,10 +121,10 @@ def _clean_points(
 def monotone_fit(points: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
     """Least-squares non-decreasing fit of ``(x, ms)`` points (pool-adjacent-violators), sorted by x.
 
-    For noisy timings taken by someone else (vLLM's start-up profile: a few replays per size, some eager):
-    a running maximum lets one slow outlier price every larger batch, while the isotonic fit averages a
-    violating run, so a spike moves the curve only by its share of the run. A curve the user hands us is
-    not repaired this way -- it is refused when it is not monotone (beyond noise).
+    For measured timings (``dspark profile-sps``, and vLLM's start-up profile: a few replays per size, some
+    eager): a running maximum lets one slow outlier price every larger batch, while the isotonic fit averages
+    a violating run, so a spike moves the curve only by its share of the run. A curve file the user hands us
+    is not repaired this way -- it is refused when it is not monotone (beyond noise).
     """
     pts = sorted((int(x), float(y)) for x, y in points)
     blocks: list[list[float]] = []  # [sum, count] of each pooled run

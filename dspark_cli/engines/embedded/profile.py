@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dspark_cli.core.layout import build_varlen_layout
-from dspark_cli.core.sps import SpsCurve, SpsCurveError
+from dspark_cli.core.sps import SpsCurve, SpsCurveError, monotone_fit
 from dspark_cli.engines.embedded.model_runner import capture_sizes_for
 from dspark_cli.engines.embedded.sequence import SamplingParams, Sequence
 from dspark_cli.errors import DsparkError
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from dspark_cli.engines.embedded.config import EngineConfig
     from dspark_cli.engines.embedded.engine import LLMEngine
 
-__all__ = ["SpsMeasurements", "beyond_limit_sizes", "curve_from_measurements", "isotonic", "measure_sps",
+__all__ = ["SpsMeasurements", "beyond_limit_sizes", "curve_from_measurements", "measure_sps",
            "profile_config", "profile_sps"]
 
 Progress = Callable[[str], None]
@@ -56,22 +56,6 @@ OVERHEAD_FRACTIONS = (0.0, 0.5, 1.0)
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def isotonic(points: Seq[tuple[int, float]]) -> list[tuple[int, float]]:
-    """Least-squares non-decreasing fit of the costs (pool adjacent violators), x unchanged."""
-    points = sorted(points)
-    blocks: list[list[float]] = []  # [sum, count]
-    for _, y in points:
-        blocks.append([y, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    fitted: list[float] = []
-    for total, count in blocks:
-        fitted.extend([total / count] * int(count))
-    return [(x, y) for (x, _), y in zip(points, fitted, strict=True)]
 
 
 def beyond_limit_sizes(limit: int, max_batch: int) -> list[int]:
@@ -113,7 +97,7 @@ def curve_from_measurements(m: SpsMeasurements, overhead_ms: float | None = None
     meta["measured_verify_ms"] = [[x, round(y, 6)] for x, y in m.verify_ms]
     meta["measured_draft_ms"] = [[x, round(y, 6)] for x, y in m.draft_ms]
     return SpsCurve.from_points(
-        isotonic(m.verify_ms), isotonic(m.draft_ms), m.overhead_ms if overhead_ms is None else overhead_ms,
+        monotone_fit(m.verify_ms), monotone_fit(m.draft_ms), m.overhead_ms if overhead_ms is None else overhead_ms,
         m.capture_sizes, meta, source="profiled SPS curve",
     )
 
