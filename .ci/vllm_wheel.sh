@@ -2,15 +2,11 @@
 # Fetch the vllm==0.33.0 wheel and unpack only the Python sources the vLLM-engine contract tests inspect.
 #
 # The wheel is a CUDA build pinned to torch 2.14, so it cannot be imported on the CPU CI machine; the
-# tests read its source with `ast` instead. Idempotent: a complete cache (marked by .complete) is reused.
+# tests read its source with `ast` instead. Idempotent: a complete cache (marked by .complete, holding every listed file) is reused.
 # Cache dir: $DSPARK_VLLM_SRC, else ~/.cache/dspark/vllm-0.33.0-src.
 set -euo pipefail
 VERSION=0.33.0
 DEST="${DSPARK_VLLM_SRC:-$HOME/.cache/dspark/vllm-${VERSION}-src}"
-if [[ -f "$DEST/.complete" ]]; then
-  echo "vllm ${VERSION} sources: $DEST (cached)"
-  exit 0
-fi
 # Files named in dspark_cli/engines/vllm/contract.py (SOURCE_FILES); the dist-info holds entry points.
 FILES=(
   vllm/v1/worker/gpu/model_runner.py
@@ -33,7 +29,16 @@ FILES=(
   vllm/envs.py
   vllm/engine/arg_utils.py
   vllm/entrypoints/llm.py
+  vllm/v1/worker/worker_base.py
 )
+# A cache is complete when it is marked and holds every file listed now (the list grows with the contract).
+cached=1
+[[ -f "$DEST/.complete" ]] || cached=0
+for f in "${FILES[@]}"; do [[ -f "$DEST/$f" ]] || cached=0; done
+if [[ $cached == 1 ]]; then
+  echo "vllm ${VERSION} sources: $DEST (cached)"
+  exit 0
+fi
 WHEEL_DIR="${DSPARK_VLLM_WHEEL_DIR:-$HOME/.cache/dspark/wheels}"
 mkdir -p "$WHEEL_DIR"
 WHEEL="$(ls "$WHEEL_DIR"/vllm-${VERSION}-*.whl 2>/dev/null | head -n1 || true)"

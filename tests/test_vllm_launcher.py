@@ -163,3 +163,23 @@ def test_profiler_prices_sizes_above_the_capture_limit() -> None:
     assert tail_sizes([8, 16, 512], 8192) == [768, 1024, 2048, 4096, 8192]
     assert tail_sizes([8, 16, 512], 600) == [600]
     assert tail_sizes([8, 512], 512) == [] and tail_sizes([], 8192) == []
+
+
+def test_profiler_is_called_by_name_through_a_worker_extension() -> None:
+    """vLLM's engine-core bus refuses to serialise a function (the first H200 profile run died on it): the
+    profiler must reach the workers as a method of the extension class vLLM mixes into them."""
+    import ast
+    import inspect
+    from importlib import import_module
+
+    from dspark_cli.engines.vllm import profile
+
+    module, _, name = profile.EXTENSION.rpartition(".")
+    ext = getattr(import_module(module), name)
+    assert callable(getattr(ext, "dspark_profile_sps", None))
+    # no name of ours may shadow a worker attribute (vLLM asserts on conflicts when it mixes the class in)
+    assert [a for a in vars(ext) if not a.startswith("__")] == ["dspark_profile_sps"]
+    calls = [n for n in ast.walk(ast.parse(inspect.getsource(profile.main)))
+             if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "collective_rpc"]
+    assert calls and all(isinstance(c.args[0], ast.Constant) and c.args[0].value == "dspark_profile_sps"
+                         for c in calls)

@@ -46,6 +46,7 @@ PARALLEL = "vllm.distributed.parallel_state"
 ENVS = "vllm.envs"
 ARG_UTILS = "vllm.engine.arg_utils"
 LLM = "vllm.entrypoints.llm"
+WORKER_BASE = "vllm.v1.worker.worker_base"
 
 Kind = Literal[
     "function",  # module-level def; params must appear (in this order) among its parameters
@@ -256,6 +257,12 @@ CONTRACT: tuple[Assumption, ...] = (
     # --- profiler
     Assumption(LLM, "LLM.collective_rpc", "method", ("method", "timeout", "args", "kwargs"),
                why="profile-sps runs its timing in every worker"),
+    Assumption(ARG_UTILS, "EngineArgs.worker_extension_cls", "field",
+               why="profile-sps mixes its profiler into the workers and calls it by name (functions do not "
+                   "cross the engine-core message bus without process-wide pickling)"),
+    Assumption(WORKER_BASE, "WorkerWrapperBase.init_worker", "contains",
+               ("parallel_config.worker_extension_cls", "worker_class.__bases__ = worker_class.__bases__ + ("),
+               why="the extension's methods become the worker's: collective_rpc('dspark_profile_sps') finds them"),
     Assumption(RUNNER, "GPUModelRunner._dummy_run", "method", ("num_tokens", "context_len"),
                why="profile-sps times whole dummy steps (sizes above the capture limit, eager drafters)"),
     Assumption(RUNNER, "GPUModelRunner.__init__", "self_attr",

@@ -2,7 +2,7 @@
 
 The engine is built with the *same* flags as ``dspark serve --engine vllm`` (so the captured graphs are the
 ones serving will replay: varlen decode graphs for varlen, uniform ones for mask). Then, in every worker
-(``LLM.collective_rpc``), each captured FULL target graph and each draft graph is replayed and timed with
+(``LLM.collective_rpc``, by name: :class:`SpsProfileExtension` is vLLM's worker extension), each captured FULL target graph and each draft graph is replayed and timed with
 CUDA events (median of ``--replays``); sizes above the capture limit, and drafters that run eagerly (vLLM
 0.33's ``draft_model``), are timed from whole dummy steps with vLLM's own step timing (forward and drafter
 parts); the fixed per-step overhead is a dummy step's wall time minus both. Rank 0's numbers become
@@ -24,6 +24,7 @@ from dspark_cli.engines.vllm.launcher import plan_vllm_serve
 from dspark_cli.errors import DsparkError
 
 MODULE = "dspark_cli.engines.vllm.profile"
+EXTENSION = f"{MODULE}.SpsProfileExtension"
 PROFILE_FLAGS = {"--output": "sps_curve.json", "--replays": "20", "--warmup": "3"}
 
 
@@ -113,6 +114,18 @@ def tail_sizes(capture_sizes: list[int], max_tokens: int) -> list[int]:
     return sorted(s for s in sizes if s > limit)
 
 
+class SpsProfileExtension:
+    """Mixed into every vLLM worker (``worker_extension_cls``) so the profiler is called by name.
+
+    vLLM's engine-core message bus serialises RPC arguments with msgpack and refuses a function unless
+    pickling is switched on for the whole process (``VLLM_ALLOW_INSECURE_SERIALIZATION``); a method name
+    travels as a string, and the worker already has the code.
+    """
+
+    def dspark_profile_sps(self, replays: int, warmup: int) -> dict[str, Any]:
+        return profile_worker(self, replays, warmup)
+
+
 def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 4096) -> dict[str, Any]:
     """Runs inside each vLLM worker: the verify and draft cost per size, and the fixed per-step overhead.
 
@@ -197,9 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.model_tag:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
+    if args.worker_extension_cls and args.worker_extension_cls != EXTENSION:
+        raise DsparkError(f"profile-sps --engine vllm puts its profiler into vLLM's worker extension slot; "
+                          f"drop --worker-extension-cls {args.worker_extension_cls} for the profile run")
+    args.worker_extension_cls = EXTENSION
     llm = LLM(**{k: v for k, v in vars(args).items() if not k.startswith("_")})
-    results = llm.collective_rpc(profile_worker, kwargs={"replays": int(ours.get("--replays", 20)),
-                                                         "warmup": int(ours.get("--warmup", 3))})
+    results = llm.collective_rpc("dspark_profile_sps", kwargs={"replays": int(ours.get("--replays", 20)),
+                                                               "warmup": int(ours.get("--warmup", 3))})
     r0 = results[0]
     spec = llm.llm_engine.vllm_config.speculative_config
     curve = SpsCurve.from_points(
