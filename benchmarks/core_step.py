@@ -242,16 +242,8 @@ def compare_paths(b: Buffers, rows: int, k: int, gen: torch.Generator, rng: rand
         diff = int((a.tokens != t.tokens).any(dim=1).sum())
         res[name] = diff / num_reqs
         res[f"{name}_count"] = diff
-        # The single-program finalize (kept for comparison) must agree with the default split one: both
-        # sum float64 masses, only grouped differently.
-        single, _ = _triton_rejection.rejection_sample_fused(
-            b.logits, lay.req_index, lay.pos_in_req, ~lay.is_padding, b.drafts, admitted, kw.get("temperature"),
-            kw.get("draft_probs"), kw.get("uniforms"), finalize="single")
-        res[f"{name}_single_vs_split_count"] = int((single != t.tokens).any(dim=1).sum())
     res["ok"] = (res["alloc_equal"] and res["layout_equal"] and res["greedy_count"] == 0
-                 and res["prob_count"] <= 1 and res["prob_q_count"] <= 1
-                 and res["greedy_single_vs_split_count"] == 0 and res["prob_single_vs_split_count"] <= 1
-                 and res["prob_q_single_vs_split_count"] <= 1)
+                 and res["prob_count"] <= 1 and res["prob_q_count"] <= 1)
     return res
 
 
@@ -320,7 +312,7 @@ def precompile(plans: list[SamplerPlan], device: torch.device) -> float:
 
 
 ROW_SIDE = ("default", "row:")  # variants that change the row kernel (or nothing)
-TILE_SIDE = ("default", "tile:", "single", "emit:")  # variants that change the emit kernels
+TILE_SIDE = ("default", "tile:", "emit:")  # variants that change the emit kernels
 
 
 def _side_best(rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> dict[str, Any]:
@@ -468,10 +460,7 @@ STAGE_COLUMNS = ("row", "combine", "tile_e", "tile_res", "final")
 
 
 def _stage_cells(st: dict[str, float]) -> list[str]:
-    cells = [f"{st[c]:.1f}" if c in st else "-" for c in STAGE_COLUMNS]
-    if "finalize" in st:  # the single-program finalize stands in the final column
-        cells[-1] = f"{st['finalize']:.1f}*"
-    return cells
+    return [f"{st[c]:.1f}" if c in st else "-" for c in STAGE_COLUMNS]
 
 
 def winners(sweeps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -562,7 +551,7 @@ def division_check(device: torch.device) -> dict[str, Any]:
     return {"values": 11 * n, "mismatches": bad, "ok": bad == 0}
 
 
-QUICK_VARIANTS = "default,row:split2,single"  # the CPU interpreter is slow: one of each kind of change
+QUICK_VARIANTS = "default,row:split2,tile:1024x4"  # the CPU interpreter is slow: one of each kind of change
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """The fused Triton sampler, in every kernel shape the benchmark times, against the torch reference.
 
-The split finalize (tile-mass kernel over requests x vocabulary chunks, then one final program per request)
-and the single-program finalize, the grouped and the per-token row kernel, rows split into chunks (with
-the combine launch), unrolled and pipelined row loops must emit exactly the tokens of
+The emit side (tile-mass kernel over requests x vocabulary chunks, then one final program per request), the
+row kernel with groups of one to eight tokens, rows split into chunks (with the combine launch), unrolled,
+plain and pipelined row loops must emit exactly the tokens of
 ``rejection.rejection_sample``'s torch path given the same uniforms: greedy, sampled with one-hot and real
 draft probabilities, greedy requests mixed into sampled batches, pruned drafts, vocabularies that are not a
 multiple of any block, one request, and small tiles so that a small vocabulary spans many tiles and
@@ -47,7 +47,7 @@ class Case:
     row_unroll: int = 1
     row_group: int | None = None
     row_split: int | None = None
-    row_stages: int = 0
+    row_stages: int | None = None  # None: the sampler's default (pipelined from PIPELINE_MIN_ROWS rows)
     layout: str = "varlen"
     dtype: str = "fp32"
     prune: bool = True
@@ -74,8 +74,8 @@ CASES = {
     # rows split in 5 chunks over 12 full tiles: 2 tiles each, the first 2 chunks take one leftover tile,
     # the last one the partial tail; bf16 groups of 8 tokens
     "split-leftover": Case(4, 3, 12 * 32 + 5, seed=6, row_block=32, row_split=5, tile_block=32, dtype="bf16"),
-    # the per-token row kernel split in 3 chunks, unrolled pairs (4 full tiles per chunk)
-    "lane-split": Case(5, 2, 12 * 16 + 3, seed=7, row_block=16, row_group=1, row_split=3, row_unroll=2),
+    # one-token groups, rows split in 3 chunks, unrolled pairs (4 full tiles per chunk)
+    "token-groups-split": Case(5, 2, 12 * 16 + 3, seed=7, row_block=16, row_group=1, row_split=3, row_unroll=2),
     # the pipelined loop, groups of 2 tokens, mask layout
     "stages": Case(3, 4, 700, seed=8, row_block=64, row_group=2, row_stages=3, layout="mask"),
 }
@@ -120,10 +120,8 @@ def _kinds(x: dict) -> dict[str, dict]:
 
 
 def check_case(case: Case) -> int:
-    """Every kind through both finalize variants equals the torch path; returns the accepted drafts seen."""
-    from dspark_cli.core import _triton_rejection
-
-    return _check(case, [{"finalize": f, **case.knobs()} for f in _triton_rejection.FINALIZE_MODES])
+    """Every kind equals the torch path; returns the accepted drafts seen."""
+    return _check(case, [case.knobs()])
 
 
 def _check(case: Case, knob_sets: list[dict], kinds: tuple[str, ...] | None = None) -> int:
@@ -163,8 +161,7 @@ def check_sweep_variants(dtype: str) -> None:
     for name, knobs in _triton_rejection.SWEEP_VARIANTS.items():
         knobs = scaled(knobs)
         knobs.setdefault("row_bytes", 16384 // SCALE)
-        if knobs.get("finalize") != "single":
-            knobs.setdefault("tile_block", 1024 // SCALE)
+        knobs.setdefault("tile_block", 1024 // SCALE)
         knob_sets.append(knobs)
         assert set(knobs) <= set(inspect.signature(_triton_rejection.plan_rejection_sample).parameters), name
     case = Case(3, 2, vocab, seed=9, dtype=dtype)
@@ -223,15 +220,26 @@ def check_plan_reuse() -> None:
     args = (logits, lay.req_index, lay.pos_in_req, valid, x["drafts"], x["adm"])
     greedy = _triton_rejection.plan_rejection_sample(*args, None, None, None)
     assert [name for name, _ in greedy.stages] == ["row", "final"]
-    single = _triton_rejection.plan_rejection_sample(*args, temp, None, u, finalize="single", row_split=2)
-    assert [name for name, _ in single.stages] == ["row", "combine", "finalize"]
     prob = _triton_rejection.plan_rejection_sample(*args, temp, None, u)
     assert [name for name, _ in prob.stages] == ["row", "tile_e", "final"]
-    for bad, match in (({"row_unroll": 4}, "row_unroll"), ({"finalize": "both"}, "finalize"),
+    for bad, match in (({"row_unroll": 4}, "row_unroll"),
                        ({"row_stages": 2, "row_unroll": 2}, "row_stages"), ({"row_block": 48}, "powers of two"),
                        ({"row_group": 32, "row_block": 16}, "powers of two"), ({"row_split": -1}, "row_split")):
         with pytest.raises(ValueError, match=match):
             _triton_rejection.plan_rejection_sample(*args, None, None, None, **bad)
+    # The loop shape follows the batch: pipelined from PIPELINE_MIN_ROWS rows (where the H200 sweep measured
+    # it ahead), plain below, and never combined with unrolled pairs.
+    assert prob.config["row_stages"] == 0
+    rows = _triton_rejection.PIPELINE_MIN_ROWS
+    big = torch.zeros(rows, 4096)
+    idx = torch.zeros(rows, dtype=torch.int64)
+    big_args = (big, idx, idx, torch.ones(rows, dtype=torch.bool), torch.zeros(1, 3, dtype=torch.int64),
+                torch.zeros(1, dtype=torch.int64), None, None, None)
+    big_plan = _triton_rejection.plan_rejection_sample(*big_args[:6], torch.ones(1), None, torch.rand(rows, 2))
+    assert big_plan.config["row_stages"] == 3
+    # and the emit tiles the sweep chose: 1024 tokens, two per tile-mass program, 4 warps
+    assert (big_plan.config["tile_block"], big_plan.config["tile_subs"], big_plan.config["tile_warps"]) == (1024, 2, 4)
+    assert _triton_rejection.plan_rejection_sample(*big_args, row_unroll=2).config["row_stages"] == 0
 
 
 # No shrinking: every example is a slow interpreter run; the failing example is printed as drawn.
@@ -352,7 +360,7 @@ def _run(check: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_both_finalize_variants_match_torch(name: str) -> None:
+def test_named_cases_match_torch(name: str) -> None:
     _run(f"case:{name}")
 
 

@@ -26,14 +26,13 @@ registers, so many programs fit on an SM and enough loads are in flight to strea
 bandwidth. The per-token state (3 registers per token, masked loads) made the compiler issue a thread's
 loads one at a time: the sampled row kernel ran at 1.75x the greedy one on an H200 for the same bytes.
 The exact first argmax inside the winning group is re-read at the end (one 16-byte load of data just
-streamed). The per-token online softmax (``row_group=1``) is kept for comparison.
+streamed).
 
 Why the emit work is split over ``R x chunks`` programs: it is one ``[V]`` row per request, and one
 program per request (``R`` programs on ~130 SMs) sweeping its row with the accurate ``expf`` and float64
-sums is latency-bound. The one-program-per-request finalize is still here (``finalize="single"``) so a
-benchmark can compare both in the same run. Spread out, the pass is bound by instructions per token
-(division, accurate exp, float64 sum), hence one float64 plane per launch, no masks on whole chunks and the
-division below.
+sums is latency-bound (1.05x to 2.6x slower than the split on an H200). Spread out, the pass is bound
+by instructions per token (division, accurate exp, float64 sum), hence one float64 plane per launch, no
+masks on whole chunks and the division below.
 
 The emit weights repeat the torch reference operation for operation (the correctly rounded division by
 the temperature -- from a reciprocal and two fma corrections, which round the same as the general
@@ -151,22 +150,6 @@ if triton is not None:
 
 
     @triton.jit
-    def _lane_step(v, it, best_val, best_it, s_vec, c, HAS_TEMP: tl.constexpr):
-        # Per-token state (row_group=1). Strict '>' keeps the earliest tile per lane, matching torch.argmax's
-        # first-maximum rule.
-        take = v > best_val
-        if HAS_TEMP:
-            # Online softmax with ONE exp per element: the running lane max is the argmax value, so a new
-            # maximum rescales the old sum by exp(old - new) and adds exp(0) = 1, any other element adds
-            # exp(v - max); both exponents are -|v - max| (in log2 units, c = log2(e) / temperature).
-            # Masked lanes load -inf: their term is exp2(-inf) = 0 and they never take the max.
-            e = tl.exp2(-tl.abs(v - best_val) * c)
-            s_vec = tl.where(take, s_vec * e + 1.0, s_vec + e)
-        best_it = tl.where(take, it, best_it)
-        best_val = tl.where(take, v, best_val)
-        return best_val, best_it, s_vec
-
-    @triton.jit
     def _group_step(x, it, m, it_l, s, c, HAS_TEMP: tl.constexpr):
         # Per-group state: x is [lanes, GROUP], one 16-byte load per lane, reduced in registers. The group
         # max joins the lane's running max; the sum is rescaled once per group (exp2(0) = 1 when the max
@@ -187,13 +170,6 @@ if triton is not None:
             return tl.load(base + idx, mask=idx < lim, other=float("-inf")).to(tl.float32)
         else:
             return tl.load(base + idx).to(tl.float32)
-
-    @triton.jit
-    def _row_fold(v, it, m, it_l, s, c, GROUP: tl.constexpr, HAS_TEMP: tl.constexpr):
-        if GROUP == 1:
-            return _lane_step(v, it, m, it_l, s, c, HAS_TEMP)
-        else:
-            return _group_step(v, it, m, it_l, s, c, HAS_TEMP)
 
     @triton.jit
     def _row_ids(t, tm, req_ptr, pos_ptr, valid_ptr, adm_ptr, drafts_ptr, stride_dr, num_reqs, K: tl.constexpr):
@@ -264,18 +240,12 @@ if triton is not None:
             t, tm, req_ptr, pos_ptr, valid_ptr, adm_ptr, drafts_ptr, stride_dr, num_reqs, K)
         greedy, c = _row_scale(r, temp_ptr, HAS_TEMP)
         base = logits_ptr + t * stride_row
-        if GROUP == 1:
-            offs = tl.arange(0, BLOCK)
-            m = tl.full([BLOCK], NEG, tl.float32)
-            it_l = tl.zeros([BLOCK], tl.int32)
-            s = tl.zeros([BLOCK], tl.float32)
-        else:
-            lanes = tl.arange(0, BLOCK // GROUP)
-            cols = tl.arange(0, GROUP)
-            offs = lanes[:, None] * GROUP + cols[None, :]
-            m = tl.full([BLOCK // GROUP], NEG, tl.float32)
-            it_l = tl.zeros([BLOCK // GROUP], tl.int32)
-            s = tl.zeros([BLOCK // GROUP], tl.float32)
+        lanes = tl.arange(0, BLOCK // GROUP)
+        cols = tl.arange(0, GROUP)
+        offs = lanes[:, None] * GROUP + cols[None, :]
+        m = tl.full([BLOCK // GROUP], NEG, tl.float32)
+        it_l = tl.zeros([BLOCK // GROUP], tl.int32)
+        s = tl.zeros([BLOCK // GROUP], tl.float32)
         TPC: tl.constexpr = (VOCAB // BLOCK) // SPLIT
         REM: tl.constexpr = VOCAB // BLOCK - TPC * SPLIT
         first = chunk * TPC
@@ -288,44 +258,41 @@ if triton is not None:
                     it = first + 2 * i2
                     v = tl.load(ptrs).to(tl.float32)
                     w = tl.load(ptrs + BLOCK).to(tl.float32)
-                    m, it_l, s = _row_fold(v, it, m, it_l, s, c, GROUP, HAS_TEMP)
-                    m, it_l, s = _row_fold(w, it + 1, m, it_l, s, c, GROUP, HAS_TEMP)
+                    m, it_l, s = _group_step(v, it, m, it_l, s, c, HAS_TEMP)
+                    m, it_l, s = _group_step(w, it + 1, m, it_l, s, c, HAS_TEMP)
                     ptrs += 2 * BLOCK
                 if TPC % 2 == 1:
                     v = tl.load(ptrs).to(tl.float32)
-                    m, it_l, s = _row_fold(v, first + TPC - 1, m, it_l, s, c, GROUP, HAS_TEMP)
+                    m, it_l, s = _group_step(v, first + TPC - 1, m, it_l, s, c, HAS_TEMP)
             elif STAGES > 0:
                 # The compiler's software pipeline (asynchronous copies through shared memory).
                 for i in tl.range(0, TPC, num_stages=STAGES):
                     v = tl.load(ptrs).to(tl.float32)
-                    m, it_l, s = _row_fold(v, first + i, m, it_l, s, c, GROUP, HAS_TEMP)
+                    m, it_l, s = _group_step(v, first + i, m, it_l, s, c, HAS_TEMP)
                     ptrs += BLOCK
             else:
                 for i in range(0, TPC):
                     v = tl.load(ptrs).to(tl.float32)
-                    m, it_l, s = _row_fold(v, first + i, m, it_l, s, c, GROUP, HAS_TEMP)
+                    m, it_l, s = _group_step(v, first + i, m, it_l, s, c, HAS_TEMP)
                     ptrs += BLOCK
             if REM > 0:
                 if chunk < REM:
                     it = SPLIT * TPC + chunk
                     v = _row_load(base, it, offs, VOCAB, BLOCK, False)
-                    m, it_l, s = _row_fold(v, it, m, it_l, s, c, GROUP, HAS_TEMP)
+                    m, it_l, s = _group_step(v, it, m, it_l, s, c, HAS_TEMP)
         if VOCAB % BLOCK != 0:
             it = VOCAB // BLOCK + chunk * 0
             lim = tl.where(flag & (chunk == SPLIT - 1), VOCAB, 0)  # 0: every lane masked, no traffic
             v = _row_load(base, it, offs, lim, BLOCK, True)
-            m, it_l, s = _row_fold(v, it, m, it_l, s, c, GROUP, HAS_TEMP)
+            m, it_l, s = _group_step(v, it, m, it_l, s, c, HAS_TEMP)
         top = tl.max(m, 0)
-        if GROUP == 1:
-            arg = tl.min(tl.where(m == top, it_l * BLOCK + offs, VOCAB), 0)
-        else:
-            # First maximum: the earliest group holding top among the lanes whose max is top, then the first
-            # position inside it (a 16-byte re-read of data this program just streamed).
-            gstart = it_l * BLOCK + lanes * GROUP
-            gidx = gstart[:, None] + cols[None, :]
-            cand = (m == top) & (m > NEG)
-            xg = tl.load(base + gidx, mask=cand[:, None] & (gidx < VOCAB), other=float("-inf")).to(tl.float32)
-            arg = tl.min(tl.min(tl.where(xg == top, gidx, VOCAB), 1), 0)
+        # First maximum: the earliest group holding top among the lanes whose max is top, then the first
+        # position inside it (a 16-byte re-read of data this program just streamed).
+        gstart = it_l * BLOCK + lanes * GROUP
+        gidx = gstart[:, None] + cols[None, :]
+        cand = (m == top) & (m > NEG)
+        xg = tl.load(base + gidx, mask=cand[:, None] & (gidx < VOCAB), other=float("-inf")).to(tl.float32)
+        arg = tl.min(tl.min(tl.where(xg == top, gidx, VOCAB), 1), 0)
         arg = tl.where(arg >= VOCAB, 0, arg)  # nothing above NEG: torch.argmax of such a row is 0 here too
         if HAS_TEMP:
             ssum = tl.sum(s * tl.exp2((m - top) * c), 0)
@@ -587,79 +554,6 @@ if triton is not None:
         tl.store(nacc_ptr + r, na)
         _clear_slots(r, slots_ptr, K, BLOCK_K)
 
-    @triton.jit
-    def _finalize_kernel(
-        logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
-        u_ptr, argmax_ptr, max_ptr, slots_ptr, num_rows, tokens_ptr, nacc_ptr,
-        K: tl.constexpr, VOCAB: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_Q: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, NT: tl.constexpr, NB: tl.constexpr, PRECISE: tl.constexpr,
-        FAST_DIV: tl.constexpr,
-    ):
-        # finalize="single": one program per request sweeps its emit row (tile masses, then one tile).
-        r = tl.program_id(0).to(tl.int64)
-        adm, na, emit_row = _first_rejection(r, adm_ptr, slots_ptr, num_rows, K, BLOCK_K)
-        token = tl.load(argmax_ptr + emit_row)
-        if HAS_TEMP:
-            sampled_req, temp, m, rejected, q_col, bad = _emit_params(
-                r, adm, na, emit_row, temp_ptr, max_ptr, drafts_ptr, stride_dr, K)
-            live = tl.where(sampled_req, VOCAB, 0)  # greedy requests read nothing here
-            base = logits_ptr + emit_row * stride_row
-            qbase = q_ptr + r * stride_qr + q_col * stride_qk
-            offs = tl.arange(0, BLOCK)
-            use_q_res = rejected & sampled_req
-            norm = 1.0
-            if HAS_Q:
-                # p = e / sum(e) is only needed against a real q after a rejection.
-                e_acc = tl.zeros([BLOCK], tl.float64)
-                for start in range(0, VOCAB, BLOCK):
-                    idx = start + offs
-                    e, _ = _emit_weights(base, qbase, idx, (idx < live) & use_q_res, temp, m, 1.0, bad,
-                                         False, False, PRECISE, True, FAST_DIV)
-                    e_acc += e.to(tl.float64)
-                norm = tl.sum(e_acc, 0).to(tl.float32)
-                norm = tl.where(norm > 0, norm, 1.0)  # only 0 when unused (no rejection, greedy)
-            # One sweep: per-tile masses of both candidate weightings (e for the bonus / empty residual,
-            # the residual after a rejection) and their last positive index. The inverse CDF then needs
-            # only the tile holding the target, not a second pass over the row.
-            nb = tl.arange(0, NB)
-            tiles_e = tl.zeros([NB], tl.float64)
-            tiles_r = tl.zeros([NB], tl.float64)
-            last_e = tl.max(tl.zeros([BLOCK], tl.int32), 0)
-            last_r = tl.max(tl.zeros([BLOCK], tl.int32), 0)
-            for it in range(0, NT):
-                idx = it * BLOCK + offs
-                mask = idx < live
-                e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE, True,
-                                       FAST_DIV)
-                tiles_e = tl.where(nb == it, tl.sum(e.to(tl.float64), 0), tiles_e)
-                tiles_r = tl.where(nb == it, tl.sum(res.to(tl.float64), 0), tiles_r)
-                last_e = tl.maximum(last_e, tl.max(tl.where(e > 0, idx, 0), 0))
-                last_r = tl.maximum(last_r, tl.max(tl.where(res > 0, idx, 0), 0))
-            use_res = rejected & (tl.sum(tiles_r, 0) > 0)
-            tiles = tl.where(use_res, tiles_r, tiles_e)
-            last_pos = tl.where(use_res, last_r, last_e)
-            target = tl.load(u_ptr + emit_row * 2 + 1).to(tl.float64) * tl.sum(tiles, 0)
-            cum = tl.cumsum(tiles, 0)
-            tile = tl.min(tl.where(cum > target, nb, NB), 0)
-            before = tl.sum(tl.where(nb == tile - 1, cum, 0.0), 0)
-            # Inverse CDF inside that tile (searchsorted(right=True): first running mass above the target),
-            # clamped to the last positive weight in case rounding leaves the target above the total.
-            idx = tile * BLOCK + offs
-            mask = (idx < live) & (tile < NB)
-            e, res = _emit_weights(base, qbase, idx, mask, temp, m, norm, bad, use_q_res, HAS_Q, PRECISE, True,
-                                   FAST_DIV)
-            w = tl.where(use_res, res, e).to(tl.float64)
-            cdf = tl.cumsum(w, 0) + before
-            found = tl.min(tl.where((cdf > target) & mask, idx, VOCAB), 0)
-            token = tl.where(sampled_req, tl.minimum(found, last_pos).to(tl.int64), token)
-        jj = tl.arange(0, BLOCK_K)
-        drafted = tl.load(drafts_ptr + r * stride_dr + jj, mask=jj < na, other=0).to(tl.int64)
-        out = tl.where(jj < na, drafted, tl.where(jj == na, token, -1))
-        tl.store(tokens_ptr + r * (K + 1) + jj, out, mask=jj < K + 1)
-        tl.store(nacc_ptr + r, na)
-        _clear_slots(r, slots_ptr, K, BLOCK_K)
-
-
 
 def build_varlen_layout_fused(
     last_tokens: Tensor, drafts: Tensor, admitted: Tensor, start_pos: Tensor, padded_tokens: int
@@ -696,31 +590,32 @@ def build_varlen_layout_fused(
 
 
 
-FINALIZE_MODES = ("split", "single")
 EMIT_DIVISIONS = ("fast", "rn")  # logit / temperature in the emit kernels: see _div
 
 # Kernel shapes the benchmark times side by side (plan knobs; {} = the defaults). Every one must keep the
 # sampler's contract: the tests run each of them against the torch reference.
+# The H200 sweep of 2026-11-29 (benchmarks/results/h200/core_step_sweep) chose the defaults: the pipelined
+# row loop from 512 rows up (-1% fp32, -5% bf16 at 2048 rows; noise below) and 1024-token tiles, two per
+# tile-mass program at 4 warps. It dropped the per-token row fold (up to 1.4x slower from 512 rows), the
+# one-program-per-request finalize (1.05x to 2.6x slower at every size), 16-warp and 128-byte-per-thread
+# row tiles (slower everywhere).
 SWEEP_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     # row kernel (and the combine launch when a row is split)
-    "row:lane": {"row_group": 1, "row_block": 4096},  # per-token online softmax, the former default
     "row:split1": {"row_split": 1},
     "row:split2": {"row_split": 2},
     "row:split4": {"row_split": 4},
     "row:w4": {"row_warps": 4, "row_bytes": 8192},
-    "row:w16": {"row_warps": 16, "row_bytes": 32768},
-    "row:b32k": {"row_bytes": 32768},  # 128 bytes per thread per tile at 8 warps: more loads in flight, fewer CTAs
-    "row:unroll2": {"row_unroll": 2},
-    "row:stages3": {"row_stages": 3},
-    # emit side: inverse-CDF tile x tiles per tile-mass program x its warps, and the single-program finalize
+    "row:unroll2": {"row_unroll": 2, "row_stages": 0},
+    "row:plain": {"row_stages": 0},  # the plain loop at every size (the default pipelines from 512 rows)
+    "row:stages3": {"row_stages": 3},  # the pipelined loop at every size
+    # emit side: inverse-CDF tile x tiles per tile-mass program x its warps
+    "tile:1024x4": {"tile_block": 1024, "tile_subs": 4, "tile_warps": 8},  # the default before the sweep
     "tile:2048x2": {"tile_block": 2048, "tile_subs": 2, "tile_warps": 8},
     "tile:4096x1": {"tile_block": 4096, "tile_subs": 1, "tile_warps": 8},
-    "tile:512x8": {"tile_block": 512, "tile_subs": 8, "tile_warps": 8},
-    "tile:1024x2w4": {"tile_block": 1024, "tile_subs": 2, "tile_warps": 4},
-    "single": {"finalize": "single"},
     "emit:rn": {"emit_div": "rn"},  # the general IEEE division per token in the emit kernels
 }
+PIPELINE_MIN_ROWS = 512  # the row kernel's pipelined loop pays from here (H200 sweep)
 
 
 @dataclass
@@ -773,20 +668,19 @@ def auto_row_split(num_rows: int, full_tiles: int, sms: int) -> int:
 def plan_rejection_sample(
     logits: Tensor, req_index: Tensor, pos_in_req: Tensor, valid: Tensor, drafts: Tensor, admitted: Tensor,
     temperature: Tensor | None, draft_probs: Tensor | None, uniforms: Tensor | None, *,
-    finalize: str = "split", row_block: int | None = None, row_bytes: int = 16384, row_warps: int = 8,
-    row_unroll: int = 1, row_group: int | None = None, row_split: int | None = None, row_stages: int = 0,
+    row_block: int | None = None, row_bytes: int = 16384, row_warps: int = 8,
+    row_unroll: int = 1, row_group: int | None = None, row_split: int | None = None, row_stages: int | None = None,
     tile_block: int | None = None, tile_subs: int | None = None, tile_warps: int | None = None,
     emit_div: str = "fast",
 ) -> SamplerPlan:
     """Allocate the sampler's buffers and bind its launches (see ``rejection_sample_fused``).
 
-    ``finalize``: "split" (tile-mass kernel over requests x vocabulary chunks, then a per-request final
-    kernel) or "single" (one program per request sweeps its emit row). Row kernel: ``row_block`` tokens per
+    Row kernel: ``row_block`` tokens per
     tile (default ``row_bytes`` of logits: 64 bytes per thread at 8 warps), ``row_warps``, ``row_unroll``
     (1 or 2 tiles loaded per step), ``row_group`` (tokens per in-register group; default one 16-byte load,
-    1 = per-token online softmax), ``row_split`` (vocabulary chunks per row, each its own program, combined
+    must divide ``row_block``), ``row_split`` (vocabulary chunks per row, each its own program, combined
     by a second launch; default ``auto_row_split``), ``row_stages`` (0 = plain loop, n >= 2 = the
-    compiler's n-stage pipelined loop). ``tile_block`` / ``tile_subs`` / ``tile_warps``: tokens per
+    compiler's n-stage pipelined loop; default 3 from ``PIPELINE_MIN_ROWS`` rows, else 0). ``tile_block`` / ``tile_subs`` / ``tile_warps``: tokens per
     inverse-CDF tile, tiles per tile-mass program and its warps. ``emit_div``: "fast" (a reciprocal and two
     fma corrections per token, correctly rounded: ``_div``) or "rn" (the general IEEE division per token).
     The knobs exist for benchmarks and tests
@@ -794,17 +688,17 @@ def plan_rejection_sample(
     ``row_stages`` leave every lane's operations unchanged; other shapes regroup the row kernel's float32
     sums (``p(x)`` may round differently) and the float64 tile masses.
     """
-    if finalize not in FINALIZE_MODES:
-        raise ValueError(f"finalize must be one of {FINALIZE_MODES}, got {finalize!r}")
     if emit_div not in EMIT_DIVISIONS:
         raise ValueError(f"emit_div must be one of {EMIT_DIVISIONS}, got {emit_div!r}")
     if row_unroll not in (1, 2):
         raise ValueError(f"row_unroll must be 1 or 2, got {row_unroll}")
+    num_rows, vocab = logits.shape
+    if row_stages is None:
+        row_stages = 3 if row_unroll == 1 and num_rows >= PIPELINE_MIN_ROWS else 0
     if row_stages < 0 or (row_stages and row_unroll != 1):
         raise ValueError(f"row_stages must be >= 0 and needs row_unroll=1, got {row_stages} / {row_unroll}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    num_rows, vocab = logits.shape
     num_reqs, num_spec = drafts.shape
     device = logits.device
     if drafts.stride(1) != 1:
@@ -843,7 +737,7 @@ def plan_rejection_sample(
     precise = not _interpreting()
     block_k = _pow2(num_spec + 1)
     rows_ok = max(num_rows, 1)
-    config: dict[str, Any] = {"finalize": finalize, "row_block": block, "row_warps": row_warps,
+    config: dict[str, Any] = {"row_block": block, "row_warps": row_warps,
                               "row_unroll": row_unroll, "row_group": group, "row_split": split,
                               "row_stages": row_stages, "emit_div": emit_div}
     fast_div = emit_div == "fast"
@@ -865,18 +759,10 @@ def plan_rejection_sample(
                   slots, part, part_arg, num_rows * split, K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp,
                   HAS_Q=has_q, SPLIT=split, SP=_pow2(split), BLOCK_T=block_t, num_warps=4)
     emit_args = (logits, logits.stride(0), drafts, drafts.stride(0), admitted, temp, q, sq_r, sq_k)
-    if finalize == "single":
-        fblock = min(4096, _pow2(vocab))
-        stage("finalize", _finalize_kernel, (num_reqs,), *emit_args, u, argmax, row_max, slots, rows_ok, tokens,
-              num_accepted, K=num_spec, VOCAB=vocab, HAS_TEMP=has_temp, HAS_Q=has_q, BLOCK=fblock,
-              BLOCK_K=block_k, NT=-(-vocab // fblock), NB=_pow2(-(-vocab // fblock)), PRECISE=precise,
-              FAST_DIV=fast_div, num_warps=8)
-        return plan
-
-    # Split finalize. Tiles of 1024 keep the final kernel's single-tile float64 scan short; chunks of 4
-    # tiles give the tile-mass programs a 4096-token read each (fewer, longer-lived programs).
+    # Tiles of 1024 keep the final kernel's single-tile float64 scan short; two tiles per tile-mass program
+    # at 4 warps (a 2048-token read each) measured best on the H200 (more programs in flight than 4 x 1024).
     tblock = tile_block or min(1024, _pow2(vocab))
-    subs = tile_subs or min(4, _pow2(-(-vocab // tblock)))
+    subs = tile_subs or min(2, _pow2(-(-vocab // tblock)))
     chunks = -(-vocab // (tblock * subs))
     nts = chunks * subs  # tiles per request, a multiple of subs: the last ones may be past the vocabulary
     nb = _pow2(nts)
@@ -888,7 +774,7 @@ def plan_rejection_sample(
         norm = torch.empty(num_reqs, dtype=torch.float32, device=device)
     else:  # greedy: the final kernel reads none of these
         mass, bad_mass, norm = row_max, row_max, row_max
-    tile_warps = tile_warps or max(1, min(8, tblock * subs // 512))
+    tile_warps = tile_warps or max(1, min(4, tblock * subs // 512))
     config.update(tile_block=tblock, tile_subs=subs, tile_warps=tile_warps)
     mass_args = (row_max, slots, rows_ok, mass, bad_mass, norm, num_reqs * nts)
     shape = dict(K=num_spec, VOCAB=vocab, HAS_Q=has_q, BLOCK_K=block_k, BLOCK_S=tblock, SUBS=subs, NTS=nts, NB=nb,
@@ -913,12 +799,12 @@ def probe_division(a: Tensor, b: float, out: Tensor) -> None:
 
 def rejection_sample_fused(
     logits: Tensor, req_index: Tensor, pos_in_req: Tensor, valid: Tensor, drafts: Tensor, admitted: Tensor,
-    temperature: Tensor | None, draft_probs: Tensor | None, uniforms: Tensor | None, *,
-    finalize: str = "split", **knobs: int | None,
+    temperature: Tensor | None, draft_probs: Tensor | None, uniforms: Tensor | None,
+    **knobs: Any,
 ) -> tuple[Tensor, Tensor]:
     """Same contract as ``rejection.rejection_sample`` without top-p: returns (tokens[R, K+1], num_accepted[R]).
 
-    ``finalize`` / ``knobs``: see ``plan_rejection_sample`` (defaults are what the sampler uses).
+    ``knobs``: see ``plan_rejection_sample`` (defaults are what the sampler uses).
     """
     return plan_rejection_sample(logits, req_index, pos_in_req, valid, drafts, admitted, temperature,
-                                 draft_probs, uniforms, finalize=finalize, **knobs).run()
+                                 draft_probs, uniforms, **knobs).run()
