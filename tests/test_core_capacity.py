@@ -572,6 +572,25 @@ def test_warm_up_allocate_compiles_every_bucket_on_cuda() -> None:
     assert warm_up_allocate(7, 100, "cuda") == 8  # 1, 2, 4, ..., 64, then 100
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_allocation_compile_after_warm_up_with_the_engines_dtype() -> None:
+    """vLLM passes int32 scheduled-draft counts: warming up with int64 left a compile per bucket in serving."""
+    from dspark_cli.core import _triton_capacity
+    from dspark_cli.core.capacity import allocate, warm_up_allocate
+
+    warm_up_allocate(5, 48, "cuda", drafts_dtype=torch.int32)
+
+    def compiled() -> int:  # triton 3.x: device -> (kernel cache, key cache, target, backend, binder)
+        return sum(len(caches[0]) for caches in _triton_capacity._allocate_kernel.device_caches.values())
+
+    before = compiled()
+    for r in (1, 3, 17, 33, 48):
+        allocate(torch.rand(r, 5, device="cuda"), torch.full((r,), 5, dtype=torch.int32, device="cuda"), 2 * r)
+    torch.cuda.synchronize()
+    assert compiled() == before
+
+
 def _flat_draft_curve() -> SpsCurve:
     # Verification nearly free, drafting not: only accepted drafts decide whether a drafting step pays.
     return SpsCurve.from_points([(1, 10.0), (64, 10.5), (512, 11.0)], [(1, 4.0), (64, 4.0)])

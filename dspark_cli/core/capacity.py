@@ -274,11 +274,16 @@ def allocate(
     return _allocate_torch(survival, num_drafts, budget)
 
 
-def warm_up_allocate(num_spec: int, max_reqs: int, device: torch.device | str) -> int:
+def warm_up_allocate(
+    num_spec: int, max_reqs: int, device: torch.device | str, drafts_dtype: torch.dtype = torch.int64
+) -> int:
     """Compile the allocation kernel for every request-count bucket up to ``max_reqs`` now.
 
     Engines call this at start-up so that no step pays a kernel compile the first time its batch size
-    lands in a new power-of-two bucket. Returns how many buckets ran (0 where the torch path is used).
+    lands in a new power-of-two bucket. ``drafts_dtype`` must be the dtype of the ``num_drafts`` the engine
+    passes: the kernel is compiled per argument dtype (vLLM's scheduled-draft buffer is int32, and warming
+    up with int64 left one compile per bucket inside serving on the H200). Returns how many buckets ran
+    (0 where the torch path is used).
     """
     device = torch.device(device)
     ran = 0
@@ -288,7 +293,7 @@ def warm_up_allocate(num_spec: int, max_reqs: int, device: torch.device | str) -
         survival = torch.ones(r, num_spec, device=device)
         if not _use_triton_allocate(survival, r, None):
             return ran
-        allocate(survival, torch.full((r,), num_spec, device=device), r)
+        allocate(survival, torch.full((r,), num_spec, dtype=drafts_dtype, device=device), r)
         ran += 1
         if size >= max_reqs:
             return ran
