@@ -230,3 +230,69 @@ def test_online_record_and_refit_on_cuda_do_not_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sts.temperatures.device.type == "cuda"
+
+
+COND = np.array([0.8, 0.7, 0.6, 0.5, 0.35, 0.2, 0.08])  # a V4-Flash-like conditional acceptance decay
+
+
+def uninformative(seed: int, rows: int, verify: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A weightless draft against synthetic acceptance: every raw confidence ~1/vocabulary, acceptance
+    drawn per position from ``COND`` whatever the confidences say."""
+    rng = np.random.default_rng(seed)
+    conf = (2e-5 * (1 + 0.2 * rng.standard_normal((rows, 7)))).clip(1e-6).astype(np.float32)
+    passed = rng.random((rows, 7)) < COND
+    a = np.minimum(np.argmin(np.concatenate([passed, np.zeros((rows, 1), bool)], 1), 1), verify)
+    return conf, np.full(rows, verify), a
+
+
+def test_online_shift_calibrates_confidences_that_no_temperature_can() -> None:
+    """Raw confidences near 0 while most drafts pass: a temperature keeps the logit's sign (so at most 0.5,
+    below 0.37 on the grid); the shift brings each position's calibrated rate to its acceptance."""
+    conf, v, a = uninformative(1, 4000)
+    probe = torch.full((1, 7), 2e-5)
+    only_t = OnlineSTS(7, decay=1.0, fit_offsets=False)
+    feed(only_t, conf, v, a)
+    only_t.refit()
+    assert float(only_t.apply(probe).max()) < 0.5
+    sts = OnlineSTS(7, decay=1.0)
+    offsets = sts.offsets
+    feed(sts, conf, v, a)
+    sts.refit()
+    assert sts.offsets is offsets  # in place, like the temperatures: captured graphs read both
+    got = sts.apply(probe)[0].numpy()
+    assert np.all(np.abs(got[:5] - COND[:5]) < 0.06), got
+    assert float(sts.last_ece[:3].max()) < float(only_t.last_ece[:3].min())
+
+
+def test_online_shift_stays_off_for_a_head_temperature_scaling_already_calibrates() -> None:
+    conf, v, a = synth(7, 30000, T_STAR)
+    sts = OnlineSTS(3, decay=1.0)
+    feed(sts, conf, v, a)
+    sts.refit()
+    for k, t in enumerate(T_STAR):
+        assert abs(math.log(float(sts.temperatures[k]) / t)) < 0.15
+    assert float(sts.offsets.abs().max()) < 0.25, sts.offsets
+
+
+def test_untested_positions_start_from_their_predecessor_and_get_verified() -> None:
+    """Censoring trap: only position 1 is ever verified. Without inheritance positions 2..7 would keep the
+    identity calibration of ~1/vocabulary -- 'never verify me' -- forever; they take position 1's instead."""
+    conf, v, a = uninformative(2, 3000, verify=1)
+    sts = OnlineSTS(7, decay=1.0)
+    feed(sts, conf, v, a)
+    assert float(sts.trials[1:].sum()) == 0.0
+    for _ in range(7):  # the inheritance walks one position per refit
+        sts.refit()
+    got = sts.apply(torch.full((1, 7), 2e-5))[0].numpy()
+    assert abs(got[0] - COND[0]) < 0.05 and np.all(np.abs(got[1:] - got[0]) < 0.02), got
+    # Given temperatures are per-position priors: kept where there is no data, the shift still inherited.
+    seeded = OnlineSTS(7, decay=1.0, initial_temperatures=[1.0] * 7)
+    feed(seeded, conf, v, a)
+    seeded.refit()
+    assert torch.allclose(seeded.temperatures[1:], torch.ones(6))
+
+
+def test_online_first_refits_come_early() -> None:
+    sts = OnlineSTS(1, refit_interval=64)
+    refits = [n for n in range(1, 200) if sts.step()]
+    assert refits == [8, 16, 32, 64, 128, 192]

@@ -382,7 +382,7 @@ def _run_manager(
             acc.add(zeros, accepted[t], no_draft_ms, False)
             continue
         conf_raw = torch.from_numpy(conf[t]).float()
-        c = conf_raw if temps is None else apply_temperatures(conf_raw, temps)
+        c = conf_raw if temps is None else apply_temperatures(conf_raw, temps, None if sts is None else sts.offsets)
         mgr.record_confidences(slots, c)
         decision = mgr.plan(slots_np, nd_np, r, r, defer_saturation=True)
         v = mgr.allocate(slots, nd, decision.budget).numpy().astype(np.int64)

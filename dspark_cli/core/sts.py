@@ -25,6 +25,19 @@ Two fits, deliberately different:
   without keeping per-row history on the device, so counters stay fixed-size, updates need no host
   sync, and a refit is a fixed-shape reduction. Censoring by what was verified keeps pruned slots
   (never tested) out of the counts.
+
+Why online STS may also shift the logit (``sigmoid(logit(c_k) / T_k + b_k)``, ``b_k`` = 0 unless it pays):
+a temperature keeps the logit's sign, so a head whose confidences all sit below 0.5 can never be
+calibrated above 0.5 by any ``T``. That happens for real: a plain draft model's "confidence" is the
+probability it gave its own token, which is small for flat distributions even when most drafts are
+accepted, and a weightless draft against vLLM's synthetic acceptance gives ~1/vocabulary for every token
+while 80% of first drafts pass. With ``T`` alone (grid top 20) the calibrated first position then stays
+below 0.37 against a true 0.8, and the manager verified a fifth of what paid (a replay of such traces
+under the Llama-3-8B H200 curve: 34% below verify-all at 16 requests). So each refit also tries, for every
+grid ``T``, the shift that matches the position's calibrated mean to its hit rate (calibration in the
+large, by bisection), and keeps whichever candidate has the lower ECE -- ties prefer no shift, then
+``T`` nearest 1, so a head that temperature scaling already calibrates keeps ``b = 0`` and the order of
+confidences (their AUC) never changes. The offline fit stays the paper's temperature-only STS.
 """
 
 from __future__ import annotations
@@ -268,11 +281,42 @@ def _logit_t(conf: torch.Tensor) -> torch.Tensor:
     return torch.log(c) - torch.log1p(-c)
 
 
-def apply_temperatures(conf: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(logit(c) / T)`` per position (last dim); device-agnostic and capture-safe."""
+MAX_SHIFT = 12.0  # |b| bound: the logit range the counters bin; a hit rate of 0 or 1 has no finite shift
+BISECTION_STEPS = 16  # 24 / 2**16 of a logit: far below what an ECE bin can tell apart
+
+
+def _mean_matching_shift(z: torch.Tensor, trials: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per candidate and position, the shift ``b`` with ``sum(trials * sigmoid(z + b)) = target``.
+
+    ``z[C, K, bins]`` are scaled bin-mean logits. The left side rises monotonically in ``b``, so bisection
+    over ``[-MAX_SHIFT, MAX_SHIFT]`` finds it in a fixed number of steps (no data-dependent loop, no host
+    sync). Newton's method is faster but jumps between the bounds when the logits sit far out on the
+    sigmoid's flat tails -- exactly the case the shift exists for. Returns ``[C, K, 1]``.
+    """
+    n = trials.unsqueeze(0)
+    lo = torch.full_like(z[:, :, :1], -MAX_SHIFT)
+    hi = torch.full_like(lo, MAX_SHIFT)
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)
+        below = (n * torch.sigmoid(z + mid)).sum(dim=2, keepdim=True) < target
+        lo = torch.where(below, mid, lo)
+        hi = torch.where(below, hi, mid)
+    return 0.5 * (lo + hi)
+
+
+def apply_temperatures(
+    conf: torch.Tensor, temperatures: torch.Tensor, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``sigmoid(logit(c) / T + b)`` per position (last dim; ``b`` = 0 without ``offsets``).
+
+    Device-agnostic and capture-safe: a captured graph that calls it reads both buffers by address.
+    """
     k = conf.shape[-1]
     t = temperatures[:k].to(device=conf.device, dtype=torch.float32)
-    return torch.sigmoid(_logit_t(conf) / t)
+    z = _logit_t(conf) / t
+    if offsets is not None:
+        z = z + offsets[:k].to(device=conf.device, dtype=torch.float32)
+    return torch.sigmoid(z)
 
 
 class OnlineSTS:
@@ -284,8 +328,10 @@ class OnlineSTS:
     at once (fixed shapes, no host sync), picks the one minimising trial-weighted ECE of the conditional
     calibrated probability, blends it toward the prior in log space with ``prior_weight`` pseudo-trials
     (``log T = (n log T_fit + w log T_prior) / (n + w)``, so a position with little data stays at its
-    prior), and writes ``temperatures`` in place -- captured graphs hold its address. The conditional
-    per-position objective (vs the offline cumulative one) is explained in the module docstring.
+    prior; without ``initial_temperatures`` a position's prior is its predecessor's fit), and writes ``temperatures`` in place -- captured graphs hold its address. ``offsets`` (the
+    logit shift ``b_k``, 0 unless it lowers the ECE, blended toward 0 with the same pseudo-trials) is
+    refitted and written the same way; why it exists, and the conditional per-position objective (vs the
+    offline cumulative one), are explained in the module docstring.
     """
 
     def __init__(
@@ -300,6 +346,7 @@ class OnlineSTS:
         initial_temperatures: Sequence[float] | torch.Tensor | None = None,
         logit_range: float = 12.0,
         grid: np.ndarray | Sequence[float] | None = None,
+        fit_offsets: bool = True,
     ) -> None:
         if num_positions < 1:
             raise DsparkError("online STS needs num_positions >= 1")
@@ -316,6 +363,8 @@ class OnlineSTS:
         self.ece_bins = ece_bins
         self.prior_weight = float(prior_weight)
         self.logit_range = float(logit_range)
+        # Without given temperatures, a position's prior is its predecessor's fit (see refit).
+        self.inherit_prior = initial_temperatures is None
         if initial_temperatures is None:
             prior = torch.ones(num_positions)
         else:
@@ -325,6 +374,8 @@ class OnlineSTS:
             prior = prior[:num_positions]
         self.prior = prior.to(self.device, torch.float32)
         self.temperatures = self.prior.clone()  # persistent: only ever updated with .copy_
+        self.offsets = torch.zeros(num_positions, dtype=torch.float32, device=self.device)  # persistent too
+        self.fit_offsets = bool(fit_offsets)
         self.grid = torch.as_tensor(_grid_by_closeness_to_one(grid), dtype=torch.float32, device=self.device)
         shape = (num_positions, num_logit_bins)
         self.trials = torch.zeros(shape, dtype=torch.float32, device=self.device)
@@ -371,32 +422,66 @@ class OnlineSTS:
         self.logit_sum[:k].add_((tw * logit.unsqueeze(-1)).sum(0))
 
     def refit(self) -> torch.Tensor:
-        """Refit every position's temperature from the counters and write it into ``temperatures``."""
-        trials = self.trials
+        """Refit every position's temperature (and shift) from the counters; write both in place."""
+        trials, hits = self.trials, self.hits
         mean_logit = torch.where(trials > 0, self.logit_sum / trials.clamp_min(1e-12), self._centres.unsqueeze(0))
-        grid = self.grid.view(-1, 1, 1)
-        p = torch.sigmoid(mean_logit.unsqueeze(0) / grid)  # [G, K, bins]
+        z = mean_logit.unsqueeze(0) / self.grid.view(-1, 1, 1)  # [G, K, bins]
+        shifts = torch.zeros_like(z[:, :, :1])  # [G, K, 1]: candidate set 1, no shift
+        if self.fit_offsets:
+            shifts = torch.cat([shifts, _mean_matching_shift(z, trials, hits.sum(dim=1).view(1, -1, 1))], dim=0)
+            z = torch.cat([z, z], dim=0)
+        p = torch.sigmoid(z + shifts)  # [C, K, bins]
         ebin = (p * self.ece_bins).long().clamp(0, self.ece_bins - 1)
-        onehot = torch.nn.functional.one_hot(ebin, self.ece_bins).float()  # [G, K, bins, E]
-        diff = (trials.unsqueeze(0) * p - self.hits.unsqueeze(0)).unsqueeze(-1) * onehot
+        onehot = torch.nn.functional.one_hot(ebin, self.ece_bins).float()  # [C, K, bins, E]
+        diff = (trials.unsqueeze(0) * p - hits.unsqueeze(0)).unsqueeze(-1) * onehot
         total = trials.sum(dim=1)  # [K]
-        ece_g = diff.sum(dim=2).abs().sum(dim=-1) / total.clamp_min(1e-12).unsqueeze(0)  # [G, K]
-        best = torch.argmin(ece_g, dim=0)  # first minimum: grid is ordered by closeness to T = 1
-        t_fit = self.grid[best]
+        ece_c = diff.sum(dim=2).abs().sum(dim=-1) / total.clamp_min(1e-12).unsqueeze(0)  # [C, K]
+        # First minimum: unshifted candidates come first, each set ordered by closeness to T = 1.
+        best = torch.argmin(ece_c, dim=0)
+        g = self.grid.numel()
+        t_fit = self.grid[best % g]
+        shifted = best >= g
         w = self.prior_weight
-        log_t = (total * torch.log(t_fit) + w * torch.log(self.prior)) / (total + w).clamp_min(1e-12)
-        new_t = torch.where(total > 0, torch.exp(log_t), self.prior)
-        self.last_ece.copy_(ece_g.gather(0, best.unsqueeze(0)).squeeze(0))
+        # Prior of each position: the given temperature (or, without one, the predecessor's current fit) and
+        # the predecessor's current shift (none for the first). Inheriting matters because verification is
+        # censored: a position the manager never verifies gets no trials, so it would keep a prior that says
+        # "never verify me" (a head with tiny raw confidences) and never be tested. Starting from its
+        # predecessor's calibration, it is verified when that predicts it pays, and then learns its own. The
+        # current buffers (not this refit's results) keep the refit one fixed-shape pass over all positions.
+        zero = torch.zeros(1, dtype=torch.float32, device=self.device)
+        prev_t = torch.cat([self.prior[:1], self.temperatures[:-1]])
+        t0 = prev_t if self.inherit_prior else self.prior
+        b0 = torch.cat([zero, self.offsets[:-1]])
+        log_t = (total * torch.log(t_fit) + w * torch.log(t0)) / (total + w).clamp_min(1e-12)
+        new_t = torch.where(total > 0, torch.exp(log_t), t0)
+        new_b = torch.where(total > 0, zero, b0)
+        if self.fit_offsets:
+            # The shift is re-solved at the blended T (a shift fitted for one T means nothing at another)
+            # against the blended hit rate: the hits plus w pseudo-trials at the prior's own rate here.
+            prior_p = torch.sigmoid(mean_logit / t0.unsqueeze(1) + b0.unsqueeze(1))
+            prior_rate = (trials * prior_p).sum(dim=1) / total.clamp_min(1e-12)
+            target = (hits.sum(dim=1) + w * prior_rate) / (total + w).clamp_min(1e-12) * total
+            shift = _mean_matching_shift((mean_logit / new_t.unsqueeze(1)).unsqueeze(0), trials,
+                                         target.view(1, -1, 1)).view(-1)
+            new_b = torch.where((total > 0) & (shifted | (b0 != 0)), shift, new_b)
+        self.last_ece.copy_(ece_c.gather(0, best.unsqueeze(0)).squeeze(0))
         self.temperatures.copy_(new_t)
+        self.offsets.copy_(new_b)
         return self.temperatures
 
     def step(self) -> bool:
-        """Count a step; refit every ``refit_interval`` steps. Returns whether it refitted."""
+        """Count a step; refit every ``refit_interval`` steps. Returns whether it refitted.
+
+        Before the first regular refit it also refits at steps 8, 16, 32, ... : a head that starts far off
+        (or a pause that depends on its calibration) should not wait a whole interval for its first fit;
+        the prior's pseudo-trials keep those early fits from trusting a handful of outcomes.
+        """
         self.steps += 1
-        if self.steps % self.refit_interval == 0:
+        early = 8 <= self.steps < self.refit_interval and self.steps & (self.steps - 1) == 0
+        if early or self.steps % self.refit_interval == 0:
             self.refit()
             return True
         return False
 
     def apply(self, conf: torch.Tensor) -> torch.Tensor:
-        return apply_temperatures(conf, self.temperatures)
+        return apply_temperatures(conf, self.temperatures, self.offsets)

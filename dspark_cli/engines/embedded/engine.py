@@ -343,7 +343,8 @@ class LLMEngine:
         u_draft = self._uniforms(seqs, k) if temperature is not None else None
         draft = runner.propose(seqs, tables, temperature, u_draft)
         conf_raw = draft.confidence
-        conf = conf_raw if self.sts_temperatures is None else apply_temperatures(conf_raw, self.sts_temperatures)
+        offsets = None if self.online_sts is None else self.online_sts.offsets
+        conf = conf_raw if self.sts_temperatures is None else apply_temperatures(conf_raw, self.sts_temperatures, offsets)
         clock.mark("draft")
         if self.capacity is not None:
             num_drafts = torch.full((num_reqs,), k, dtype=torch.int64, device=dev)

@@ -354,6 +354,9 @@ def build_manager_class(base: type) -> type:
                 self.online_sts.temperatures if self.online_sts is not None
                 else torch.tensor(init_t, dtype=torch.float32, device=device)
             )
+            # Online STS's logit shifts (core.sts: why temperatures alone cannot calibrate some heads); the
+            # same in-place contract as the temperatures. None without online STS.
+            self.offsets = self.online_sts.offsets if self.online_sts is not None else None
             self._identity_t = self.online_sts is None and all(t == 1.0 for t in init_t)
             self._in_graph_sts = False  # set once the wrapped compute_confidence is seen
             self._mask_pending: int | None = None
@@ -440,7 +443,7 @@ def build_manager_class(base: type) -> type:
                     calibrated = confidence_probs
                 else:
                     calibrated = self._calibrated
-                    calibrated[:n].copy_(apply_temperatures(raw, self.temperatures))
+                    calibrated[:n].copy_(apply_temperatures(raw, self.temperatures, self.offsets))
             self._raw_slots[input_batch.idx_mapping] = raw
             super().record_confidences(calibrated, input_batch)
 
@@ -571,7 +574,8 @@ def build_manager_class(base: type) -> type:
                 logger.info("dspark: saturation can only trim (budget 0); skipping the draft pass needs a "
                             "DFlash-family or draft_model speculator and data_parallel_size 1")
             # Compile the allocation kernel for every batch-size bucket now, not during serving.
-            warm_up_allocate(self.num_speculative_steps, self.req_states.max_num_reqs, self.req_states.device)
+            warm_up_allocate(self.num_speculative_steps, self.req_states.max_num_reqs, self.req_states.device,
+                             drafts_dtype=self._sched_gpu.dtype)
             hooked = getattr(spec, SPECULATOR_MANAGER_ATTR, None) is not None
             setattr(spec, SPECULATOR_MANAGER_ATTR, self)
             if not hooked:
@@ -606,13 +610,13 @@ def build_manager_class(base: type) -> type:
             """The draft model's confidences -> STS-calibrated, inside the captured draft graph.
 
             The raw values are kept (for online STS and traces); the temperatures are read from the one
-            persistent buffer that online STS updates in place, so replays see every refit.
+            persistent buffers (and shifts) that online STS updates in place, so replays see every refit.
             """
             k = self.num_speculative_steps
             flat = conf.reshape(-1, k)
             self._raw_batch[: flat.shape[0]].copy_(flat)
             self._in_graph_sts = True
-            return apply_temperatures(flat, self.temperatures).to(conf.dtype).reshape(conf.shape)
+            return apply_temperatures(flat, self.temperatures, self.offsets).to(conf.dtype).reshape(conf.shape)
 
         def verified_rejections(self, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> torch.Tensor:
             """``num_rejected`` as upstream's acceptance estimator must see it: censored by what was verified.
@@ -666,6 +670,7 @@ def build_manager_class(base: type) -> type:
                     tp = self._tp()
                     if tp is not None:
                         tp.broadcast(self.temperatures, src=0)  # in place: graphs keep reading this buffer
+                        tp.broadcast(self.offsets, src=0)
             if self._traces is not None:
                 slots = np.asarray([self.req_states.req_id_to_index[x] for x in req_ids], dtype=np.int64)
                 steps = self._steps[slots].copy()
