@@ -1,8 +1,8 @@
 """GPU proof for the vLLM plugin: upstream's adaptive verification vs dspark varlen vs dspark mask.
 
 On the H200 with vLLM 0.33.0 installed (docs: GPU.md), serve a target with a draft model (method
-"draft_model") three ways, run ``vllm bench serve`` at two concurrencies per config, print one table and
-write ``results.json`` (plus each server log and bench result) into OUT::
+"draft_model") several ways, bench each server at every concurrency, print one table and write
+``results.json`` (plus each server log and bench result) into OUT::
 
     python3 benchmarks/vllm_adaptive.py --model SMOLLM_DIR --draft DRAFT_DIR --out OUT [--load-format dummy]
 
@@ -10,6 +10,15 @@ The toolkit is run from the tree (no pip install), so the script registers the p
 the servers it starts through a throw-away ``.dist-info`` on their PYTHONPATH. Each server's log is checked
 for the plugin's own start-up line, so a silently inactive plugin fails the run instead of measuring
 upstream twice. Budget: ~1.5 min per config (start-up with FULL_DECODE_ONLY and no torch.compile), < 8 min.
+
+The client is ``dspark bench --base-url`` (default): every server's cells land in ``OUT/bench``, whose
+summary is one table over all configs (random prompts of --input-len tokens, equal work per cell); its
+cells resume, so a config cut off by a time limit is simply run again. ``--client vllm`` uses
+``vllm bench serve`` instead (its JSON per cell in OUT).
+
+Configs: nospec, all (verify every draft), upstream (vLLM's adaptive verification), varlen and mask (ours,
+with --dspark), and ablations of ours: varlen-nosat (no saturation policy), varlen-nosts (no STS),
+varlen-startup (vLLM's start-up profile instead of the --dspark sps_curve).
 """
 
 from __future__ import annotations
@@ -95,6 +104,29 @@ def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], o
     return 0 if ok and not any("error" in r for r in results) else 1
 
 
+def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str, str]) -> list[dict]:
+    """``dspark bench --base-url`` against this config's server; its cells (and the joint table) in OUT/bench."""
+    out = args.out / "bench"
+    cmd = [sys.executable, "-m", "dspark_cli.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
+           "--label", name, "-c", args.concurrency, "-n", str(args.num_prompts), "--dataset", "random",
+           "--input-len", str(args.input_len), "--tokenizer", args.model, "--max-tokens", str(args.output_len),
+           "--ignore-eos", "--temperature", str(args.temperature), "--endpoint", "completions",
+           "--model", args.model, "--results-dir", str(out), "--no-plots"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    (args.out / f"bench-{name}.log").write_text(run.stdout + run.stderr)
+    if run.returncode != 0:
+        raise RuntimeError(f"dspark bench exited with {run.returncode}: {run.stderr.strip()[-300:]}")
+    print(run.stdout, flush=True)
+    rows = []
+    for c in (int(x) for x in args.concurrency.split(",")):
+        cell = json.loads((out / "cells" / f"{name}__c{c}.json").read_text())
+        m, sd = cell["metrics"], cell.get("spec_decode") or {}
+        rows.append({"config": name, "concurrency": c, "output_tok_s": m.get("output_tok_s"),
+                     "mean_itl_ms": (m.get("itl_ms") or {}).get("mean"),
+                     "acceptance_length": sd.get("acceptance_length"), "completed": m.get("completed")})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -107,7 +139,11 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--load-format", default=None, help="e.g. dummy (real step costs, no weights)")
     ap.add_argument("--configs", default="upstream,varlen,mask",
-                    help="comma list of nospec, all (verify every draft), upstream, varlen, mask")
+                    help="comma list of nospec, all, upstream, varlen, mask, varlen-nosat, varlen-nosts, "
+                         "varlen-startup")
+    ap.add_argument("--client", choices=("dspark", "vllm"), default="dspark",
+                    help="dspark bench --base-url (one summary table in OUT/bench) or vllm bench serve")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the bench requests")
     ap.add_argument("--synthetic-rates", default=None,
                     help="comma list of per-position *conditional* acceptance rates: vLLM's synthetic rejection "
                          "sampler then accepts draft i with that probability (dummy weights accept nothing)")
@@ -138,13 +174,22 @@ def main() -> int:
     if args.load_format:
         engine += ["--load-format", args.load_format]
     dspark_keys = {f"dspark_{k}": v for k, v in ours.items()}
+    varlen = {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "varlen"}
     specs: dict[str, dict | None] = {
         "nospec": None,
         "all": dict(base_spec),
         "upstream": {**base_spec, "enable_adaptive_verification": True},
-        "varlen": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "varlen"},
+        "varlen": varlen,
         "mask": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask"},
+        # one mechanism off at a time (PERFORMANCE: what each contributed)
+        "varlen-nosat": {**varlen, "dspark_saturation_patience": 0},
+        "varlen-nosts": {**{k: v for k, v in varlen.items() if k not in ("dspark_online_sts", "dspark_sts")},
+                         "dspark_online_sts": False},
+        "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
     }
+    unknown = [n for n in args.configs.split(",") if n not in specs]
+    if unknown:
+        ap.error(f"unknown configs {unknown}; choose from {sorted(specs)}")
     results: list[dict] = []
     outputs: dict[str, list[list[int]]] = {}
     if args.lossless and args.synthetic_rates:
@@ -163,13 +208,16 @@ def main() -> int:
             try:
                 _wait_ready(port, proc, args.startup_timeout)
                 active = ACTIVE_LINE in log_path.read_text(errors="replace")
-                ours_expected = name in ("varlen", "mask")
+                ours_expected = name.startswith(("varlen", "mask"))
                 if ours_expected != active:
                     raise RuntimeError(f"plugin {'inactive' if ours_expected else 'active'} for {name}")
                 if args.lossless:
                     outputs[name] = _greedy_outputs(port, args.model, args.lossless)
                     print(f"[{time.time() - t_start:5.0f}s]   {args.lossless} greedy outputs", flush=True)
-                for c in [] if args.lossless else [int(x) for x in args.concurrency.split(",")]:
+                if not args.lossless and args.client == "dspark":
+                    results += _dspark_bench(args, name, port, env)
+                for c in [] if args.lossless or args.client == "dspark" else [int(x) for x in
+                                                                               args.concurrency.split(",")]:
                     fname = f"bench-{name}-c{c}.json"
                     bench = [*vllm, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
                              "--model", args.model, "--dataset-name", "random", "--random-input-len",

@@ -2,10 +2,17 @@
 # vLLM 0.33 on the H200 with the dspark plugin: one sitting, after vLLM was staged and installed there
 # (docs: the GPU host notes; /tmp/site holds vLLM and its torch). Usage, from the project root:
 #
-#   bash benchmarks/vllm_h200.sh OUT proof     # SmolLM2-135M shape: nospec, all, upstream, varlen, mask at c=8,64
-#   bash benchmarks/vllm_h200.sh OUT scaled    # Llama-3-8B shape, k=7: the same configs at c=16,64,256
-#   bash benchmarks/vllm_h200.sh OUT lossless  # greedy token ids of upstream/varlen/mask against nospec
-#   bash benchmarks/vllm_h200.sh OUT profile   # dspark profile-sps --engine vllm (the proof stage then uses it)
+#   bash benchmarks/vllm_h200.sh OUT proof           # SmolLM2-135M shape: nospec, all, upstream, varlen, mask, c=8,64
+#   bash benchmarks/vllm_h200.sh OUT scaled          # Llama-3-8B shape, k=7: the same configs at c=16,64,256
+#   bash benchmarks/vllm_h200.sh OUT lossless        # greedy token ids of upstream/varlen/mask against nospec
+#   bash benchmarks/vllm_h200.sh OUT profile         # dspark profile-sps --engine vllm (proof then uses it)
+#   bash benchmarks/vllm_h200.sh OUT profile-scaled  # the same for the Llama-3-8B shape (scaled then uses it)
+#
+# Tables come from `dspark bench --base-url` (one summary over every config in OUT/<stage>/bench; cells
+# resume). An 8B-shaped server takes ~2.5 min to start, so the scaled matrix spans several device calls:
+# give every call the same OUT under /tmp on the host (it stays while the host is held) with a few CONFIGS
+# each -- e.g. nospec,all / upstream,varlen / mask,varlen-nosat / varlen-nosts,varlen-startup -- and copy
+# it to the call's own output folder at the end of each call.
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
 # vLLM's synthetic rejection sampler with a V4-Flash-like decay (conditional 0.8 ... 0.08 along the block).
@@ -25,6 +32,16 @@ python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch._
 # Ours use the measured curve when the profile stage ran first, else vLLM's start-up profile.
 OURS='{"online_sts": true}'
 [[ -f $OUT/profile/sps_curve.json ]] && OURS="{\"online_sts\": true, \"sps_curve\": \"$OUT/profile/sps_curve.json\"}"
+OURS_SCALED='{"online_sts": true}'
+[[ -f $OUT/profile-scaled/sps_curve.json ]] && \
+  OURS_SCALED="{\"online_sts\": true, \"sps_curve\": \"$OUT/profile-scaled/sps_curve.json\"}"
+profile() {  # TARGET DRAFT OUTDIR MAX_NUM_SEQS: dspark profile-sps --engine vllm with the serving stages' flags
+  mkdir -p "$3"
+  python3 -m dspark_cli.cli profile-sps --engine vllm "$1" -o "$3/sps_curve.json" \
+    --speculative-config "{\"method\":\"draft_model\",\"model\":\"$2\",\"num_speculative_tokens\":7,\"dspark_capacity_verification_mode\":\"varlen\"}" \
+    --engine-args "{\"load_format\":\"dummy\",\"max_model_len\":2048,\"max_num_seqs\":$4,\"gpu_memory_utilization\":0.35,\"dtype\":\"bfloat16\",\"compilation_config\":{\"mode\":0,\"cudagraph_mode\":\"FULL_DECODE_ONLY\"}}" \
+    2>&1 | tee "$3/profile.log"
+}
 case "$STAGE" in
   proof)
     read -r TARGET DRAFT < <(models random:smollm2-135m random:small:layers=2)
@@ -33,11 +50,10 @@ case "$STAGE" in
       --concurrency 8,64 --num-prompts 128 --input-len 128 --output-len 128 --dspark "$OURS" ;;
   profile)  # `dspark profile-sps --engine vllm` with the proof stage's engine flags (issue: profile-sps on vLLM)
     read -r TARGET DRAFT < <(models random:smollm2-135m random:small:layers=2)
-    mkdir -p "$OUT/profile"
-    python3 -m dspark_cli.cli profile-sps --engine vllm "$TARGET" -o "$OUT/profile/sps_curve.json" \
-      --speculative-config "{\"method\":\"draft_model\",\"model\":\"$DRAFT\",\"num_speculative_tokens\":7,\"dspark_capacity_verification_mode\":\"varlen\"}" \
-      --engine-args '{"load_format":"dummy","max_model_len":2048,"max_num_seqs":128,"gpu_memory_utilization":0.35,"dtype":"bfloat16","compilation_config":{"mode":0,"cudagraph_mode":"FULL_DECODE_ONLY"}}' \
-      2>&1 | tee "$OUT/profile/profile.log" ;;
+    profile "$TARGET" "$DRAFT" "$OUT/profile" 128 ;;
+  profile-scaled)  # the same with the scaled stage's engine flags
+    read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
+    profile "$TARGET" "$DRAFT" "$OUT/profile-scaled" 256 ;;
   lossless)  # greedy outputs of every config against no speculation (real verification, no synthetic)
     read -r TARGET DRAFT < <(models random:smollm2-135m random:small:layers=2)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless" --load-format dummy \
@@ -46,6 +62,6 @@ case "$STAGE" in
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
-      --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark '{"online_sts": true}' ;;
-  *) echo "unknown stage $STAGE (proof|scaled|lossless|profile)" >&2; exit 2 ;;
+      --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" ;;
+  *) echo "unknown stage $STAGE (proof|scaled|lossless|profile|profile-scaled)" >&2; exit 2 ;;
 esac

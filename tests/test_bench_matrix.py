@@ -160,3 +160,21 @@ def test_waves_take_the_same_leading_prompts_for_every_config(tmp_path: Path) ->
     assert [p.text for p in spec.cell_prompts(1)] == ["0", "1"]
     assert [p.text for p in spec.cell_prompts(4)] == [str(i) for i in range(8)]
     assert len(_spec(tmp_path).cell_prompts(4)) == 1  # without waves: every prompt, at any concurrency
+
+
+def test_servers_benched_one_by_one_into_one_folder_make_one_table(tmp_path: Path) -> None:
+    """``dspark bench --base-url`` per server (vLLM configs each need their own server): the summary joins
+    every config of the folder measured with the same workload; another workload's cells stay out."""
+    from dspark_cli.bench.matrix import load_cells, same_workload_cells
+
+    work = {"num_prompts": 8, "max_tokens": 16}
+    _write(tmp_path, "nospec", 16, work)
+    _write(tmp_path, "all", 16, work)
+    _write(tmp_path, "all", 64, work)
+    _write(tmp_path, "upstream", 16, {"num_prompts": 8, "max_tokens": 32})  # other lengths: not comparable
+    mine = _write(tmp_path, "varlen", 16, work)
+    cells, names, concs = same_workload_cells(tmp_path, work, "varlen", [16], [load_cell(mine)])
+    assert names == ["all", "nospec", "varlen"] and concs == [16, 64]
+    assert sorted((c["config"], c["concurrency"]) for c in cells) == [
+        ("all", 16), ("all", 64), ("nospec", 16), ("varlen", 16)]
+    assert len(load_cells(tmp_path)) == 5

@@ -94,3 +94,11 @@ def test_plots_are_written(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["throughput.png", "pareto.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_vllm_verify_all_column_is_the_baseline() -> None:
+    from dspark_cli.bench.report import baseline_of, header
+
+    assert baseline_of(["nospec", "upstream", "all", "varlen"]) == "all"
+    assert baseline_of(["all", "none"]) == "none"
+    assert header("all") == "Verify all" and header("upstream") == "vLLM adaptive"

@@ -141,6 +141,22 @@ def load_cells(results_dir: Path) -> list[dict[str, Any]]:
     return cells
 
 
+def same_workload_cells(
+    results_dir: Path, workload: dict[str, Any], label: str, concurrencies: list[int], cells: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[str], list[int]]:
+    """Every finished cell in ``results_dir`` measured with ``workload``, for one table across servers.
+
+    ``cells`` (this run's, config ``label``) come last; other configs keep their first-seen order, and the
+    concurrencies are the union. A cell with another workload (other prompts, lengths or sampling) is left
+    out: its numbers do not compare.
+    """
+    others = [c for c in load_cells(results_dir) if c.get("config") != label and c.get("workload") == workload]
+    merged = others + list(cells)
+    names = list(dict.fromkeys(c["config"] for c in others)) + [label]
+    concs = sorted(set(concurrencies) | {int(c["concurrency"]) for c in others})
+    return merged, names, concs
+
+
 @dataclass
 class MatrixSpec:
     configs: list[BenchConfig]

@@ -4,8 +4,8 @@ One row per concurrency, one column per config; each cell reads
 
     output tok/s / mean ITL ms / acceptance length (Δ% output tok/s vs the no-capacity column)
 
-The no-capacity column is config ``none`` (verify every draft) when the matrix has it, else the first config;
-it carries no Δ. Mean ITL is per stream chunk (one verify step), as ``vllm bench serve`` reports it, so the
+The no-capacity column is config ``none`` (verify every draft; ``all`` in vLLM runs) when the matrix has it,
+else the first config; it carries no Δ. Mean ITL is per stream chunk (one verify step), as ``vllm bench serve`` reports it, so the
 numbers compare with the seed's. Configs without drafts (``nospec``) show "-" for acceptance length.
 """
 
@@ -22,6 +22,7 @@ from dspark_cli import __version__
 from dspark_cli.fileio import atomic_write_json, atomic_write_text
 
 BASELINE = "none"
+BASELINES = (BASELINE, "all")  # ours (embedded) and vLLM's verify-all run: both verify every draft
 SUMMARY_FORMAT = 1
 PRETTY = {
     "nospec": "No spec",
@@ -31,6 +32,8 @@ PRETTY = {
     "none+sts": "No capacity + STS",
     "mask+sts": "Mask + SPS + STS",
     "varlen+sts": "Varlen + SPS + STS",
+    "all": "Verify all",
+    "upstream": "vLLM adaptive",
 }
 MISSING = "—"
 
@@ -49,8 +52,9 @@ class CellNumbers:
 
 
 def baseline_of(configs: Sequence[str]) -> str | None:
-    if BASELINE in configs:
-        return BASELINE
+    for name in BASELINES:
+        if name in configs:
+            return name
     return configs[0] if configs else None
 
 
