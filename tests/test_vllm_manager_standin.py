@@ -258,3 +258,38 @@ def test_online_sts_learns_from_observed_outcomes(manager_cls) -> None:
     t = m.temperatures
     m.online_sts.refit()
     assert m.temperatures is t
+
+
+@pytest.mark.parametrize("blocker", [None, "mismatch", "graphs", "extra"])
+def test_varlen_falls_back_to_mask_with_one_line_instead_of_refusing(
+        manager_cls, blocker: str | None, caplog: pytest.LogCaptureFixture) -> None:
+    """Upstream raises when a target attention backend cannot replay varlen batches; ours serves in mask."""
+    from dspark_cli.engines.vllm import manager
+
+    always = "ALWAYS"
+    av = types.SimpleNamespace(
+        AdaptiveVerificationManager=Base,
+        AttentionCGSupport=types.SimpleNamespace(ALWAYS=always),
+        get_query_lens_mismatch_unsupported_backend=lambda groups, checked_layer_names=None: (
+            "FLASHINFER" if blocker == "mismatch" else None),
+        get_varlen_cudagraph_unsupported_backend=lambda groups, cfg, max_query_len, checked_layer_names=None: (
+            ("TRITON_ATTN", None) if blocker == "graphs" else None),
+    )
+    rs = types.SimpleNamespace(num_speculative_steps=K, max_num_reqs=8, max_num_batched_tokens=256,
+                               device=torch.device("cpu"), req_id_to_index={})
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0))
+    kwargs = dict(req_states=rs, num_bonus_tokens=1, attn_groups=[], vllm_config=cfg, max_total_logits=10_000,
+                  query_start_loc=torch.zeros(9, dtype=torch.int32))
+    if blocker == "extra":
+        kwargs["additional_attn_cg_support"] = ("UNIFORM_BATCH", "MAMBA")
+    curve = SpsCurve.from_points([(4, 10.0), (8, 12.0), (16, 40.0)], [(1, 5.0)], capture_sizes=[4, 8, 16])
+    settings = DsparkVllmSettings(mode="varlen", sps_curve=curve.to_dict())
+    with caplog.at_level("WARNING", logger="vllm.dspark"):
+        m = manager.create_manager(settings, av, kwargs)
+    falls = [r.getMessage() for r in caplog.records if "falls back to mask" in r.getMessage()]
+    assert m.mode == ("varlen" if blocker is None else "mask")
+    assert len(falls) == (0 if blocker is None else 1)
+    if blocker == "mismatch":
+        assert "FLASHINFER" in falls[0]
+    if blocker in ("graphs", "extra"):
+        assert "cannot replay varlen decode graphs of up to 5 tokens" in falls[0]
