@@ -253,11 +253,33 @@ def test_online_sts_learns_from_observed_outcomes(manager_cls) -> None:
         m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
         m.reallocate_drafts(list(per_req), torch.arange(3))
         m.observe(torch.ones(3, dtype=torch.int32))  # ... whose drafts are all rejected
-    # position 1 was verified and always rejected: cooled; later positions were never reached (censored)
-    assert m.temperatures[0] > 1.0 and torch.all(m.temperatures[1:] == 1.0)
+    # Position 1 was verified and always rejected: its 0.99 now calibrates far below 0.5. Later positions were
+    # never reached (censored): they start from position 1's calibration, not from "0.99 means 0.99".
+    got = m.online_sts.apply(torch.full((1, K), 0.99))[0]
+    assert float(got[0]) < 0.8 and torch.allclose(got[1:], got[0].expand(K - 1), atol=0.02)
+    assert float(m.online_sts.trials[1:].sum()) == 0.0
     t = m.temperatures
     m.online_sts.refit()
     assert m.temperatures is t
+
+
+def test_online_sts_without_offline_temperatures_reaches_past_what_was_verified(manager_cls) -> None:
+    """A weightless draft against synthetic acceptance: raw confidences ~1/vocabulary while the first three
+    drafts always pass. The curve here verifies at most two drafts per request (flat up to 8 tokens), so
+    position 3 and on are never tested; they must still not be left at "2e-5 means 2e-5"."""
+    m = _make(manager_cls, "varlen", r=3, online_sts=True, sts_refit_interval=4)
+    assert m.online_sts.inherit_prior  # no sts.json, no scalar temperature: no per-position prior
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    for _ in range(40):
+        _record(m, [[2e-5] * K] * 3)
+        m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
+        m.reallocate_drafts(list(per_req), torch.arange(3))
+        caps = m._batch_draft_capacity[:3].clone()
+        assert int(caps.max()) <= 2
+        m.observe(1 + torch.clamp(caps, max=3).to(torch.int32))  # every verified draft up to the 3rd passes
+    assert float(m.online_sts.trials[2:].sum()) == 0.0
+    got = m.online_sts.apply(torch.full((1, K), 2e-5))[0]
+    assert float(got[0]) > 0.5 and torch.allclose(got[2:], got[1].expand(K - 2)), got
 
 
 @pytest.mark.parametrize("blocker", [None, "mismatch", "graphs", "extra"])

@@ -5,8 +5,9 @@ One row per concurrency, one column per config; each cell reads
     output tok/s / mean ITL ms / acceptance length (Δ% output tok/s vs the no-capacity column)
 
 The no-capacity column is config ``none`` (verify every draft; ``all`` in vLLM runs) when the matrix has it,
-else the first config; it carries no Δ. Mean ITL is per stream chunk (one verify step), as ``vllm bench serve`` reports it, so the
-numbers compare with the seed's. Configs without drafts (``nospec``) show "-" for acceptance length.
+else the first config; it carries no Δ. Mean ITL is per stream chunk (one verify step), as ``vllm bench serve``
+reports it, so the numbers compare with the seed's. Configs without drafts (``nospec``) show "-" for acceptance
+length.
 """
 
 from __future__ import annotations

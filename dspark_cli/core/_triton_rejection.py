@@ -675,14 +675,14 @@ def plan_rejection_sample(
 ) -> SamplerPlan:
     """Allocate the sampler's buffers and bind its launches (see ``rejection_sample_fused``).
 
-    Row kernel: ``row_block`` tokens per
-    tile (default ``row_bytes`` of logits: 64 bytes per thread at 8 warps), ``row_warps``, ``row_unroll``
-    (1 or 2 tiles loaded per step), ``row_group`` (tokens per in-register group; default one 16-byte load,
-    must divide ``row_block``), ``row_split`` (vocabulary chunks per row, each its own program, combined
-    by a second launch; default ``auto_row_split``), ``row_stages`` (0 = plain loop, n >= 2 = the
-    compiler's n-stage pipelined loop; default 3 from ``PIPELINE_MIN_ROWS`` rows, else 0). ``tile_block`` / ``tile_subs`` / ``tile_warps``: tokens per
-    inverse-CDF tile, tiles per tile-mass program and its warps. ``emit_div``: "fast" (a reciprocal and two
-    fma corrections per token, correctly rounded: ``_div``) or "rn" (the general IEEE division per token).
+    Row kernel: ``row_block`` tokens per tile (default ``row_bytes`` of logits: 64 bytes per thread at 8 warps),
+    ``row_warps``, ``row_unroll`` (1 or 2 tiles loaded per step), ``row_group`` (tokens per in-register group;
+    default one 16-byte load, must divide ``row_block``), ``row_split`` (vocabulary chunks per row, each its own
+    program, combined by a second launch; default ``auto_row_split``), ``row_stages`` (0 = plain loop, n >= 2 =
+    the compiler's n-stage pipelined loop; default 3 from ``PIPELINE_MIN_ROWS`` rows, else 0). ``tile_block`` /
+    ``tile_subs`` / ``tile_warps``: tokens per inverse-CDF tile, tiles per tile-mass program and its warps.
+    ``emit_div``: "fast" (a reciprocal and two fma corrections per token, correctly rounded: ``_div``) or "rn"
+    (the general IEEE division per token).
     The knobs exist for benchmarks and tests
     (small tiles exercise many of them on a small vocabulary); None picks the defaults. ``row_unroll`` /
     ``row_stages`` leave every lane's operations unchanged; other shapes regroup the row kernel's float32

@@ -328,10 +328,12 @@ class OnlineSTS:
     at once (fixed shapes, no host sync), picks the one minimising trial-weighted ECE of the conditional
     calibrated probability, blends it toward the prior in log space with ``prior_weight`` pseudo-trials
     (``log T = (n log T_fit + w log T_prior) / (n + w)``, so a position with little data stays at its
-    prior; without ``initial_temperatures`` a position's prior is its predecessor's fit), and writes ``temperatures`` in place -- captured graphs hold its address. ``offsets`` (the
-    logit shift ``b_k``, 0 unless it lowers the ECE, blended toward 0 with the same pseudo-trials) is
-    refitted and written the same way; why it exists, and the conditional per-position objective (vs the
-    offline cumulative one), are explained in the module docstring.
+    prior; without ``initial_temperatures`` a position's prior is its predecessor's fit, and a position
+    with no data at all copies the last one with some), and writes ``temperatures`` in place -- captured
+    graphs hold its address. ``offsets`` (the logit shift ``b_k``, 0 unless it lowers the ECE, re-solved
+    against the hit rate blended with the same pseudo-trials) is refitted and written the same way; why it
+    exists, and the conditional per-position objective (vs the offline cumulative one), are explained in
+    the module docstring.
     """
 
     def __init__(
@@ -464,6 +466,15 @@ class OnlineSTS:
             shift = _mean_matching_shift((mean_logit / new_t.unsqueeze(1)).unsqueeze(0), trials,
                                          target.view(1, -1, 1)).view(-1)
             new_b = torch.where((total > 0) & (shifted | (b0 != 0)), shift, new_b)
+        # A position with no outcomes at all takes the calibration of the last position before it that has
+        # some, in this same refit (the buffers above would move it one position per refit).
+        pos = torch.arange(self.k, device=self.device)
+        last = torch.cummax(torch.where(total > 0, pos, torch.full_like(pos, -1)), dim=0).values
+        fill = (total <= 0) & (last >= 0)
+        src = last.clamp_min(0)
+        new_b = torch.where(fill, new_b[src], new_b)
+        if self.inherit_prior:
+            new_t = torch.where(fill, new_t[src], new_t)
         self.last_ece.copy_(ece_c.gather(0, best.unsqueeze(0)).squeeze(0))
         self.temperatures.copy_(new_t)
         self.offsets.copy_(new_b)

@@ -345,8 +345,12 @@ def build_manager_class(base: type) -> type:
             self._calibrated = torch.ones(max_reqs, k, dtype=torch.float32, device=device)
             self._steps = np.zeros(max_reqs, dtype=np.int64)
             init_t = initial_temperatures(settings, k)
+            # Given temperatures are per-position priors; without them each position starts from its
+            # predecessor's online fit (core.sts: an untested position could otherwise never be tested).
+            offline = settings.sts is not None or settings.confidence_temperature is not None
             self.online_sts = (
-                OnlineSTS(k, device=device, refit_interval=settings.sts_refit_interval, initial_temperatures=init_t)
+                OnlineSTS(k, device=device, refit_interval=settings.sts_refit_interval,
+                          initial_temperatures=init_t if offline else None)
                 if settings.online_sts else None
             )
             # The one buffer every consumer reads; online STS updates it in place (.copy_), never rebinds it.

@@ -1,12 +1,12 @@
 """``dspark profile-sps --engine vllm``: measure vLLM's step cost per CUDA-graph capture size.
 
-The engine is built with the *same* flags as ``dspark serve --engine vllm`` (so the captured graphs are the
-ones serving will replay: varlen decode graphs for varlen, uniform ones for mask). Then, in every worker
-(``LLM.collective_rpc``, by name: :class:`SpsProfileExtension` is vLLM's worker extension), each captured FULL target graph and each draft graph is replayed and timed with
-CUDA events (median of ``--replays``); sizes above the capture limit, and drafters that run eagerly (vLLM
-0.33's ``draft_model``), are timed from whole dummy steps with vLLM's own step timing (forward and drafter
-parts); the fixed per-step overhead is a dummy step's wall time minus both. Rank 0's numbers become
-``sps_curve.json`` (``core.sps.SpsCurve``).
+The engine is built with the *same* flags as ``dspark serve --engine vllm`` (so the captured graphs are the ones
+serving will replay: varlen decode graphs for varlen, uniform ones for mask). Then, in every worker
+(``LLM.collective_rpc``, by name: :class:`SpsProfileExtension` is vLLM's worker extension), each captured FULL
+target graph and each draft graph is replayed and timed with CUDA events (median of ``--replays``); sizes above
+the capture limit, and drafters that run eagerly (vLLM 0.33's ``draft_model``), are timed from whole dummy steps
+with vLLM's own step timing (forward and drafter parts); the fixed per-step overhead is a dummy step's wall time
+minus both. Rank 0's numbers become ``sps_curve.json`` (``core.sps.SpsCurve``).
 
 Command line: ``python -m dspark_cli.engines.vllm.profile MODEL [vllm serve flags] [--output F]
 [--replays N] [--warmup N]`` -- :func:`build_profile_command` writes it from ``dspark profile-sps`` args.
