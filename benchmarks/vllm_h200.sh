@@ -39,7 +39,7 @@ profile() {  # TARGET DRAFT OUTDIR MAX_NUM_SEQS: dspark profile-sps --engine vll
   mkdir -p "$3"
   python3 -m dspark_cli.cli profile-sps --engine vllm "$1" -o "$3/sps_curve.json" \
     --speculative-config "{\"method\":\"draft_model\",\"model\":\"$2\",\"num_speculative_tokens\":7,\"dspark_capacity_verification_mode\":\"varlen\"}" \
-    --engine-args "{\"load_format\":\"dummy\",\"max_model_len\":2048,\"max_num_seqs\":$4,\"gpu_memory_utilization\":0.35,\"dtype\":\"bfloat16\",\"compilation_config\":{\"mode\":0,\"cudagraph_mode\":\"FULL_DECODE_ONLY\"}}" \
+    --engine-args "{\"load_format\":\"dummy\",\"max_model_len\":2048,\"max_num_seqs\":$4,\"gpu_memory_utilization\":0.35,\"dtype\":\"bfloat16\",\"compilation_config\":{\"mode\":0,\"cudagraph_mode\":\"FULL_DECODE_ONLY\"},\"enable_flashinfer_autotune\":false}" \
     2>&1 | tee "$3/profile.log"
 }
 case "$STAGE" in
