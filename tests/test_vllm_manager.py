@@ -73,6 +73,10 @@ def test_curve_from_startup_samples_uses_medians_and_graph_only_draft_times() ->
     assert curve.draft_ms == ((8, 1.0), (16, 1.5))
     assert curve.capture_sizes == (8, 16) and curve.overhead_ms == 0.25
     assert with_overhead(curve, 1.0).overhead_ms == 1.0 and with_overhead(curve, None) is curve
+    # no FULL-graph sample at all (mask mode on the H200): the eager drafter timings, not a free draft pass
+    eager = [S(num_target_tokens=n, forward_ms=0.1 * n, drafter_ms=d, num_reqs=min(n, 32), full_cudagraph=False)
+             for n, d in ((8, 2.0), (16, 2.5), (64, 4.0), (64, 0.0))]
+    assert curve_from_samples(eager, [8, 16], 0.0, {}).draft_ms == ((8, 2.0), (16, 2.5), (32, 4.0))
 
 
 def test_startup_profile_noise_is_fitted_and_a_flat_profile_means_verify_everything() -> None:

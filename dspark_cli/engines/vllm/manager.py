@@ -75,7 +75,8 @@ def invalid_draft_rows(expanded_local_pos: torch.Tensor, cu_num_logits: torch.Te
 def curve_from_samples(samples: list[Any], capture_sizes: list[int], overhead_ms: float, meta: dict[str, Any]) -> Any:
     """vLLM's start-up ``StepTimingSample`` list -> ``core.sps.SpsCurve`` (medians per size), or None if flat.
 
-    Like upstream, the draft curve uses FULL-graph samples only: eager target steps inflate drafter timings.
+    Like upstream, the draft curve uses FULL-graph samples when there are any (eager target steps inflate
+    drafter timings), else the eager ones rather than none.
     The start-up profile is 5 replays per size, some eager or piecewise, so a larger batch can time below a
     smaller one: the medians get a least-squares monotone fit (``core.sps.monotone_fit``), where upstream
     takes a running maximum that lets one slow outlier price every larger batch. A user's file is never
@@ -96,7 +97,16 @@ def curve_from_samples(samples: list[Any], capture_sizes: list[int], overhead_ms
         return fitted
 
     verify = medians([(s.num_target_tokens, s.forward_ms) for s in samples])
-    draft = medians([(s.num_reqs, s.drafter_ms) for s in samples if s.full_cudagraph])
+    drafted = [(s.num_reqs, s.drafter_ms) for s in samples if s.full_cudagraph]
+    if not drafted:
+        # No start-up step ran under a FULL graph (mask mode's FULL_DECODE_ONLY graphs never see these dummy
+        # batches): the eager/piecewise steps' drafter timings overstate the draft a little, but pricing it at
+        # 0 would let drafting look free to the saturation policy, which is worse.
+        drafted = [(s.num_reqs, s.drafter_ms) for s in samples if s.drafter_ms > 0]
+        if drafted:
+            logger.info("dspark: no FULL-graph step timed the drafter at start-up; the draft pass is priced from "
+                        "the eager steps (an upper bound)")
+    draft = medians(drafted)
     costs = [y for _, y in verify]
     if not costs or max(costs) < MIN_COST_RATIO * min(costs):
         return None
