@@ -169,3 +169,25 @@ def test_speculator_hooks_are_installed_once_and_serve_the_latest_manager() -> N
     spec.propose(num_speculative_tokens=7)
     spec.propose(num_speculative_tokens=0, dummy_run=True)  # profiling runs always draft fully
     assert calls == ["prefill", "decode", "prefill", "decode"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_trace_stager_writes_every_step_including_the_last(tmp_path: Path) -> None:
+    """Traces leave the device through pinned buffers a step late; closing writes the newest step too."""
+    from dspark_cli.core.traces import read_traces
+    from dspark_cli.engines.vllm.manager import _TraceStager
+
+    path = tmp_path / "t.jsonl"
+    stager = _TraceStager(path, max_reqs=4, k=3, device=torch.device("cuda"))
+    for step in range(3):
+        conf = torch.full((4, 3), 0.1 * (step + 1), device="cuda")
+        verified = torch.tensor([3, 2, 1, 0], dtype=torch.int32, device="cuda")
+        accepted = torch.tensor([step % 4, 1, 0, 0], dtype=torch.int32, device="cuda").clamp(max=verified)
+        valid = torch.tensor([True, True, True, False], device="cuda")
+        stager.stage(conf, verified, accepted, valid, ["a", "b", "c", "d"], np.full(4, step))
+    stager.close()
+    rows = read_traces(path).records
+    assert len(rows) == 9  # 3 steps x 3 valid requests; request d was never verified
+    assert [r.step for r in rows if r.request == "a"] == [0, 1, 2]
+    assert rows[-1].conf == pytest.approx([0.3, 0.3, 0.3])

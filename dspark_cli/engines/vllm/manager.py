@@ -26,6 +26,7 @@ Nothing here runs on CPU except the pure helpers at the top (tested in ``tests/t
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 from pathlib import Path
@@ -172,6 +173,8 @@ class _TraceStager:
         self.events = [torch.cuda.Event(), torch.cuda.Event()]
         self.meta: list[tuple[list[str], np.ndarray] | None] = [None, None]
         self.slot = 0
+        # The newest step's rows wait in pinned memory for the next step; write them when the worker exits.
+        atexit.register(self.close)
 
     def stage(self, conf: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor,
               req_ids: list[str], steps: np.ndarray) -> None:
@@ -190,6 +193,12 @@ class _TraceStager:
             t.record_stream(self.stream)
         self.meta[self.slot] = (list(req_ids), steps.copy())
         self.slot = 1 - self.slot
+
+    def close(self) -> None:
+        """Write every staged step (oldest first) and close the file; safe to call more than once."""
+        for slot in (1 - self.slot, self.slot):
+            self._flush(slot)
+        self.writer.close()
 
     def _flush(self, slot: int) -> None:
         meta = self.meta[slot]
