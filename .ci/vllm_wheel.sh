@@ -24,6 +24,7 @@ FILES=(
   vllm/v1/worker/gpu/attn_utils.py
   vllm/config/speculative.py
   vllm/config/vllm.py
+  vllm/config/model.py
   vllm/plugins/__init__.py
   vllm/distributed/parallel_state.py
   vllm/envs.py

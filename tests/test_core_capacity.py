@@ -143,7 +143,7 @@ def test_choose_budget_matches_brute_force(data: tuple[list[list[float]], list[i
     conf, nd = np.array(data[0]), np.array(data[1])
     surv = np.cumprod(conf, axis=1)
     r = surv.shape[0]
-    cfg = CapacityConfig(mode="mask", budget_frac=frac)
+    cfg = CapacityConfig(mode="varlen", budget_frac=frac)
     d = choose_budget(surv, nd, r + extra, r, STAIR, cfg)
     assert d.budget == brute_force_budget(surv, nd, r + extra, r, STAIR, frac)
     assert d.budget <= int(np.floor(frac * nd.sum() + 1e-9))
@@ -159,7 +159,7 @@ def test_choose_budget_finds_the_global_max_past_a_shelf() -> None:
     d = choose_budget(surv, nd, 16, 16, STAIR, ARGMAX)
     assert d.budget == brute_force_budget(surv, nd, 16, 16, STAIR)
     assert d.budget == 48
-    paper = choose_budget(surv, nd, 16, 16, STAIR, CapacityConfig(mode="mask", policy="paper"))
+    paper = choose_budget(surv, nd, 16, 16, STAIR, CapacityConfig(mode="varlen", policy="paper"))
     assert paper.budget == 0 and paper.theta_best < d.theta_best
 
 
@@ -173,10 +173,29 @@ def test_first_maximum_wins_ties() -> None:
 def test_threshold_policy_counts_slots_and_respects_the_cap() -> None:
     surv = np.array([[0.9, 0.7, 0.2], [0.95, 0.5, 0.1]])
     nd = np.array([3, 3])
-    cfg = CapacityConfig(mode="mask", policy="threshold", threshold=0.5)
+    cfg = CapacityConfig(mode="varlen", policy="threshold", threshold=0.5)
     assert choose_budget(surv, nd, 2, 2, STAIR, cfg).budget == 4
-    capped = CapacityConfig(mode="mask", policy="threshold", threshold=0.5, budget_frac=0.5)
+    capped = CapacityConfig(mode="varlen", policy="threshold", threshold=0.5, budget_frac=0.5)
     assert choose_budget(surv, nd, 2, 2, STAIR, capped).budget == 3
+
+
+def test_mask_mode_prices_the_uniform_batch_so_it_never_trims_for_nothing() -> None:
+    """A pruned slot of the uniform batch is a padding row the model still computes: trimming saves nothing
+    and loses the draft's chance -- unless the engine skips padding rows (MoE with skip-padding)."""
+    surv = np.cumprod(np.full((16, 3), 0.9), axis=1)
+    nd = np.full(16, 3)
+    varlen = choose_budget(surv, nd, 16, 16, STAIR, CapacityConfig(mode="varlen"))
+    mask = choose_budget(surv, nd, 16, 16, STAIR, CapacityConfig(mode="mask"))
+    skipping = choose_budget(surv, nd, 16, 16, STAIR, CapacityConfig(mode="mask", mask_pruning_saves=True))
+    low = np.cumprod(np.full((16, 3), 0.05), axis=1)
+    mask_low = choose_budget(low, nd, 16, 16, STAIR, CapacityConfig(mode="mask"))
+    varlen_low = choose_budget(low, nd, 16, 16, STAIR, CapacityConfig(mode="varlen"))
+    assert varlen_low.budget < 48 and mask_low.budget == 48  # varlen trims poor drafts; mask keeps them
+    assert mask.step_ms == pytest.approx(STAIR.step_cost_ms(16, 16 + 48))  # whatever it admits
+    assert mask_low.step_ms == mask.step_ms
+    assert skipping.budget == varlen.budget and skipping.step_ms == varlen.step_ms
+    # drafting that does not pay is still reported, so saturation can stop the draft pass in mask mode
+    assert not mask_low.pays or mask_low.theta_best > mask_low.theta_no_draft
 
 
 def test_mode_none_verifies_every_draft() -> None:
@@ -193,9 +212,9 @@ def test_min_predicted_gain_keeps_the_full_draft_unless_trimming_wins_enough() -
     plain = choose_budget(surv, nd, 1, 1, curve, ARGMAX)
     assert plain.budget == 0
     gain = (0.1 / (1.05 / 10.6)) - 1
-    keep = choose_budget(surv, nd, 1, 1, curve, CapacityConfig(mode="mask", min_predicted_gain=0.02))
+    keep = choose_budget(surv, nd, 1, 1, curve, CapacityConfig(mode="varlen", min_predicted_gain=0.02))
     assert keep.budget == 1 and keep.theta_best == pytest.approx(keep.theta_all)
-    trim = choose_budget(surv, nd, 1, 1, curve, CapacityConfig(mode="mask", min_predicted_gain=gain / 2))
+    trim = choose_budget(surv, nd, 1, 1, curve, CapacityConfig(mode="varlen", min_predicted_gain=gain / 2))
     assert trim.budget == 0
 
 
@@ -501,7 +520,7 @@ def test_manager_plans_on_stale_and_allocates_on_fresh_confidences() -> None:
 
 
 def test_manager_reused_slot_does_not_inherit_the_old_request() -> None:
-    mgr = CapacityManager(CapacityConfig(mode="mask"), STAIR, num_spec_tokens=3, max_slots=2)
+    mgr = CapacityManager(CapacityConfig(mode="varlen"), STAIR, num_spec_tokens=3, max_slots=2)
     for s in (0, 1):
         mgr.add_request(s)
     both = torch.tensor([0, 1])

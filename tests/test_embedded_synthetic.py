@@ -211,6 +211,9 @@ def _spec(pair: TinyPair, **keys: object) -> str:
 
 
 def _capacity(mode: str, **kw: object) -> CapacityConfig:
+    # Mask mode prunes a dense model's uniform batch only under a budget cap (pruning saves nothing there).
+    if mode == "mask":
+        kw.setdefault("budget_frac", 0.5)
     return CapacityConfig(mode=mode, saturation_patience=0, **kw)  # type: ignore[arg-type]
 
 

@@ -204,6 +204,21 @@ def test_offline_sts_policy_reads_sts_json(tmp_path: Path) -> None:
         sim.run_simulation([traces], "auto", [2], tmp_path / "out")
 
 
+def test_mask_policies_pay_the_uniform_batch_and_never_trim_for_nothing() -> None:
+    """A dense model computes a mask step's padding rows: every drafting step costs R + R*K tokens. Poor
+    drafts (survival 0.05) make varlen trim; mask then keeps verifying everything or stops drafting."""
+    k, r = 4, 8
+    conf = np.full((400, k), 0.05)
+    acc = np.zeros(400, dtype=np.int64)
+    data = trace_data(conf, np.full(400, k), acc, 40)
+    opts = sim.SimOptions(families=("fixed", "manager", "mask"), num_steps=200, saturation_patience=0)
+    res = sim.simulate_concurrency(data, linear_curve(), r, opts).results
+    full_step = ALPHA + BETA * (r + r * k) + DRAFT
+    assert res["mask"].time_ms == pytest.approx(res["mask"].steps * full_step)
+    assert res["mask"].mean_verify == pytest.approx(k)  # nothing saved by pruning: it does not prune
+    assert res["manager"].mean_verify < 1.0 and res["manager"].time_ms < res["mask"].time_ms
+
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CURVE = ROOT / "benchmarks" / "results" / "h200" / "profile_sps" / "llama3-8b.json"
 

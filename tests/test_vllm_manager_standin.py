@@ -93,13 +93,16 @@ def manager_cls(monkeypatch: pytest.MonkeyPatch):
     manager.build_manager_class.cache_clear()
 
 
-def _make(manager_cls, mode: str, r: int = 3, **settings_kw):
+def _make(manager_cls, mode: str, r: int = 3, moe: bool = True, **settings_kw):
+    """A manager over 8 request slots. ``moe``: the model skips padding rows (MoE under the stand-in's
+    VLLM_MOE_SKIP_PADDING), so mask mode may trim; a dense model's mask mode verifies whole batches."""
     rs = types.SimpleNamespace(
         num_speculative_steps=K, max_num_reqs=8, max_num_batched_tokens=256, device=torch.device("cpu"),
         req_id_to_index={f"r{i}": i for i in range(r)},
         num_computed_tokens_np=np.full(8, 100), prefill_len=types.SimpleNamespace(np=np.full(8, 10)),
     )
-    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0))
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
+                                model_config=types.SimpleNamespace(is_moe=moe))
     # Flat until 8 tokens, steep after: verifying more than a handful of drafts does not pay.
     curve = SpsCurve.from_points([(4, 10.0), (8, 10.0), (16, 40.0), (32, 80.0)], [(1, 5.0), (8, 5.0)],
                                  capture_sizes=[4, 8, 16, 32])
@@ -151,6 +154,21 @@ def test_mask_keeps_the_uniform_layout_and_pads_pruned_rows(manager_cls) -> None
     assert [int(x) == 0 for x in batch.input_ids] == pruned
     invalid = getattr(batch, contract.INVALID_DRAFTS_ATTR)
     assert invalid.tolist() == [p > int(caps[r]) for r in range(3) for p in range(5)]
+
+
+def test_mask_mode_of_a_dense_model_verifies_whole_batches(manager_cls) -> None:
+    """Pruning a dense model's uniform batch saves nothing; the same confidences that trim an MoE's do not."""
+    conf = [[0.9, 0.9, 0.9, 0.9], [0.9, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2]]
+    per_req = {"r0": 1 + K, "r1": 1 + K, "r2": 1 + K}
+    caps = {}
+    for moe in (True, False):
+        m = _make(manager_cls, "mask", moe=moe)
+        assert m.cfg.mask_pruning_saves is moe
+        _record(m, conf)
+        m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
+        m.reallocate_drafts(["r0", "r1", "r2"], torch.arange(3))
+        caps[moe] = m._batch_draft_capacity[:3].tolist()
+    assert min(caps[True]) < K and caps[False] == [K, K, K]
 
 
 def test_mask_mode_hands_the_estimator_rejections_censored_by_what_was_verified(manager_cls) -> None:

@@ -17,7 +17,9 @@ Replay model (one concurrency ``R``):
   (conservative: a policy verifying deeper than the recording engine is never credited with tokens
   nobody saw). Traces recorded with capacity mode ``none`` verify every draft, so they replay exactly.
 * **Step time.** ``curve.step_cost_ms(R, R + sum v, drafting)``; ``drafting`` is False for no
-  speculation and on steps where the saturation policy paused the draft pass.
+  speculation and on steps where the saturation policy paused the draft pass. The ``mask`` policies keep
+  the uniform batch, so a drafting step costs ``step_cost_ms(R, R + R * K)`` whatever they admit (a dense
+  model computes the padding rows).
 
 Policies call the same core functions the engines call (no reimplementation): the paper's Algorithm 1
 (``schedule_paper``) and the global argmax (``choose_budget`` + ``allocate``) on fresh confidences; the
@@ -35,6 +37,7 @@ every policy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -67,7 +70,8 @@ SIMULATE_FORMAT = 1
 MIN_STEPS = 128
 DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7)
 # Policy families selectable with --policies; the oracle is always computed (it is the yardstick).
-FAMILIES = ("nospec", "fixed", "threshold", "paper", "argmax", "manager", "manager+sts", "manager+offline-sts")
+FAMILIES = ("nospec", "fixed", "threshold", "paper", "argmax", "manager", "manager+sts", "mask", "mask+sts",
+            "manager+offline-sts")
 DEFAULT_FAMILIES = ("nospec", "fixed", "threshold", "paper", "argmax", "manager", "manager+sts")
 ORACLE = "oracle"
 PRETTY = {
@@ -77,6 +81,8 @@ PRETTY = {
     "manager": "Manager (stale budget)",
     "manager+sts": "Manager + online STS",
     "manager+offline-sts": "Manager + offline STS",
+    "mask": "Manager, mask layout",
+    "mask+sts": "Manager, mask + online STS",
     ORACLE: "Oracle",
 }
 
@@ -357,7 +363,11 @@ def _run_manager(
     online_sts: bool,
     offline_temps: Sequence[float] | None,
 ) -> PolicyResult:
-    """The production path, called exactly as the embedded engine calls it each decode step."""
+    """The production path, called exactly as the embedded engine calls it each decode step.
+
+    ``cfg.mode`` "mask" prices every drafting step at the uniform batch (every draft row computed, pruned
+    ones as padding), as a dense model pays it; otherwise the verified tokens are priced (varlen).
+    """
     s, r, k = conf.shape
     acc = _Acc(name, r)
     mgr = CapacityManager(cfg, curve, k, r, "cpu")
@@ -373,6 +383,7 @@ def _run_manager(
     slots = torch.from_numpy(slots_np)
     nd_np = np.full(r, k, dtype=np.int64)
     nd = torch.from_numpy(nd_np)
+    uniform = cfg.mode == "mask"
     no_draft_ms = float(curve.step_cost_ms(r, r, drafting=False))
     zeros = np.zeros(r, dtype=np.int64)
     for t in range(s):
@@ -386,7 +397,8 @@ def _run_manager(
         mgr.record_confidences(slots, c)
         decision = mgr.plan(slots_np, nd_np, r, r, defer_saturation=True)
         v = mgr.allocate(slots, nd, decision.budget).numpy().astype(np.int64)
-        acc.add(v, accepted[t], float(curve.step_cost_ms(r, r + int(v.sum()))), True)
+        batch = r + (int(nd_np.sum()) if uniform else int(v.sum()))
+        acc.add(v, accepted[t], float(curve.step_cost_ms(r, batch)), True)
         mgr.record_outcome(r + int(np.minimum(accepted[t], v).sum()))  # as the engine does after its sync
         if sts is not None:
             # Only what both the policy and the recording engine verified was observed.
@@ -502,6 +514,10 @@ def simulate_concurrency(
             done(_run_manager("manager", conf, verified, accepted, new, curve, cfg, False, None))
         elif fam == "manager+sts":
             done(_run_manager("manager+sts", conf, verified, accepted, new, curve, cfg, True,
+                              opts.sts_temperatures))
+        elif fam in ("mask", "mask+sts"):
+            mask_cfg = dataclasses.replace(cfg, mode="mask")
+            done(_run_manager(fam, conf, verified, accepted, new, curve, mask_cfg, fam == "mask+sts",
                               opts.sts_temperatures))
         elif fam == "manager+offline-sts":
             if opts.sts_temperatures is None:

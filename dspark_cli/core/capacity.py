@@ -14,6 +14,12 @@ The split follows the paper's production scheduler (§5.2) and vLLM's adaptive v
   so tensor-parallel ranks with bitwise-different confidences still agree wherever values tie. Shapes
   are fixed (full sort + rank < budget), so one CUDA graph replays any budget without a host sync.
 
+**Mask mode prices what the uniform batch costs.** ``mask`` keeps the ``[R, K + 1]`` batch and turns a
+pruned slot into a padding row: a dense model computes that row anyway, so pruning saves nothing and loses
+the draft's chance of acceptance -- the seed's "mask loses everywhere". Unless the engine skips padding
+rows (``mask_pruning_saves``: vLLM's MoE layers with ``VLLM_MOE_SKIP_PADDING``), the budget is priced at
+the full batch's cost, so mask verifies every draft and pays only through the saturation policy.
+
 ``schedule_paper`` is the paper's Algorithm 1 (greedy with early stop on fresh values), kept for the
 simulator and as an option; ``SaturationPolicy`` stops paying for the draft pass when verification
 stops paying; ``CapacityManager`` ties the pieces together for an engine.
@@ -51,6 +57,8 @@ class CapacityConfig:
 
     ``mode``: ``none`` verifies every draft (no capacity manager), ``mask`` keeps the uniform batch and
     marks pruned slots as padding, ``varlen`` compacts the verify batch. ``policy`` picks the budget rule.
+    ``mask_pruning_saves``: in mask mode, whether a padding row costs less than a verified one (the engine
+    skips it); False prices the uniform batch at its full size (module docstring).
     """
 
     mode: Mode = "none"
@@ -60,6 +68,7 @@ class CapacityConfig:
     min_predicted_gain: float = 0.0  # trim only if Θ(best) >= Θ(full) * (1 + gain)
     saturation_patience: int = 8  # consecutive non-paying steps before drafting pauses (0 = never)
     resume_every: int = 16  # while paused, one probe step with drafting every N steps
+    mask_pruning_saves: bool = False  # mask mode: padding rows are skipped (MoE with skip-padding), not computed
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -221,6 +230,8 @@ def choose_budget(
     vals = np.sort(np.clip(surv[valid], 0.0, 1.0))[::-1]
     tau = float(num_sampling) + np.concatenate(([0.0], np.cumsum(vals)))
     n = np.arange(total + 1)
+    if cfg.mode == "mask" and not cfg.mask_pruning_saves:
+        n = np.full(total + 1, total)  # every draft row is in the batch, verified or padding
     cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + n), dtype=np.float64)
     theta = tau / cost
     no_draft_cost = float(sps.step_cost_ms(r, num_nondraft_tokens, drafting=False))

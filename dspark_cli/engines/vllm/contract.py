@@ -41,6 +41,7 @@ STRUCTURED = "vllm.v1.worker.gpu.structured_outputs"
 ATTN_UTILS = "vllm.v1.worker.gpu.attn_utils"
 SPEC_CONFIG = "vllm.config.speculative"
 VLLM_CONFIG = "vllm.config.vllm"
+MODEL_CONFIG = "vllm.config.model"
 PLUGINS = "vllm.plugins"
 PARALLEL = "vllm.distributed.parallel_state"
 ENVS = "vllm.envs"
@@ -103,6 +104,8 @@ CONTRACT: tuple[Assumption, ...] = (
                why="the flag the launcher writes"),
     Assumption(ARG_UTILS, "EngineArgs.add_cli_args", "contains", ('"--speculative-config", "-sc"',),
                why="the launcher recognises both spellings of the speculative config flag"),
+    Assumption(MODEL_CONFIG, "ModelConfig.is_moe", "method",
+               why="mask mode prices pruned rows as saved only for MoE models that skip padding rows"),
     Assumption(ENVS, "VLLM_MOE_SKIP_PADDING", "contains", ('"VLLM_MOE_SKIP_PADDING"',),
                why="mask mode marks pruned rows in is_padding only when MoE honours it (read, never set)"),
     Assumption(PARALLEL, "get_tp_group", "function", why="rank-0 broadcast of curves and temperatures"),

@@ -27,6 +27,7 @@ Nothing here runs on CPU except the pure helpers at the top (tested in ``tests/t
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -397,6 +398,10 @@ def build_manager_class(base: type) -> type:
             self._outcome_decision: tuple[Any, int] | None = None  # the decision of the step being verified
             self._outcome_pending: tuple[Any, int] | None = None  # a decision whose outcome is being copied
             self._moe_skip = bool(envs.VLLM_MOE_SKIP_PADDING)
+            # Mask mode saves compute by pruning only where padding rows are skipped: MoE layers under
+            # VLLM_MOE_SKIP_PADDING. Elsewhere the core prices the uniform batch whole (core.capacity).
+            moe = bool(getattr(getattr(vllm_config, "model_config", None), "is_moe", False))
+            self.cfg = dataclasses.replace(self.cfg, mask_pruning_saves=self._moe_skip and moe)
             logger.info("dspark: adaptive verification by dspark (mode=%s, policy=%s, curve=%s, sts=%s)",
                         mode, self.cfg.policy, "start-up profile" if self._user_curve is None else "user",
                         "online" if self.online_sts is not None else ("offline" if not self._identity_t else "off"))
