@@ -80,6 +80,8 @@ class CapacityConfig:
         _check_float("min_predicted_gain", self.min_predicted_gain, 0.0, math.inf)
         _check_int("saturation_patience", self.saturation_patience, 0)
         _check_int("resume_every", self.resume_every, 1)
+        if not isinstance(self.mask_pruning_saves, bool):
+            raise DsparkError(f"capacity setting mask_pruning_saves must be true or false, got {self.mask_pruning_saves!r}")
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> CapacityConfig:
