@@ -9,10 +9,10 @@
 #   bash benchmarks/vllm_h200.sh OUT profile-scaled  # the same for the Llama-3-8B shape (scaled then uses it)
 #
 # Tables come from `dspark bench --base-url` (one summary over every config in OUT/<stage>/bench; cells
-# resume). An 8B-shaped server takes ~2.5 min to start, so the scaled matrix spans several device calls:
-# give every call the same OUT under /tmp on the host (it stays while the host is held) with a few CONFIGS
-# each -- e.g. nospec,all / upstream,varlen / mask,varlen-nosat / varlen-nosts,varlen-startup -- and copy
-# it to the call's own output folder at the end of each call.
+# resume). An 8B-shaped server takes ~2.5 min to start, so the scaled matrix spans several commands on the
+# GPU host (each limited to 10 minutes there): give every command the same OUT under /tmp on the host (it
+# stays while the host is held) with a few CONFIGS each -- e.g. nospec,all / upstream,varlen /
+# mask,varlen-nosat / varlen-nosts,varlen-startup -- and copy it to the command's output folder at its end.
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
 # vLLM's synthetic rejection sampler with a V4-Flash-like decay (conditional 0.8 ... 0.08 along the block).
