@@ -197,9 +197,13 @@ class _TraceStager:
 
     def close(self) -> None:
         """Write every staged step (oldest first) and close the file; safe to call more than once."""
-        for slot in (1 - self.slot, self.slot):
-            self._flush(slot)
-        self.writer.close()
+        try:
+            for slot in (1 - self.slot, self.slot):
+                self._flush(slot)
+        except RuntimeError as exc:  # at interpreter exit the CUDA context may already be gone
+            logger.warning("dspark: the last staged trace rows could not be written: %s", exc)
+        finally:
+            self.writer.close()
 
     def _flush(self, slot: int) -> None:
         meta = self.meta[slot]
