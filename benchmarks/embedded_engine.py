@@ -14,10 +14,13 @@ step costs, and losslessness must hold for any weights.
    requests: where a decode step's time goes, phase by phase (``EngineStats.phase_ms``), once without
    added syncs (host cost; device time shows up in the one D2H wait) and once with a sync per phase. The
    draft is random, so acceptance is ~0: this measures the engine's costs and the capacity manager backing
-   off (saturation), not speculative gains. About 2-3 minutes on an H200.
+   off (saturation), not speculative gains. About 2-3 minutes on an H200. ``--shape llama-3-8b`` times the
+   scaled setup instead (Llama-3-8B shape, the synthetic drafter's V4-Flash-like acceptance, its H200
+   curve): there the "plan" phase in host timing is the capacity manager's scheduling overhead under load.
 
     python benchmarks/embedded_engine.py --out benchmarks/results/embedded_engine   # CUDA: everything
     python benchmarks/embedded_engine.py --quick --out /tmp/embedded                  # CPU smoke run
+    python benchmarks/embedded_engine.py --shape llama-3-8b --out OUT                # scheduling overhead, 8B
 """
 
 from __future__ import annotations
@@ -137,7 +140,14 @@ def check_syncs(root: Path, device: str) -> dict[str, Any]:
 
 
 PHASES = ("prepare", "draft", "plan", "layout", "verify", "reject", "sync", "emit")
-H200_CURVE = Path(__file__).resolve().parent / "results" / "h200" / "profile_sps" / "smollm2.json"
+CURVES = Path(__file__).resolve().parent / "results" / "h200" / "profile_sps"
+# --shape: the served SmolLM2 pair (random weights, acceptance ~0), or the scaled setup of the H200 matrix
+# (a Llama-3-8B-shaped target with the synthetic drafter: realistic acceptance, so the capacity manager
+# plans real budgets and its share of the step -- the scheduling overhead -- is measured under load).
+SHAPES = {
+    "smollm2": ("random:smollm2-135m", "random:small:layers=4", CURVES / "smollm2.json"),
+    "llama-3-8b": ("random:llama-3-8b", "synthetic", CURVES / "llama3-8b.json"),
+}
 
 
 def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, prompt_len: int,
@@ -177,7 +187,7 @@ def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, promp
     )
 
 
-def time_steps(root: Path, device: str, quick: bool, out: Path) -> dict[str, Any]:
+def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "smollm2") -> dict[str, Any]:
     """Per-phase breakdown of decode steps: nospec / none / varlen at a low and a high concurrency.
 
     The shapes are the served configuration's (SmolLM2-135M target, a 4-layer draft of the same width,
@@ -189,13 +199,13 @@ def time_steps(root: Path, device: str, quick: bool, out: Path) -> dict[str, Any
         model, draft, k, max_seqs, concs, max_tokens, prompt_len = (
             "random:smollm2-135m:layers=2", "random:small:layers=1", 3, 8, [2, 8], 8, 16)
     else:
-        model, draft, k, max_seqs, concs, max_tokens, prompt_len = (
-            "random:smollm2-135m", "random:small:layers=4", 7, 256, [16, 256], 128, 128)
+        model, draft, _ = SHAPES[shape]
+        k, max_seqs, concs, max_tokens, prompt_len = 7, 256, [16, 256], 128, 128
     dtype = "bfloat16" if device == "cuda" else "float32"
     common = dict(model=model, device=device, dtype=dtype, max_num_seqs=max_seqs, max_model_len=1024)
     curve_path = out / "sps_curve.json"
-    if device == "cuda" and H200_CURVE.exists() and not quick:
-        curve_path.write_text(H200_CURVE.read_text())  # the profiled curve of exactly this shape (H200)
+    if device == "cuda" and SHAPES[shape][2].exists() and not quick:
+        curve_path.write_text(SHAPES[shape][2].read_text())  # the profiled curve of exactly this shape (H200)
     else:
         SpsCurve.from_points([(1, 1.0), (8, 1.1), (64, 2.0), (512, 6.0)], [(1, 0.5), (256, 1.0)], 0.2).save(curve_path)
     configs = [
@@ -265,6 +275,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2",
+                    help="served shape timed phase by phase (llama-3-8b: the scaled setup, synthetic drafter)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -277,7 +289,7 @@ def main() -> None:
         report["lossless"] = check_lossless(root, device, args.quick)
         if device == "cuda":
             report["syncs"] = check_syncs(root, device)
-        report["steps"] = time_steps(root, device, args.quick, args.out)
+        report["steps"] = time_steps(root, device, args.quick, args.out, args.shape)
     (args.out / "embedded_engine.json").write_text(json.dumps(report, indent=2))
 
     from rich.console import Console
