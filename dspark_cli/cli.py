@@ -163,7 +163,9 @@ def serve(
              "per request) and the reported confidence is miscalibrated (temp=0.5, noise=0.3); seed=N."),
     num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", "-k",
                                                       help="Drafted tokens per step (0 = no speculation)."),
-    capacity_mode: str | None = typer.Option(None, "--capacity-mode", help="none (default), mask or varlen; capacity settings alone imply varlen."),
+    capacity_mode: str | None = typer.Option(None, "--capacity-mode", help="none (default), mask or varlen; capacity settings alone imply varlen. "
+                                              "mask keeps the uniform batch: on a dense model it prunes only under "
+                                              "--budget-frac and otherwise pays through the saturation policy."),
     capacity_policy: str | None = typer.Option(None, "--capacity-policy", help="argmax (default), paper or threshold."),
     confidence_threshold: float | None = typer.Option(None, "--confidence-threshold",
                                                       help="Survival threshold in (0, 1] (threshold policy)."),
