@@ -376,15 +376,16 @@ def bench(
                 err_console.print(exc.log_tail, markup=False, highlight=False, style="dim")
             raise
     names = [k.name for k in spec.configs]
+    measured = cells
     if base_url is not None:
         # Servers benched one at a time into one folder make one table: every config measured there with
-        # this same workload joins it (the --label column last, so earlier columns keep their places).
+        # this same workload joins it, in the order the servers were benched.
         cells, names, concs = mx.same_workload_cells(results_dir, workload, label, concs, cells)
     per_cell = f"{waves} x concurrency" if waves is not None else f"{num_prompts}"
     title = f"dspark bench ({dataset}, {per_cell} prompts x {max_tokens} tokens, temperature {temperature:g})"
     json_path, md_path = report.write_summary(results_dir, cells, names, concs, title)
     console.print(report.to_rich(report.build_table(cells, names, concs), title))
-    failed = sum(int(c["metrics"].get("failed") or 0) for c in cells)
+    failed = sum(int(c["metrics"].get("failed") or 0) for c in measured)
     if failed:
         err_console.print(f"warning: {failed} requests failed; see 'errors' in the cell JSONs")
     written = [json_path, md_path]

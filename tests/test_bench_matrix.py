@@ -164,17 +164,26 @@ def test_waves_take_the_same_leading_prompts_for_every_config(tmp_path: Path) ->
 
 def test_servers_benched_one_by_one_into_one_folder_make_one_table(tmp_path: Path) -> None:
     """``dspark bench --base-url`` per server (vLLM configs each need their own server): the summary joins
-    every config of the folder measured with the same workload; another workload's cells stay out."""
+    every config of the folder measured with the same workload, in the order the servers were benched; another
+    workload's cells stay out, and a re-run at one concurrency keeps the label's other cells."""
     from dspark_cli.bench.matrix import load_cells, same_workload_cells
 
     work = {"num_prompts": 8, "max_tokens": 16}
-    _write(tmp_path, "nospec", 16, work)
-    _write(tmp_path, "all", 16, work)
-    _write(tmp_path, "all", 64, work)
-    _write(tmp_path, "upstream", 16, {"num_prompts": 8, "max_tokens": 32})  # other lengths: not comparable
-    mine = _write(tmp_path, "varlen", 16, work)
-    cells, names, concs = same_workload_cells(tmp_path, work, "varlen", [16], [load_cell(mine)])
-    assert names == ["all", "nospec", "varlen"] and concs == [16, 64]
+
+    def cell(config: str, c: int, at: str, workload: dict = work) -> dict:
+        path = atomic_write_json(cell_path(tmp_path, config, c), {
+            "dspark_bench_cell": CELL_FORMAT, "config": config, "concurrency": c, "metrics": {},
+            "workload": workload, "started_at": at})
+        return load_cell(path)
+
+    cell("zeta", 16, "2026-01-01T00:00:01")  # benched first, sorts last by name
+    cell("all", 16, "2026-01-01T00:00:02")
+    cell("all", 64, "2026-01-01T00:00:03")
+    cell("upstream", 16, "2026-01-01T00:00:04", {"num_prompts": 8, "max_tokens": 32})  # other lengths
+    cell("varlen", 64, "2026-01-01T00:00:05")
+    mine = cell("varlen", 16, "2026-01-01T00:00:06")  # this run: varlen again, at 16 only
+    cells, names, concs = same_workload_cells(tmp_path, work, "varlen", [16], [mine])
+    assert names == ["zeta", "all", "varlen"] and concs == [16, 64]
     assert sorted((c["config"], c["concurrency"]) for c in cells) == [
-        ("all", 16), ("all", 64), ("nospec", 16), ("varlen", 16)]
-    assert len(load_cells(tmp_path)) == 5
+        ("all", 16), ("all", 64), ("varlen", 16), ("varlen", 64), ("zeta", 16)]
+    assert len(load_cells(tmp_path)) == 6

@@ -146,14 +146,21 @@ def same_workload_cells(
 ) -> tuple[list[dict[str, Any]], list[str], list[int]]:
     """Every finished cell in ``results_dir`` measured with ``workload``, for one table across servers.
 
-    ``cells`` (this run's, config ``label``) come last; other configs keep their first-seen order, and the
-    concurrencies are the union. A cell with another workload (other prompts, lengths or sampling) is left
-    out: its numbers do not compare.
+    ``cells`` are this run's (config ``label``); the folder's other cells join them, including ``label``'s own
+    cells at other concurrencies. Configs are ordered by when their first cell started (so earlier servers
+    keep their columns) and the concurrencies are the union. A cell with another workload (other prompts,
+    lengths or sampling) is left out: its numbers do not compare.
     """
-    others = [c for c in load_cells(results_dir) if c.get("config") != label and c.get("workload") == workload]
+    mine = {(label, int(c["concurrency"])) for c in cells}
+    others = [c for c in load_cells(results_dir)
+              if c.get("workload") == workload and (c.get("config"), int(c["concurrency"])) not in mine]
     merged = others + list(cells)
-    names = list(dict.fromkeys(c["config"] for c in others)) + [label]
-    concs = sorted(set(concurrencies) | {int(c["concurrency"]) for c in others})
+    first: dict[str, str] = {}
+    for c in merged:
+        name, at = c["config"], str(c.get("started_at") or "")
+        first[name] = min(first.get(name, at), at)
+    names = sorted(first, key=first.__getitem__)
+    concs = sorted(set(concurrencies) | {int(c["concurrency"]) for c in merged})
     return merged, names, concs
 
 
