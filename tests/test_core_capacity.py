@@ -194,8 +194,16 @@ def test_mask_mode_prices_the_uniform_batch_so_it_never_trims_for_nothing() -> N
     assert mask.step_ms == pytest.approx(STAIR.step_cost_ms(16, 16 + 48))  # whatever it admits
     assert mask_low.step_ms == mask.step_ms
     assert skipping.budget == varlen.budget and skipping.step_ms == varlen.step_ms
-    # drafting that does not pay is still reported, so saturation can stop the draft pass in mask mode
-    assert not mask_low.pays or mask_low.theta_best > mask_low.theta_no_draft
+    # survival that adds (almost) nothing leaves Θ flat: a first maximum would still prune for nothing
+    tiny = np.concatenate([np.full((4, 4), 0.6), np.full((4, 4), 1e-18)])
+    for policy in ("argmax", "paper"):
+        d = choose_budget(tiny, np.full(8, 4), 8, 8, STAIR, CapacityConfig(mode="mask", policy=policy))
+        assert d.budget == 32, policy
+    capped = choose_budget(tiny, np.full(8, 4), 8, 8, STAIR, CapacityConfig(mode="mask", budget_frac=0.5))
+    assert capped.budget == 16  # the user's cap is what prunes a mask batch
+    # drafting that does not pay is reported as such, so saturation can stop the draft pass in mask mode
+    hopeless = choose_budget(np.full((16, 3), 1e-6), nd, 16, 16, STAIR, CapacityConfig(mode="mask"))
+    assert not hopeless.pays and hopeless.theta_best < hopeless.theta_no_draft
 
 
 def test_mode_none_verifies_every_draft() -> None:

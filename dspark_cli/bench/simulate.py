@@ -383,7 +383,7 @@ def _run_manager(
     slots = torch.from_numpy(slots_np)
     nd_np = np.full(r, k, dtype=np.int64)
     nd = torch.from_numpy(nd_np)
-    uniform = cfg.mode == "mask"
+    uniform = cfg.mode == "mask" and not cfg.mask_pruning_saves  # priced as the manager prices it
     no_draft_ms = float(curve.step_cost_ms(r, r, drafting=False))
     zeros = np.zeros(r, dtype=np.int64)
     for t in range(s):

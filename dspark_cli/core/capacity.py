@@ -18,7 +18,8 @@ The split follows the paper's production scheduler (§5.2) and vLLM's adaptive v
 pruned slot into a padding row: a dense model computes that row anyway, so pruning saves nothing and loses
 the draft's chance of acceptance -- the seed's "mask loses everywhere". Unless the engine skips padding
 rows (``mask_pruning_saves``: vLLM's MoE layers with ``VLLM_MOE_SKIP_PADDING``), the budget is priced at
-the full batch's cost, so mask verifies every draft and pays only through the saturation policy.
+the full batch's cost and set to every draft under the cap (``budget_frac``; the explicit threshold policy
+still prunes as told), so mask pays only through the saturation policy.
 
 ``schedule_paper`` is the paper's Algorithm 1 (greedy with early stop on fresh values), kept for the
 simulator and as an option; ``SaturationPolicy`` stops paying for the draft pass when verification
@@ -245,6 +246,10 @@ def choose_budget(
         cap = min(total, int(math.floor(cfg.budget_frac * total + 1e-9)))
         if cfg.policy == "threshold":
             budget = min(cap, int((vals >= cfg.threshold).sum()))
+        elif cfg.mode == "mask" and not cfg.mask_pruning_saves:
+            # Every budget costs the uniform batch: Θ is flat wherever survival adds ~nothing, and a first
+            # maximum (or the paper's early stop) there would prune rows that are computed anyway.
+            budget = cap
         elif cfg.policy == "paper":
             # Early stop along the sorted stale survivals: the first n whose Θ does not beat Θ(n-1) ends it.
             worse = np.flatnonzero(theta[1 : cap + 1] <= theta[:cap])
