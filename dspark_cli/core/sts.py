@@ -33,11 +33,12 @@ probability it gave its own token, which is small for flat distributions even wh
 accepted, and a weightless draft against vLLM's synthetic acceptance gives ~1/vocabulary for every token
 while 80% of first drafts pass. With ``T`` alone (grid top 20) the calibrated first position then stays
 below 0.37 against a true 0.8, and the manager verified a fifth of what paid (a replay of such traces
-under the Llama-3-8B H200 curve: 34% below verify-all at 16 requests). So each refit also tries, for every
-grid ``T``, the shift that matches the position's calibrated mean to its hit rate (calibration in the
-large, by bisection), and keeps whichever candidate has the lower ECE -- ties prefer no shift, then
-``T`` nearest 1, so a head that temperature scaling already calibrates keeps ``b = 0`` and the order of
-confidences (their AUC) never changes. The offline fit stays the paper's temperature-only STS.
+under the Llama-3-8B H200 curve: 34% below verify-all at 16 requests). So after each refit has chosen
+``T`` (ECE, as before), it checks calibration in the large: when the position's mean calibrated
+probability misses its hit rate by more than noise (three binomial standard deviations, at least 0.02),
+it adds the shift that closes the gap (by bisection). A head that temperature scaling already calibrates
+keeps ``b = 0`` -- a free shift chosen by the same counts' ECE would chase noise and detune it -- and the
+order of confidences (their AUC) never changes. The offline fit stays the paper's temperature-only STS.
 """
 
 from __future__ import annotations
@@ -282,6 +283,7 @@ def _logit_t(conf: torch.Tensor) -> torch.Tensor:
 
 
 MAX_SHIFT = 12.0  # |b| bound: the logit range the counters bin; a hit rate of 0 or 1 has no finite shift
+MIN_SHIFT_GAP = 0.02  # a calibration-in-the-large miss smaller than this is never worth a shift
 BISECTION_STEPS = 16  # 24 / 2**16 of a logit: far below what an ECE bin can tell apart
 
 
@@ -330,10 +332,10 @@ class OnlineSTS:
     (``log T = (n log T_fit + w log T_prior) / (n + w)``, so a position with little data stays at its
     prior; without ``initial_temperatures`` a position's prior is its predecessor's fit, and a position
     with no data at all copies the last one with some), and writes ``temperatures`` in place -- captured
-    graphs hold its address. ``offsets`` (the logit shift ``b_k``, 0 unless it lowers the ECE, re-solved
-    against the hit rate blended with the same pseudo-trials) is refitted and written the same way; why it
-    exists, and the conditional per-position objective (vs the offline cumulative one), are explained in
-    the module docstring.
+    graphs hold its address. ``offsets`` (the logit shift ``b_k``: 0 unless ``T`` alone misses the hit
+    rate blended with the same pseudo-trials) is refitted and written the same way; why it exists, and the
+    conditional per-position objective (vs the offline cumulative one), are explained in the module
+    docstring.
     """
 
     def __init__(
@@ -426,59 +428,63 @@ class OnlineSTS:
     def refit(self) -> torch.Tensor:
         """Refit every position's temperature (and shift) from the counters; write both in place."""
         trials, hits = self.trials, self.hits
-        mean_logit = torch.where(trials > 0, self.logit_sum / trials.clamp_min(1e-12), self._centres.unsqueeze(0))
-        z = mean_logit.unsqueeze(0) / self.grid.view(-1, 1, 1)  # [G, K, bins]
-        shifts = torch.zeros_like(z[:, :, :1])  # [G, K, 1]: candidate set 1, no shift
-        if self.fit_offsets:
-            shifts = torch.cat([shifts, _mean_matching_shift(z, trials, hits.sum(dim=1).view(1, -1, 1))], dim=0)
-            z = torch.cat([z, z], dim=0)
-        p = torch.sigmoid(z + shifts)  # [C, K, bins]
-        ebin = (p * self.ece_bins).long().clamp(0, self.ece_bins - 1)
-        onehot = torch.nn.functional.one_hot(ebin, self.ece_bins).float()  # [C, K, bins, E]
-        diff = (trials.unsqueeze(0) * p - hits.unsqueeze(0)).unsqueeze(-1) * onehot
         total = trials.sum(dim=1)  # [K]
-        ece_c = diff.sum(dim=2).abs().sum(dim=-1) / total.clamp_min(1e-12).unsqueeze(0)  # [C, K]
-        # First minimum: unshifted candidates come first, each set ordered by closeness to T = 1.
-        best = torch.argmin(ece_c, dim=0)
-        g = self.grid.numel()
-        t_fit = self.grid[best % g]
-        shifted = best >= g
+        hit_sum = hits.sum(dim=1)
+        mean_logit = torch.where(trials > 0, self.logit_sum / trials.clamp_min(1e-12), self._centres.unsqueeze(0))
+        ece_g = self._ece(mean_logit.unsqueeze(0) / self.grid.view(-1, 1, 1))  # [G, K]
+        t_fit = self.grid[torch.argmin(ece_g, dim=0)]  # first minimum: the grid is ordered by closeness to T = 1
         w = self.prior_weight
-        # Prior of each position: the given temperature (or, without one, the predecessor's current fit) and
-        # the predecessor's current shift (none for the first). Inheriting matters because verification is
-        # censored: a position the manager never verifies gets no trials, so it would keep a prior that says
-        # "never verify me" (a head with tiny raw confidences) and never be tested. Starting from its
-        # predecessor's calibration, it is verified when that predicts it pays, and then learns its own. The
-        # current buffers (not this refit's results) keep the refit one fixed-shape pass over all positions.
+        # Prior of each position: the given temperature or -- without one -- the predecessor's current fit
+        # (temperature and shift). Inheriting matters because verification is censored: a position the
+        # manager never verifies gets no trials, so it would keep a prior that says "never verify me" (a
+        # head with tiny raw confidences) and never be tested. Starting from its predecessor's calibration,
+        # it is verified when that predicts it pays, and then learns its own. The current buffers (not this
+        # refit's results) keep the refit one fixed-shape pass over all positions.
         zero = torch.zeros(1, dtype=torch.float32, device=self.device)
-        prev_t = torch.cat([self.prior[:1], self.temperatures[:-1]])
-        t0 = prev_t if self.inherit_prior else self.prior
-        b0 = torch.cat([zero, self.offsets[:-1]])
+        if self.inherit_prior:
+            t0 = torch.cat([self.prior[:1], self.temperatures[:-1]])
+            b0 = torch.cat([zero, self.offsets[:-1]])
+        else:
+            t0, b0 = self.prior, torch.zeros_like(self.prior)
         log_t = (total * torch.log(t_fit) + w * torch.log(t0)) / (total + w).clamp_min(1e-12)
         new_t = torch.where(total > 0, torch.exp(log_t), t0)
-        new_b = torch.where(total > 0, zero, b0)
+        new_b = torch.where(total > 0, torch.zeros_like(b0), b0)
         if self.fit_offsets:
-            # The shift is re-solved at the blended T (a shift fitted for one T means nothing at another)
-            # against the blended hit rate: the hits plus w pseudo-trials at the prior's own rate here.
-            prior_p = torch.sigmoid(mean_logit / t0.unsqueeze(1) + b0.unsqueeze(1))
-            prior_rate = (trials * prior_p).sum(dim=1) / total.clamp_min(1e-12)
-            target = (hits.sum(dim=1) + w * prior_rate) / (total + w).clamp_min(1e-12) * total
-            shift = _mean_matching_shift((mean_logit / new_t.unsqueeze(1)).unsqueeze(0), trials,
-                                         target.view(1, -1, 1)).view(-1)
-            new_b = torch.where((total > 0) & (shifted | (b0 != 0)), shift, new_b)
-        # A position with no outcomes at all takes the calibration of the last position before it that has
-        # some, in this same refit (the buffers above would move it one position per refit).
-        pos = torch.arange(self.k, device=self.device)
-        last = torch.cummax(torch.where(total > 0, pos, torch.full_like(pos, -1)), dim=0).values
-        fill = (total <= 0) & (last >= 0)
-        src = last.clamp_min(0)
-        new_b = torch.where(fill, new_b[src], new_b)
+            # The hit rate the calibration must reproduce: the hits plus w pseudo-trials at the prior's own
+            # rate on these logits. A shift is used only when the blended temperature alone misses it by
+            # more than noise (calibration in the large): one more free parameter fitted to the same counts
+            # would otherwise chase noise and detune heads that temperature scaling already calibrates.
+            z = mean_logit / new_t.unsqueeze(1)
+            prior_rate = (trials * torch.sigmoid(mean_logit / t0.unsqueeze(1) + b0.unsqueeze(1))).sum(dim=1)
+            rate = (hit_sum + w * prior_rate / total.clamp_min(1e-12)) / (total + w).clamp_min(1e-12)
+            unshifted = (trials * torch.sigmoid(z)).sum(dim=1) / total.clamp_min(1e-12)
+            noise = 3.0 * torch.sqrt(rate * (1.0 - rate) / (total + w).clamp_min(1.0))
+            needed = (total > 0) & ((unshifted - rate).abs() > torch.clamp(noise, min=MIN_SHIFT_GAP))
+            shift = _mean_matching_shift(z.unsqueeze(0), trials, (rate * total).view(1, -1, 1)).view(-1)
+            new_b = torch.where(needed, shift, new_b)
+        # A position with no outcomes at all takes the calibration (temperature and shift together) of the
+        # last position before it that has some, in this same refit -- when there is no per-position prior.
         if self.inherit_prior:
+            pos = torch.arange(self.k, device=self.device)
+            last = torch.cummax(torch.where(total > 0, pos, torch.full_like(pos, -1)), dim=0).values
+            fill = (total <= 0) & (last >= 0)
+            src = last.clamp_min(0)
             new_t = torch.where(fill, new_t[src], new_t)
-        self.last_ece.copy_(ece_c.gather(0, best.unsqueeze(0)).squeeze(0))
+            new_b = torch.where(fill, new_b[src], new_b)
+        final = self._ece((mean_logit / new_t.unsqueeze(1) + new_b.unsqueeze(1)).unsqueeze(0))[0]
+        self.last_ece.copy_(final)
         self.temperatures.copy_(new_t)
         self.offsets.copy_(new_b)
         return self.temperatures
+
+    def _ece(self, z: torch.Tensor) -> torch.Tensor:
+        """Trial-weighted ECE of ``sigmoid(z)`` per candidate and position (``z[C, K, bins]`` -> ``[C, K]``)."""
+        p = torch.sigmoid(z)
+        ebin = (p * self.ece_bins).long().clamp(0, self.ece_bins - 1)
+        onehot = torch.nn.functional.one_hot(ebin, self.ece_bins).float()  # [C, K, bins, E]
+        diff = (self.trials.unsqueeze(0) * p - self.hits.unsqueeze(0)).unsqueeze(-1) * onehot
+        total = self.trials.sum(dim=1)
+        return diff.sum(dim=2).abs().sum(dim=-1) / total.clamp_min(1e-12).unsqueeze(0)
 
     def step(self) -> bool:
         """Count a step; refit every ``refit_interval`` steps. Returns whether it refitted.

@@ -198,7 +198,7 @@ class _TraceStager:
     def close(self) -> None:
         """Write every staged step (oldest first) and close the file; safe to call more than once."""
         try:
-            for slot in (1 - self.slot, self.slot):
+            for slot in (self.slot, 1 - self.slot):  # stage() fills self.slot, then flips: this is oldest first
                 self._flush(slot)
         except RuntimeError as exc:  # at interpreter exit the CUDA context may already be gone
             logger.warning("dspark: the last staged trace rows could not be written: %s", exc)
@@ -404,7 +404,8 @@ def build_manager_class(base: type) -> type:
             self._moe_skip = bool(envs.VLLM_MOE_SKIP_PADDING)
             # Mask mode saves compute by pruning only where padding rows are skipped: MoE layers under
             # VLLM_MOE_SKIP_PADDING. Elsewhere the core prices the uniform batch whole (core.capacity).
-            moe = bool(getattr(getattr(vllm_config, "model_config", None), "is_moe", False))
+            is_moe = getattr(getattr(vllm_config, "model_config", None), "is_moe", False)
+            moe = bool(is_moe() if callable(is_moe) else is_moe)  # a property in vLLM 0.33
             self.cfg = dataclasses.replace(self.cfg, mask_pruning_saves=self._moe_skip and moe)
             logger.info("dspark: adaptive verification by dspark (mode=%s, policy=%s, curve=%s, sts=%s)",
                         mode, self.cfg.policy, "start-up profile" if self._user_curve is None else "user",
