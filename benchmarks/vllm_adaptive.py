@@ -41,6 +41,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dspark_cli.bench.matrix import cell_path, load_cell  # noqa: E402
+from dspark_cli.bench.report import numbers  # noqa: E402
 from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET  # noqa: E402
 from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
 
@@ -119,11 +121,12 @@ def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str,
     print(run.stdout, flush=True)
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
-        cell = json.loads((out / "cells" / f"{name}__c{c}.json").read_text())
-        m, sd = cell["metrics"], cell.get("spec_decode") or {}
-        rows.append({"config": name, "concurrency": c, "output_tok_s": m.get("output_tok_s"),
-                     "mean_itl_ms": (m.get("itl_ms") or {}).get("mean"),
-                     "acceptance_length": sd.get("acceptance_length"), "completed": m.get("completed")})
+        cell = load_cell(cell_path(out, name, c))
+        if cell is None:
+            raise RuntimeError(f"dspark bench wrote no cell for {name} c={c}")
+        n = numbers(cell, None)
+        rows.append({"config": name, "concurrency": c, "output_tok_s": n.output_tok_s, "mean_itl_ms": n.mean_itl_ms,
+                     "acceptance_length": n.acceptance_length, "completed": cell["metrics"].get("completed")})
     return rows
 
 

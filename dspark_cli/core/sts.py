@@ -455,8 +455,8 @@ class OnlineSTS:
             # more than noise (calibration in the large): one more free parameter fitted to the same counts
             # would otherwise chase noise and detune heads that temperature scaling already calibrates.
             z = mean_logit / new_t.unsqueeze(1)
-            prior_rate = (trials * torch.sigmoid(mean_logit / t0.unsqueeze(1) + b0.unsqueeze(1))).sum(dim=1)
-            rate = (hit_sum + w * prior_rate / total.clamp_min(1e-12)) / (total + w).clamp_min(1e-12)
+            prior_hits = (trials * torch.sigmoid(mean_logit / t0.unsqueeze(1) + b0.unsqueeze(1))).sum(dim=1)
+            rate = (hit_sum + w * prior_hits / total.clamp_min(1e-12)) / (total + w).clamp_min(1e-12)
             unshifted = (trials * torch.sigmoid(z)).sum(dim=1) / total.clamp_min(1e-12)
             noise = 3.0 * torch.sqrt(rate * (1.0 - rate) / (total + w).clamp_min(1.0))
             needed = (total > 0) & ((unshifted - rate).abs() > torch.clamp(noise, min=MIN_SHIFT_GAP))
