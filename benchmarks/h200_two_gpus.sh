@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The embedded-engine measurements of issues 7 and 8 on a two-GPU H200 host, as two background queues, one
+# per GPU, so that each device command returns at once and later commands can bring files in (the SmolLM2
+# parts, the vLLM wheels) while the GPUs work. Every queue runs on its own GPU; the matrices compare configs
+# within one queue, so the other queue's load is common to all of its cells.
+#
+#   bash benchmarks/h200_two_gpus.sh start ROOT       # copy the repo to ROOT/repo, start both queues
+#   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
+#   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
+#
+# GPU 0: the scaled matrix (h200_matrix.sh scaled), then the scheduling-overhead breakdown of the scaled
+#        setup (embedded_engine.py --shape llama-3-8b).
+# GPU 1: the core re-check (h200_suite.sh core), then -- once /tmp/smol/ready exists (the three SmolLM2
+#        parts copied in, see h200_matrix.sh) -- the real matrix at c=1 (issue 7's proof) and 16..256, then GSM8K.
+# ROOT should live under /tmp on the host: it stays while the host is held. The queues run in their own
+# process sessions (setsid), so they outlive the command that started them. Env: the matrices' (CONC, WAVES,
+# TOK, DEVICE, SCALED_MODEL, GSM8K_LIMIT: see h200_matrix.sh), REAL_CONC (1,16,32,64,128,256) and
+# OVERHEAD_ARGS (--shape llama-3-8b).
+set -uo pipefail
+ACTION=${1:?usage: h200_two_gpus.sh start|status|collect ROOT [DEST]}
+ROOT=${2:?usage: h200_two_gpus.sh start|status|collect ROOT [DEST]}
+
+queue0() {
+  cd "$ROOT/repo" || exit 1
+  export CUDA_VISIBLE_DEVICES=0 DSPARK_CACHE_DIR=/tmp/dcache0
+  echo "[$(date +%T)] scaled matrix"
+  bash benchmarks/h200_matrix.sh "$ROOT" scaled
+  echo "[$(date +%T)] scheduling overhead (llama-3-8b)"
+  # shellcheck disable=SC2086
+  PYTHONPATH=/tmp/dspark-site:$PWD python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b} \
+    --out "$ROOT/overhead"
+  echo "[$(date +%T)] queue 0 done"
+}
+
+queue1() {
+  cd "$ROOT/repo" || exit 1
+  export CUDA_VISIBLE_DEVICES=1 DSPARK_CACHE_DIR=/tmp/dcache1
+  echo "[$(date +%T)] core re-check"
+  bash benchmarks/h200_suite.sh "$ROOT/core" core
+  echo "[$(date +%T)] waiting for /tmp/smol/ready"
+  while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done
+  echo "[$(date +%T)] real matrix"
+  CONC=${REAL_CONC:-1,16,32,64,128,256} bash benchmarks/h200_matrix.sh "$ROOT" real
+  echo "[$(date +%T)] gsm8k"
+  bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
+  echo "[$(date +%T)] queue 1 done"
+}
+
+case $ACTION in
+  start)
+    mkdir -p "$ROOT"
+    # A copy, so that a later command re-sending the working tree cannot change files under a running queue.
+    rm -rf "$ROOT/repo" && mkdir -p "$ROOT/repo"
+    tar --exclude=./.carry --exclude=./.vstage --exclude=./.git --exclude=./.whl -cf - . | tar -xf - -C "$ROOT/repo"
+    # The host lacks orjson and gguf: installed once here (the queues' scripts would race installing them).
+    if compgen -G ".whl/*.whl" >/dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl >/dev/null 2>&1
+    fi
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$ROOT/machine.txt"
+    for q in 0 1; do
+      [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
+      ROOT=$ROOT setsid bash -c "$(declare -f queue$q); queue$q" >"$ROOT/queue$q.log" 2>&1 </dev/null &
+      echo $! >"$ROOT/queue$q.pid"
+      echo "queue $q started (pid $!)"
+    done ;;
+  status)
+    for q in 0 1; do
+      state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
+      echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"
+      tail -c 1500 "$ROOT/queue$q.log" | tail -6
+    done
+    nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader ;;
+  collect)
+    DEST=${3:?usage: h200_two_gpus.sh collect ROOT DEST}
+    mkdir -p "$DEST"
+    tar -C "$ROOT" --exclude=./repo --exclude='*.pid' -czf "$DEST/results.tgz" . && ls -la "$DEST" ;;
+  *) echo "unknown action $ACTION (start|status|collect)" >&2; exit 2 ;;
+esac
