@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,77 @@ def test_profiler_is_called_by_name_through_a_worker_extension() -> None:
              if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "collective_rpc"]
     assert calls and all(isinstance(c.args[0], ast.Constant) and c.args[0].value == "dspark_profile_sps"
                          for c in calls)
+
+
+@dataclass
+class _Sample:  # the fields of vLLM 0.33's StepTimingSample that the profiler reads
+    forward_ms: float
+    drafter_ms: float
+    num_target_tokens: int
+    num_reqs: int
+    full_cudagraph: bool
+
+
+def test_profiler_summary_takes_medians_and_prices_the_draft_from_full_graph_steps() -> None:
+    from dspark_cli.engines.vllm.profile import summarize_steps
+
+    # a dummy step of n tokens runs min(n, max_num_reqs) requests
+    samples = [_Sample(1.0, 0.5, 8, 8, True), _Sample(1.2, 0.5, 8, 8, True), _Sample(1.1, 0.6, 8, 8, True),
+               _Sample(2.0, 0.8, 64, 64, True), _Sample(2.2, 0.8, 64, 64, True),
+               # an eager target step at 64 requests: its drafter time is inflated and must not count
+               _Sample(9.0, 5.0, 1024, 64, False)]
+    walls = {8: [2.0, 2.1, 1.9], 64: [3.5, 3.6], 1024: [12.0]}
+    out = summarize_steps(samples, walls, captured=[8, 64], max_num_reqs=64)
+    assert out["verify_ms"] == [(8, 1.1), (64, 2.1), (1024, 9.0)]
+    assert out["draft_ms"] == [(8, 0.5), (64, 0.8)]
+    # overhead at the captured sizes: wall - forward - draft = 2.0 - 1.1 - 0.5 and 3.55 - 2.1 - 0.8
+    assert out["overhead_ms"] == pytest.approx((0.4 + 0.65) / 2)
+    assert out["capture_sizes"] == [8, 64] and "FULL-graph" in out["draft_source"]
+    eager_only = summarize_steps([_Sample(9.0, 5.0, 1024, 64, False)], {1024: [12.0]}, [], 64)
+    assert eager_only["draft_ms"] == [(64, 5.0)] and eager_only["overhead_ms"] == 0.0
+
+
+def test_profiler_times_dummy_steps_and_never_replays_a_captured_graph_by_hand() -> None:
+    """A FULL graph replayed on its own reads the metadata of whatever batch ran last: on the H200 the
+    profiler's hand replays died with an illegal memory access. Every timing must come from a dummy step,
+    which stages its own metadata first."""
+    from collections import namedtuple
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from dspark_cli.engines.vllm.profile import profile_worker
+
+    class _Graph:
+        def replay(self) -> None:
+            raise AssertionError("a captured graph was replayed by hand")
+
+    collected: list[_Sample] = []
+
+    @contextmanager
+    def collect():  # type: ignore[no-untyped-def]
+        collected.clear()
+        yield collected
+
+    runs: list[tuple[int, bool]] = []
+
+    def dummy_run(n: int, uniform_decode: bool = False, context_len: int = 0) -> None:
+        runs.append((n, uniform_decode))
+        reqs = n // 8 if uniform_decode else min(n, 4)
+        collected.append(_Sample(0.01 * n, 0.2, n, reqs, n <= 16))
+
+    def runner(varlen: bool) -> SimpleNamespace:
+        graphs = {namedtuple("Desc", "num_tokens")(n): _Graph() for n in (16, 8)}
+        return SimpleNamespace(
+            cudagraph_manager=SimpleNamespace(graphs=graphs, varlen_decode=varlen), decode_query_len=8,
+            max_num_tokens=64, max_num_reqs=4, step_timing=SimpleNamespace(collect=collect), _dummy_run=dummy_run)
+
+    out = profile_worker(SimpleNamespace(model_runner=runner(varlen=True)), replays=3, warmup=1)
+    assert sorted({n for n, _ in runs}) == [8, 16, 24, 32, 64]  # captured, then 1.5x and doublings to the cap
+    assert runs.count((8, False)) == 1 + 3 and not any(u for _, u in runs)
+    assert [n for n, _ in out["verify_ms"]] == [8, 16, 24, 32, 64]
+    assert out["draft_ms"] == [(4, 0.2)] and out["capture_sizes"] == [8, 16]
+    # mask mode: uniform decode graphs are reached only by uniform decode dummy steps
+    runs.clear()
+    out = profile_worker(SimpleNamespace(model_runner=runner(varlen=False)), replays=2, warmup=0)
+    assert {n for n, u in runs if u} == {8, 16} and {n for n, u in runs if not u} == {24, 32, 64}
+    assert out["draft_ms"] == [(1, 0.2), (2, 0.2)]

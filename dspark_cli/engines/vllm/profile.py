@@ -2,11 +2,10 @@
 
 The engine is built with the *same* flags as ``dspark serve --engine vllm`` (so the captured graphs are the ones
 serving will replay: varlen decode graphs for varlen, uniform ones for mask). Then, in every worker
-(``LLM.collective_rpc``, by name: :class:`SpsProfileExtension` is vLLM's worker extension), each captured FULL
-target graph and each draft graph is replayed and timed with CUDA events (median of ``--replays``); sizes above
-the capture limit, and drafters that run eagerly (vLLM 0.33's ``draft_model``), are timed from whole dummy steps
-with vLLM's own step timing (forward and drafter parts); the fixed per-step overhead is a dummy step's wall time
-minus both. Rank 0's numbers become ``sps_curve.json`` (``core.sps.SpsCurve``).
+(``LLM.collective_rpc``, by name: :class:`SpsProfileExtension` is vLLM's worker extension), whole dummy steps
+run at every captured size (where they replay the FULL graphs) and at sizes above the capture limit, timed by
+vLLM's own step timing (forward and drafter parts, CUDA events; medians of ``--replays``); the fixed per-step
+overhead is a dummy step's wall time minus both. Rank 0's numbers become ``sps_curve.json`` (``core.sps.SpsCurve``).
 
 Command line: ``python -m dspark_cli.engines.vllm.profile MODEL [vllm serve flags] [--output F]
 [--replays N] [--warmup N]`` -- :func:`build_profile_command` writes it from ``dspark profile-sps`` args.
@@ -81,23 +80,6 @@ def run_vllm_profile(argv: list[str], *, dry_run: bool) -> int:
 # ---------------------------------------------------------------------------------------------- in the workers
 
 
-def _time_replays(replay: Any, replays: int, warmup: int) -> float:
-    import numpy as np
-    import torch
-
-    for _ in range(warmup):
-        replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
-
-
 def tail_sizes(capture_sizes: list[int], max_tokens: int) -> list[int]:
     """Verify sizes above the capture limit worth pricing: 1.5x the limit, then doubling to ``max_tokens``.
 
@@ -126,74 +108,93 @@ class SpsProfileExtension:
         return profile_worker(self, replays, warmup)
 
 
-def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 4096) -> dict[str, Any]:
-    """Runs inside each vLLM worker: the verify and draft cost per size, and the fixed per-step overhead.
+def summarize_steps(
+    samples: list[Any], walls: dict[int, list[float]], captured: list[int], max_num_reqs: int
+) -> dict[str, Any]:
+    """The curve's three parts from timed dummy steps (vLLM ``StepTimingSample`` records and wall times).
 
-    * verify: each captured FULL target graph replayed on its own (CUDA events, median); sizes above the
-      capture limit from whole dummy steps (vLLM's own step timing: the forward part);
-    * draft: each captured draft graph replayed, or -- for speculators that draft eagerly (``draft_model``
-      in vLLM 0.33) -- the drafter part of whole dummy steps, per request count;
-    * overhead: a whole dummy step's wall time minus its forward and drafter parts.
+    * verify: the median forward time per target-token count (graph replays at captured sizes, piecewise or
+      eager steps above them);
+    * draft: the median drafter time per request count, from steps whose target ran as a FULL graph when
+      there are any -- an eager target step leaves the CPU launching kernels while the drafter's events
+      run, which inflates the drafter's time (vLLM's own start-up profile filters the same way);
+    * overhead: a step's wall time minus its forward and drafter parts, at the smallest captured sizes
+      (where the forward is cheapest and the fixed cost shows most).
     """
     import numpy as np
-    import torch
 
-    runner = worker.model_runner
-    verify: dict[int, list[float]] = {}
-    for desc, graph in list(runner.cudagraph_manager.graphs.items()):
-        if getattr(desc, "num_active_loras", 0) or getattr(desc, "num_ubatches", 1) != 1:
-            continue
-        verify.setdefault(int(desc.num_tokens), []).append(_time_replays(graph.replay, replays, warmup))
-    captured = sorted(verify)
-    draft: dict[int, list[float]] = {}
-    spec = runner.speculator
-    manager = getattr(spec, "query_cudagraph_manager", None) or getattr(spec, "cudagraph_manager", None)
-    for desc, graph in list(getattr(manager, "graphs", {}).items()):
-        draft.setdefault(int(desc.num_reqs or desc.num_tokens), []).append(_time_replays(graph.replay, replays, warmup))
-    draft_from_graphs = bool(draft)
-
-    # Whole dummy steps at every captured size and the tail: forward / drafter split and wall time.
-    sizes = captured + tail_sizes(captured, int(runner.max_num_tokens))
-    walls: dict[int, list[float]] = {}
-    for n in sizes:  # warm-up (and the tail's first compiles) outside the timed block
-        for _ in range(warmup):
-            runner._dummy_run(n, context_len=context_len)
-    with runner.step_timing.collect() as samples:
-        for n in sizes:
-            for _ in range(max(3, replays // 2)):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                runner._dummy_run(n, context_len=context_len)
-                torch.cuda.synchronize()
-                walls.setdefault(n, []).append((time.perf_counter() - t0) * 1000.0)
     forward: dict[int, list[float]] = {}
-    drafter: dict[int, list[float]] = {}
+    drafter_full: dict[int, list[float]] = {}
+    drafter_any: dict[int, list[float]] = {}
     for smp in samples:
         forward.setdefault(int(smp.num_target_tokens), []).append(float(smp.forward_ms))
         if smp.drafter_ms > 0:
-            drafter.setdefault(int(smp.num_reqs), []).append(float(smp.drafter_ms))
-    for n in sizes:
-        if n not in verify and n in forward:
-            verify[n] = [float(np.median(forward[n]))]
-    if not draft_from_graphs:
-        draft = {r: [float(np.median(v))] for r, v in drafter.items()}
-    verify_ms = sorted((k, float(np.median(v))) for k, v in verify.items())
-    draft_ms = sorted((k, float(np.median(v))) for k, v in draft.items())
+            drafter_any.setdefault(int(smp.num_reqs), []).append(float(smp.drafter_ms))
+            if getattr(smp, "full_cudagraph", False):
+                drafter_full.setdefault(int(smp.num_reqs), []).append(float(smp.drafter_ms))
+    drafter = drafter_full or drafter_any
     fwd_med = {n: float(np.median(v)) for n, v in forward.items()}
     drf_med = {r: float(np.median(v)) for r, v in drafter.items()}
     overheads = []
     for n in captured[: min(3, len(captured))]:
         if n in walls and n in fwd_med:
-            reqs = min(n, runner.max_num_reqs)
-            overheads.append(float(np.median(walls[n])) - fwd_med[n] - drf_med.get(reqs, 0.0))
+            overheads.append(float(np.median(walls[n])) - fwd_med[n] - drf_med.get(min(n, max_num_reqs), 0.0))
     return {
-        "verify_ms": verify_ms,
-        "draft_ms": draft_ms,
+        "verify_ms": sorted(fwd_med.items()),
+        "draft_ms": sorted(drf_med.items()),
         "overhead_ms": max(0.0, float(np.median(overheads))) if overheads else 0.0,
         "capture_sizes": captured,
-        "draft_source": "graph replays" if draft_from_graphs else "dummy steps (eager drafter)",
-        "device": torch.cuda.get_device_name(),
+        "draft_source": "dummy steps, FULL-graph target" if drafter_full else "dummy steps (eager target)",
     }
+
+
+def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 4096) -> dict[str, Any]:
+    """Runs inside each vLLM worker: whole dummy steps at every captured size and above, timed by vLLM.
+
+    A captured FULL graph is never replayed on its own: it reads the attention metadata staged for the last
+    batch that ran, and a replay over another batch's buffers reads out of bounds (an illegal memory access
+    on the H200). ``_dummy_run`` stages each size's metadata the way vLLM's own start-up profile does and
+    then replays the graph, so the forward time of a dummy step at a captured size is the graph replay.
+    """
+    import torch
+
+    runner = worker.model_runner
+    captured = sorted({
+        int(desc.num_tokens)
+        for desc in runner.cudagraph_manager.graphs
+        if not getattr(desc, "num_active_loras", 0) and getattr(desc, "num_ubatches", 1) == 1
+    })
+    sizes = captured + tail_sizes(captured, int(runner.max_num_tokens))
+    # Varlen graphs take a dummy step of n tokens as it comes (min(n, max_num_reqs) requests); mask mode's
+    # FULL_DECODE_ONLY graphs are keyed by a uniform 1 + k tokens per request, so a plain dummy step would
+    # run eagerly beside them: ask for a uniform decode batch at their sizes.
+    uniform = not getattr(runner.cudagraph_manager, "varlen_decode", True)
+    query_len = int(getattr(runner, "decode_query_len", 1) or 1)
+
+    def step(n: int) -> None:
+        if uniform and n in captured and n % query_len == 0:
+            runner._dummy_run(n, uniform_decode=True, context_len=context_len)
+        else:
+            runner._dummy_run(n, context_len=context_len)
+
+    for n in sizes:  # warm-up (and the tail's first compiles) outside the timed block
+        for _ in range(warmup):
+            step(n)
+    cuda = torch.cuda.is_available()  # always in a vLLM worker; the CPU tests drive a stand-in runner
+    walls: dict[int, list[float]] = {}
+    with runner.step_timing.collect() as samples:
+        for n in sizes:
+            for _ in range(replays):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(n)
+                if cuda:
+                    torch.cuda.synchronize()
+                walls.setdefault(n, []).append((time.perf_counter() - t0) * 1000.0)
+    out = summarize_steps(list(samples), walls, captured, int(runner.max_num_reqs))
+    out["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         meta={"engine": "vllm", "model": args.model, "device": r0["device"], "draft_source": r0["draft_source"],
               "k": getattr(spec, "num_speculative_tokens", None),
               "tensor_parallel_size": args.tensor_parallel_size, "command": shlex.join(sys.argv)},
-        source="vLLM graph replays",
+        source="vLLM dummy steps (FULL graphs at captured sizes)",
     )
     out = ours.get("--output", PROFILE_FLAGS["--output"])
     curve.save(out)
