@@ -10,7 +10,7 @@
 # The real setup needs the SmolLM2 GGUF on the host: here, `python3 examples/distill_smollm2_draft.py
 # --prepare .carry/smol` cuts it into .carry/smol/part{1,2,3}; carry each part in its own call and copy it
 # to /tmp/smol (`mkdir -p /tmp/smol && cp .carry/smol/partN/* /tmp/smol/`). Wheels the host lacks (orjson,
-# gguf) travel in .whl. Env: CONC (16,32,64,128,256), WAVES (2), TOK (128), CONFIGS, MAX_NUM_SEQS (256),
+# gguf) travel in .whl. Env: CONC (16,32,64,128,256), WAVES (4), TOK (256), CONFIGS, MAX_NUM_SEQS (256),
 # DEVICE (cuda), SCALED_MODEL (random:llama-3-8b; a smaller shape checks the plumbing on a CPU),
 # GSM8K_LIMIT (all 1319 questions), GSM8K_MAX_TOKENS (256).
 set -uo pipefail
@@ -25,8 +25,10 @@ mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m dspark_cli.cli "$@"\n' >
 export PATH=/tmp/bin:$PATH
 K=7
 CONC=${CONC:-16,32,64,128,256}
-WAVES=${WAVES:-2}
-TOK=${TOK:-128}
+# 2 waves of 128 tokens made cells of 2-10 s whose tok/s moved 24% between two runs of one config (prefill
+# bursts and first-use costs, docs/PERFORMANCE.md section 9): 4 waves of 256 tokens, ~4x the decode work.
+WAVES=${WAVES:-4}
+TOK=${TOK:-256}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
 CONFIGS=${CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts}
 DEVICE=${DEVICE:-cuda}

@@ -12,7 +12,9 @@
 #        setup (embedded_engine.py --shape llama-3-8b).
 # GPU 1: the core re-check (h200_suite.sh core), then -- once /tmp/smol/ready exists (the three SmolLM2
 #        parts copied in, see h200_matrix.sh) -- the real matrix at c=1 (issue 7's proof) and 16..256, then GSM8K.
-# ROOT should live under /tmp on the host: it stays while the host is held. The queues run in their own
+# ROOT should live under /tmp on the host: it stays while the host is held -- and the host is given back,
+# queues and files with it, once no device command has run for 30 s: poll `status` (or carry files in)
+# at least that often until `collect` has run. The queues run in their own
 # process sessions (setsid), so they outlive the command that started them. Env: the matrices' (CONC, WAVES,
 # TOK, DEVICE, SCALED_MODEL, GSM8K_LIMIT: see h200_matrix.sh), REAL_CONC (1,16,32,64,128,256) and
 # OVERHEAD_ARGS (--shape llama-3-8b).
