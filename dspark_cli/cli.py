@@ -274,7 +274,10 @@ def bench(
     model: str = typer.Option(None, "--model", help="Model name in requests (default: the server's first)."),
     results_dir: Path = typer.Option(Path("bench-results"), "--results-dir", "-o"),
     force: bool = typer.Option(False, "--force", help="Remeasure cells already in --results-dir."),
-    warmup_prompts: int = typer.Option(4, "--warmup-prompts", help="Short warm-up requests per server."),
+    warmup_prompts: int = typer.Option(4, "--warmup-prompts", help="Short warm-up requests per server (0 = none)."),
+    warmup_shapes: bool = typer.Option(True, "--warmup-shapes/--no-warmup-shapes",
+                                       help="Before a server's first cell, one untimed wave of short requests at "
+                                            "each of its concurrencies (JIT compiles land outside the cells)."),
     sts_warmup_prompts: int = typer.Option(None, "--sts-warmup-prompts",
                                            help="STS warm-up requests (default: --num-prompts)."),
     server_timeout: float = typer.Option(600.0, "--server-timeout", help="Seconds to wait for /health."),
@@ -353,7 +356,7 @@ def bench(
     spec = mx.MatrixSpec(configs=cfgs, concurrencies=concs, prompts=prompts, load=load, results_dir=results_dir,
                          workload=workload, serve=serve, serve_args=common, host=host, port=port,
                          server_timeout_s=server_timeout, force=force, warmup_prompts=warmup_prompts,
-                         sts_warmup_prompts=sts_warmup_prompts, waves=waves)
+                         warmup_shapes=warmup_shapes, sts_warmup_prompts=sts_warmup_prompts, waves=waves)
     total = len(cfgs) * len(concs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:

@@ -187,3 +187,38 @@ def test_servers_benched_one_by_one_into_one_folder_make_one_table(tmp_path: Pat
     assert sorted((c["config"], c["concurrency"]) for c in cells) == [
         ("all", 16), ("all", 64), ("varlen", 16), ("varlen", 64), ("zeta", 16)]
     assert len(load_cells(tmp_path)) == 6
+
+
+def _recorded_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg: BenchConfig,
+                     **spec_kw: object) -> list[tuple[int, int, int]]:
+    """The (requests, concurrency, max_tokens) of every pass ``_warmup`` sends, with the HTTP client stubbed."""
+    import asyncio
+
+    from dspark_cli.bench import matrix
+    from dspark_cli.bench.client import RequestResult
+
+    sent: list[tuple[int, int, int]] = []
+
+    async def fake_run_load(prompts: list[Prompt], load: LoadConfig) -> tuple[list[RequestResult], float, float]:
+        sent.append((len(prompts), load.concurrency, load.max_tokens))
+        return [RequestResult(index=i, success=True) for i in range(len(prompts))], 0.0, 0.0
+
+    monkeypatch.setattr(matrix, "run_load", fake_run_load)
+    spec = MatrixSpec(configs=[cfg], concurrencies=[1, 16, 64], prompts=[Prompt(text="x")],
+                      load=LoadConfig(base_url="", max_tokens=128), results_dir=tmp_path, workload={},
+                      **spec_kw)  # type: ignore[arg-type]
+    asyncio.run(matrix._warmup(spec, cfg, "http://127.0.0.1:1", matrix.Hooks(), [16, 1, 64]))
+    return sent
+
+
+def test_warmup_sends_one_short_wave_at_every_concurrency_a_server_is_measured_at(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """JIT compilers cache per batch shape on disk: without a wave at each concurrency, the first config of a
+    matrix pays every compile inside its timed cells (the H200 matrix's no-speculation column did)."""
+    assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none")) == [(4, 1, 16), (16, 16, 16), (64, 64, 16)]
+    # STS configs: the long calibration pass first, then the same waves
+    sts = _recorded_warmup(tmp_path, monkeypatch, BenchConfig("varlen+sts", sts=True))
+    assert sts[0] == (1, 32, 32) and sts[1:] == [(4, 1, 16), (16, 16, 16), (64, 64, 16)]
+    # the single short pass of before, and none at all
+    assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none"), warmup_shapes=False) == [(4, 4, 16)]
+    assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none"), warmup_prompts=0) == []

@@ -180,6 +180,10 @@ class MatrixSpec:
     force: bool = False
     warmup_prompts: int = 4
     warmup_max_tokens: int = 16
+    # One short wave at each concurrency a server is measured at, before its first cell: a JIT compiler
+    # (Triton, FlashInfer) compiles per batch-shape bucket and caches on disk, so without it the first config
+    # of a matrix pays every compile in its timed cells and the configs after it find them cached.
+    warmup_shapes: bool = True
     sts_warmup_prompts: int | None = None  # None: --num-prompts
     sts_warmup_max_tokens: int | None = None  # None: max_tokens // 4
     serve_command: tuple[str, ...] = SERVE_COMMAND
@@ -342,9 +346,12 @@ async def _measure(spec: MatrixSpec, cfg: BenchConfig, c: int, base_url: str, se
     }
 
 
-async def _warmup(spec: MatrixSpec, cfg: BenchConfig, base_url: str, hooks: Hooks) -> None:
-    """A short pass so the first cell does not pay for lazy initialisation; STS configs first run a long
-    pass (as the seed did) so the online temperatures have settled before anything is measured."""
+async def _warmup(spec: MatrixSpec, cfg: BenchConfig, base_url: str, hooks: Hooks,
+                  concurrencies: Sequence[int] = ()) -> None:
+    """Untimed passes before a server's first cell. STS configs first run a long pass (as the seed did) so
+    the online temperatures have settled before anything is measured. Then short requests: one wave at each
+    concurrency about to be measured (``warmup_shapes``), so every batch shape those cells run has been
+    compiled before the clock starts -- else at least ``warmup_prompts`` requests for lazy initialisation."""
     top = max(spec.concurrencies)
     if cfg.sts:
         n = spec.sts_warmup_prompts or len(spec.prompts)
@@ -353,10 +360,15 @@ async def _warmup(spec: MatrixSpec, cfg: BenchConfig, base_url: str, hooks: Hook
         load = replace(spec.load, base_url=base_url, concurrency=min(32, top), max_tokens=max_tokens)
         results, _, _ = await run_load([spec.prompts[i % len(spec.prompts)] for i in range(n)], load)
         _check_warmup(cfg, results)
-    if spec.warmup_prompts > 0:
-        n = spec.warmup_prompts
-        load = replace(spec.load, base_url=base_url, concurrency=min(n, top),
-                       max_tokens=min(spec.warmup_max_tokens, spec.load.max_tokens))
+    if spec.warmup_prompts <= 0:
+        return
+    max_tokens = min(spec.warmup_max_tokens, spec.load.max_tokens)
+    waves = sorted(set(concurrencies)) if spec.warmup_shapes and concurrencies else [min(spec.warmup_prompts, top)]
+    if spec.warmup_shapes and concurrencies:
+        hooks.log(f"{cfg.name}: shape warm-up, one wave of {max_tokens}-token requests at c={','.join(map(str, waves))}")
+    for c in waves:
+        n = max(c, spec.warmup_prompts if c == waves[0] else 0)
+        load = replace(spec.load, base_url=base_url, concurrency=c, max_tokens=max_tokens)
         results, _, _ = await run_load([spec.prompts[i % len(spec.prompts)] for i in range(n)], load)
         _check_warmup(cfg, results)
 
@@ -442,7 +454,7 @@ def _run_served_config(spec: MatrixSpec, cfg: BenchConfig, concurrencies: list[i
     hooks.log(f"{cfg.name}: starting server ({' '.join(args)})")
     server = {"mode": "serve", "base_url": base_url, "serve_args": args, "log": str(log_path)}
     with ServerProcess(command, log_path, base_url, spec.server_timeout_s):
-        asyncio.run(_warmup(spec, cfg, base_url, hooks))
+        asyncio.run(_warmup(spec, cfg, base_url, hooks, concurrencies))
         for c in concurrencies:
             hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
             cell = asyncio.run(_measure(spec, cfg, c, base_url, server, hooks))
