@@ -22,30 +22,24 @@ set -uo pipefail
 ACTION=${1:?usage: h200_two_gpus.sh start|status|collect ROOT [DEST]}
 ROOT=${2:?usage: h200_two_gpus.sh start|status|collect ROOT [DEST]}
 
+stage() {  # LABEL COMMAND...: a timestamped line `status` shows, then the command
+  echo "[$(date +%T)] $1"
+  shift
+  "$@"
+}
+
 queue0() {
-  cd "$ROOT/repo" || exit 1
-  export CUDA_VISIBLE_DEVICES=0 DSPARK_CACHE_DIR=/tmp/dcache0
-  echo "[$(date +%T)] scaled matrix"
-  bash benchmarks/h200_matrix.sh "$ROOT" scaled
-  echo "[$(date +%T)] scheduling overhead (llama-3-8b)"
+  stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
   # shellcheck disable=SC2086
-  PYTHONPATH=/tmp/dspark-site:$PWD python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b} \
-    --out "$ROOT/overhead"
-  echo "[$(date +%T)] queue 0 done"
+  stage "scheduling overhead (llama-3-8b)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
+    python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b} --out "$ROOT/overhead"
 }
 
 queue1() {
-  cd "$ROOT/repo" || exit 1
-  export CUDA_VISIBLE_DEVICES=1 DSPARK_CACHE_DIR=/tmp/dcache1
-  echo "[$(date +%T)] core re-check"
-  bash benchmarks/h200_suite.sh "$ROOT/core" core
-  echo "[$(date +%T)] waiting for /tmp/smol/ready"
-  while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done
-  echo "[$(date +%T)] real matrix"
-  CONC=${REAL_CONC:-1,16,32,64,128,256} bash benchmarks/h200_matrix.sh "$ROOT" real
-  echo "[$(date +%T)] gsm8k"
-  bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
-  echo "[$(date +%T)] queue 1 done"
+  stage "core re-check" bash benchmarks/h200_suite.sh "$ROOT/core" core
+  stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
+  CONC=${REAL_CONC:-1,16,32,64,128,256} stage "real matrix" bash benchmarks/h200_matrix.sh "$ROOT" real
+  stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
 }
 
 case $ACTION in
@@ -61,7 +55,10 @@ case $ACTION in
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$ROOT/machine.txt"
     for q in 0 1; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
-      ROOT=$ROOT setsid bash -c "$(declare -f queue$q); queue$q" >"$ROOT/queue$q.log" 2>&1 </dev/null &
+      # GPU q, its own model cache (two processes building the same cache entry would race)
+      ROOT=$ROOT CUDA_VISIBLE_DEVICES=$q DSPARK_CACHE_DIR=/tmp/dcache$q setsid bash -c \
+        "$(declare -f stage queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
+        >"$ROOT/queue$q.log" 2>&1 </dev/null &
       echo $! >"$ROOT/queue$q.pid"
       echo "queue $q started (pid $!)"
     done ;;

@@ -74,12 +74,25 @@ def invalid_draft_rows(expanded_local_pos: torch.Tensor, cu_num_logits: torch.Te
     return expanded_local_pos.long() > row_admitted
 
 
+def step_sample_points(samples: list[Any]) -> tuple[list[tuple[int, float]], list[tuple[int, float]], bool]:
+    """vLLM ``StepTimingSample`` records -> verify points (target tokens, forward ms), draft points (requests,
+    drafter ms), and whether the draft points come from FULL-graph steps.
+
+    Like upstream, the draft is priced from steps whose target ran as a FULL graph when there are any: an
+    eager target step leaves the CPU launching kernels while the drafter's events run, which inflates the
+    drafter's time. Without any, the eager steps' timings (an upper bound) rather than none: pricing the draft
+    at 0 would let drafting look free to the saturation policy, which is worse.
+    """
+    verify = [(int(s.num_target_tokens), float(s.forward_ms)) for s in samples]
+    timed = [s for s in samples if s.drafter_ms > 0]
+    full = [s for s in timed if getattr(s, "full_cudagraph", False)]
+    return verify, [(int(s.num_reqs), float(s.drafter_ms)) for s in (full or timed)], bool(full)
+
+
 def curve_from_samples(samples: list[Any], capture_sizes: list[int], overhead_ms: float, meta: dict[str, Any]) -> Any:
     """vLLM's start-up ``StepTimingSample`` list -> ``core.sps.SpsCurve`` (medians per size), or None if flat.
 
-    Like upstream, the draft curve uses FULL-graph samples when there are any (eager target steps inflate
-    drafter timings), else the eager ones rather than none.
-    The start-up profile is 5 replays per size, some eager or piecewise, so a larger batch can time below a
+    Points as :func:`step_sample_points` splits them. The start-up profile is 5 replays per size, some eager or piecewise, so a larger batch can time below a
     smaller one: the medians get a least-squares monotone fit (``core.sps.monotone_fit``), where upstream
     takes a running maximum that lets one slow outlier price every larger batch. A user's file is never
     repaired this way. A verify curve that is still flat means verification costs the same at every size
@@ -98,16 +111,12 @@ def curve_from_samples(samples: list[Any], capture_sizes: list[int], overhead_ms
                         "adjusted)", sum(a != b for a, b in zip(raw, fitted, strict=True)))
         return fitted
 
-    verify = medians([(s.num_target_tokens, s.forward_ms) for s in samples])
-    drafted = [(s.num_reqs, s.drafter_ms) for s in samples if s.full_cudagraph]
-    if not drafted:
-        # No start-up step ran under a FULL graph (mask mode's FULL_DECODE_ONLY graphs never see these dummy
-        # batches): the eager/piecewise steps' drafter timings overstate the draft a little, but pricing it at
-        # 0 would let drafting look free to the saturation policy, which is worse.
-        drafted = [(s.num_reqs, s.drafter_ms) for s in samples if s.drafter_ms > 0]
-        if drafted:
-            logger.info("dspark: no FULL-graph step timed the drafter at start-up; the draft pass is priced from "
-                        "the eager steps (an upper bound)")
+    verify_points, drafted, from_full_graphs = step_sample_points(samples)
+    if drafted and not from_full_graphs:
+        # mask mode's FULL_DECODE_ONLY graphs never see these dummy batches
+        logger.info("dspark: no FULL-graph step timed the drafter at start-up; the draft pass is priced from "
+                    "the eager steps (an upper bound)")
+    verify = medians(verify_points)
     draft = medians(drafted)
     costs = [y for _, y in verify]
     if not costs or max(costs) < MIN_COST_RATIO * min(costs):

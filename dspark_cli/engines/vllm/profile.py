@@ -115,26 +115,23 @@ def summarize_steps(
 
     * verify: the median forward time per target-token count (graph replays at captured sizes, piecewise or
       eager steps above them);
-    * draft: the median drafter time per request count, from steps whose target ran as a FULL graph when
-      there are any -- an eager target step leaves the CPU launching kernels while the drafter's events
-      run, which inflates the drafter's time (vLLM's own start-up profile filters the same way);
+    * draft: the median drafter time per request count, from FULL-graph steps when there are any (the
+      serving manager's split, :func:`~dspark_cli.engines.vllm.manager.step_sample_points`);
     * overhead: a step's wall time minus its forward and drafter parts, at the smallest captured sizes
       (where the forward is cheapest and the fixed cost shows most).
     """
     import numpy as np
 
-    forward: dict[int, list[float]] = {}
-    drafter_full: dict[int, list[float]] = {}
-    drafter_any: dict[int, list[float]] = {}
-    for smp in samples:
-        forward.setdefault(int(smp.num_target_tokens), []).append(float(smp.forward_ms))
-        if smp.drafter_ms > 0:
-            drafter_any.setdefault(int(smp.num_reqs), []).append(float(smp.drafter_ms))
-            if getattr(smp, "full_cudagraph", False):
-                drafter_full.setdefault(int(smp.num_reqs), []).append(float(smp.drafter_ms))
-    drafter = drafter_full or drafter_any
-    fwd_med = {n: float(np.median(v)) for n, v in forward.items()}
-    drf_med = {r: float(np.median(v)) for r, v in drafter.items()}
+    from dspark_cli.engines.vllm.manager import step_sample_points
+
+    def medians(points: list[tuple[int, float]]) -> dict[int, float]:
+        grouped: dict[int, list[float]] = {}
+        for key, value in points:
+            grouped.setdefault(key, []).append(value)
+        return {k: float(np.median(v)) for k, v in grouped.items()}
+
+    verify_points, draft_points, from_full_graphs = step_sample_points(samples)
+    fwd_med, drf_med = medians(verify_points), medians(draft_points)
     overheads = []
     for n in captured[: min(3, len(captured))]:
         if n in walls and n in fwd_med:
@@ -144,7 +141,7 @@ def summarize_steps(
         "draft_ms": sorted(drf_med.items()),
         "overhead_ms": max(0.0, float(np.median(overheads))) if overheads else 0.0,
         "capture_sizes": captured,
-        "draft_source": "dummy steps, FULL-graph target" if drafter_full else "dummy steps (eager target)",
+        "draft_source": "dummy steps, FULL-graph target" if from_full_graphs else "dummy steps (eager target)",
     }
 
 
