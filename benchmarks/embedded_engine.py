@@ -187,7 +187,8 @@ def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, promp
     )
 
 
-def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "smollm2") -> dict[str, Any]:
+def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "smollm2",
+               max_model_len: int = 1024) -> dict[str, Any]:
     """Per-phase breakdown of decode steps: nospec / none / varlen at a low and a high concurrency.
 
     The shapes are the served configuration's (SmolLM2-135M target, a 4-layer draft of the same width,
@@ -202,7 +203,7 @@ def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "sm
         model, draft, _ = SHAPES[shape]
         k, max_seqs, concs, max_tokens, prompt_len = 7, 256, [16, 256], 128, 128
     dtype = "bfloat16" if device == "cuda" else "float32"
-    common = dict(model=model, device=device, dtype=dtype, max_num_seqs=max_seqs, max_model_len=1024)
+    common = dict(model=model, device=device, dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_model_len)
     curve_path = out / "sps_curve.json"
     if device == "cuda" and SHAPES[shape][2].exists() and not quick:
         curve_path.write_text(SHAPES[shape][2].read_text())  # the profiled curve of exactly this shape (H200)
@@ -277,6 +278,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2",
                     help="served shape timed phase by phase (llama-3-8b: the scaled setup, synthetic drafter)")
+    ap.add_argument("--max-model-len", type=int, default=1024,
+                    help="engines' max_model_len (block-table width and KV pool size follow it)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -289,7 +292,7 @@ def main() -> None:
         report["lossless"] = check_lossless(root, device, args.quick)
         if device == "cuda":
             report["syncs"] = check_syncs(root, device)
-        report["steps"] = time_steps(root, device, args.quick, args.out, args.shape)
+        report["steps"] = time_steps(root, device, args.quick, args.out, args.shape, args.max_model_len)
     (args.out / "embedded_engine.json").write_text(json.dumps(report, indent=2))
 
     from rich.console import Console

@@ -8,16 +8,17 @@
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
-# GPU 0: the scaled matrix (h200_matrix.sh scaled), then the scheduling-overhead breakdown of the scaled
-#        setup (embedded_engine.py --shape llama-3-8b).
-# GPU 1: the core re-check (h200_suite.sh core), then -- once /tmp/smol/ready exists (the three SmolLM2
-#        parts copied in, see h200_matrix.sh) -- the real matrix at c=1 (issue 7's proof) and 16..256, then GSM8K.
+# GPU 0: the scaled matrix (h200_matrix.sh scaled), the long pole (~18 min at 4 waves x 256 tokens).
+# GPU 1: the core re-check (h200_suite.sh core), the scheduling-overhead breakdown of the scaled setup
+#        (embedded_engine.py --shape llama-3-8b at max_model_len 4096), then -- once /tmp/smol/ready exists
+#        (the three SmolLM2 parts copied in, see h200_matrix.sh) -- the real matrix at c=1 (issue 7's proof)
+#        and 16..256, then GSM8K.
 # ROOT should live under /tmp on the host: it stays while the host is held -- and the host is given back,
 # queues and files with it, once no device command has run for 30 s: poll `status` (or carry files in)
 # at least that often until `collect` has run. The queues run in their own
 # process sessions (setsid), so they outlive the command that started them. Env: the matrices' (CONC, WAVES,
-# TOK, DEVICE, SCALED_MODEL, GSM8K_LIMIT: see h200_matrix.sh), REAL_CONC (1,16,32,64,128,256) and
-# OVERHEAD_ARGS (--shape llama-3-8b).
+# TOK, DEVICE, SCALED_MODEL, GSM8K_LIMIT: see h200_matrix.sh), SCALED_WAVES/SCALED_TOK (3/256),
+# REAL_WAVES/REAL_TOK (4/128), REAL_CONC (1,16,32,64,128,256) and OVERHEAD_ARGS (--shape llama-3-8b --max-model-len 4096).
 set -uo pipefail
 ACTION=${1:?usage: h200_two_gpus.sh start|status|collect ROOT [DEST]}
 ROOT=${2:?usage: h200_two_gpus.sh start|status|collect ROOT [DEST]}
@@ -28,17 +29,21 @@ stage() {  # LABEL COMMAND...: a timestamped line `status` shows, then the comma
   "$@"
 }
 
+# Cell lengths fit one 30-minute sitting: 3 waves x 256 tokens on the scaled setup (~16 min, 3x the
+# decode work of section 9's cells) and 4 x 128 on the real one (~10 min with GSM8K).
 queue0() {
-  stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
-  # shellcheck disable=SC2086
-  stage "scheduling overhead (llama-3-8b)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
-    python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b} --out "$ROOT/overhead"
+  WAVES=${SCALED_WAVES:-3} TOK=${SCALED_TOK:-256} stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
 }
 
 queue1() {
   stage "core re-check" bash benchmarks/h200_suite.sh "$ROOT/core" core
+  # shellcheck disable=SC2086
+  stage "scheduling overhead (llama-3-8b)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
+    python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b --max-model-len 4096} \
+    --out "$ROOT/overhead"
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
-  CONC=${REAL_CONC:-1,16,32,64,128,256} stage "real matrix" bash benchmarks/h200_matrix.sh "$ROOT" real
+  CONC=${REAL_CONC:-1,16,32,64,128,256} WAVES=${REAL_WAVES:-4} TOK=${REAL_TOK:-128} \
+    stage "real matrix" bash benchmarks/h200_matrix.sh "$ROOT" real
   stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
 }
 

@@ -90,6 +90,38 @@ def test_graphed_draft_loop_matches_the_eager_loop(pair: TinyPair) -> None:
     assert looped.draft_probs is None
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graph_outputs_survive_replays_of_every_other_graph(pair: TinyPair) -> None:
+    """The graph families share one pool and replay out of capture order (catch-up, draft loop, verify), so
+    a family's output must not live in memory another family uses: replaying all the others leaves it."""
+    engine = make_engine(pair, draft=str(pair.draft_head), max_num_seqs=8, device="cuda", dtype="float32")
+    runner = engine.runner
+    assert runner.drafter is not None and runner.drafter.loop_fn is not None
+    for rid, prompt in zip("abc", prompts(3), strict=True):
+        engine.add_request(rid, prompt, GREEDY)
+    engine.step()  # prefill
+    seqs = _running_seqs(engine)
+    runner.propose(seqs, runner.block_tables(seqs), None, None)  # fills the static buffers with a real batch
+    loop = runner._loop_graphs
+    forwards = {"verify": runner._verify_graphs, "catch-up": runner._catchup_graphs, "step": runner._step_graphs}
+    families: dict[str, tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor]]] = {
+        name: (list(fam._captured.values()), [fam.out]) for name, fam in forwards.items()
+    }
+    families["draft loop"] = ([g for g in loop.graphs.values() if g is not None], [loop.tokens_out, loop.conf_out])
+    assert all(graphs for graphs, _ in families.values())
+    for name, (graphs, outputs) in families.items():
+        graphs[0].replay()
+        snapshot = [t.clone() for t in outputs]
+        for other, (other_graphs, _) in families.items():
+            if other != name:
+                for graph in other_graphs:
+                    graph.replay()
+        torch.cuda.synchronize()
+        for out, snap in zip(outputs, snapshot, strict=True):
+            assert torch.equal(out, snap), f"{name} output overwritten by another family's replay"
+
+
 def test_sampling_batches_bypass_the_greedy_loop_and_stay_seeded(pair: TinyPair) -> None:
     params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=7)
     outs = []

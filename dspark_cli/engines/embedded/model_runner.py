@@ -17,6 +17,14 @@ two replays instead of ~25 launches per draft token. Replays copy the step's ten
 with ``copy_``; nothing reads device values on the host, so the only host knowledge a replay needs is
 the padded size -- the budget the capacity manager chose. CPU runs everything eagerly.
 
+All graph families share one memory pool, and they replay in a different order than they were captured
+(catch-up, draft loop, verify each step; captured verify first). A graph captured later may be handed, for
+its own output, memory that an earlier graph still uses for intermediates on every replay; replaying the
+earlier graph then overwrites that output. So no graph returns memory of the pool: every family writes its
+outputs into static buffers allocated before capture, as it reads its inputs from them. (Measured on an H200:
+with the draft loop's tokens left in the pool, the verify replay overwrote them before the rejection step
+read them, and garbage token ids reached the next step's embedding gather.)
+
 Host-built batch tensors (block tables, catch-up tokens, positions) are packed into one int64 array and
 moved with one host-to-device copy, not one small copy per field.
 """
@@ -111,7 +119,11 @@ class _GraphedForward:
         self.is_padding = torch.ones(top, dtype=torch.bool, device=device)
         self.query_start_pos = torch.zeros(rows, **i64)
         self.block_tables = torch.full((rows, max_blocks), SCRATCH_BLOCK, **i64)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor] | None] = {}
+        # Outside the graph pool (see the module docstring): a replay of another family cannot overwrite it.
+        model = fwd.model
+        self.out = torch.zeros(top, model.args.hidden_size, dtype=model.norm.weight.dtype, device=device)
+        self.graphs: dict[int, bool] = {}
+        self._captured: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = pool
 
     def _rows(self, size: int) -> int:
@@ -119,17 +131,18 @@ class _GraphedForward:
 
     def _body(self, size: int) -> Tensor:
         rows = self._rows(size)
-        return self.fwd.run(
+        hidden = self.fwd.run(
             self.ids[:size], self.positions[:size], self.req_index[:size], self.is_padding[:size],
             self.query_start_pos[:rows], self.block_tables[:rows], self.qlen, self.kv_len,
         )
+        return self.out[:size].copy_(hidden)
 
     @torch.inference_mode()
     def capture(self, emulate: bool = False) -> None:
         """Capture every size. ``emulate`` records no graph: replays run ``_body`` eagerly on the same
         static buffers, which lets the CPU test suite exercise all the padding/copy logic of replays."""
+        self.graphs = {size: True for size in self.sizes}
         if emulate:
-            self.graphs = {size: None for size in self.sizes}
             return
         # Largest first, sharing one memory pool: smaller graphs reuse the big one's blocks.
         for size in reversed(self.sizes):
@@ -144,9 +157,9 @@ class _GraphedForward:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._body(size)
+                self._body(size)
             self.pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            self._captured[size] = graph
 
     def pick(self, num_tokens: int, max_query_len: int) -> int | None:
         if max_query_len > self.qlen:
@@ -182,12 +195,11 @@ class _GraphedForward:
         width = block_tables.shape[1]
         self.block_tables[:num_reqs, :width].copy_(block_tables)
         self.block_tables[num_reqs:rows].fill_(SCRATCH_BLOCK)
-        entry = self.graphs[size]
-        if entry is None:
+        graph = self._captured.get(size)
+        if graph is None:  # emulated (CPU tests)
             return self._body(size)[:num_tokens]
-        graph, out = entry
         graph.replay()
-        return out[:num_tokens]
+        return self.out[:num_tokens]
 
 
 class _DraftLoopGraphs:
@@ -217,7 +229,10 @@ class _DraftLoopGraphs:
         self.block_tables = torch.full((top, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device)
         self.num_real = torch.zeros((), dtype=torch.int64, device=device)
         self.arange = torch.arange(top, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, tuple[Tensor, Tensor] | None]] = {}
+        # Outputs outside the graph pool: the verify replay that follows must not overwrite the drafts.
+        self.tokens_out = torch.zeros(top, num_spec, dtype=torch.int64, device=device)
+        self.conf_out = torch.zeros(top, num_spec, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self.pool = pool
 
     def _body(self, size: int) -> tuple[Tensor, Tensor]:
@@ -239,12 +254,14 @@ class _DraftLoopGraphs:
             pos = pos0 + j
             qstart = torch.where(pad, 0, pos)
             h = self.fwd.run(tok, pos, req, pad, qstart, tables, 1, self.kv_len)
-        return torch.stack(tokens, dim=1), torch.stack(confs, dim=1).float()
+        self.tokens_out[:size].copy_(torch.stack(tokens, dim=1))
+        self.conf_out[:size].copy_(torch.stack(confs, dim=1))
+        return self.tokens_out[:size], self.conf_out[:size]
 
     @torch.inference_mode()
     def capture(self, emulate: bool = False) -> None:
         if emulate:
-            self.graphs = {size: (None, None) for size in self.sizes}
+            self.graphs = {size: None for size in self.sizes}
             return
         for size in reversed(self.sizes):
             self.num_real.fill_(0)  # capture with every row padding: warm-up writes only the scratch slot
@@ -256,9 +273,9 @@ class _DraftLoopGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._body(size)
+                self._body(size)
             self.pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            self.graphs[size] = graph
 
     def run(self, h: Tensor, next_pos: Tensor, block_tables: Tensor) -> tuple[Tensor, Tensor] | None:
         """Drafts and raw confidences ``[R, K]``; None when no captured size holds ``R`` (caller runs eagerly)."""
@@ -272,13 +289,12 @@ class _DraftLoopGraphs:
         self.block_tables[:num_reqs, :width].copy_(block_tables)
         self.block_tables[num_reqs:size].fill_(SCRATCH_BLOCK)
         self.num_real.fill_(num_reqs)
-        graph, out = self.graphs[size]
-        if graph is None:
-            tokens, conf = self._body(size)
+        graph = self.graphs[size]
+        if graph is None:  # emulated (CPU tests)
+            self._body(size)
         else:
             graph.replay()
-            tokens, conf = out
-        return tokens[:num_reqs], conf[:num_reqs]
+        return self.tokens_out[:num_reqs], self.conf_out[:num_reqs]
 
 
 class ModelRunner:
