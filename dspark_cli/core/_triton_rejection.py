@@ -100,20 +100,23 @@ def _pow2(n: int) -> int:
 
 if triton is not None:
 
-    @triton.jit
+    # One compiled variant per K. The request count and the padded row count change from step to step
+    # (the budget decides the rows), so they are runtime loop bounds and never specialised on: a variant per
+    # shape was a JIT compile -- tens of milliseconds up to a second -- inside serving each time a new
+    # (requests, budget) shape came up (measured on an H200: the layout phase averaged 19 ms per step).
+    @triton.jit(do_not_specialize=["num_reqs", "num_rows"])
     def _varlen_layout_kernel(
         last_ptr, drafts_ptr, stride_dr, adm_ptr, start_ptr,
         ids_ptr, pos_ptr, req_ptr, pir_ptr, pad_ptr, qsl_ptr, seq_ptr, nlog_ptr, ntok_ptr,
         num_reqs, num_rows,
-        K: tl.constexpr, R_ITERS: tl.constexpr, T_ITERS: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr,
+        K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
         # Row counts fit int32 (T is a capture size); values stored as int64 where the layout says so.
         carry = tl.sum(tl.zeros([BLOCK_R], tl.int32), 0)
         tl.store(qsl_ptr, carry)
         j = tl.arange(0, BLOCK_J)
-        for it in range(R_ITERS):
-            r = it * BLOCK_R + tl.arange(0, BLOCK_R)
+        for r0 in range(0, num_reqs, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
             rmask = r < num_reqs
             adm = tl.load(adm_ptr + r, mask=rmask, other=0).to(tl.int32)
             adm = tl.minimum(tl.maximum(adm, 0), K)
@@ -138,8 +141,8 @@ if triton is not None:
             tl.store(pad_ptr + row, (j[None, :] * 0 + r[:, None] * 0).to(tl.uint8), mask=m2)
             carry += tl.sum(cnt, 0)
         tl.store(ntok_ptr, carry.to(tl.int64))
-        for it in range(T_ITERS):
-            t = it * BLOCK_T + tl.arange(0, BLOCK_T)
+        for t0 in range(0, num_rows, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
             tm = (t < num_rows) & (t >= carry)
             zero = (t * 0).to(tl.int64)  # int64 zeros shaped like t
             tl.store(ids_ptr + t, zero, mask=tm)
@@ -555,6 +558,10 @@ if triton is not None:
         _clear_slots(r, slots_ptr, K, BLOCK_K)
 
 
+LAYOUT_BLOCK_R = 128  # requests per iteration of the layout kernel's request loop
+LAYOUT_BLOCK_T = 1024  # rows per iteration of its padding loop
+
+
 def build_varlen_layout_fused(
     last_tokens: Tensor, drafts: Tensor, admitted: Tensor, start_pos: Tensor, padded_tokens: int
 ) -> tuple[Tensor, ...]:
@@ -577,14 +584,12 @@ def build_varlen_layout_fused(
     # The kernel indexes the per-request vectors with unit stride; callers may hand in column views of a
     # packed batch tensor, so make them dense (a no-op when they already are).
     last_tokens, admitted, start_pos = last_tokens.contiguous(), admitted.contiguous(), start_pos.contiguous()
-    block_r = min(128, _pow2(num_reqs))
-    block_t = min(1024, _pow2(rows))
+    # Fixed tiles (see the kernel): one variant per K serves every batch; a step is one program either way.
     _varlen_layout_kernel[(1,)](
         last_tokens, drafts, drafts.stride(0), admitted, start_pos,
         ids, positions, req_index, pos_in_req, pad, qsl, seq_lens, nlog, ntok,
         num_reqs, rows,
-        K=num_spec, R_ITERS=_pow2(-(-num_reqs // block_r)), T_ITERS=_pow2(-(-rows // block_t)),
-        BLOCK_R=block_r, BLOCK_J=_pow2(num_spec + 1), BLOCK_T=block_t, num_warps=4,
+        K=num_spec, BLOCK_R=LAYOUT_BLOCK_R, BLOCK_J=_pow2(num_spec + 1), BLOCK_T=LAYOUT_BLOCK_T, num_warps=4,
     )
     return ids, positions, req_index, pos_in_req, pad.view(torch.bool), qsl, seq_lens, nlog, ntok
 
