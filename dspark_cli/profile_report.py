@@ -59,6 +59,9 @@ def curve_tables(curve: SpsCurve) -> list[Table]:
             caption += "; measured at " + ", ".join(f"{int(r)} req: {float(v):.3f}" for r, v in by_reqs)
         draft = Table(title="draft cost", caption=caption)
         cols = ["requests", "draft ms", "measured ms"]
+        sampling = dict(curve.draft_sampling_ms)
+        if sampling:
+            cols += ["sampling draft ms"]
         if isinstance(k, int) and k > 0:
             cols += [f"step ms (K={k})", "steps/s"]
         for col in cols:
@@ -66,6 +69,8 @@ def curve_tables(curve: SpsCurve) -> list[Table]:
         for reqs, ms in curve.draft_ms:
             raw = raw_d.get(reqs)
             row = [str(reqs), f"{ms:.3f}", "-" if raw is None else f"{raw:.3f}"]
+            if sampling:
+                row.append(f"{float(curve.draft_cost_ms(reqs, sampling=True)):.3f}")
             if isinstance(k, int) and k > 0:
                 step = float(curve.step_cost_ms(reqs, reqs * (k + 1)))
                 row += [f"{step:.3f}", f"{1000.0 / step:.1f}"]
@@ -116,7 +121,10 @@ def plot_curve(curve: SpsCurve, path: str | Path) -> Path:
         ax2 = axes[0][1]
         rx = [x for x, _ in curve.draft_ms]
         rgrid = np.arange(1, max(rx) + 1)
-        ax2.plot(rgrid, curve.draft_cost_ms(rgrid), color="tab:green", label="draft (as priced)")
+        ax2.plot(rgrid, curve.draft_cost_ms(rgrid), color="tab:green", label="draft, greedy (as priced)")
+        if curve.draft_sampling_ms:
+            ax2.plot(rgrid, curve.draft_cost_ms(rgrid, sampling=True), color="tab:purple",
+                     label="draft, sampling (as priced)")
         raw_d = _measured(curve, "measured_draft_ms")
         pts = raw_d or dict(curve.draft_ms)
         ax2.plot(list(pts), list(pts.values()), "o", color="tab:orange", ms=4, label="measured median")

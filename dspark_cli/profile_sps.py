@@ -273,7 +273,6 @@ def run_vllm(req: ProfileRequest, *, dry_run: bool) -> SpsCurve | None:
     curve = SpsCurve.load(req.output)
     if req.overhead_ms is not None:
         meta = {**curve.meta, "overhead_source": "given", "overhead_measured_ms": curve.overhead_ms}
-        curve = SpsCurve.from_points(curve.verify_ms, curve.draft_ms, req.overhead_ms, curve.capture_sizes, meta,
-                                     source=str(req.output))
+        curve = curve.with_overhead(req.overhead_ms, meta)
         curve.save(req.output)
     return curve

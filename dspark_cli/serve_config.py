@@ -428,8 +428,7 @@ def _materialise_curve(s: ServeSettings, tmp: Path) -> tuple[str | None, str]:
         curve = SpsCurve.load(s.sps_curve)
         label = s.sps_curve
     if s.sps_overhead_ms is not None:
-        curve = SpsCurve.from_points(curve.verify_ms, curve.draft_ms, s.sps_overhead_ms, curve.capture_sizes,
-                                     dict(curve.meta), source=label)
+        curve = curve.with_overhead(s.sps_overhead_ms)
     if s.sps_curve_points is None and s.sps_overhead_ms is None:
         return s.sps_curve, label
     path = tmp / "sps_curve.json"

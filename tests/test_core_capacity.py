@@ -237,6 +237,20 @@ def test_budget_decision_reports_predictions() -> None:
     assert d.theta_all == pytest.approx(theta[-1])
 
 
+def test_sampling_batches_are_priced_with_the_sampling_draft_pass() -> None:
+    """A greedy batch whose drafts pay can stop paying when the batch samples: the sampling draft pass is
+    another program (sampled drafts and their distributions), priced by the curve's sampling draft cost."""
+    curve = SpsCurve.from_points([(1, 10.0), (64, 10.5), (512, 14.0)], [(1, 2.0), (64, 2.0)], 0.5,
+                                 draft_sampling_ms=[(1, 20.0), (64, 20.0)])
+    surv = np.cumprod(np.full((8, 4), 0.6), axis=1)
+    greedy = choose_budget(surv, np.full(8, 4), 8, 8, curve, ARGMAX)
+    sampled = choose_budget(surv, np.full(8, 4), 8, 8, curve, ARGMAX, sampling=True)
+    assert greedy.pays and greedy.budget > 0
+    assert not sampled.pays
+    assert sampled.theta_no_draft == pytest.approx(greedy.theta_no_draft)  # plain decoding runs no draft
+    assert sampled.step_ms == pytest.approx(float(curve.step_cost_ms(8, 8 + sampled.budget, sampling=True)))
+
+
 def test_empty_batch() -> None:
     d = choose_budget(np.zeros((0, 4)), np.zeros(0, dtype=int), 0, 0, STAIR, ARGMAX)
     assert d.budget == 0 and d.total_drafts == 0

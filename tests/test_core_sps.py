@@ -166,6 +166,37 @@ def test_step_cost_is_draft_plus_verify_plus_overhead(curve: SpsCurve) -> None:
     assert curve.steps_per_sec(4, 10, drafting=False) == pytest.approx(1000.0 / 12.0)
 
 
+def test_sampling_steps_are_priced_by_the_sampling_draft_curve(tmp_path: Path, curve: SpsCurve) -> None:
+    # Without a sampling curve a sampling step costs what a greedy one does (files written before it existed).
+    assert curve.draft_sampling_ms == ()
+    assert curve.draft_cost_ms(4, sampling=True) == curve.draft_cost_ms(4)
+    sampled = SpsCurve.from_points(curve.verify_ms, curve.draft_ms, curve.overhead_ms, curve.capture_sizes,
+                                   draft_sampling_ms=[(1, 5.0), (8, 12.0)])
+    assert sampled.draft_cost_ms(1, sampling=True) == pytest.approx(5.0)
+    assert sampled.draft_cost_ms(8, sampling=True) == pytest.approx(12.0)
+    assert sampled.draft_cost_ms(8) == curve.draft_cost_ms(8)  # greedy pricing unchanged
+    assert sampled.draft_cost_ms(0, sampling=True) == 0.0
+    assert sampled.step_cost_ms(8, 40, sampling=True) == pytest.approx(12.0 + curve.verify_cost_ms(40) + 1.0)
+    assert sampled.step_cost_ms(8, 40, drafting=False, sampling=True) == curve.step_cost_ms(8, 40, drafting=False)
+    # The optional key round-trips, and the overhead override keeps it.
+    path = sampled.save(tmp_path / "c.json")
+    assert json.loads(path.read_text())["draft_sampling_curve_ms"] == [[1, 5.0], [8, 12.0]]
+    assert "draft_sampling_curve_ms" not in json.loads(curve.save(tmp_path / "g.json").read_text())
+    loaded = SpsCurve.load(path)
+    assert loaded.draft_sampling_ms == ((1, 5.0), (8, 12.0))
+    assert loaded.with_overhead(3.0).draft_sampling_ms == loaded.draft_sampling_ms
+    assert loaded.with_overhead(3.0).overhead_ms == 3.0
+
+
+def test_sampling_draft_curve_is_validated_like_the_others(tmp_path: Path, curve: SpsCurve) -> None:
+    obj = curve.to_dict()
+    obj["draft_sampling_curve_ms"] = [[1, 5.0], [8, -1.0]]
+    path = tmp_path / "bad.json"
+    path.write_bytes(orjson.dumps(obj))
+    with pytest.raises(SpsCurveError, match="draft_sampling_curve_ms"):
+        SpsCurve.load(path)
+
+
 def test_vectorised_lookups_match_scalars(curve: SpsCurve) -> None:
     tokens = np.arange(1, 300)
     vec = curve.step_cost_ms(8, tokens)

@@ -133,6 +133,21 @@ def test_sampling_batches_bypass_the_greedy_loop_and_stay_seeded(pair: TinyPair)
     assert outs[0] == outs[1]
 
 
+def test_sampling_batches_plan_with_the_sampling_draft_cost(pair: TinyPair, tmp_path: Path) -> None:
+    """The engine tells the capacity manager whether the batch samples, so a T > 0 batch is priced with the
+    curve's sampling draft pass (another program than the greedy loop) and a greedy batch is not."""
+    curve = tmp_path / "sampling_curve.json"
+    SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 0.01), (8, 0.01)], 0.1,
+                         draft_sampling_ms=[(1, 500.0), (8, 500.0)]).save(curve)
+    for temperature, priced_as_sampling in ((0.0, False), (1.0, True)):
+        engine = make_engine(pair, sps_curve=str(curve), capacity=CapacityConfig(mode="varlen"))
+        engine.add_request("r", prompts(1)[0], SamplingParams(temperature=temperature, max_tokens=2, ignore_eos=True,
+                                                              seed=3))
+        while engine.capacity.last_decision is None:
+            engine.step()
+        assert (engine.capacity.last_decision.step_ms > 500.0) is priced_as_sampling
+
+
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_phase_timing_breaks_steps_down(pair: TinyPair, never_pays: Path, mode: str) -> None:
     engine = make_engine(pair, sps_curve=str(never_pays),

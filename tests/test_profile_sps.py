@@ -53,6 +53,12 @@ def test_cpu_profile_of_the_tiny_pair_rises_and_leaves_the_engine_untouched(engi
     costs = [y for _, y in curve.verify_ms]
     assert costs == sorted(costs) and costs[-1] > 1.02 * costs[0]
     assert [x for x, _ in curve.draft_ms] == [1, 2, 4, 8]
+    # the sampling draft pass is profiled at the same request counts (its own program: sampled drafts and
+    # their distributions), and the curve prices sampling steps with it
+    assert [x for x, _ in curve.draft_sampling_ms] == [1, 2, 4, 8]
+    assert all(ms > 0 for _, ms in curve.draft_sampling_ms)
+    assert curve.draft_cost_ms(8, sampling=True) == pytest.approx(dict(curve.draft_sampling_ms)[8])
+    assert [x for x, _ in curve.meta["measured_draft_sampling_ms"]] == [1, 2, 4, 8]
     assert curve.capture_sizes == ()  # CPU never pads: no staircase
     assert [r for r, _ in m.overhead_by_reqs] == [1, 4, 8] and curve.overhead_ms >= 0
     assert curve.meta["engine"] == "embedded" and curve.meta["k"] == K and curve.meta["overhead_source"] == "measured"

@@ -215,14 +215,16 @@ def choose_budget(
     num_sampling: int,
     sps: SpsCurve,
     cfg: CapacityConfig,
+    sampling: bool = False,
 ) -> BudgetDecision:
     """Pick this step's verify budget on the host from stale survival; see the module docstring.
 
     ``stale_survival[R, K]`` is prefix survival from earlier steps (rows of new requests are all ones),
     ``num_drafts[R]`` the drafts each request carries this step, ``num_nondraft_tokens`` every batch
     token that is not a draft (bonus/anchor tokens and prefill chunks), ``num_sampling`` the requests that
-    will emit a token this step. Θ(n) is evaluated for every n in one vectorised cost lookup; the first
-    maximum wins, so ties pick the smaller budget.
+    will emit a token this step, ``sampling`` whether some request samples (the draft pass is then the
+    sampling one, priced by the curve's sampling draft cost). Θ(n) is evaluated for every n in one
+    vectorised cost lookup; the first maximum wins, so ties pick the smaller budget.
     """
     surv = np.asarray(stale_survival, dtype=np.float64)
     if surv.ndim != 2:
@@ -235,7 +237,7 @@ def choose_budget(
     n = np.arange(total + 1)
     if cfg.mode == "mask" and not cfg.mask_pruning_saves:
         n = np.full(total + 1, total)  # every draft row is in the batch, verified or padding
-    cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + n), dtype=np.float64)
+    cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + n, sampling=sampling), dtype=np.float64)
     theta = tau / cost
     no_draft_cost = float(sps.step_cost_ms(r, num_nondraft_tokens, drafting=False))
     theta_no_draft = float(num_sampling) / no_draft_cost
@@ -602,10 +604,11 @@ class CapacityManager:
         num_nondraft_tokens: int,
         num_sampling: int,
         defer_saturation: bool = False,
+        sampling: bool = False,
     ) -> BudgetDecision:
         stale = self.stale_confidences(slots_np)
         decision = choose_budget(
-            _np_survival(stale), num_drafts_np, num_nondraft_tokens, num_sampling, self.curve, self.cfg
+            _np_survival(stale), num_drafts_np, num_nondraft_tokens, num_sampling, self.curve, self.cfg, sampling
         )
         self.last_decision = decision
         self._pending_running = len(slots_np)

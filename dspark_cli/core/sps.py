@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +200,10 @@ class SpsCurve:
     overhead_ms: float = 0.0
     capture_sizes: tuple[int, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # The draft pass when some request samples (temperature > 0): another program than the greedy one -- each
+    # draft token is sampled and its whole distribution kept for the rejection sampler -- and on an H200 with a
+    # 128k vocabulary it cost several ms more per step. Empty: sampling steps are priced like greedy ones.
+    draft_sampling_ms: tuple[tuple[int, float], ...] = ()
     # Lookup tables derived in __post_init__ (kept out of equality/repr).
     _vx: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
     _vy: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
@@ -210,14 +214,19 @@ class SpsCurve:
     _eager_slope: float = field(init=False, repr=False, compare=False, hash=False)
     _dx: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
     _dy: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _sx: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _sy: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         source = "SpsCurve"
         verify = _clean_points(self.verify_ms, "verify_curve_ms", source, require_rise=True, allow_empty=False)
         draft = _clean_points(self.draft_ms, "draft_curve_ms", source, require_rise=False, allow_empty=True)
+        draft_sampling = _clean_points(self.draft_sampling_ms, "draft_sampling_curve_ms", source,
+                                       require_rise=False, allow_empty=True)
         set_ = object.__setattr__
         set_(self, "verify_ms", verify)
         set_(self, "draft_ms", draft)
+        set_(self, "draft_sampling_ms", draft_sampling)
         set_(self, "overhead_ms", _clean_overhead(self.overhead_ms, source))
         set_(self, "capture_sizes", _clean_capture_sizes(self.capture_sizes, source))
         set_(self, "meta", dict(self.meta) if isinstance(self.meta, dict) else {})
@@ -251,6 +260,8 @@ class SpsCurve:
         set_(self, "_eager_y", ey)
         set_(self, "_dx", np.array([x for x, _ in draft], dtype=np.float64))
         set_(self, "_dy", np.array([y for _, y in draft], dtype=np.float64))
+        set_(self, "_sx", np.array([x for x, _ in draft_sampling], dtype=np.float64))
+        set_(self, "_sy", np.array([y for _, y in draft_sampling], dtype=np.float64))
 
     # ------------------------------------------------------------------ constructors
 
@@ -263,6 +274,7 @@ class SpsCurve:
         capture_sizes: Iterable[int] = (),
         meta: dict[str, Any] | None = None,
         source: str = "measured SPS curve",
+        draft_sampling_ms: Iterable[tuple[int, float]] | np.ndarray = (),
     ) -> SpsCurve:
         """Build a curve from measured (medians of) step timings; validates and repairs like :meth:`load`."""
         meta = dict(meta or {})
@@ -270,13 +282,21 @@ class SpsCurve:
             list(verify_ms), "verify_curve_ms", source, require_rise=True, allow_empty=False
         )
         draft = _clean_points(list(draft_ms), "draft_curve_ms", source, require_rise=False, allow_empty=True)
+        draft_sampling = _clean_points(list(draft_sampling_ms), "draft_sampling_curve_ms", source,
+                                       require_rise=False, allow_empty=True)
         return cls(
             verify_ms=verify,
             draft_ms=draft,
             overhead_ms=_clean_overhead(overhead_ms, source),
             capture_sizes=_clean_capture_sizes(list(capture_sizes), source),
             meta=meta,
+            draft_sampling_ms=draft_sampling,
         )
+
+    def with_overhead(self, overhead_ms: float, meta: dict[str, Any] | None = None) -> SpsCurve:
+        """The same curve with another per-step overhead (and optionally new meta); validated again."""
+        return replace(self, overhead_ms=_clean_overhead(overhead_ms, "SpsCurve"),
+                       meta=dict(self.meta if meta is None else meta))
 
     @classmethod
     def from_dict(cls, obj: Any, source: str = "<dict>") -> SpsCurve:
@@ -311,7 +331,8 @@ class SpsCurve:
         caps = obj.get("capture_sizes")
         if caps is None and obj.get("verify_curve_ms") is None:
             caps = [x for x, _ in verify]
-        return cls.from_points(verify, obj.get("draft_curve_ms") or (), overhead, caps or (), meta, source)
+        return cls.from_points(verify, obj.get("draft_curve_ms") or (), overhead, caps or (), meta, source,
+                               draft_sampling_ms=obj.get("draft_sampling_curve_ms") or ())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SpsCurve:
@@ -331,7 +352,7 @@ class SpsCurve:
 
     def to_dict(self) -> dict[str, Any]:
         """SPEC §3 object; ``dspark_sps_curve`` keeps the seed's ``[[tokens, steps_per_sec]]`` readers working."""
-        return {
+        out: dict[str, Any] = {
             "version": SPS_CURVE_VERSION,
             "dspark_sps_curve": [[x, 1000.0 / (y + self.overhead_ms)] for x, y in self.verify_ms],
             "verify_curve_ms": [[x, y] for x, y in self.verify_ms],
@@ -340,6 +361,9 @@ class SpsCurve:
             "capture_sizes": list(self.capture_sizes),
             "meta": dict(self.meta),
         }
+        if self.draft_sampling_ms:  # optional: files without it read as before
+            out["draft_sampling_curve_ms"] = [[x, y] for x, y in self.draft_sampling_ms]
+        return out
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         return atomic_write_json(path, self.to_dict())
@@ -363,25 +387,30 @@ class SpsCurve:
             out = eager
         return float(out) if scalar else out
 
-    def draft_cost_ms(self, num_reqs: Any) -> Any:
-        """Cost of the draft pass for ``num_reqs`` drafting requests; 0 when drafting is not priced."""
+    def draft_cost_ms(self, num_reqs: Any, sampling: bool = False) -> Any:
+        """Cost of the draft pass for ``num_reqs`` drafting requests; 0 when drafting is not priced.
+
+        ``sampling``: some request of the batch samples, so the pass is the sampling one -- priced from
+        ``draft_sampling_ms`` when the curve has it, else like the greedy pass.
+        """
         n, scalar = _as_float_array(num_reqs)
-        if len(self._dx) == 0:
+        dx, dy = (self._sx, self._sy) if sampling and len(self._sx) else (self._dx, self._dy)
+        if len(dx) == 0:
             out = np.zeros_like(n)
         else:
-            out = np.maximum(_linear(n, self._dx, self._dy), 0.0)
+            out = np.maximum(_linear(n, dx, dy), 0.0)
             out = np.where(n <= 0, 0.0, out)
         return float(out) if scalar else out
 
-    def step_cost_ms(self, num_reqs: Any, tokens: Any, drafting: bool = True) -> Any:
+    def step_cost_ms(self, num_reqs: Any, tokens: Any, drafting: bool = True, sampling: bool = False) -> Any:
         """Whole-step cost: ``draft(num_reqs)`` (if drafting) + ``verify(tokens)`` + ``overhead_ms``."""
         cost = self.verify_cost_ms(tokens) + self.overhead_ms
         if drafting:
-            cost = cost + self.draft_cost_ms(num_reqs)
+            cost = cost + self.draft_cost_ms(num_reqs, sampling)
         return cost
 
-    def steps_per_sec(self, num_reqs: Any, tokens: Any, drafting: bool = True) -> Any:
-        return 1000.0 / self.step_cost_ms(num_reqs, tokens, drafting)
+    def steps_per_sec(self, num_reqs: Any, tokens: Any, drafting: bool = True, sampling: bool = False) -> Any:
+        return 1000.0 / self.step_cost_ms(num_reqs, tokens, drafting, sampling)
 
 
 def _sps_to_ms(points: Any, what: str, source: str, overhead_ms: float) -> list[tuple[int, float]]:

@@ -41,6 +41,7 @@ from dspark_cli.engines.embedded.config import EngineConfig, resolve_device, res
 from dspark_cli.engines.embedded.model import read_llama_args
 from dspark_cli.engines.embedded.model_runner import ModelRunner
 from dspark_cli.engines.embedded.scheduler import Scheduler
+from dspark_cli.engines.embedded.seeded import counter_uniforms
 from dspark_cli.engines.embedded.sequence import SamplingParams, Sequence
 from dspark_cli.engines.embedded.synthetic import expected_accepted, synthetic_rejection_sample
 from dspark_cli.errors import DsparkError
@@ -248,11 +249,7 @@ class LLMEngine:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise DsparkError(f"prompt token ids must be in [0, {self.vocab_size})")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(int(params.seed))
-        seq = Sequence(request_id, list(prompt_token_ids), params, self._arrivals, generator)
+        seq = Sequence(request_id, list(prompt_token_ids), params, self._arrivals)
         self._arrivals += 1
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -349,7 +346,8 @@ class LLMEngine:
         if self.capacity is not None:
             num_drafts = torch.full((num_reqs,), k, dtype=torch.int64, device=dev)
             self.capacity.record_confidences(slots, conf)
-            decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs, defer_saturation=True)
+            decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs, defer_saturation=True,
+                                          sampling=temperature is not None)
             budget = decision.budget
             admitted = self.capacity.allocate(slots, num_drafts, budget)
         else:
@@ -370,7 +368,7 @@ class LLMEngine:
         clock.mark("verify")
         uniforms = None
         if temperature is not None:
-            # One [K + 1, 2] table per request (its own generator when seeded), read by row position.
+            # One [K + 1, 2] table per request (its own stream when seeded), read by row position.
             table = self._uniforms(seqs, (k + 1) * 2).view(num_reqs, k + 1, 2)
             req = layout.req_index.clamp(max=num_reqs - 1)
             uniforms = table[req, layout.pos_in_req.clamp(max=k)]
@@ -492,11 +490,20 @@ class LLMEngine:
         return temperature, top_p
 
     def _uniforms(self, seqs: list[Sequence], n: int) -> Tensor:
-        """``[R, n]`` uniforms: the engine's generator, except seeded requests draw from their own."""
+        """``[R, n]`` uniforms: the engine's generator, except seeded requests, which read their own stream.
+
+        The seeded rows come from one vectorised counter-based pass (seeded.py) and one host-to-device copy,
+        whatever the number of seeded requests: a generator per request cost two launches per request here.
+        """
         u = torch.rand(len(seqs), n, device=self.device, generator=self.generator)
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:  # only seeded requests own a generator
-                u[i] = torch.rand(n, device=self.device, generator=seq.generator)
+        rows = [i for i, seq in enumerate(seqs) if seq.params.seed is not None]
+        if rows:
+            packed = np.array([rows, [seqs[i].params.seed for i in rows], [seqs[i].rng_offset for i in rows]],
+                              dtype=np.int64)
+            idx, seeds, offsets = self.runner._to_device(torch.from_numpy(packed.reshape(-1))).view(3, -1)
+            u.index_copy_(0, idx, counter_uniforms(seeds, offsets, n))
+            for i in rows:
+                seqs[i].rng_offset += n
         return u
 
     def _emit(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:

@@ -8,7 +8,10 @@ cost):
   never pads, powers of two up to ``(K + 1) * max_num_seqs``), each with as many requests as a full-K
   batch of that size has, **plus points beyond the capture limit** (eager forwards): the curve prices
   batches past the limit from measurements there, never from a line through the last graph point;
-* **draft** at request counts 1, 2, 4, ... up to ``max_num_seqs`` (catch-up of one token + K - 1 steps);
+* **draft** at request counts 1, 2, 4, ... up to ``max_num_seqs`` (catch-up of one token + K - 1 steps),
+  twice: greedy (the whole K-token loop is one CUDA graph) and sampling (temperature 1: every draft token is
+  sampled and its distribution kept for the rejection sampler, an eager loop around the step graphs), since a
+  served batch runs one or the other and they differ by several ms on a large vocabulary;
 * **overhead** on *real* decode steps: ``LLMEngine.step()`` wall time of R running requests minus the
   verify and draft forwards of that same batch shape. What remains is what a step costs beyond the forward
   passes -- scheduling, block tables, layout, allocation, rejection sampling, the host copy, emission --
@@ -77,6 +80,7 @@ class SpsMeasurements:
     overhead_by_reqs: list[tuple[int, float]]  # (R, step wall - forwards) per measured R, unclamped
     capture_sizes: tuple[int, ...]  # staircase sizes (empty when the engine does not pad: CPU, no graphs)
     meta: dict[str, Any] = field(default_factory=dict)
+    draft_sampling_ms: list[tuple[int, float]] = field(default_factory=list)  # the sampling draft pass
 
 
 def curve_from_measurements(m: SpsMeasurements, overhead_ms: float | None = None) -> SpsCurve:
@@ -96,9 +100,12 @@ def curve_from_measurements(m: SpsMeasurements, overhead_ms: float | None = None
     meta["overhead_by_reqs_ms"] = [[r, round(v, 6)] for r, v in m.overhead_by_reqs]
     meta["measured_verify_ms"] = [[x, round(y, 6)] for x, y in m.verify_ms]
     meta["measured_draft_ms"] = [[x, round(y, 6)] for x, y in m.draft_ms]
+    if m.draft_sampling_ms:
+        meta["measured_draft_sampling_ms"] = [[x, round(y, 6)] for x, y in m.draft_sampling_ms]
     return SpsCurve.from_points(
         monotone_fit(m.verify_ms), monotone_fit(m.draft_ms), m.overhead_ms if overhead_ms is None else overhead_ms,
         m.capture_sizes, meta, source="profiled SPS curve",
+        draft_sampling_ms=monotone_fit(m.draft_sampling_ms) if m.draft_sampling_ms else (),
     )
 
 
@@ -167,6 +174,7 @@ def measure_sps(
             jobs[("verify", size)] = _verify_job(engine, seqs[:num_reqs], size)
         for num_reqs in counts:
             jobs[("draft", num_reqs)] = _draft_job(engine, seqs[:num_reqs])
+            jobs[("draft-sampling", num_reqs)] = _draft_job(engine, seqs[:num_reqs], sampling=True)
         if measure_overhead and device.type == "cuda":
             # Forward costs of the exact batches the overhead steps run (full K, every draft verified).
             for r in overhead_reqs:
@@ -178,12 +186,13 @@ def measure_sps(
             engine.block_manager.free(seq)
     verify_ms = [(size, medians[("verify", size)]) for size in sizes]
     draft_ms = [(n, medians[("draft", n)]) for n in counts]
+    draft_sampling_ms = [(n, medians[("draft-sampling", n)]) for n in counts]
     if progress:
         for size, ms in verify_ms:
             regime = "graph" if graphs and size <= base[-1] else "eager"
             progress(f"verify {size} tokens ({regime}): {ms:.3f} ms")
-        for n, ms in draft_ms:
-            progress(f"draft {n} requests: {ms:.3f} ms")
+        for (n, ms), (_, sms) in zip(draft_ms, draft_sampling_ms, strict=True):
+            progress(f"draft {n} requests: {ms:.3f} ms greedy, {sms:.3f} ms sampling")
 
     by_reqs: list[tuple[int, float]] = []
     if measure_overhead:
@@ -213,7 +222,8 @@ def measure_sps(
         "iters": iters,
         "torch": torch.__version__,
     }
-    return SpsMeasurements(verify_ms, draft_ms, overhead, by_reqs, tuple(runner.capture_sizes), meta)
+    return SpsMeasurements(verify_ms, draft_ms, overhead, by_reqs, tuple(runner.capture_sizes), meta,
+                           draft_sampling_ms)
 
 
 def profile_config(
@@ -292,10 +302,17 @@ def _verify_job(engine: LLMEngine, seqs: list[Sequence], size: int) -> Callable[
     return lambda: runner.verify(layout, tables, start, max_pos)
 
 
-def _draft_job(engine: LLMEngine, seqs: list[Sequence]) -> Callable[[], Any]:
+def _draft_job(engine: LLMEngine, seqs: list[Sequence], sampling: bool = False) -> Callable[[], Any]:
+    """One draft pass over ``seqs``: greedy, or (``sampling``) at temperature 1 with per-request uniforms as a
+    served sampling batch runs it."""
     runner = engine.runner
     tables = runner.block_tables(seqs)
-    return lambda: runner.propose(seqs, tables, None, None)
+    if not sampling:
+        return lambda: runner.propose(seqs, tables, None, None)
+    device = runner.device
+    temperature = torch.ones(len(seqs), dtype=torch.float32, device=device)
+    uniforms = torch.rand(len(seqs), runner.num_spec, device=device)
+    return lambda: runner.propose(seqs, tables, temperature, uniforms)
 
 
 def _round_robin_ms(

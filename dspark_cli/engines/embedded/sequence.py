@@ -17,8 +17,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import torch
-
 from dspark_cli.errors import DsparkError
 
 __all__ = ["SamplingParams", "Sequence", "SequenceStatus"]
@@ -40,6 +38,8 @@ class SamplingParams:
             raise DsparkError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise DsparkError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63:
+            raise DsparkError(f"seed must fit in 64 bits (signed), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -57,14 +57,14 @@ class Sequence:
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
-        generator: torch.Generator | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival = arrival  # admission order; preemption evicts the newest (largest) first
-        self.generator = generator  # per-request RNG when params.seed is set
+        # Seeded requests read their own counter-based stream (seeded.py): draws taken so far.
+        self.rng_offset = 0
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

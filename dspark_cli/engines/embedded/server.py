@@ -305,8 +305,8 @@ def parse_common(ctx: ServerContext, body: Any) -> tuple[dict[str, Any], list[st
     if p is not None and (not _is_num(p) or not 0 < p <= 1):
         raise BadRequest(f"'top_p' must be in (0, 1], got {p!r}", "top_p")
     s = body.get("seed")
-    if s is not None and not _is_int(s):
-        raise BadRequest(f"'seed' must be an integer, got {s!r}", "seed")
+    if s is not None and not (_is_int(s) and -(1 << 63) <= s < 1 << 63):
+        raise BadRequest(f"'seed' must be a 64-bit integer, got {s!r}", "seed")
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []

@@ -138,9 +138,7 @@ def load_curve(settings: DsparkVllmSettings) -> Any | None:
 def with_overhead(curve: Any, overhead_ms: float | None) -> Any:
     if overhead_ms is None or overhead_ms == curve.overhead_ms:
         return curve
-    from dspark_cli.core.sps import SpsCurve
-
-    return SpsCurve.from_points(curve.verify_ms, curve.draft_ms, overhead_ms, curve.capture_sizes, curve.meta)
+    return curve.with_overhead(overhead_ms)
 
 
 def initial_temperatures(settings: DsparkVllmSettings, k: int) -> list[float]:
