@@ -122,6 +122,56 @@ def test_graph_outputs_survive_replays_of_every_other_graph(pair: TinyPair) -> N
             assert torch.equal(out, snap), f"{name} output overwritten by another family's replay"
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+])
+def test_long_catch_up_gaps_are_fed_in_graph_rounds_and_draft_like_one_pass(pair: TinyPair, device: str) -> None:
+    """After paused steps a request can be many tokens ahead of its draft: the gap is fed in rounds the
+    catch-up graphs hold (never an eager pass of a shape no graph has), and the drafts come out as from the
+    single pass."""
+    k = 3
+    results = []
+    for rounds in (True, False):
+        engine = make_engine(pair, draft=str(pair.draft_head), num_speculative_tokens=k, max_model_len=128,
+                             device=device, dtype="float32")
+        runner = engine.runner
+        if device == "cpu":
+            runner.emulate_graphs()  # CUDA captures real graphs
+        for rid, prompt in zip("ab", prompts(2), strict=True):
+            engine.add_request(rid, prompt, GREEDY)
+        engine.step()  # prefill: the draft has fed every prompt token
+        seqs = _running_seqs(engine)
+        g = torch.Generator().manual_seed(5)
+        for seq, gap in zip(seqs, (23, 6), strict=True):  # tokens emitted while drafting was paused
+            seq.token_ids.extend(torch.randint(3, 100, (gap,), generator=g).tolist())
+            assert engine.block_manager.ensure(seq, seq.num_tokens + k + 1)
+        tables = runner.block_tables(seqs)
+        eager_rows: list[int] = []
+        inner = runner.draft_fwd.run
+
+        def spy(ids, positions, req, pad, qstart, bt, max_query_len, max_kv_len,  # type: ignore[no-untyped-def]
+                seen=eager_rows, inner=inner):
+            if max_query_len > k + 1:
+                seen.append(max_query_len)
+            return inner(ids, positions, req, pad, qstart, bt, max_query_len, max_kv_len)
+
+        runner.draft_fwd.run = spy  # type: ignore[method-assign]
+        graphs = runner._catchup_graphs
+        if not rounds:
+            runner._catchup_graphs = None  # the single catch-up pass (eager for this shape)
+        out = runner.propose(seqs, tables, None, None)
+        runner._catchup_graphs = graphs
+        results.append((out.tokens.clone(), out.confidence.clone()))
+        assert bool(eager_rows) is not rounds  # the rounds never fall back to an eager pass
+        if rounds:  # the rounds left the last K + 1 tokens of each request to the proposal's own catch-up
+            assert [s.num_tokens - s.num_draft_computed for s in seqs] == [k + 1, k + 1]
+    (tok_r, conf_r), (tok_1, conf_1) = results
+    assert torch.equal(tok_r, tok_1)
+    torch.testing.assert_close(conf_r, conf_1)
+
+
 def test_sampling_batches_bypass_the_greedy_loop_and_stay_seeded(pair: TinyPair) -> None:
     params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=7)
     outs = []

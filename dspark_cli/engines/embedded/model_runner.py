@@ -557,7 +557,47 @@ class ModelRunner:
     ) -> DraftOutput:
         """K drafts per sequence; the catch-up feeds ``token_ids[num_draft_computed:]`` first."""
         assert self.drafter is not None
+        if self._catchup_graphs is not None:
+            self._feed_long_gaps(seqs, tables)
         return self.drafter.propose(self._catchup_inputs(seqs, tables, temperature, uniforms), self.num_spec)
+
+    def _feed_long_gaps(self, seqs: list[Sequence], tables: Tensor) -> None:
+        """Bring every request within ``K + 1`` unfed tokens of its end, in rounds the catch-up graphs replay.
+
+        After drafting was paused a request may be G tokens ahead of its draft. One catch-up pass over those
+        gaps is a batch no captured graph holds (up to G query rows per request), so it ran eagerly: a
+        launch per kernel of the draft model, and -- a shape of its own each time -- new attention-kernel
+        compiles in the middle of serving. Instead, each round feeds up to ``K + 1`` tokens of every request
+        still more than ``K + 1`` behind (never its last ``K + 1``, which the proposal's own catch-up feeds
+        so that its outputs give draft 1), as a replay of the catch-up graph. The draft's KV and frontier
+        (``num_draft_computed``) end where the single pass would have left them.
+        """
+        q = self.num_spec + 1
+        pending = np.fromiter((s.num_tokens - s.num_draft_computed for s in seqs), dtype=np.int64, count=len(seqs))
+        fwd = self._catchup_graphs
+        assert fwd is not None
+        while pending.max(initial=0) > q:
+            rows = np.flatnonzero(pending > q)
+            feed = np.minimum(q, pending[rows] - q)
+            starts = np.fromiter((seqs[i].num_draft_computed for i in rows), dtype=np.int64, count=len(rows))
+            total = int(feed.sum())
+            packed = np.empty(3 * total + 2 * len(rows), dtype=np.int64)
+            packed[:total] = [t for i, s0, n in zip(rows, starts, feed, strict=True)
+                              for t in seqs[i].token_ids[s0 : s0 + n]]
+            req = np.repeat(np.arange(len(rows), dtype=np.int64), feed)
+            ends = np.cumsum(feed)
+            packed[total : 2 * total] = starts[req] + np.arange(total) - (ends - feed)[req]
+            packed[2 * total : 3 * total] = req
+            packed[3 * total : 3 * total + len(rows)] = starts
+            packed[3 * total + len(rows) :] = rows
+            dev = self._to_device(torch.from_numpy(packed))
+            sub_tables = tables.index_select(0, dev[3 * total + len(rows) :])
+            no_pad = torch.zeros(total, dtype=torch.bool, device=self.device)
+            fwd.run(dev[:total], dev[total : 2 * total], dev[2 * total : 3 * total], no_pad,
+                    dev[3 * total : 3 * total + len(rows)], sub_tables, q, self._kv_len(int((starts + feed).max())))
+            for i, n in zip(rows.tolist(), feed.tolist(), strict=True):
+                seqs[i].num_draft_computed += n
+            pending[rows] -= feed
 
     @torch.inference_mode()
     def verify(self, layout: VerifyLayout, tables: Tensor, start_pos: Tensor, max_position: int) -> Tensor:

@@ -130,7 +130,10 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit
+    # Row and request counts are not specialised on (Triton would compile a variant per value class: 1,
+    # multiple of 16, other -- for each of three counts): eager forwards (prefill, a catch-up after drafting
+    # was paused) see new counts all the time, and each variant is a compile inside serving.
+    @triton.jit(do_not_specialize=["num_reqs", "num_rows", "num_tile_progs"])
     def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr,
         out_ptr, m_part_ptr, l_part_ptr, o_part_ptr,
@@ -235,7 +238,7 @@ if triton is not None:
             o_ptrs = o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
             tl.store(o_ptrs, acc, mask=row_valid[:, None] & d_mask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_reqs"])
     def _merge_splits_kernel(
         m_part_ptr, l_part_ptr, o_part_ptr, qsl_ptr, out_ptr,
         num_reqs, stride_ot, stride_oh, stride_od,
@@ -282,14 +285,18 @@ def _choose_num_splits(num_tiles: int, kv_heads: int, max_kv_len: int, block_n: 
 
     A memory-bound program needs company: we aim for about four resident programs per SM, each keeping at
     least four KV tiles of work so the merge stays cheap next to it. Inputs are shapes (max_kv_len is the
-    block-table width times the page size), never contents, so a captured graph keeps its split count.
+    block-table width times the page size), never contents, so a captured graph keeps its split count; the
+    count is a power of two, so all shapes share at most six compiled variants.
     """
     programs = max(num_tiles * kv_heads, 1)
     target = _PROGRAMS_PER_SM * num_sms
     if programs >= target:
         return 1
     by_length = max(max_kv_len // (4 * block_n), 1)
-    return int(max(1, min(math.ceil(target / programs), by_length, _MAX_SPLITS)))
+    splits = int(max(1, min(math.ceil(target / programs), by_length, _MAX_SPLITS)))
+    # A power of two (rounded down): the split count is a compile-time constant, and eager batches of every
+    # size would otherwise compile up to _MAX_SPLITS variants of both kernels.
+    return 1 << (splits.bit_length() - 1)
 
 
 def _validate(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
