@@ -151,10 +151,12 @@ SHAPES = {
 
 
 def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, prompt_len: int,
-                mode: str) -> dict[str, Any]:
+                mode: str, temperature: float = 0.0) -> dict[str, Any]:
     """Generate ``conc`` requests at once and break the decode steps down by phase (``mode``: host/device)."""
     prompts = _prompts(conc, vocab, prompt_len, seed=conc)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # At temperature > 0 every request is seeded, as `dspark bench` sends them (seed + index).
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                             seed=i if temperature > 0 else None) for i in range(conc)]
     s = engine.stats
     s.phase_ms.clear()
     s.phase_steps.clear()
@@ -188,7 +190,7 @@ def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, promp
 
 
 def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "smollm2",
-               max_model_len: int = 1024) -> dict[str, Any]:
+               max_model_len: int = 1024, temperature: float = 0.0) -> dict[str, Any]:
     """Per-phase breakdown of decode steps: nospec / none / varlen at a low and a high concurrency.
 
     The shapes are the served configuration's (SmolLM2-135M target, a 4-layer draft of the same width,
@@ -222,17 +224,19 @@ def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "sm
         build_s = time.perf_counter() - t0
         # Warm-up: Triton JIT of eager prefill shapes and every kernel outside the graphs.
         engine.generate(_prompts(min(max(concs), 32), 128, prompt_len, seed=99),
-                        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+                        SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
         for conc in concs:
             rows.append(dict(config=name, build_s=build_s,
-                             **_run_phases(engine, conc, engine.vocab_size, max_tokens, prompt_len, "host")))
+                             **_run_phases(engine, conc, engine.vocab_size, max_tokens, prompt_len, "host",
+                                           temperature)))
             rows.append(dict(config=name, build_s=build_s,
                              **_run_phases(engine, conc, engine.vocab_size, max(8, max_tokens // 4), prompt_len,
-                                           "device")))
+                                           "device", temperature)))
         del engine
         if device != "cpu":
             torch.cuda.empty_cache()
     return {"model": model, "draft": draft, "k": k, "max_num_seqs": max_seqs, "max_tokens": max_tokens,
+            "temperature": temperature,
             "prompt_len": prompt_len, "phases": rows}
 
 
@@ -240,7 +244,8 @@ def _print_phases(console: Any, steps: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(title=f"decode step breakdown, ms per step ({steps['model']} + {steps['draft']}, K={steps['k']}, "
-                    f"{steps['max_tokens']} tokens; host = no added syncs, device = sync per phase)")
+                    f"{steps['max_tokens']} tokens, T={steps.get('temperature', 0.0):g}; host = no added syncs, "
+                    "device = sync per phase)")
     for col in ("config", "c", "timing", "kind", "steps", *PHASES, "sum", "sched", "tok/s", "ms/step*", "paused",
                 "acc len"):
         t.add_column(col, justify="right")
@@ -280,6 +285,8 @@ def main() -> None:
                     help="served shape timed phase by phase (llama-3-8b: the scaled setup, synthetic drafter)")
     ap.add_argument("--max-model-len", type=int, default=1024,
                     help="engines' max_model_len (block-table width and KV pool size follow it)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of the timed requests (> 0: seeded sampling, as dspark bench sends)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -292,7 +299,8 @@ def main() -> None:
         report["lossless"] = check_lossless(root, device, args.quick)
         if device == "cuda":
             report["syncs"] = check_syncs(root, device)
-        report["steps"] = time_steps(root, device, args.quick, args.out, args.shape, args.max_model_len)
+        report["steps"] = time_steps(root, device, args.quick, args.out, args.shape, args.max_model_len,
+                                     args.temperature)
     (args.out / "embedded_engine.json").write_text(json.dumps(report, indent=2))
 
     from rich.console import Console

@@ -10,7 +10,7 @@
 #
 # GPU 0: the scaled matrix (h200_matrix.sh scaled), the long pole (~18 min at 4 waves x 256 tokens).
 # GPU 1: the core re-check (h200_suite.sh core), the scheduling-overhead breakdown of the scaled setup
-#        (embedded_engine.py --shape llama-3-8b at max_model_len 4096), then -- once /tmp/smol/ready exists
+#        (embedded_engine.py --shape llama-3-8b at max_model_len 4096, greedy and at T=1), then -- once /tmp/smol/ready exists
 #        (the three SmolLM2 parts copied in, see h200_matrix.sh) -- the real matrix at c=1 (issue 7's proof)
 #        and 16..256, then GSM8K.
 # ROOT should live under /tmp on the host: it stays while the host is held -- and the host is given back,
@@ -41,6 +41,11 @@ queue1() {
   stage "scheduling overhead (llama-3-8b)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
     python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b --max-model-len 4096} \
     --out "$ROOT/overhead"
+  # The same at temperature 1 with seeded requests, as the matrices serve them (sampling draft pass).
+  # shellcheck disable=SC2086
+  stage "scheduling overhead at T=1 (llama-3-8b)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
+    python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b --max-model-len 4096} \
+    --temperature 1 --out "$ROOT/overhead_t1"
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
   CONC=${REAL_CONC:-1,16,32,64,128,256} WAVES=${REAL_WAVES:-4} TOK=${REAL_TOK:-128} \
     stage "real matrix" bash benchmarks/h200_matrix.sh "$ROOT" real

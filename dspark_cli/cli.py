@@ -299,6 +299,9 @@ def bench(
                                             help="With --simulate: non-paying steps before drafting pauses (0 = never)."),
     sts: str = typer.Option(None, "--sts", help="With --simulate: offline sts.json (adds manager+offline-sts)."),
     sim_steps: int = typer.Option(None, "--steps", help="With --simulate: steps per concurrency (default: cover the traces once)."),
+    sampling_draft: bool = typer.Option(False, "--sampling-draft",
+                                        help="With --simulate: price drafting steps with the curve's sampling draft pass "
+                                             "(a temperature > 0 workload)."),
 ) -> None:
     """Run the config x concurrency matrix and print the comparison table."""
     import shlex
@@ -320,7 +323,7 @@ def bench(
                 traces or [], sps_curve, mx.parse_concurrencies(concurrency), results_dir,
                 num_spec_tokens=num_spec_tokens, policies=policies, thresholds=threshold,
                 min_predicted_gain=min_predicted_gain, saturation_patience=saturation_patience, sts=sts,
-                num_steps=sim_steps, plots=plots,
+                num_steps=sim_steps, plots=plots, sampling=sampling_draft,
                 on_progress=lambda c, name: progress.update(task, advance=1, description=f"c={c} {name}"),
             )
         console.print(sim.to_rich(run.cells, run.names, run.title))

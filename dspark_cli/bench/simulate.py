@@ -671,9 +671,13 @@ def run_simulation(
     num_steps: int | None = None,
     plots: bool = True,
     on_progress: Callable[[int, str], None] | None = None,
+    sampling: bool = False,
 ) -> SimulationRun:
     """``dspark bench --simulate``: replay, write one JSON per concurrency as it finishes, then the summary
-    (``simulate.json``, ``simulate.md``) and ``simulate_throughput.png``; all writes are atomic."""
+    (``simulate.json``, ``simulate.md``) and ``simulate_throughput.png``; all writes are atomic.
+
+    ``sampling``: the replayed workload samples (temperature > 0), so every drafting step is priced with the
+    curve's sampling draft pass (``draft_sampling_curve_ms``), as the engines price such batches."""
     if sps_curve is None or str(sps_curve) == "auto":
         raise DsparkError("--simulate needs a profiled curve: pass --sps-curve sps_curve.json "
                           "(from `dspark profile-sps`)")
@@ -683,6 +687,11 @@ def run_simulation(
         raise DsparkError("--concurrency values must be >= 1")
     paths = _split_paths(traces)
     curve = SpsCurve.load(sps_curve)
+    if sampling:
+        if not curve.draft_sampling_ms:
+            raise DsparkError(f"{sps_curve} has no draft_sampling_curve_ms; re-profile it with `dspark profile-sps` "
+                              "or drop --sampling-draft")
+        curve = curve.for_sampling()
     data = load_trace_data(paths, num_spec_tokens)
     k = data.num_positions
     temps = load_sts(sts, k) if sts is not None else None
@@ -698,12 +707,13 @@ def run_simulation(
     out_dir = Path(results_dir)
     names = policy_names(opts.families, k, opts.thresholds)
     title = (f"dspark bench --simulate ({data.num_records} records, {len(data.requests)} requests, K={k}, "
-             f"curve {Path(sps_curve).name})")
+             f"curve {Path(sps_curve).name}{', sampling draft' if sampling else ''})")
     cells: list[SimCell] = []
     written: list[Path] = []
     meta = {
         "traces": [str(p) for p in paths],
         "sps_curve": str(sps_curve),
+        "draft_pricing": "sampling" if sampling else "greedy",
         "sts": str(sts) if sts is not None else None,
         "num_spec_tokens": k,
         "num_records": data.num_records,

@@ -293,6 +293,13 @@ class SpsCurve:
             draft_sampling_ms=draft_sampling,
         )
 
+    def for_sampling(self) -> SpsCurve:
+        """The curve a sampling workload sees: the sampling draft pass as its draft cost (unchanged when the
+        curve has no sampling draft points). For tools that price every step alike (the simulator)."""
+        if not self.draft_sampling_ms:
+            return self
+        return replace(self, draft_ms=self.draft_sampling_ms, meta={**self.meta, "draft_pricing": "sampling"})
+
     def with_overhead(self, overhead_ms: float, meta: dict[str, Any] | None = None) -> SpsCurve:
         """The same curve with another per-step overhead (and optionally new meta); validated again."""
         return replace(self, overhead_ms=_clean_overhead(overhead_ms, "SpsCurve"),
