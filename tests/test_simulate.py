@@ -204,6 +204,26 @@ def test_offline_sts_policy_reads_sts_json(tmp_path: Path) -> None:
         sim.run_simulation([traces], "auto", [2], tmp_path / "out")
 
 
+def test_sampling_draft_pricing_makes_drafting_cost_the_sampling_pass(tmp_path: Path) -> None:
+    traces = write_trace_file(tmp_path / "t.jsonl", 2, 10, 3)
+    base = linear_curve()
+    greedy_only = tmp_path / "greedy.json"
+    base.save(greedy_only)
+    with pytest.raises(DsparkError, match="draft_sampling_curve_ms"):
+        sim.run_simulation([traces], greedy_only, [2], tmp_path / "out", sampling=True)
+    # A sampling draft pass so expensive that no drafting step can pay: the oracle stops drafting.
+    pricey = tmp_path / "sampling.json"
+    SpsCurve.from_points(base.verify_ms, base.draft_ms, base.overhead_ms, base.capture_sizes,
+                         draft_sampling_ms=[(1, 1e4), (64, 1e4)]).save(pricey)
+    kw = dict(policies="nospec,manager", num_steps=20, plots=False)
+    greedy = sim.run_simulation([traces], pricey, [2], tmp_path / "g", **kw)
+    sampled = sim.run_simulation([traces], pricey, [2], tmp_path / "s", sampling=True, **kw)
+    assert greedy.cells[0].results["oracle"].mean_verify > 0
+    oracle = sampled.cells[0].results["oracle"]
+    assert oracle.mean_verify == 0 and oracle.tok_s == pytest.approx(sampled.cells[0].results["nospec"].tok_s)
+    assert json.loads((tmp_path / "s" / "simulate.json").read_text())["draft_pricing"] == "sampling"
+
+
 def test_mask_policies_pay_the_uniform_batch_and_never_trim_for_nothing() -> None:
     """A dense model computes a mask step's padding rows: every drafting step costs R + R*K tokens. Poor
     drafts (survival 0.05) make varlen trim; mask then keeps verifying everything or stops drafting."""
