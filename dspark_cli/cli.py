@@ -302,6 +302,9 @@ def bench(
     sampling_draft: bool = typer.Option(False, "--sampling-draft",
                                         help="With --simulate: price drafting steps with the curve's sampling draft pass "
                                              "(a temperature > 0 workload)."),
+    manager_sps_curve: str = typer.Option(None, "--manager-sps-curve",
+                                          help="With --simulate: the curve the capacity manager prices with, when "
+                                               "--sps-curve (which times every step) is the truth it does not know."),
 ) -> None:
     """Run the config x concurrency matrix and print the comparison table."""
     import shlex
@@ -323,7 +326,7 @@ def bench(
                 traces or [], sps_curve, mx.parse_concurrencies(concurrency), results_dir,
                 num_spec_tokens=num_spec_tokens, policies=policies, thresholds=threshold,
                 min_predicted_gain=min_predicted_gain, saturation_patience=saturation_patience, sts=sts,
-                num_steps=sim_steps, plots=plots, sampling=sampling_draft,
+                num_steps=sim_steps, plots=plots, sampling=sampling_draft, manager_sps_curve=manager_sps_curve,
                 on_progress=lambda c, name: progress.update(task, advance=1, description=f"c={c} {name}"),
             )
         console.print(sim.to_rich(run.cells, run.names, run.title))

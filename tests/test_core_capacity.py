@@ -13,10 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_cli.core.capacity import (
+    PLAIN_SAMPLE_EVERY,
     BudgetDecision,
     CapacityConfig,
     CapacityManager,
     SaturationPolicy,
+    StepTimeCalibration,
     allocate,
     choose_budget,
     prefix_survival,
@@ -469,6 +471,59 @@ def test_saturation_pauses_after_patience_and_probes() -> None:
         pol.begin_step(100)
         pol.observe(losing, 100)
     assert not pol.drafting_enabled and pol.probe_wait == 4
+
+
+def test_step_time_calibration_compares_drafting_with_plain_steps() -> None:
+    cal = StepTimeCalibration(memory=8)
+    assert cal.relative_draft_cost == 1.0  # nothing measured: trust the curve
+    cal.record(True, 4, measured_ms=30.0, priced_ms=20.0)
+    assert cal.ratio(True) == pytest.approx(1.5) and cal.ratio(False) is None
+    assert cal.relative_draft_cost == 1.0  # plain decoding not measured yet
+    cal.record(False, 4, measured_ms=12.0, priced_ms=10.0)
+    assert cal.relative_draft_cost == pytest.approx(1.5 / 1.2)
+    cal.record(True, 4, measured_ms=1e6, priced_ms=1.0)  # a compile stall pulls by the clamp at most
+    assert cal.ratio(True) < 4.0
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        cal.record(False, 4, measured_ms=bad, priced_ms=10.0)
+    assert cal.num_samples == {True: 2, False: 1}
+
+
+def _timed_manager(patience: int) -> CapacityManager:
+    curve = SpsCurve.from_points([(1, 10.0), (64, 10.5), (512, 14.0)], [(1, 2.0), (64, 2.0)], 0.5)
+    cfg = CapacityConfig(mode="varlen", policy="argmax", saturation_patience=patience, resume_every=4)
+    return CapacityManager(cfg, curve, 4, 8, "cpu")
+
+
+def _timed_step(mgr: CapacityManager, drafted_ms_scale: float, emitted: int) -> bool:
+    """One engine step: begin, plan and judge a drafting step, report its time; returns whether it drafted."""
+    slots = np.arange(8)
+    if not mgr.begin_step(8):
+        mgr.record_step_time(False, 8, float(mgr.curve.step_cost_ms(8, 8, drafting=False)))
+        return False
+    mgr.record_confidences(torch.from_numpy(slots), torch.full((8, 4), 0.9))
+    decision = mgr.plan(slots, np.full(8, 4), 8, 8, defer_saturation=True)
+    mgr.record_outcome(emitted)
+    mgr.record_step_time(True, 8, decision.step_ms * drafted_ms_scale)
+    return True
+
+
+def test_timed_engines_get_a_plain_measuring_step_and_its_price_judges_drafting() -> None:
+    # Drafting steps take what the curve says, so they keep paying; every PLAIN_SAMPLE_EVERY timed drafting
+    # steps one step is plain, to measure plain decoding.
+    mgr = _timed_manager(patience=4)
+    drafted = [_timed_step(mgr, 1.0, emitted=8 + 8) for _ in range(2 * PLAIN_SAMPLE_EVERY + 2)]
+    assert drafted.count(False) == 2 and drafted[PLAIN_SAMPLE_EVERY] is False
+    assert mgr.drafting_enabled
+    # The same outcomes when drafting steps really cost 3x their price relative to plain decoding: the
+    # measured windows catch up and the saturation policy pauses drafting.
+    mgr = _timed_manager(patience=4)
+    for _ in range(4 * PLAIN_SAMPLE_EVERY):
+        _timed_step(mgr, 3.0, emitted=8 + 8)
+    assert mgr.step_times.relative_draft_cost > 2.0
+    assert not mgr.drafting_enabled
+    # Patience 0 never pauses, so it never measures plain decoding either.
+    mgr = _timed_manager(patience=0)
+    assert all(_timed_step(mgr, 1.0, emitted=8 + 8) for _ in range(2 * PLAIN_SAMPLE_EVERY))
 
 
 def test_saturation_resumes_when_load_falls() -> None:

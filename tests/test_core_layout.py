@@ -187,3 +187,27 @@ def test_varlen_layout_accepts_column_views_of_a_packed_batch(device: str) -> No
     want = build_varlen_layout(last.contiguous(), drafts, admitted.contiguous(), start.contiguous(), padded)
     for name in ("input_ids", "positions", "req_index", "pos_in_req", "is_padding", "query_start_loc", "seq_lens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_fused_layout_kernel_compiles_for_hopper_with_runtime_loop_bounds() -> None:
+    """The compiled kernel (not the interpreter's while loops) builds for sm_90 without a GPU: request and row
+    counts are runtime values, so one variant per K serves every batch."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.compiler")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dspark_cli.core import _triton_rejection as tr
+
+    if tr._interpreting():
+        pytest.skip("compiled-mode check")
+    fn = tr._varlen_layout_kernel
+    sig = dict(last_ptr="*i64", drafts_ptr="*i64", stride_dr="i32", adm_ptr="*i64", start_ptr="*i64",
+               ids_ptr="*i64", pos_ptr="*i64", req_ptr="*i64", pir_ptr="*i64", pad_ptr="*u8", qsl_ptr="*i32",
+               seq_ptr="*i32", nlog_ptr="*i32", ntok_ptr="*i64", num_reqs="i32", num_rows="i32")
+    consts = dict(K=7, BLOCK_R=tr.LAYOUT_BLOCK_R, BLOCK_J=8, BLOCK_T=tr.LAYOUT_BLOCK_T, LOOP_WHILE=False)
+    sig.update({name: "constexpr" for name in consts})
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=4))
+    assert ".entry" in kernel.asm["ptx"]
+    assert {"num_reqs", "num_rows"} <= {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}

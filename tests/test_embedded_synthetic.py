@@ -347,7 +347,7 @@ def test_profile_sps_prices_the_draft_model_the_synthetic_drafter_runs(
     out = tmp_path / "curve.json"
     result = CliRunner().invoke(app, [
         "profile-sps", "tiny", "--draft", "synthetic:draft=random:small:layers=1", "-k", "3", "--device", "cpu",
-        "--max-num-seqs", "2", "--max-model-len", "128", "--context-len", "16", "--warmup", "0", "--replays", "1",
+        "--max-num-seqs", "2", "--max-model-len", "128", "--context-len", "16", "--warmup", "1", "--replays", "5",
         "--overhead-ms", "0", "--output", str(out),
     ])
     assert result.exit_code == 0, result.output

@@ -224,6 +224,30 @@ def test_sampling_draft_pricing_makes_drafting_cost_the_sampling_pass(tmp_path: 
     assert json.loads((tmp_path / "s" / "simulate.json").read_text())["draft_pricing"] == "sampling"
 
 
+def test_a_mispriced_manager_recovers_through_measured_step_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager prices drafting at a fifth of what it costs (``manager_curve``); the steps take what the
+    true curve says and the manager is told so, as the embedded engine tells it. Measured against plain
+    steps, drafting stops paying and the manager ends near no speculation, where trusting its curve it
+    would draft through and lose."""
+    k, r = 4, 8
+    rng = np.random.default_rng(0)
+    conf = np.full((2000, k), 0.9)
+    acc = rng.integers(0, 2, 2000)  # ~0.5 accepted drafts per step: drafting at its true price does not pay
+    data = trace_data(conf, np.full(2000, k), acc, 50)
+    true = SpsCurve.from_points([(1, 10.0), (64, 10.5), (512, 14.0)], [(1, 10.0), (64, 10.0)], 0.5)
+    cheap = SpsCurve.from_points(true.verify_ms, [(1, 2.0), (64, 2.0)], 0.5)
+    opts = sim.SimOptions(families=("nospec", "manager"), num_steps=1500, manager_curve=cheap)
+    calibrated = sim.simulate_concurrency(data, true, r, opts).results
+    import dspark_cli.core.capacity as cap
+
+    monkeypatch.setattr(cap.StepTimeCalibration, "relative_draft_cost", property(lambda self: 1.0))
+    trusting = sim.simulate_concurrency(data, true, r, opts).results
+    nospec = calibrated["nospec"].tok_s
+    assert trusting["manager"].tok_s < 0.9 * nospec  # believing its curve, it keeps drafting at a loss
+    assert calibrated["manager"].tok_s > 0.95 * nospec
+    assert calibrated["manager"].drafting_steps < trusting["manager"].drafting_steps / 2
+
+
 def test_mask_policies_pay_the_uniform_batch_and_never_trim_for_nothing() -> None:
     """A dense model computes a mask step's padding rows: every drafting step costs R + R*K tokens. Poor
     drafts (survival 0.05) make varlen trim; mask then keeps verifying everything or stops drafting."""

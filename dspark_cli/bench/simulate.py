@@ -276,6 +276,9 @@ class SimOptions:
     resume_every: int = 16
     sts_temperatures: tuple[float, ...] | None = None  # offline STS (manager+offline-sts, online prior)
     num_steps: int | None = None  # None: default_num_steps
+    # The curve the manager policies price with when it is not the one that times the steps (a mispriced
+    # model: what step-time calibration recovers); None = the timing curve.
+    manager_curve: SpsCurve | None = None
 
     def capacity_config(self) -> CapacityConfig:
         return CapacityConfig(mode="varlen", policy="argmax", min_predicted_gain=self.min_predicted_gain,
@@ -362,15 +365,18 @@ def _run_manager(
     cfg: CapacityConfig,
     online_sts: bool,
     offline_temps: Sequence[float] | None,
+    model: SpsCurve | None = None,
 ) -> PolicyResult:
     """The production path, called exactly as the embedded engine calls it each decode step.
 
     ``cfg.mode`` "mask" prices every drafting step at the uniform batch (every draft row computed, pruned
-    ones as padding), as a dense model pays it; otherwise the verified tokens are priced (varlen).
+    ones as padding), as a dense model pays it; otherwise the verified tokens are priced (varlen). Steps
+    take the time ``curve`` says; the manager prices with ``model`` (default ``curve``) and is told each
+    step's time as the embedded engine tells it (``record_step_time``), plain measuring steps included.
     """
     s, r, k = conf.shape
     acc = _Acc(name, r)
-    mgr = CapacityManager(cfg, curve, k, r, "cpu")
+    mgr = CapacityManager(cfg, curve if model is None else model, k, r, "cpu")
     sts = OnlineSTS(k, "cpu", initial_temperatures=offline_temps) if online_sts else None
     temps: torch.Tensor | None
     if sts is not None:
@@ -391,6 +397,7 @@ def _run_manager(
             mgr.add_request(int(slot))
         if not mgr.begin_step(r):
             acc.add(zeros, accepted[t], no_draft_ms, False)
+            mgr.record_step_time(False, r, no_draft_ms)
             continue
         conf_raw = torch.from_numpy(conf[t]).float()
         c = conf_raw if temps is None else apply_temperatures(conf_raw, temps, None if sts is None else sts.offsets)
@@ -398,8 +405,10 @@ def _run_manager(
         decision = mgr.plan(slots_np, nd_np, r, r, defer_saturation=True)
         v = mgr.allocate(slots, nd, decision.budget).numpy().astype(np.int64)
         batch = r + (int(nd_np.sum()) if uniform else int(v.sum()))
-        acc.add(v, accepted[t], float(curve.step_cost_ms(r, batch)), True)
+        step_ms = float(curve.step_cost_ms(r, batch))
+        acc.add(v, accepted[t], step_ms, True)
         mgr.record_outcome(r + int(np.minimum(accepted[t], v).sum()))  # as the engine does after its sync
+        mgr.record_step_time(True, r, step_ms)
         if sts is not None:
             # Only what both the policy and the recording engine verified was observed.
             seen = torch.from_numpy(np.minimum(v, verified[t]))
@@ -488,6 +497,7 @@ def simulate_concurrency(
     accepted = data.accepted[record]
     s, r, k = conf.shape
     cfg = opts.capacity_config()
+    mc = opts.manager_curve
     results: dict[str, PolicyResult] = {}
 
     def done(res: PolicyResult) -> None:
@@ -511,19 +521,19 @@ def simulate_concurrency(
         elif fam == "argmax":
             done(_run_argmax(conf, accepted, curve, cfg))
         elif fam == "manager":
-            done(_run_manager("manager", conf, verified, accepted, new, curve, cfg, False, None))
+            done(_run_manager("manager", conf, verified, accepted, new, curve, cfg, False, None, mc))
         elif fam == "manager+sts":
             done(_run_manager("manager+sts", conf, verified, accepted, new, curve, cfg, True,
-                              opts.sts_temperatures))
+                              opts.sts_temperatures, mc))
         elif fam in ("mask", "mask+sts"):
             mask_cfg = dataclasses.replace(cfg, mode="mask")
             done(_run_manager(fam, conf, verified, accepted, new, curve, mask_cfg, fam == "mask+sts",
-                              opts.sts_temperatures))
+                              opts.sts_temperatures, mc))
         elif fam == "manager+offline-sts":
             if opts.sts_temperatures is None:
                 raise DsparkError("manager+offline-sts needs --sts sts.json (from `dspark calibrate`)")
             done(_run_manager("manager+offline-sts", conf, verified, accepted, new, curve, cfg, False,
-                              opts.sts_temperatures))
+                              opts.sts_temperatures, mc))
         else:
             raise DsparkError(f"unknown policy family {fam!r}")
     orc, iters = oracle(accepted, curve)
@@ -672,12 +682,16 @@ def run_simulation(
     plots: bool = True,
     on_progress: Callable[[int, str], None] | None = None,
     sampling: bool = False,
+    manager_sps_curve: str | os.PathLike[str] | None = None,
 ) -> SimulationRun:
     """``dspark bench --simulate``: replay, write one JSON per concurrency as it finishes, then the summary
     (``simulate.json``, ``simulate.md``) and ``simulate_throughput.png``; all writes are atomic.
 
     ``sampling``: the replayed workload samples (temperature > 0), so every drafting step is priced with the
-    curve's sampling draft pass (``draft_sampling_curve_ms``), as the engines price such batches."""
+    curve's sampling draft pass (``draft_sampling_curve_ms``), as the engines price such batches.
+    ``manager_sps_curve``: the curve the manager policies price with, when it differs from the one that
+    times every step (``sps_curve``); with ``sampling`` it is read the same way (a curve without sampling
+    points prices sampling steps like greedy ones, as an engine given that file would)."""
     if sps_curve is None or str(sps_curve) == "auto":
         raise DsparkError("--simulate needs a profiled curve: pass --sps-curve sps_curve.json "
                           "(from `dspark profile-sps`)")
@@ -692,6 +706,11 @@ def run_simulation(
             raise DsparkError(f"{sps_curve} has no draft_sampling_curve_ms; re-profile it with `dspark profile-sps` "
                               "or drop --sampling-draft")
         curve = curve.for_sampling()
+    manager_curve = None
+    if manager_sps_curve is not None:
+        manager_curve = SpsCurve.load(manager_sps_curve)
+        if sampling:
+            manager_curve = manager_curve.for_sampling()
     data = load_trace_data(paths, num_spec_tokens)
     k = data.num_positions
     temps = load_sts(sts, k) if sts is not None else None
@@ -702,6 +721,7 @@ def run_simulation(
         saturation_patience=saturation_patience,
         sts_temperatures=temps,
         num_steps=num_steps,
+        manager_curve=manager_curve,
     )
     opts.capacity_config()  # validate the capacity flags before any work
     out_dir = Path(results_dir)
@@ -714,6 +734,7 @@ def run_simulation(
         "traces": [str(p) for p in paths],
         "sps_curve": str(sps_curve),
         "draft_pricing": "sampling" if sampling else "greedy",
+        "manager_sps_curve": str(manager_sps_curve) if manager_sps_curve is not None else None,
         "sts": str(sts) if sts is not None else None,
         "num_spec_tokens": k,
         "num_records": data.num_records,

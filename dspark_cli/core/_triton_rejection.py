@@ -100,56 +100,92 @@ def _pow2(n: int) -> int:
 
 if triton is not None:
 
+    @triton.jit
+    def _layout_requests(
+        r0, carry, j, last_ptr, drafts_ptr, stride_dr, adm_ptr, start_ptr,
+        ids_ptr, pos_ptr, req_ptr, pir_ptr, pad_ptr, qsl_ptr, seq_ptr, nlog_ptr, num_reqs, num_rows,
+        K: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):
+        # Requests r0 .. r0 + BLOCK_R - 1: their rows, counts and per-request outputs; returns the row carry.
+        r = r0 + tl.arange(0, BLOCK_R)
+        rmask = r < num_reqs
+        adm = tl.load(adm_ptr + r, mask=rmask, other=0).to(tl.int32)
+        adm = tl.minimum(tl.maximum(adm, 0), K)
+        cnt = tl.where(rmask, adm + 1, 0)
+        ends = tl.cumsum(cnt, 0) + carry
+        starts = ends - cnt
+        sp = tl.load(start_ptr + r, mask=rmask, other=0).to(tl.int64)
+        tl.store(qsl_ptr + 1 + r, ends.to(tl.int32), mask=rmask)
+        tl.store(seq_ptr + r, (sp + cnt).to(tl.int32), mask=rmask)
+        tl.store(nlog_ptr + r, cnt.to(tl.int32), mask=rmask)
+        row = starts[:, None] + j[None, :]
+        m2 = rmask[:, None] & (j[None, :] <= adm[:, None]) & (row < num_rows)
+        last = tl.load(last_ptr + r, mask=rmask, other=0).to(tl.int64)
+        dcol = tl.maximum(j - 1, 0)
+        dr = tl.load(drafts_ptr + r[:, None].to(tl.int64) * stride_dr + dcol[None, :],
+                     mask=m2 & (j[None, :] >= 1), other=0).to(tl.int64)
+        tok = tl.where(j[None, :] == 0, last[:, None], dr)
+        tl.store(ids_ptr + row, tok, mask=m2)
+        tl.store(pos_ptr + row, sp[:, None] + j[None, :].to(tl.int64), mask=m2)
+        tl.store(req_ptr + row, r[:, None].to(tl.int64) + j[None, :] * 0, mask=m2)
+        tl.store(pir_ptr + row, (j[None, :] + r[:, None] * 0).to(tl.int64), mask=m2)
+        tl.store(pad_ptr + row, (j[None, :] * 0 + r[:, None] * 0).to(tl.uint8), mask=m2)
+        return carry + tl.sum(cnt, 0)
+
+    @triton.jit
+    def _layout_padding(t0, carry, ids_ptr, pos_ptr, req_ptr, pir_ptr, pad_ptr, num_reqs, num_rows,
+                        BLOCK_T: tl.constexpr):
+        # Rows t0 .. t0 + BLOCK_T - 1 at or past the last request's rows: padding.
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = (t < num_rows) & (t >= carry)
+        zero = (t * 0).to(tl.int64)  # int64 zeros shaped like t
+        tl.store(ids_ptr + t, zero, mask=tm)
+        tl.store(pos_ptr + t, zero, mask=tm)
+        tl.store(req_ptr + t, zero + num_reqs, mask=tm)
+        tl.store(pir_ptr + t, zero, mask=tm)
+        tl.store(pad_ptr + t, (zero + 1).to(tl.uint8), mask=tm)
+
     # One compiled variant per K. The request count and the padded row count change from step to step
     # (the budget decides the rows), so they are runtime loop bounds and never specialised on: a variant per
     # shape was a JIT compile -- tens of milliseconds up to a second -- inside serving each time a new
     # (requests, budget) shape came up (measured on an H200: the layout phase averaged 19 ms per step).
+    # LOOP_WHILE: the interpreter (CPU tests) cannot take tensor bounds in range() with numpy >= 2.4; while
+    # loops give the same iterations there, and compiled kernels keep the for loops.
     @triton.jit(do_not_specialize=["num_reqs", "num_rows"])
     def _varlen_layout_kernel(
         last_ptr, drafts_ptr, stride_dr, adm_ptr, start_ptr,
         ids_ptr, pos_ptr, req_ptr, pir_ptr, pad_ptr, qsl_ptr, seq_ptr, nlog_ptr, ntok_ptr,
         num_reqs, num_rows,
         K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr,
+        LOOP_WHILE: tl.constexpr,
     ):
         # Row counts fit int32 (T is a capture size); values stored as int64 where the layout says so.
         carry = tl.sum(tl.zeros([BLOCK_R], tl.int32), 0)
         tl.store(qsl_ptr, carry)
         j = tl.arange(0, BLOCK_J)
-        for r0 in range(0, num_reqs, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            rmask = r < num_reqs
-            adm = tl.load(adm_ptr + r, mask=rmask, other=0).to(tl.int32)
-            adm = tl.minimum(tl.maximum(adm, 0), K)
-            cnt = tl.where(rmask, adm + 1, 0)
-            ends = tl.cumsum(cnt, 0) + carry
-            starts = ends - cnt
-            sp = tl.load(start_ptr + r, mask=rmask, other=0).to(tl.int64)
-            tl.store(qsl_ptr + 1 + r, ends.to(tl.int32), mask=rmask)
-            tl.store(seq_ptr + r, (sp + cnt).to(tl.int32), mask=rmask)
-            tl.store(nlog_ptr + r, cnt.to(tl.int32), mask=rmask)
-            row = starts[:, None] + j[None, :]
-            m2 = rmask[:, None] & (j[None, :] <= adm[:, None]) & (row < num_rows)
-            last = tl.load(last_ptr + r, mask=rmask, other=0).to(tl.int64)
-            dcol = tl.maximum(j - 1, 0)
-            dr = tl.load(drafts_ptr + r[:, None].to(tl.int64) * stride_dr + dcol[None, :],
-                         mask=m2 & (j[None, :] >= 1), other=0).to(tl.int64)
-            tok = tl.where(j[None, :] == 0, last[:, None], dr)
-            tl.store(ids_ptr + row, tok, mask=m2)
-            tl.store(pos_ptr + row, sp[:, None] + j[None, :].to(tl.int64), mask=m2)
-            tl.store(req_ptr + row, r[:, None].to(tl.int64) + j[None, :] * 0, mask=m2)
-            tl.store(pir_ptr + row, (j[None, :] + r[:, None] * 0).to(tl.int64), mask=m2)
-            tl.store(pad_ptr + row, (j[None, :] * 0 + r[:, None] * 0).to(tl.uint8), mask=m2)
-            carry += tl.sum(cnt, 0)
+        if LOOP_WHILE:
+            r0 = 0
+            while r0 < num_reqs:
+                carry = _layout_requests(r0, carry, j, last_ptr, drafts_ptr, stride_dr, adm_ptr, start_ptr,
+                                         ids_ptr, pos_ptr, req_ptr, pir_ptr, pad_ptr, qsl_ptr, seq_ptr, nlog_ptr,
+                                         num_reqs, num_rows, K, BLOCK_R)
+                r0 += BLOCK_R
+        else:
+            for r0 in range(0, num_reqs, BLOCK_R):
+                carry = _layout_requests(r0, carry, j, last_ptr, drafts_ptr, stride_dr, adm_ptr, start_ptr,
+                                         ids_ptr, pos_ptr, req_ptr, pir_ptr, pad_ptr, qsl_ptr, seq_ptr, nlog_ptr,
+                                         num_reqs, num_rows, K, BLOCK_R)
         tl.store(ntok_ptr, carry.to(tl.int64))
-        for t0 in range(0, num_rows, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            tm = (t < num_rows) & (t >= carry)
-            zero = (t * 0).to(tl.int64)  # int64 zeros shaped like t
-            tl.store(ids_ptr + t, zero, mask=tm)
-            tl.store(pos_ptr + t, zero, mask=tm)
-            tl.store(req_ptr + t, zero + num_reqs, mask=tm)
-            tl.store(pir_ptr + t, zero, mask=tm)
-            tl.store(pad_ptr + t, (zero + 1).to(tl.uint8), mask=tm)
+        if LOOP_WHILE:
+            t0 = 0
+            while t0 < num_rows:
+                _layout_padding(t0, carry, ids_ptr, pos_ptr, req_ptr, pir_ptr, pad_ptr, num_reqs, num_rows,
+                                BLOCK_T)
+                t0 += BLOCK_T
+        else:
+            for t0 in range(0, num_rows, BLOCK_T):
+                _layout_padding(t0, carry, ids_ptr, pos_ptr, req_ptr, pir_ptr, pad_ptr, num_reqs, num_rows,
+                                BLOCK_T)
 
 
     @triton.jit
@@ -589,7 +625,8 @@ def build_varlen_layout_fused(
         last_tokens, drafts, drafts.stride(0), admitted, start_pos,
         ids, positions, req_index, pos_in_req, pad, qsl, seq_lens, nlog, ntok,
         num_reqs, rows,
-        K=num_spec, BLOCK_R=LAYOUT_BLOCK_R, BLOCK_J=_pow2(num_spec + 1), BLOCK_T=LAYOUT_BLOCK_T, num_warps=4,
+        K=num_spec, BLOCK_R=LAYOUT_BLOCK_R, BLOCK_J=_pow2(num_spec + 1), BLOCK_T=LAYOUT_BLOCK_T,
+        LOOP_WHILE=_interpreting(), num_warps=4,
     )
     return ids, positions, req_index, pos_in_req, pad.view(torch.bool), qsl, seq_lens, nlog, ntok
 

@@ -46,6 +46,11 @@ POLICIES: tuple[str, ...] = ("argmax", "paper", "threshold")
 # at 16 requests, one at 64+, ~64 at one request) -- enough to ride out acceptance noise without letting a
 # miscalibrated head draft at a loss for long; a probe drafts for at least PROBE_REQUEST_STEPS request-steps.
 REALIZED_MEMORY = 64
+# Step-time calibration (StepTimeCalibration): request-steps in each window, how far one sample may pull,
+# and how often a drafting engine takes one plain step just to measure plain decoding.
+STEP_TIME_MEMORY = 256
+STEP_TIME_CLAMP = 4.0
+PLAIN_SAMPLE_EVERY = 64
 PROBE_REQUEST_STEPS = 16
 
 
@@ -355,6 +360,50 @@ def _allocate_torch(survival: torch.Tensor, num_drafts: torch.Tensor, budget: to
 # ---------------------------------------------------------------------------------------------- saturation
 
 
+class StepTimeCalibration:
+    """Measured over priced step time, for drafting and for plain steps apart.
+
+    The saturation policy judges a drafting step by its tokens per *priced* millisecond against plain
+    decoding's priced Θ, so it inherits any error of the curve in the price of drafting relative to plain
+    decoding -- and such errors are real: a curve profiled with greedy drafting prices a sampling batch's
+    draft pass at 0.6x its cost (H200, 128k vocabulary), and host work a profile does not see (per-request
+    sampling state, stalls) lands on drafting steps. Engines that time their steps report each one here;
+    the quotient of the two windows (``relative_draft_cost``) rescales what a drafting step really cost
+    against plain decoding. Request-weighted windows of ``STEP_TIME_MEMORY`` request-steps; a sample's ratio
+    is clamped to ``[1/STEP_TIME_CLAMP, STEP_TIME_CLAMP]`` so one compile stall cannot swing the window. With
+    either window empty the scale is 1 (the curve's own judgment).
+    """
+
+    def __init__(self, memory: int = STEP_TIME_MEMORY) -> None:
+        _check_int("memory", memory, 1)
+        self.memory = memory
+        self._w = {True: 0.0, False: 0.0}
+        self._x = {True: 0.0, False: 0.0}
+        self.num_samples = {True: 0, False: 0}
+
+    def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float) -> None:
+        if not (measured_ms > 0 and priced_ms > 0 and math.isfinite(measured_ms) and math.isfinite(priced_ms)):
+            return
+        r = max(1, int(num_reqs))
+        ratio = min(max(measured_ms / priced_ms, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
+        decay = (1.0 - 1.0 / self.memory) ** r
+        self._w[drafting] = decay * self._w[drafting] + r
+        self._x[drafting] = decay * self._x[drafting] + r * ratio
+        self.num_samples[drafting] += 1
+
+    def ratio(self, drafting: bool) -> float | None:
+        """Windowed measured / priced time of drafting (True) or plain (False) steps; None before a sample."""
+        return self._x[drafting] / self._w[drafting] if self._w[drafting] > 0 else None
+
+    @property
+    def relative_draft_cost(self) -> float:
+        """How much more (> 1) or less a drafting step really costs, relative to plain decoding, than priced."""
+        d, p = self.ratio(True), self.ratio(False)
+        if d is None or p is None:
+            return 1.0
+        return min(max(d / p, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
+
+
 class SaturationPolicy:
     """Stop paying for the draft pass while verification does not pay, and probe to come back.
 
@@ -423,7 +472,9 @@ class SaturationPolicy:
         """Windowed realized Θ over plain decoding's (> 1: drafting has been paying); None before any outcome."""
         return self._realized
 
-    def observe_outcome(self, decision: BudgetDecision, emitted_tokens: int, num_running: int) -> bool:
+    def observe_outcome(
+        self, decision: BudgetDecision, emitted_tokens: int, num_running: int, cost_scale: float = 1.0
+    ) -> bool:
         """Judge a drafting step by what it produced, then :meth:`observe` the verdict; returns it.
 
         Confidences can be confidently wrong (a head predicting 3-4x the accepted drafts is common, and STS
@@ -433,12 +484,15 @@ class SaturationPolicy:
         cost model the decision used. A step pays when the prediction says so *and* the realized Θ beats
         plain decoding -- averaged over a request-weighted window (``REALIZED_MEMORY`` request-steps) to
         ride out acceptance noise, except for a probe, which is judged on its own outcome over at least
-        ``PROBE_REQUEST_STEPS`` request-steps (the history is what paused drafting).
+        ``PROBE_REQUEST_STEPS`` request-steps (the history is what paused drafting). ``cost_scale`` is what
+        a drafting step really costs relative to plain decoding over what the curve says
+        (:class:`StepTimeCalibration`); 1 trusts the curve.
         """
-        if decision.step_ms <= 0 or decision.theta_no_draft <= 0:
+        if decision.step_ms <= 0 or decision.theta_no_draft <= 0 or not cost_scale > 0:
             return False
         r = max(1, num_running)
-        ratio = (emitted_tokens / decision.step_ms) / decision.theta_no_draft
+        step_ms = decision.step_ms * cost_scale
+        ratio = (emitted_tokens / step_ms) / decision.theta_no_draft
         # One step of a full batch is solid evidence, one step of a single request is noise.
         decay = (1.0 - 1.0 / REALIZED_MEMORY) ** r
         self._realized_w = decay * self._realized_w + r
@@ -447,7 +501,7 @@ class SaturationPolicy:
         if self._probing:
             # At low load a probe drafts for several steps before its verdict (begin_step keeps it going).
             self._probe_tokens += emitted_tokens
-            self._probe_ms += decision.step_ms
+            self._probe_ms += step_ms
             self._probe_plain += r / decision.theta_no_draft
             self._probe_requests += r
             if self._probe_requests < PROBE_REQUEST_STEPS:
@@ -551,6 +605,9 @@ class CapacityManager:
         self._added_at = np.full(max_slots, -1, dtype=np.int64)
         self.last_decision: BudgetDecision | None = None
         self._pending_running = 0
+        self.step_times = StepTimeCalibration()
+        self._drafting_since_plain = 0  # timed drafting steps since the last timed plain step
+        self._probe_step = False  # the step in progress is a probe (its catch-up is not drafting's cost)
 
     # -- saturation
     @property
@@ -558,9 +615,42 @@ class CapacityManager:
         return self.cfg.mode == "none" or self.saturation.drafting_enabled
 
     def begin_step(self, num_running: int) -> bool:
+        """Whether this step drafts. An engine that times its steps (:meth:`record_step_time`) also gets
+        one plain step after every ``PLAIN_SAMPLE_EVERY`` timed drafting steps while drafting is on: the
+        measurement of plain decoding that :class:`StepTimeCalibration` compares drafting steps against
+        (one plain step in 65 costs a paying configuration well under 1%)."""
+        self._probe_step = False
         if self.cfg.mode == "none":
             return True
-        return self.saturation.begin_step(num_running)
+        drafting = self.saturation.begin_step(num_running)
+        self._probe_step = drafting and self.saturation.probing
+        if (drafting and not self._probe_step and self.cfg.saturation_patience > 0
+                and self._drafting_since_plain >= PLAIN_SAMPLE_EVERY):
+            return False  # measure plain decoding; pointless where drafting never pauses (patience 0)
+        return drafting
+
+    def record_step_time(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float | None = None) -> None:
+        """Report a decode step's measured wall time (host clock, the step's own sync included).
+
+        ``priced_ms``: what the curve charged; defaults to the last decision's ``step_ms`` for a drafting
+        step and to the curve's plain-decoding cost of ``num_reqs`` requests for a plain one. Probe steps
+        are skipped: their catch-up over the pause is the price of probing, not of drafting.
+        """
+        if self.cfg.mode == "none":
+            return
+        if drafting:
+            if self._probe_step:
+                return
+            if priced_ms is None:
+                if self.last_decision is None:
+                    return
+                priced_ms = self.last_decision.step_ms
+            self._drafting_since_plain += 1
+        else:
+            if priced_ms is None:
+                priced_ms = float(self.curve.step_cost_ms(num_reqs, num_reqs, drafting=False))
+            self._drafting_since_plain = 0
+        self.step_times.record(drafting, num_reqs, measured_ms, priced_ms)
 
     # -- confidences
     def add_request(self, slot: int) -> None:
@@ -626,7 +716,8 @@ class CapacityManager:
             return False
         if self.cfg.mode == "none":
             return self.last_decision.pays
-        return self.saturation.observe_outcome(self.last_decision, emitted_tokens, self._pending_running)
+        return self.saturation.observe_outcome(self.last_decision, emitted_tokens, self._pending_running,
+                                               self.step_times.relative_draft_cost)
 
     @property
     def realized_gain(self) -> float | None:

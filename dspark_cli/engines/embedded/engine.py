@@ -320,6 +320,9 @@ class LLMEngine:
         return outputs
 
     def _decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        # The step's wall time (its one sync included) calibrates the curve's price of drafting against
+        # plain decoding (core.capacity.StepTimeCalibration).
+        start = time.perf_counter()
         self.stats.num_decode_steps += 1
         num_reqs = len(seqs)
         k = self.num_spec
@@ -327,7 +330,10 @@ class LLMEngine:
         if k > 0 and not drafting:
             self.stats.num_paused_steps += 1
         if not drafting:
-            return self._plain_decode_step(seqs)
+            outputs = self._plain_decode_step(seqs)
+            if self.capacity is not None:
+                self.capacity.record_step_time(False, num_reqs, (time.perf_counter() - start) * 1e3)
+            return outputs
         clock = self._clock("spec")
         runner = self.runner
         dev = self.device
@@ -420,6 +426,8 @@ class LLMEngine:
             seq.num_draft_computed = old_len + min(a, k - 1)
             outputs.append(self._emit(seq, row[: a + 1]))
         clock.mark("emit")
+        if self.capacity is not None:
+            self.capacity.record_step_time(True, num_reqs, (time.perf_counter() - start) * 1e3)
         return outputs
 
     def _plain_decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
