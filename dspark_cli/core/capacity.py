@@ -360,6 +360,30 @@ def _allocate_torch(survival: torch.Tensor, num_drafts: torch.Tensor, budget: to
 # ---------------------------------------------------------------------------------------------- saturation
 
 
+class RequestWeightedMean:
+    """Mean of recent per-step values, each weighted by its step's requests, forgetting by request-steps.
+
+    A step of R requests decays the past by ``(1 - 1/memory) ** R`` and adds its value with weight R: one
+    full batch is solid evidence, one step of a single request is noise. ``value`` is None before any step.
+    """
+
+    def __init__(self, memory: int) -> None:
+        _check_int("memory", memory, 1)
+        self.memory = memory
+        self._w = 0.0
+        self._x = 0.0
+
+    def add(self, value: float, num_reqs: int) -> None:
+        r = max(1, int(num_reqs))
+        decay = (1.0 - 1.0 / self.memory) ** r
+        self._w = decay * self._w + r
+        self._x = decay * self._x + r * value
+
+    @property
+    def value(self) -> float | None:
+        return self._x / self._w if self._w > 0 else None
+
+
 class StepTimeCalibration:
     """Measured over priced step time, for drafting and for plain steps apart.
 
@@ -375,25 +399,19 @@ class StepTimeCalibration:
     """
 
     def __init__(self, memory: int = STEP_TIME_MEMORY) -> None:
-        _check_int("memory", memory, 1)
-        self.memory = memory
-        self._w = {True: 0.0, False: 0.0}
-        self._x = {True: 0.0, False: 0.0}
+        self._windows = {True: RequestWeightedMean(memory), False: RequestWeightedMean(memory)}
         self.num_samples = {True: 0, False: 0}
 
     def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float) -> None:
         if not (measured_ms > 0 and priced_ms > 0 and math.isfinite(measured_ms) and math.isfinite(priced_ms)):
             return
-        r = max(1, int(num_reqs))
         ratio = min(max(measured_ms / priced_ms, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
-        decay = (1.0 - 1.0 / self.memory) ** r
-        self._w[drafting] = decay * self._w[drafting] + r
-        self._x[drafting] = decay * self._x[drafting] + r * ratio
+        self._windows[drafting].add(ratio, num_reqs)
         self.num_samples[drafting] += 1
 
     def ratio(self, drafting: bool) -> float | None:
         """Windowed measured / priced time of drafting (True) or plain (False) steps; None before a sample."""
-        return self._x[drafting] / self._w[drafting] if self._w[drafting] > 0 else None
+        return self._windows[drafting].value
 
     @property
     def relative_draft_cost(self) -> float:
@@ -438,9 +456,7 @@ class SaturationPolicy:
         self._paused_steps = 0
         self._probe_wait = resume_every
         self._probing = False
-        self._realized: float | None = None  # windowed realized Θ / Θ(plain decoding) over judged steps
-        self._realized_w = 0.0
-        self._realized_x = 0.0
+        self._realized = RequestWeightedMean(REALIZED_MEMORY)  # realized Θ / Θ(plain decoding), judged steps
         self._probe_tokens = 0.0  # the probe in progress: emitted tokens, priced ms, plain-decoding ms, requests
         self._probe_ms = 0.0
         self._probe_plain = 0.0
@@ -470,7 +486,7 @@ class SaturationPolicy:
     @property
     def realized_gain(self) -> float | None:
         """Windowed realized Θ over plain decoding's (> 1: drafting has been paying); None before any outcome."""
-        return self._realized
+        return self._realized.value
 
     def observe_outcome(
         self, decision: BudgetDecision, emitted_tokens: int, num_running: int, cost_scale: float = 1.0
@@ -493,11 +509,7 @@ class SaturationPolicy:
         r = max(1, num_running)
         step_ms = decision.step_ms * cost_scale
         ratio = (emitted_tokens / step_ms) / decision.theta_no_draft
-        # One step of a full batch is solid evidence, one step of a single request is noise.
-        decay = (1.0 - 1.0 / REALIZED_MEMORY) ** r
-        self._realized_w = decay * self._realized_w + r
-        self._realized_x = decay * self._realized_x + r * ratio
-        self._realized = self._realized_x / self._realized_w
+        self._realized.add(ratio, r)
         if self._probing:
             # At low load a probe drafts for several steps before its verdict (begin_step keeps it going).
             self._probe_tokens += emitted_tokens
@@ -510,7 +522,7 @@ class SaturationPolicy:
             self._probe_tokens = self._probe_ms = self._probe_plain = 0.0
             self._probe_requests = 0
         else:
-            realized = self._realized
+            realized = self._realized.value
         paid = decision.pays and realized >= 1.0
         self.observe(paid, num_running=num_running)
         return paid

@@ -511,6 +511,28 @@ class ModelRunner:
             self.drafter.prefill(t_ids, t_pos, t_req, t_start, tables, max_q, kv_len)
         return self.target.compute_logits(hidden[t_last])
 
+    @staticmethod
+    def _pack_feed(
+        seqs: list[Sequence], starts: np.ndarray, counts: np.ndarray, tail: int, to_end: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Tokens ``token_ids[starts[i] : starts[i] + counts[i]]`` of each sequence, request-major, as one int64
+        array ``[ids | positions | owning request | tail slots]`` (the tail left for the caller) for one copy.
+        ``to_end``: every slice runs to the sequence's end. Returns the array, each request's exclusive end
+        row, and the token total."""
+        total = int(counts.sum())
+        packed = np.empty(3 * total + tail, dtype=np.int64)
+        ids = packed[:total]
+        if to_end and total == len(seqs):
+            ids[:] = [seq.token_ids[-1] for seq in seqs]  # the common case: one token each, the last one
+        else:
+            ids[:] = [t for seq, s0, n in zip(seqs, starts.tolist(), counts.tolist(), strict=True)
+                      for t in seq.token_ids[s0 : s0 + n]]
+        ends = np.cumsum(counts)
+        req = np.repeat(np.arange(len(seqs), dtype=np.int64), counts)
+        packed[total : 2 * total] = starts[req] + np.arange(total) - (ends - counts)[req]
+        packed[2 * total : 3 * total] = req
+        return packed, ends, total
+
     def _catchup_inputs(
         self, seqs: list[Sequence], tables: Tensor, temperature: Tensor | None, uniforms: Tensor | None
     ) -> DraftInputs:
@@ -518,18 +540,8 @@ class ModelRunner:
         packed host array and one copy."""
         counts = np.fromiter((s.num_tokens - s.num_draft_computed for s in seqs), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.num_draft_computed for s in seqs), dtype=np.int64, count=len(seqs))
-        total = int(counts.sum())
         num_reqs = len(seqs)
-        packed = np.empty(3 * total + 3 * num_reqs, dtype=np.int64)
-        ids = packed[:total]
-        if total == num_reqs:  # the common case: one token each, the last one
-            ids[:] = [s.token_ids[-1] for s in seqs]
-        else:
-            ids[:] = [t for s in seqs for t in s.token_ids[s.num_draft_computed:]]
-        ends = np.cumsum(counts)
-        req = np.repeat(np.arange(num_reqs, dtype=np.int64), counts)
-        packed[total : 2 * total] = starts[req] + np.arange(total) - (ends - counts)[req]
-        packed[2 * total : 3 * total] = req
+        packed, ends, total = self._pack_feed(seqs, starts, counts, 3 * num_reqs, to_end=True)
         tail = packed[3 * total :].reshape(3, num_reqs)
         tail[0] = ends - 1
         tail[1] = starts
@@ -578,16 +590,10 @@ class ModelRunner:
         assert fwd is not None
         while pending.max(initial=0) > q:
             rows = np.flatnonzero(pending > q)
+            behind = [seqs[i] for i in rows]
             feed = np.minimum(q, pending[rows] - q)
-            starts = np.fromiter((seqs[i].num_draft_computed for i in rows), dtype=np.int64, count=len(rows))
-            total = int(feed.sum())
-            packed = np.empty(3 * total + 2 * len(rows), dtype=np.int64)
-            packed[:total] = [t for i, s0, n in zip(rows, starts, feed, strict=True)
-                              for t in seqs[i].token_ids[s0 : s0 + n]]
-            req = np.repeat(np.arange(len(rows), dtype=np.int64), feed)
-            ends = np.cumsum(feed)
-            packed[total : 2 * total] = starts[req] + np.arange(total) - (ends - feed)[req]
-            packed[2 * total : 3 * total] = req
+            starts = np.fromiter((seq.num_draft_computed for seq in behind), dtype=np.int64, count=len(rows))
+            packed, _, total = self._pack_feed(behind, starts, feed, 2 * len(rows))
             packed[3 * total : 3 * total + len(rows)] = starts
             packed[3 * total + len(rows) :] = rows
             dev = self._to_device(torch.from_numpy(packed))
@@ -595,8 +601,8 @@ class ModelRunner:
             no_pad = torch.zeros(total, dtype=torch.bool, device=self.device)
             fwd.run(dev[:total], dev[total : 2 * total], dev[2 * total : 3 * total], no_pad,
                     dev[3 * total : 3 * total + len(rows)], sub_tables, q, self._kv_len(int((starts + feed).max())))
-            for i, n in zip(rows.tolist(), feed.tolist(), strict=True):
-                seqs[i].num_draft_computed += n
+            for seq, n in zip(behind, feed.tolist(), strict=True):
+                seq.num_draft_computed += n
             pending[rows] -= feed
 
     @torch.inference_mode()

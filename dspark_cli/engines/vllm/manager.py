@@ -89,6 +89,14 @@ def step_sample_points(samples: list[Any]) -> tuple[list[tuple[int, float]], lis
     return verify, [(int(s.num_reqs), float(s.drafter_ms)) for s in (full or timed)], bool(full)
 
 
+def median_points(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``(size, ms)`` samples -> one ``(size, median ms)`` per size, sorted by size."""
+    grouped: dict[int, list[float]] = {}
+    for key, value in points:
+        grouped.setdefault(int(key), []).append(float(value))
+    return [(k, float(np.median(v))) for k, v in sorted(grouped.items())]
+
+
 def curve_from_samples(samples: list[Any], capture_sizes: list[int], overhead_ms: float, meta: dict[str, Any]) -> Any:
     """vLLM's start-up ``StepTimingSample`` list -> ``core.sps.SpsCurve`` (medians per size), or None if flat.
 
@@ -101,10 +109,7 @@ def curve_from_samples(samples: list[Any], capture_sizes: list[int], overhead_ms
     from dspark_cli.core.sps import MIN_COST_RATIO, SpsCurve, monotone_fit
 
     def medians(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
-        grouped: dict[int, list[float]] = {}
-        for key, value in points:
-            grouped.setdefault(int(key), []).append(float(value))
-        raw = [(k, float(np.median(v))) for k, v in sorted(grouped.items())]
+        raw = median_points(points)
         fitted = monotone_fit(raw)
         if fitted != raw:
             logger.info("dspark: vLLM's start-up profile was not monotone; fitted a monotone curve (%d sizes "

@@ -122,16 +122,10 @@ def summarize_steps(
     """
     import numpy as np
 
-    from dspark_cli.engines.vllm.manager import step_sample_points
-
-    def medians(points: list[tuple[int, float]]) -> dict[int, float]:
-        grouped: dict[int, list[float]] = {}
-        for key, value in points:
-            grouped.setdefault(key, []).append(value)
-        return {k: float(np.median(v)) for k, v in grouped.items()}
+    from dspark_cli.engines.vllm.manager import median_points, step_sample_points
 
     verify_points, draft_points, from_full_graphs = step_sample_points(samples)
-    fwd_med, drf_med = medians(verify_points), medians(draft_points)
+    fwd_med, drf_med = dict(median_points(verify_points)), dict(median_points(draft_points))
     overheads = []
     for n in captured[: min(3, len(captured))]:
         if n in walls and n in fwd_med:
