@@ -1,9 +1,13 @@
 """Per-request seeded uniforms for a whole batch in one pass: a counter-based generator.
 
-A request with ``seed`` must sample the same tokens whatever else runs beside it, so its random draws come
-from its own stream. A ``torch.Generator`` per request does that, but drawing from R generators is R small
-kernel launches (plus R copies into the batch tensor) per draw site, twice per speculative step -- at 256
-seeded requests that was milliseconds of host time per step, more than the capacity manager's whole plan.
+A request with ``seed`` draws its random numbers from its own stream, so the requests beside it never move
+its draws. (Its tokens repeat whenever the engine takes the same drafting decisions for it -- always without
+speculation. Speculative sampling is lossless in distribution, not draw for draw: a step that drafts uses a
+request's draws differently from a plain step, and whether a step drafts depends on the load and on the
+capacity manager's state.) A ``torch.Generator`` per request gives such streams, but drawing from R
+generators is R small kernel launches (plus R copies into the batch tensor) per draw site, twice per
+speculative step -- at 256 seeded requests that was milliseconds of host time per step, more than the
+capacity manager's whole plan.
 
 Counter-based generation needs no state on the device: the stream of request ``r`` is
 ``u(seed_r, i) = mix(seed_r, i)`` for draw index ``i``, so a batch of draws is one vectorised expression of
