@@ -99,8 +99,9 @@ def _exact_second_token_marginal(target: Path, prompt: list[int]) -> np.ndarray:
     return (p1.unsqueeze(1) * p2).sum(0).numpy()
 
 
-@pytest.mark.parametrize("mode", ["none", "varlen"])
-def test_sampled_distribution_is_the_targets(pair: TinyPair, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "graphs"), [("none", False), ("varlen", False), ("varlen", True)])
+def test_sampled_distribution_is_the_targets(pair: TinyPair, mode: str, graphs: bool) -> None:
+    """``graphs``: the CUDA-graph replay path (the sampling draft loop's static buffers), run eagerly."""
     from scipy.stats import chisquare
 
     prompt = prompts(1, seed=5)[0]
@@ -110,6 +111,8 @@ def test_sampled_distribution_is_the_targets(pair: TinyPair, mode: str) -> None:
         pair, max_num_seqs=64, max_model_len=64, num_speculative_tokens=3, capacity=_capacity(mode),
         sps_curve=str(pair.curve), seed=11,
     )
+    if graphs:
+        engine.runner.emulate_graphs()
     outs = engine.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True))
     assert engine.stats.num_accepted_tokens > 0
     counts = np.bincount([o[1] for o in outs], minlength=VOCAB).astype(np.float64)

@@ -68,26 +68,53 @@ def test_paused_steps_leave_the_draft_alone_and_probes_catch_it_up(
     assert engine.stats.num_drafts > 0
 
 
-def test_graphed_draft_loop_matches_the_eager_loop(pair: TinyPair) -> None:
-    engine = make_engine(pair, draft=str(pair.draft_head), max_num_seqs=8)
+CPU_AND_CUDA = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+]
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("sampling", [False, True])
+def test_graphed_draft_loop_matches_the_eager_loop(pair: TinyPair, sampling: bool, device: str) -> None:
+    engine = make_engine(pair, draft=str(pair.draft_head), max_num_seqs=8, device=device, dtype="float32")
     runner = engine.runner
-    runner.emulate_graphs()
-    assert runner.drafter is not None and runner.drafter.loop_fn is not None
+    if device == "cpu":
+        runner.emulate_graphs()  # CUDA captures real graphs
+    drafter = runner.drafter
+    assert drafter is not None and drafter.loop_fn is not None and drafter.sampling_loop_fn is not None
     for rid, prompt in zip("abc", prompts(3), strict=True):
         engine.add_request(rid, prompt, GREEDY)
     engine.step()  # prefill
     seqs = _running_seqs(engine)
     tables = runner.block_tables(seqs)
+    temperature = uniforms = None
+    if sampling:  # one greedy row beside two sampling ones, as a mixed batch is
+        temperature = torch.tensor([1.0, 0.0, 0.7], device=device)
+        uniforms = torch.rand(3, runner.num_spec, generator=torch.Generator().manual_seed(3)).to(device)
     # 3 requests replay the size-4 bucket: one padding request rides along in the static buffers.
-    looped = runner.propose(seqs, tables, None, None)
-    loop_fn, runner.drafter.loop_fn = runner.drafter.loop_fn, None
+    looped = runner.propose(seqs, tables, temperature, uniforms)
+    looped = type(looped)(looped.tokens.clone(), looped.confidence.clone(),
+                          None if looped.draft_probs is None else looped.draft_probs.clone())
+    saved = drafter.loop_fn, drafter.sampling_loop_fn
+    drafter.loop_fn = drafter.sampling_loop_fn = None
     try:
-        eager = runner.propose(seqs, tables, None, None)
+        for seq in seqs:  # the catch-up feeds the same tokens again
+            seq.num_draft_computed = seq.num_tokens - 1
+        eager = runner.propose(seqs, tables, temperature, uniforms)
     finally:
-        runner.drafter.loop_fn = loop_fn
+        drafter.loop_fn, drafter.sampling_loop_fn = saved
     assert torch.equal(looped.tokens, eager.tokens)
     torch.testing.assert_close(looped.confidence, eager.confidence)
-    assert looped.draft_probs is None
+    if sampling:
+        assert looped.draft_probs is not None and eager.draft_probs is not None
+        assert looped.draft_probs.shape == (3, runner.num_spec, runner.vocab_size)
+        torch.testing.assert_close(looped.draft_probs, eager.draft_probs)
+        # the greedy row's drafts are its argmax path, the sampling rows drew from their distributions
+        assert bool((looped.draft_probs[0].gather(1, looped.tokens[0].unsqueeze(1)) > 0).all())
+    else:
+        assert looped.draft_probs is None
 
 
 @pytest.mark.gpu
@@ -109,6 +136,9 @@ def test_graph_outputs_survive_replays_of_every_other_graph(pair: TinyPair) -> N
         name: (list(fam._captured.values()), [fam.out]) for name, fam in forwards.items()
     }
     families["draft loop"] = ([g for g in loop.graphs.values() if g is not None], [loop.tokens_out, loop.conf_out])
+    sloop = runner._sampling_loop_graphs
+    families["sampling draft loop"] = ([g for g in sloop.graphs.values() if g is not None],
+                                       [sloop.tokens_out, sloop.conf_out, sloop.probs_out])
     assert all(graphs for graphs, _ in families.values())
     for name, (graphs, outputs) in families.items():
         graphs[0].replay()
@@ -122,11 +152,7 @@ def test_graph_outputs_survive_replays_of_every_other_graph(pair: TinyPair) -> N
             assert torch.equal(out, snap), f"{name} output overwritten by another family's replay"
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu,
-                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
-])
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_long_catch_up_gaps_are_fed_in_graph_rounds_and_draft_like_one_pass(pair: TinyPair, device: str) -> None:
     """After paused steps a request can be many tokens ahead of its draft: the gap is fed in rounds the
     catch-up graphs hold (never an eager pass of a shape no graph has), and the drafts come out as from the
@@ -198,9 +224,11 @@ def test_sampling_batches_plan_with_the_sampling_draft_cost(pair: TinyPair, tmp_
         assert (engine.capacity.last_decision.step_ms > 500.0) is priced_as_sampling
 
 
-@pytest.mark.parametrize("mode", ["host", "device"])
-def test_phase_timing_breaks_steps_down(pair: TinyPair, never_pays: Path, mode: str) -> None:
-    engine = make_engine(pair, sps_curve=str(never_pays),
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("mode", ["host", "device", "gpu"])
+def test_phase_timing_breaks_steps_down(pair: TinyPair, never_pays: Path, mode: str, device: str) -> None:
+    """On a CPU "gpu" timing is host timing; on CUDA it reads event spans of the device timeline."""
+    engine = make_engine(pair, sps_curve=str(never_pays), device=device, dtype="float32",
                          capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2))
     engine.phase_timing = mode
     engine.generate(prompts(3), GREEDY)
@@ -219,7 +247,7 @@ def test_phase_timing_is_off_by_default_and_checked(pair: TinyPair) -> None:
     engine = make_engine(pair)
     engine.generate(prompts(1), SamplingParams(temperature=0.0, max_tokens=4))
     assert engine.stats.phase_ms == {} and engine.stats.phase_steps == {}
-    engine.phase_timing = "gpu"
+    engine.phase_timing = "events"
     engine.add_request("x", prompts(1)[0], GREEDY)
     from dspark_cli.errors import DsparkError
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from dspark_cli.core.rejection import apply_sampling_params, sample
+from dspark_cli.core.rejection import apply_sampling_params, inverse_cdf_sample
 from dspark_cli.engines.embedded.model import LlamaForCausalLM
 from dspark_cli.errors import DsparkError
 
@@ -74,6 +74,8 @@ def load_confidence_head(
 
 # (input_ids, positions, req_index, is_padding, query_start_pos, block_tables, max_query_len, max_kv_len)
 ForwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
+# (h, next_pos, block_tables, temperature, uniforms) -> (tokens, confidences, draft distributions or None)
+LoopFn = Callable[..., tuple[Tensor, Tensor, Tensor | None] | None]
 
 
 @dataclass
@@ -115,7 +117,10 @@ class Drafter:
         self._step_forward = step_forward or forward  # one token per request (CUDA graph per request count)
         # The whole greedy loop after the catch-up as one replay (CUDA graphs): (h, next_pos, tables) ->
         # (tokens, confidences), or None when no captured size fits. None = the eager loop below.
-        self.loop_fn: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor] | None] | None = None
+        self.loop_fn: LoopFn | None = None
+        # The same for sampling batches: (h, next_pos, tables, temperature, uniforms) -> (tokens, confidences,
+        # draft distributions [R, K, V]), or None.
+        self.sampling_loop_fn: LoopFn | None = None
 
     @property
     def has_confidence_head(self) -> bool:
@@ -129,13 +134,24 @@ class Drafter:
         entropy = -(logq.exp() * logq).sum(dim=-1)
         return self.conf_head(hidden, logq_x, entropy)
 
+    @staticmethod
+    def draw(logits: Tensor, temperature: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft token per row and the distribution it was drawn from (``[R, V]`` float32): inverse-CDF
+        sampling of softmax(logits / T) with ``u``, argmax where T <= 0. The rejection sampler is told this
+        distribution, so any rule works as long as the token is drawn from it; the CUDA-graphed loop and
+        the eager loop both call this, so they draw identical tokens."""
+        probs = apply_sampling_params(logits, temperature, None).softmax(dim=-1)
+        tokens = torch.where(temperature > 0, inverse_cdf_sample(probs, u), logits.argmax(dim=-1))
+        return tokens, probs
+
     def _sample(self, logits: Tensor, inp: DraftInputs, k: int) -> tuple[Tensor, Tensor | None]:
         if inp.temperature is None:
             return logits.argmax(dim=-1), None
-        u = inp.uniforms[:, k] if inp.uniforms is not None else None
-        tokens = sample(logits, inp.temperature, None, u)
-        probs = apply_sampling_params(logits, inp.temperature, None).softmax(dim=-1)
-        return tokens, probs
+        if inp.uniforms is None:
+            u = torch.rand(logits.shape[0], device=logits.device)
+        else:
+            u = inp.uniforms[:, k]
+        return self.draw(logits, inp.temperature, u)
 
     @torch.inference_mode()
     def propose(self, inp: DraftInputs, num_tokens: int) -> DraftOutput:
@@ -147,10 +163,14 @@ class Drafter:
             inp.block_tables, inp.max_catchup, inp.max_kv_len,
         )
         h = hidden[inp.catchup_last]
-        if inp.temperature is None and self.loop_fn is not None and num_tokens > 0:
-            looped = self.loop_fn(h, inp.next_pos, inp.block_tables)
+        if num_tokens > 0:
+            looped = None
+            if inp.temperature is None and self.loop_fn is not None:
+                looped = self.loop_fn(h, inp.next_pos, inp.block_tables)
+            elif inp.temperature is not None and inp.uniforms is not None and self.sampling_loop_fn is not None:
+                looped = self.sampling_loop_fn(h, inp.next_pos, inp.block_tables, inp.temperature, inp.uniforms)
             if looped is not None:
-                return DraftOutput(tokens=looped[0], confidence=looped[1], draft_probs=None)
+                return DraftOutput(tokens=looped[0], confidence=looped[1], draft_probs=looped[2])
         tokens, confs, probs = [], [], []
         req_ar = torch.arange(num_reqs, device=device)
         step_pad = torch.zeros(num_reqs, dtype=torch.bool, device=device)
