@@ -526,14 +526,76 @@ def test_timed_engines_get_a_plain_measuring_step_and_its_price_judges_drafting(
     assert all(_timed_step(mgr, 1.0, emitted=8 + 8) for _ in range(2 * PLAIN_SAMPLE_EVERY))
 
 
-def test_saturation_resumes_when_load_falls() -> None:
+def test_saturation_probes_when_load_falls_and_resumes_only_if_the_probe_pays() -> None:
     pol = SaturationPolicy(patience=1, resume_every=1000)
     pol.begin_step(64)
     pol.observe(_decision(0, 0.5, 1.0), num_running=64)
     assert not pol.drafting_enabled
     assert not pol.begin_step(60)
-    assert pol.begin_step(48)  # 48 <= 0.75 * 64
+    assert pol.begin_step(48) and pol.probing  # 48 <= 0.75 * 64: a probe at once, not a resume
+    pol.observe(_decision(5, 1.3, 1.0), num_running=48)
     assert pol.drafting_enabled
+
+
+def test_a_failed_load_probe_lowers_the_floor_and_keeps_the_timer() -> None:
+    pol = SaturationPolicy(patience=1, resume_every=8)
+    losing = _decision(0, 0.5, 1.0)
+    pol.begin_step(64)
+    pol.observe(losing, num_running=64)
+    assert not pol.begin_step(60)
+    assert pol.begin_step(40) and pol.probing
+    pol.observe(losing, num_running=40)
+    assert not pol.drafting_enabled and pol.probe_wait == 8  # a load probe does not back the timer off
+    assert not pol.begin_step(32)  # above 0.75 * 40: nothing new to learn at this load
+    assert not pol.begin_step(64)  # back to full load: stays paused
+    assert pol.begin_step(30) and pol.probing  # 30 <= 0.75 * 40
+    pol.observe(losing, num_running=30)
+    # The timer counts on: the 8th paused step since the pause probes, and backs off when it fails.
+    steps = [pol.begin_step(64) for _ in range(3)]
+    assert steps == [False, False, True]
+    pol.observe(losing, num_running=64)
+    assert pol.probe_wait == 16
+
+
+def test_closed_loop_refills_do_not_restart_drafting_where_it_never_pays() -> None:
+    """A pool of 16 clients whose requests finish together: the batch drains to a few requests and refills
+    every 128 steps. Where drafting does not pay at any load, each refill used to resume drafting (and
+    reset the probe backoff): 11 drafting steps per generation. Now the drains are probed, once per new
+    floor, and later generations draft only for the backed-off timer probes."""
+    pol = SaturationPolicy(patience=8, resume_every=16)
+    losing = _decision(0, 0.5, 1.0)
+    per_generation = []
+    for _ in range(8):
+        drafted = 0
+        for r in [16] * 124 + [9, 5, 2, 1]:
+            if pol.begin_step(r):
+                drafted += 1
+                pol.observe_outcome(losing, r // 2, r)  # half a token per request: never pays
+        per_generation.append(drafted)
+    assert per_generation[0] <= 8 + 3 + 4  # patience, timer probes at 16/48/112, the drain's new floors
+    assert all(n <= 2 for n in per_generation[1:]), per_generation
+    assert not pol.drafting_enabled
+
+
+def test_closed_loop_drafts_in_the_drains_where_low_load_pays_and_pauses_at_once_on_refill() -> None:
+    """64 clients; drafting pays at <= 24 running requests and loses above. Each generation drains through
+    48, 40, ..., 1 and refills to 64: the drain's load probes find where drafting pays and resume it there,
+    and the refill pauses it again at once (the ceiling) instead of after ``patience`` losing steps."""
+    pol = SaturationPolicy(patience=8, resume_every=16)
+    drain = [48, 40, 32, 24, 16, 8, 4, 2, 1]
+    losing_drafts = missed = 0
+    for _ in range(8):
+        for r in [64] * 240 + drain:
+            pays = r <= 24
+            if pol.begin_step(r):
+                losing_drafts += not pays
+                pol.observe_outcome(_decision(5 if pays else 0, 1.3 if pays else 0.7, 1.0),
+                                    int((1.3 if pays else 0.7) * r), r)
+            else:
+                missed += pays
+    assert missed == 0  # every low-load step of every drain drafted
+    # patience + early timer probes in the first generation, then the two failed drain probes (48, 32) each
+    assert losing_drafts <= 12 + 2 * 8, losing_drafts
 
 
 def test_patience_zero_never_pauses() -> None:
@@ -627,8 +689,8 @@ def test_manager_pauses_drafting_when_verification_stops_paying() -> None:
         mgr.record_confidences(slots, low)
         mgr.plan(slots.numpy(), np.full(64, 3), 64, 64)
     assert not mgr.drafting_enabled
-    # Load falls to a quarter: drafting resumes at once.
-    assert mgr.begin_step(16) and mgr.drafting_enabled
+    # Load falls to a quarter: a probe drafts at once; drafting resumes only if the probe pays.
+    assert mgr.begin_step(16) and mgr.saturation.probing and not mgr.drafting_enabled
     none_mgr = CapacityManager(CapacityConfig(mode="none", saturation_patience=1), STAIR, 3, 64)
     none_mgr.record_confidences(slots, low)
     none_mgr.record_confidences(slots, low)

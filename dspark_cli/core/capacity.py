@@ -52,6 +52,8 @@ STEP_TIME_MEMORY = 256
 STEP_TIME_CLAMP = 4.0
 PLAIN_SAMPLE_EVERY = 64
 PROBE_REQUEST_STEPS = 16
+# SaturationPolicy: a load at or below this fraction of the lowest unprofitable one is probed at once.
+LOAD_FALL = 0.75
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -429,21 +431,29 @@ class SaturationPolicy:
     (``BudgetDecision.pays`` is False). After ``patience`` consecutive such steps drafting pauses
     (``drafting_enabled`` False: engines skip the draft pass and decode one token per request).
 
-    Resume rule, checked by :meth:`begin_step` at the start of every step while paused:
+    Resume rule, checked by :meth:`begin_step` at the start of every step while paused. Every resume goes
+    through a *probe*: one drafting step (several at low load, until ``PROBE_REQUEST_STEPS`` request-steps
+    are seen) judged on its own outcome; if it pays, drafting resumes, otherwise the pause continues.
 
-    * **load fell**: when the number of running requests is <= 3/4 of the count at which drafting
-      paused, drafting resumes at once (the contention that made it unprofitable is gone);
-    * **probe**: after ``resume_every`` paused steps, one step drafts; if that step's decision pays
-      (reported through :meth:`observe`), drafting resumes, otherwise the pause continues and the wait
-      before the next probe doubles, up to ``MAX_PROBE_BACKOFF x resume_every``. A probe costs a whole
-      speculative step plus the draft's catch-up over the pause, so under sustained saturation fixed-rate
-      probes would tax throughput by ~1/resume_every forever; the backoff bounds that tax at
-      1/(16 resume_every) while a falling load still resumes at once.
+    * **timer**: after ``probe_wait`` paused steps (``resume_every``, doubled by every failed timer probe,
+      up to ``MAX_PROBE_BACKOFF x resume_every``). A probe costs a whole speculative step plus the draft's
+      catch-up over the pause, so under sustained saturation fixed-rate probes would tax throughput by
+      ~1/resume_every forever; the backoff bounds that tax at 1/(16 resume_every).
+    * **load fell**: when the number of running requests falls to <= 3/4 of the lowest load at which
+      drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs at
+      once: the contention that made drafting unprofitable may be gone. A failed one lowers that floor to
+      its own load and leaves the timer alone. If one pays, drafting resumes with a *ceiling*: once the
+      load is back at the one that paused drafting, drafting pauses again at once, with the probe wait it
+      had (not after ``patience`` more losing steps); a timer probe that pays clears it. Why a probe and not a plain resume: under closed-loop load
+      (a benchmark's waves, a client pool) the batch drains and refills every generation; where drafting
+      pays at no load (a slow draft, low acceptance at temperature 1) an unconditional resume paid
+      ``patience`` losing drafting steps per refill and reset the backoff, which on a 135M pair cost up to
+      a quarter of the throughput of plain decoding.
 
     ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
     """
 
-    MAX_PROBE_BACKOFF = 16
+    MAX_PROBE_BACKOFF = 32
 
     def __init__(self, patience: int, resume_every: int) -> None:
         _check_int("saturation_patience", patience, 0)
@@ -452,10 +462,17 @@ class SaturationPolicy:
         self.resume_every = resume_every
         self._streak = 0
         self._paused = False
-        self._paused_running = 0
+        self._floor = 0  # lowest load at which drafting was found not to pay during this pause
+        self._paused_at = 0  # the load that paused drafting
+        # After a load probe resumed drafting: the load that had paused it, and the probe wait then. Back at
+        # that load drafting pauses again at once, where it was (see begin_step).
+        self._ceiling: int | None = None
+        self._ceiling_wait = resume_every
         self._paused_steps = 0
         self._probe_wait = resume_every
         self._probing = False
+        self._probe_on_load = False  # the probe in progress was started by a load fall, not the timer
+        self._probe_running = 0
         self._realized = RequestWeightedMean(REALIZED_MEMORY)  # realized Θ / Θ(plain decoding), judged steps
         self._probe_tokens = 0.0  # the probe in progress: emitted tokens, priced ms, plain-decoding ms, requests
         self._probe_ms = 0.0
@@ -473,14 +490,16 @@ class SaturationPolicy:
     def begin_step(self, num_running: int) -> bool:
         """Whether this step drafts (always while enabled; resumes or probes while paused)."""
         if not self._paused:
-            return True
-        if num_running <= 0.75 * self._paused_running:
-            self._resume()
+            if self._ceiling is not None and num_running >= self._ceiling:
+                self._pause(num_running, self._ceiling_wait)  # the load that did not pay is back
+                return False
             return True
         if self._probing:
             return True  # a probe lasts until its verdict is observed (one step unless judged on outcomes)
         self._paused_steps += 1
-        self._probing = self._paused_steps >= self._probe_wait
+        self._probe_on_load = num_running <= LOAD_FALL * self._floor
+        self._probing = self._probe_on_load or self._paused_steps >= self._probe_wait
+        self._probe_running = num_running
         return self._probing
 
     @property
@@ -538,10 +557,15 @@ class SaturationPolicy:
         if self._paused:
             if self._probing:
                 if paid:
+                    on_load, wait = self._probe_on_load, self._probe_wait
                     self._resume()
+                    if on_load:
+                        self._ceiling, self._ceiling_wait = self._paused_at, wait
                     return
-                self._paused_steps = 0
-                self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.resume_every)
+                self._floor = min(self._floor, self._probe_running)
+                if not self._probe_on_load:
+                    self._paused_steps = 0
+                    self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.resume_every)
             self._probing = False
             return
         if paid:
@@ -549,11 +573,15 @@ class SaturationPolicy:
             return
         self._streak += 1
         if self.patience > 0 and self._streak >= self.patience:
-            self._paused = True
-            self._paused_running = num_running
-            self._paused_steps = 0
-            self._probe_wait = self.resume_every
-            self._streak = 0
+            self._pause(num_running, self.resume_every)
+
+    def _pause(self, num_running: int, probe_wait: int) -> None:
+        self._paused = True
+        self._floor = self._paused_at = num_running
+        self._paused_steps = 0
+        self._probe_wait = probe_wait
+        self._streak = 0
+        self._ceiling = None
 
     def _resume(self) -> None:
         self._paused = False
@@ -561,6 +589,7 @@ class SaturationPolicy:
         self._streak = 0
         self._paused_steps = 0
         self._probe_wait = self.resume_every
+        self._ceiling = None
 
 
 # ---------------------------------------------------------------------------------------------- manager
