@@ -12,11 +12,12 @@ step costs, and losslessness must hold for any weights.
 3. **steps** -- the served shape (SmolLM2-135M target, 4-layer draft, K=7, max_num_seqs 256, bf16 on CUDA)
    for nospec / capacity none / varlen (the profiled H200 curve of this shape) at 16 and 256 concurrent
    requests: where a decode step's time goes, phase by phase (``EngineStats.phase_ms``), once without
-   added syncs (host cost; device time shows up in the one D2H wait) and once with a sync per phase. The
+   added syncs (host cost; device time shows up in the one D2H wait), once with a sync per phase and, on
+   CUDA, once with an event per phase (each phase's span of the device timeline, no added syncs). The
    draft is random, so acceptance is ~0: this measures the engine's costs and the capacity manager backing
    off (saturation), not speculative gains. About 2-3 minutes on an H200. ``--shape llama-3-8b`` times the
    scaled setup instead (Llama-3-8B shape, the synthetic drafter's V4-Flash-like acceptance, its H200
-   curve): there the "plan" phase in host timing is the capacity manager's scheduling overhead under load.
+   curve): there "plan" + "layout" in gpu timing is the capacity manager's scheduling overhead under load.
 
     python benchmarks/embedded_engine.py --out benchmarks/results/embedded_engine   # CUDA: everything
     python benchmarks/embedded_engine.py --quick --out /tmp/embedded                  # CPU smoke run
@@ -152,7 +153,7 @@ SHAPES = {
 
 def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, prompt_len: int,
                 mode: str, temperature: float = 0.0) -> dict[str, Any]:
-    """Generate ``conc`` requests at once and break the decode steps down by phase (``mode``: host/device)."""
+    """Generate ``conc`` requests at once and break the decode steps down by phase (``mode``: host/device/gpu)."""
     prompts = _prompts(conc, vocab, prompt_len, seed=conc)
     # At temperature > 0 every request is seeded, as `dspark bench` sends them (seed + index).
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
@@ -196,7 +197,9 @@ def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "sm
     The shapes are the served configuration's (SmolLM2-135M target, a 4-layer draft of the same width,
     K = 7, max_num_seqs = 256); weights are random (acceptance ~0), which changes how many steps a request
     takes, not what one step costs. "host" timing adds no syncs (device time surfaces in "sync", the one
-    device -> host copy); "device" timing syncs after every phase so each phase owns its device time.
+    device -> host copy); "device" timing syncs after every phase so each phase owns its device time;
+    "gpu" timing (CUDA only) records an event per phase and adds no sync, so the phases' spans of the device
+    timeline add up to a real step and "plan" + "layout" there is what scheduling adds to it.
     """
     if quick:
         model, draft, k, max_seqs, concs, max_tokens, prompt_len = (
@@ -232,6 +235,10 @@ def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "sm
             rows.append(dict(config=name, build_s=build_s,
                              **_run_phases(engine, conc, engine.vocab_size, max(8, max_tokens // 4), prompt_len,
                                            "device", temperature)))
+            if device == "cuda":  # each phase's span of the device timeline, no added syncs
+                rows.append(dict(config=name, build_s=build_s,
+                                 **_run_phases(engine, conc, engine.vocab_size, max(8, max_tokens // 2), prompt_len,
+                                               "gpu", temperature)))
         del engine
         if device != "cpu":
             torch.cuda.empty_cache()
@@ -245,7 +252,7 @@ def _print_phases(console: Any, steps: dict[str, Any]) -> None:
 
     t = Table(title=f"decode step breakdown, ms per step ({steps['model']} + {steps['draft']}, K={steps['k']}, "
                     f"{steps['max_tokens']} tokens, T={steps.get('temperature', 0.0):g}; host = no added syncs, "
-                    "device = sync per phase)")
+                    "device = sync per phase, gpu = CUDA events: each phase's span of the device timeline)")
     for col in ("config", "c", "timing", "kind", "steps", *PHASES, "sum", "sched", "tok/s", "ms/step*", "paused",
                 "acc len"):
         t.add_column(col, justify="right")

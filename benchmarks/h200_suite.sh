@@ -3,7 +3,7 @@
 #
 #   benchmarks/h200_suite.sh OUT_DIR STAGE...
 #
-# Stages: core (core_step.py + GPU tests of the core), attention (Triton paged attention check + tests),
+# Stages: core (core_step.py + GPU tests of the core), gputests (those GPU tests alone), attention (Triton paged attention check + tests),
 #         engine (embedded_engine.py: lossless with graphs, host syncs, step costs),
 #         profile (profile-sps curves: SmolLM2-135M shape and Llama-3-8B shape, K=7, 256 requests).
 # The host has torch + triton but no orjson: bring its wheel (.whl/) and it is installed into /tmp/dspark-site (apart from the vLLM set in /tmp/site).
@@ -23,12 +23,15 @@ status=0
 for stage in "$@"; do
   t0=$SECONDS
   case $stage in
-    core)
-      python3 benchmarks/core_step.py --out "$OUT/core_step" 2>&1 | tee "$OUT/core_step.log" || status=1
+    core | gputests)
+      if [[ $stage == core ]]; then
+        python3 benchmarks/core_step.py --out "$OUT/core_step" 2>&1 | tee "$OUT/core_step.log" || status=1
+      fi
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_core_rejection.py tests/test_core_capacity.py \
         tests/test_core_sts.py tests/test_core_layout.py tests/test_core_triton_rejection.py tests/test_vllm_manager.py \
         tests/test_embedded_engine_step.py tests/test_embedded_synthetic.py tests/test_embedded_seeded.py \
-        tests/test_triton_attention.py 2>&1 | tail -15 | tee "$OUT/core_gpu_tests.log" || status=1 ;;
+        tests/test_embedded_staging.py tests/test_triton_attention.py 2>&1 | tail -15 \
+        | tee "$OUT/core_gpu_tests.log" || status=1 ;;
     attention)
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_attention.py 2>&1 | tail -15 \
         | tee "$OUT/attention_gpu_tests.log" || status=1

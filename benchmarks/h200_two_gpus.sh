@@ -5,6 +5,7 @@
 # within one queue, so the other queue's load is common to all of its cells.
 #
 #   bash benchmarks/h200_two_gpus.sh start ROOT       # copy the repo to ROOT/repo, start both queues
+#   GPUS=1 bash benchmarks/h200_two_gpus.sh start ROOT  # a one-GPU host: one queue, the work below in turn
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -13,6 +14,8 @@
 #        (embedded_engine.py --shape llama-3-8b at max_model_len 4096, greedy and at T=1), then -- once /tmp/smol/ready exists
 #        (the three SmolLM2 parts copied in, see h200_matrix.sh) -- the real matrix at c=1 (issue 7's proof)
 #        and 16..256, then GSM8K.
+# GPUS=1: GPU tests, the prepare-phase timing, the real matrix (16..256) once /tmp/smol/ready exists, the
+#        scaled matrix, the T=1 overhead breakdown, then GSM8K (~27 min in all: the last stages may not fit).
 # ROOT should live under /tmp on the host: it stays while the host is held -- and the host is given back,
 # queues and files with it, once no device command has run for 30 s: poll `status` (or carry files in)
 # at least that often until `collect` has run. The queues run in their own
@@ -52,6 +55,23 @@ queue1() {
   stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
 }
 
+queue_one() {  # one GPU: what both queues do, the matrices first, in the order the sitting needs them
+  stage "GPU tests" bash benchmarks/h200_suite.sh "$ROOT/core" gputests
+  stage "prepare phase" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/prepare_step.py --out "$ROOT/prepare"
+  stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
+  CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-4} TOK=${REAL_TOK:-128} \
+    stage "real matrix" bash benchmarks/h200_matrix.sh "$ROOT" real
+  WAVES=${SCALED_WAVES:-3} TOK=${SCALED_TOK:-256} stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
+  # shellcheck disable=SC2086
+  stage "scheduling overhead at T=1 (llama-3-8b)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
+    python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b --max-model-len 4096} \
+    --temperature 1 --out "$ROOT/overhead_t1"
+  stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
+}
+
+QUEUES=(0 1)
+[[ ${GPUS:-2} == 1 ]] && QUEUES=(_one)
+
 case $ACTION in
   start)
     mkdir -p "$ROOT"
@@ -63,17 +83,19 @@ case $ACTION in
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl >/dev/null 2>&1
     fi
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$ROOT/machine.txt"
-    for q in 0 1; do
+    for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      ROOT=$ROOT CUDA_VISIBLE_DEVICES=$q DSPARK_CACHE_DIR=/tmp/dcache$q setsid bash -c \
+      gpu=$q && [[ $q == _one ]] && gpu=0
+      ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
       echo $! >"$ROOT/queue$q.pid"
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1; do
+    for q in 0 1 _one; do
+      [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"
       tail -c 1500 "$ROOT/queue$q.log" | tail -6

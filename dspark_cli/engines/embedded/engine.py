@@ -94,22 +94,43 @@ class EngineStats:
 
 
 class _PhaseClock:
-    """Accumulates wall time between ``mark`` calls into ``EngineStats.phase_ms``.
+    """Accumulates the time between ``mark`` calls into ``EngineStats.phase_ms``.
 
-    ``sync=False`` (mode "host") measures host time only: device work overlaps and shows up where the
+    Mode "host" (``sync_device`` None) measures host time only: device work overlaps and shows up where the
     host waits for it (the step's one device -> host copy, phase "sync"), which is what tells host-bound
-    from device-bound steps. ``sync=True`` (mode "device") synchronises at every mark so each phase owns
-    its device time too -- it serialises host and device, so the total is slower than a real step.
+    from device-bound steps. Mode "device" synchronises at every mark so each phase owns its device time
+    too -- it serialises host and device, so the total is slower than a real step. Mode "gpu"
+    (``events``) records a CUDA event at every mark and adds no sync: each phase gets its span of the
+    device's timeline, which is its kernels' time where the device is behind the host and the host's time
+    where the device waits for it -- what the phase adds to a real step. The spans are read at the step's
+    last mark ("emit", after the step's one sync).
     """
 
-    def __init__(self, stats: EngineStats, kind: str, sync_device: torch.device | None) -> None:
+    def __init__(self, stats: EngineStats, kind: str, sync_device: torch.device | None,
+                 events: bool = False) -> None:
         self.stats = stats
         self.kind = kind
         self.sync_device = sync_device
         stats.phase_steps[kind] = stats.phase_steps.get(kind, 0) + 1
         self._t = time.perf_counter()
+        self._events: list[tuple[str, torch.cuda.Event]] | None = None
+        if events:
+            first = torch.cuda.Event(enable_timing=True)
+            first.record()
+            self._events = [("", first)]
 
     def mark(self, phase: str) -> None:
+        if self._events is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append((phase, event))
+            if phase == "emit":
+                event.synchronize()
+                for (_, prev), (name, ev) in zip(self._events, self._events[1:], strict=False):
+                    key = f"{self.kind}.{name}"
+                    self.stats.phase_ms[key] = self.stats.phase_ms.get(key, 0.0) + prev.elapsed_time(ev)
+                self._events = [("", event)]
+            return
         if self.sync_device is not None:
             torch.cuda.synchronize(self.sync_device)
         now = time.perf_counter()
@@ -270,10 +291,11 @@ class LLMEngine:
     def _clock(self, kind: str) -> _PhaseClock | _NoClock:
         if self.phase_timing is None:
             return _NO_CLOCK
-        if self.phase_timing not in ("host", "device"):
-            raise DsparkError(f"phase_timing must be None, 'host' or 'device', got {self.phase_timing!r}")
-        sync = self.device if self.phase_timing == "device" and self.device.type == "cuda" else None
-        return _PhaseClock(self.stats, kind, sync)
+        if self.phase_timing not in ("host", "device", "gpu"):
+            raise DsparkError(f"phase_timing must be None, 'host', 'device' or 'gpu', got {self.phase_timing!r}")
+        cuda = self.device.type == "cuda"
+        sync = self.device if self.phase_timing == "device" and cuda else None
+        return _PhaseClock(self.stats, kind, sync, events=self.phase_timing == "gpu" and cuda)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
