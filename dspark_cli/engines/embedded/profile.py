@@ -10,8 +10,8 @@ cost):
   batches past the limit from measurements there, never from a line through the last graph point;
 * **draft** at request counts 1, 2, 4, ... up to ``max_num_seqs`` (catch-up of one token + K - 1 steps),
   twice: greedy (the whole K-token loop is one CUDA graph) and sampling (temperature 1: every draft token is
-  sampled and its distribution kept for the rejection sampler, an eager loop around the step graphs), since a
-  served batch runs one or the other and they differ by several ms on a large vocabulary;
+  sampled and its distribution kept for the rejection sampler; a graph of its own), since a served batch runs
+  one or the other and sampling costs more on a large vocabulary (a softmax and a CDF per draft token);
 * **overhead** on *real* decode steps: ``LLMEngine.step()`` wall time of R running requests minus the
   verify and draft forwards of that same batch shape. What remains is what a step costs beyond the forward
   passes -- scheduling, block tables, layout, allocation, rejection sampling, the host copy, emission --
