@@ -1,11 +1,12 @@
 """Where a decode step's "prepare" phase goes: the embedded engine's real input packing
-(``ModelRunner.decode_inputs``) for R requests, split into the host packing and the host-to-device copy, with
-the copy made the old way (``pin_memory()`` per array) and through the engine's pinned staging.
+(``ModelRunner.decode_inputs``) for R requests, split into the host packing and the host-to-device copy.
 
     python3 benchmarks/prepare_step.py --out OUT          # CUDA: R = 16, 64, 256 at max_model_len 4096
 
 Each variant runs ``--iters`` times with a device sync after each (a decode step ends in one), and the
-table gives the median and p90 in microseconds. On a CPU only the host packing is timed.
+table gives the median and p90 in microseconds. On a CPU only the host packing is timed. (The H200 results of
+2026-12-01 also timed a pinned buffer kept for the runner's life in place of ``pin_memory()`` per copy: no
+faster, and it was not kept.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 
 from dspark_cli.engines.embedded.model_runner import ModelRunner
 from dspark_cli.engines.embedded.sequence import SamplingParams, Sequence
-from dspark_cli.engines.embedded.staging import PinnedStaging
 
 
 def _seqs(num_reqs: int, context: int, block_size: int) -> list[Sequence]:
@@ -36,13 +36,12 @@ def _seqs(num_reqs: int, context: int, block_size: int) -> list[Sequence]:
     return seqs
 
 
-def _runner(device: torch.device, max_model_len: int, block_size: int, staging: PinnedStaging | None):
+def _runner(device: torch.device, max_model_len: int, block_size: int) -> ModelRunner:
     """The real ``decode_inputs`` on a runner with only the fields it reads (no model is loaded)."""
     runner = ModelRunner.__new__(ModelRunner)
     runner.device = device
     runner.block_size = block_size
     runner.max_blocks_per_seq = -(-(max_model_len + 8) // block_size)
-    runner._staging = staging
     return runner
 
 
@@ -56,16 +55,6 @@ def _time(fn: Callable[[], object], iters: int, sync: bool) -> tuple[float, floa
         samples.append((time.perf_counter() - t0) * 1e6)
     samples.sort()
     return statistics.median(samples), samples[int(0.9 * (len(samples) - 1))]
-
-
-class _PinPerCopy:
-    """The copy as the engine made it before pinned staging: a fresh pinned block per array."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.pin_memory().to(self.device, non_blocking=True)
 
 
 def main() -> None:
@@ -83,17 +72,15 @@ def main() -> None:
     for num_reqs in [int(x) for x in args.requests.split(",")]:
         seqs = _seqs(num_reqs, args.context, args.block_size)
         slots = np.arange(num_reqs, dtype=np.int64)
-        host_only = _runner(torch.device("cpu"), args.max_model_len, args.block_size, None)
-        variants: dict[str, object] = {"host packing only": None}
+        host_only = _runner(torch.device("cpu"), args.max_model_len, args.block_size)
+        variants = {"host packing only": host_only}
         if cuda:
-            variants["pin_memory() per copy"] = _PinPerCopy(device)
-            variants["pinned staging"] = PinnedStaging(device)
-        for name, copier in variants.items():
-            runner = host_only if copier is None else _runner(device, args.max_model_len, args.block_size, copier)
+            variants["packing + copy"] = _runner(device, args.max_model_len, args.block_size)
+        for name, runner in variants.items():
             fn = functools.partial(runner.decode_inputs, seqs, [slots])
             for _ in range(20):  # warm the allocators
                 fn()
-            med, p90 = _time(fn, args.iters, sync=cuda and copier is not None)
+            med, p90 = _time(fn, args.iters, sync=runner is not host_only)
             batch_bytes = num_reqs * (host_only.max_blocks_per_seq + 3) * 8
             rows.append({"requests": num_reqs, "variant": name, "median_us": round(med, 1), "p90_us": round(p90, 1),
                          "batch_bytes": batch_bytes})

@@ -435,3 +435,59 @@ def test_compiled_kernel_shapes_agree_with_torch_at_a_real_vocabulary(name: str)
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
     print(f"ok {sys.argv[1]}")
+
+
+def test_sampler_kernels_take_batch_shapes_as_runtime_values() -> None:
+    """A Triton int argument is specialised (== 1, divisible by 16) unless listed in do_not_specialize, so
+    request and row counts compiled a new variant for new batch sizes inside serving. Every count that
+    follows the batch must be a runtime value in every sampler kernel."""
+    pytest.importorskip("triton")
+    from dspark_cli.core import _triton_rejection as tr
+
+    if not hasattr(tr, "_row_kernel"):
+        pytest.skip("triton kernels unavailable")
+    batch_ints = {"num_reqs", "num_rows", "part_plane", "plane"}
+    for kernel in (tr._row_kernel, tr._combine_kernel, tr._tile_mass_kernel, tr._final_kernel,
+                   tr._varlen_layout_kernel):
+        names = set(kernel.arg_names) & batch_ints
+        assert names, kernel.fn.__name__
+        unspecialised = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+        assert names <= unspecialised, (kernel.fn.__name__, names - unspecialised)
+
+
+def test_sampler_warm_up_is_a_noop_where_the_torch_path_runs() -> None:
+    from dspark_cli.core.rejection import warm_up_rejection_sample
+
+    assert warm_up_rejection_sample(7, 256, [1, 8, 64], 8, "cpu") == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_sampler_compile_in_serving_after_warm_up() -> None:
+    """After the start-up warm-up over the padded sizes, batches of any request count at those sizes --
+    greedy and sampled with draft distributions -- compile nothing."""
+    from dspark_cli.core import _triton_rejection as tr
+    from dspark_cli.core.rejection import warm_up_rejection_sample
+
+    k, vocab, sizes = 7, 49152, [8, 16, 32, 64, 128]
+    assert warm_up_rejection_sample(k, vocab, sizes, 16, "cuda") == 2 * len(sizes)
+    kernels = (tr._row_kernel, tr._combine_kernel, tr._tile_mass_kernel, tr._final_kernel)
+
+    def compiled() -> int:  # triton 3.x: device -> (kernel cache, key cache, target, backend, binder)
+        return sum(len(c[0]) for kern in kernels for c in kern.device_caches.values())
+
+    before = compiled()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for reqs, rows in ((1, 8), (3, 16), (5, 32), (9, 64), (13, 128), (16, 128)):
+        logits = torch.randn(rows, vocab, device="cuda", generator=g)
+        req = torch.arange(rows, device="cuda") % reqs
+        pos = torch.zeros(rows, dtype=torch.int64, device="cuda")
+        valid = torch.arange(rows, device="cuda") < reqs
+        drafts = torch.randint(0, vocab, (reqs, k), device="cuda", generator=g)
+        admitted = torch.zeros(reqs, dtype=torch.int32, device="cuda")
+        rejection_sample(logits, (req, pos, valid), drafts, admitted)
+        probs = torch.softmax(torch.randn(reqs, k, vocab, device="cuda", generator=g), dim=-1)
+        rejection_sample(logits, (req, pos, valid), drafts, admitted, torch.ones(reqs, device="cuda"),
+                         draft_probs=probs, uniforms=torch.rand(rows, 2, device="cuda", generator=g))
+    torch.cuda.synchronize()
+    assert compiled() == before

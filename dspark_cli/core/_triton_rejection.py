@@ -259,7 +259,7 @@ if triton is not None:
         # One word per slot: the row holding it and its accept bit (unwritten = 0 = rejected, row 0).
         tl.store(slots_ptr + r * (K + 1) + p_c, t * 2 + accept.to(tl.int64), mask=valid)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_reqs", "part_plane"])
     def _row_kernel(
         logits_ptr, stride_row, req_ptr, pos_ptr, valid_ptr, drafts_ptr, stride_dr, adm_ptr,
         temp_ptr, q_ptr, stride_qr, stride_qk, u_ptr, num_reqs,
@@ -347,7 +347,7 @@ if triton is not None:
             tl.store(part_ptr + part_plane + out, ssum)
             tl.store(part_arg_ptr + out, arg)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_reqs", "num_rows", "part_plane"])
     def _combine_kernel(
         logits_ptr, stride_row, req_ptr, pos_ptr, valid_ptr, drafts_ptr, stride_dr, adm_ptr,
         temp_ptr, q_ptr, stride_qr, stride_qk, u_ptr, num_reqs, num_rows,
@@ -473,7 +473,7 @@ if triton is not None:
             res = tl.where(mask, res, 0.0)
         return e, res
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows", "plane"])
     def _tile_mass_kernel(
         logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
         max_ptr, slots_ptr, num_rows, mass_ptr, bad_ptr, norm_ptr, plane,
@@ -529,7 +529,7 @@ if triton is not None:
                     if use_q_res & (tl.minimum(tl.maximum(bad // CH, 0), NTS // SUBS - 1) == c):
                         tl.store(bad_ptr + r * SUBS + tl.arange(0, SUBS), tl.sum(res.to(tl.float64), 1))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows", "plane"])
     def _final_kernel(
         logits_ptr, stride_row, drafts_ptr, stride_dr, adm_ptr, temp_ptr, q_ptr, stride_qr, stride_qk,
         u_ptr, argmax_ptr, max_ptr, slots_ptr, num_rows, mass_ptr, bad_ptr, norm_ptr, plane,

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from dspark_cli.core.capacity import CapacityManager, warm_up_allocate
 from dspark_cli.core.layout import VerifyLayout, build_mask_layout, build_varlen_layout
-from dspark_cli.core.rejection import rejection_sample, sample
+from dspark_cli.core.rejection import rejection_sample, sample, warm_up_rejection_sample
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.core.sts import OnlineSTS, apply_temperatures, load_sts
 from dspark_cli.core.traces import TraceWriter
@@ -232,6 +232,10 @@ class LLMEngine:
                 config.capacity, self.sps_curve, self.num_spec, config.max_num_seqs, self.device
             )
             warm_up_allocate(self.num_spec, config.max_num_seqs, self.device)  # no compiles while serving
+        if self.num_spec > 0 and config.synthetic is None and self.runner.capture_sizes:
+            # Verify batches are padded to the captured sizes; the allocation's admitted counts are int32.
+            warm_up_rejection_sample(self.num_spec, self.vocab_size, self.runner.capture_sizes, config.max_num_seqs,
+                                     self.device, torch.int32 if self.capacity is not None else torch.int64)
 
     # ------------------------------------------------------------------------------------------ setup
 
