@@ -258,7 +258,7 @@ def _print_phases(console: Any, steps: dict[str, Any]) -> None:
         t.add_column(col, justify="right")
     for r in steps["phases"]:
         first = True
-        for kind in ("spec", "paused", "nospec", "prefill"):
+        for kind in ("spec", "probe", "paused", "nospec", "prefill"):
             if kind not in r["kinds"]:
                 continue
             kd = r["kinds"][kind]

@@ -234,7 +234,9 @@ def test_phase_timing_breaks_steps_down(pair: TinyPair, never_pays: Path, mode: 
     engine.generate(prompts(3), GREEDY)
     s = engine.stats
     assert s.phase_steps["prefill"] == s.num_prefill_steps
-    assert s.phase_steps["spec"] + s.phase_steps["paused"] == s.num_decode_steps
+    probes = s.phase_steps.get("probe", 0)
+    assert probes > 0  # resume_every=2: the pauses are probed
+    assert s.phase_steps["spec"] + probes + s.phase_steps["paused"] == s.num_decode_steps
     assert s.phase_steps["paused"] == s.num_paused_steps > 0
     for phase in ("prepare", "draft", "plan", "layout", "verify", "reject", "sync", "emit"):
         assert s.phase_ms[f"spec.{phase}"] >= 0.0
@@ -253,3 +255,22 @@ def test_phase_timing_is_off_by_default_and_checked(pair: TinyPair) -> None:
 
     with pytest.raises(DsparkError, match="phase_timing"):
         engine.step()
+
+
+@pytest.mark.parametrize("num_reqs", [1, 2, 3, 5])
+def test_decode_inputs_are_correct_and_16_byte_aligned_at_any_batch_size(pair: TinyPair, num_reqs: int) -> None:
+    """One packed copy, then views: each starts on a 16-byte boundary (Triton compiles a kernel variant per
+    pointer alignment, so an odd batch size would compile the layout kernel again while serving)."""
+    engine = make_engine(pair, draft=str(pair.draft_head))
+    for i, prompt in enumerate(prompts(num_reqs)):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    engine.step()  # prefill
+    seqs = _running_seqs(engine)
+    extra = torch.arange(100, 100 + num_reqs).numpy()
+    tables, (start_pos, last_tokens, col) = engine.runner.decode_inputs(seqs, [extra])
+    assert tables.tolist() == engine.runner.block_tables(seqs).tolist()
+    assert start_pos.tolist() == [s.num_tokens - 1 for s in seqs]
+    assert last_tokens.tolist() == [s.token_ids[-1] for s in seqs]
+    assert col.tolist() == extra.tolist()
+    for view in (tables, start_pos, last_tokens, col):
+        assert view.storage_offset() * view.element_size() % 16 == 0

@@ -652,6 +652,11 @@ class CapacityManager:
 
     # -- saturation
     @property
+    def probe_step(self) -> bool:
+        """The step begun by the last :meth:`begin_step` drafts as a saturation probe (after a pause)."""
+        return self._probe_step
+
+    @property
     def drafting_enabled(self) -> bool:
         return self.cfg.mode == "none" or self.saturation.drafting_enabled
 

@@ -87,8 +87,8 @@ class EngineStats:
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
     # Per-phase wall time (ms, cumulative) keyed "<step kind>.<phase>", and steps per kind; filled only while
-    # ``LLMEngine.phase_timing`` is set (see there). Kinds: prefill, spec (drafting decode), paused (K > 0
-    # without drafting: saturation), nospec (K == 0).
+    # ``LLMEngine.phase_timing`` is set (see there). Kinds: prefill, spec (drafting decode), probe (a drafting
+    # step probing a saturation pause), paused (K > 0 without drafting: saturation), nospec (K == 0).
     phase_ms: dict[str, float] = field(default_factory=dict)
     phase_steps: dict[str, int] = field(default_factory=dict)
 
@@ -360,7 +360,8 @@ class LLMEngine:
             if self.capacity is not None:
                 self.capacity.record_step_time(False, num_reqs, (time.perf_counter() - start) * 1e3)
             return outputs
-        clock = self._clock("spec")
+        # Probes get their own kind in phase timing: their catch-up over the pause is not a drafting step's cost.
+        clock = self._clock("probe" if self.capacity is not None and self.capacity.probe_step else "spec")
         runner = self.runner
         dev = self.device
         slots_np = np.fromiter((self._slot_of[s.request_id] for s in seqs), dtype=np.int64, count=num_reqs)

@@ -507,13 +507,18 @@ class ModelRunner:
         width = self.max_blocks_per_seq
         cols = [np.fromiter((s.num_tokens - 1 for s in seqs), dtype=np.int64, count=n),
                 np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n), *(extra or [])]
-        # Flat and field-major, so every device view is dense: kernels index these with unit strides.
-        packed = np.empty(n * (width + len(cols)), dtype=np.int64)
+        # Flat and field-major, so every device view is dense: kernels index these with unit strides. Every
+        # view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, so odd
+        # batch sizes would otherwise compile the layout kernel again in the middle of serving.
+        table_len = n * width + (n * width) % 2
+        stride = n + n % 2
+        packed = np.zeros(table_len + stride * len(cols), dtype=np.int64)
         packed[: n * width] = self._host_tables(seqs).reshape(-1)
         for i, col in enumerate(cols):
-            packed[n * (width + i) : n * (width + i + 1)] = col
+            packed[table_len + stride * i : table_len + stride * i + n] = col
         dev = self._to_device(torch.from_numpy(packed))
-        return dev[: n * width].view(n, width), [dev[n * (width + i) : n * (width + i + 1)] for i in range(len(cols))]
+        views = [dev[table_len + stride * i : table_len + stride * i + n] for i in range(len(cols))]
+        return dev[: n * width].view(n, width), views
 
     def _to_device(self, t: Tensor) -> Tensor:
         """A host tensor on the device: itself on a CPU, else an asynchronous copy through pinned memory.
