@@ -448,7 +448,7 @@ def test_saturation_pauses_after_patience_and_probes() -> None:
         pol.observe(_decision(3, 0.95, 1.0), 100)  # budget > 0 but no better than plain decoding
     assert not pol.drafting_enabled
     # Paused: steps 1..3 skip drafting, step 4 is a probe; a losing probe keeps the pause and doubles
-    # the wait before the next one (8 steps), and so on up to 16 x resume_every.
+    # the wait before the next one (8 steps), and so on up to MAX_PROBE_BACKOFF x resume_every.
     assert [pol.begin_step(100) for _ in range(3)] == [False, False, False]
     assert pol.begin_step(100) and pol.probing
     pol.observe(losing, 100)
@@ -466,7 +466,18 @@ def test_saturation_pauses_after_patience_and_probes() -> None:
         pass
     pol.observe(paying, 100)
     assert pol.drafting_enabled
-    # the next pause starts probing at resume_every again
+    # The resume lost again within 2 x patience steps: a probe's false positive, so the backoff goes on.
+    for _ in range(3):
+        pol.begin_step(100)
+        pol.observe(losing, 100)
+    assert not pol.drafting_enabled and pol.probe_wait == SaturationPolicy.MAX_PROBE_BACKOFF * 4
+    while not pol.begin_step(100):
+        pass
+    pol.observe(paying, 100)
+    # Drafting that paid for a while before losing again: the next pause starts probing at resume_every.
+    for _ in range(7):
+        pol.begin_step(100)
+        pol.observe(paying, 100)
     for _ in range(3):
         pol.begin_step(100)
         pol.observe(losing, 100)
@@ -572,8 +583,10 @@ def test_closed_loop_refills_do_not_restart_drafting_where_it_never_pays() -> No
                 drafted += 1
                 pol.observe_outcome(losing, r // 2, r)  # half a token per request: never pays
         per_generation.append(drafted)
-    assert per_generation[0] <= 8 + 3 + 4  # patience, timer probes at 16/48/112, the drain's new floors
-    assert all(n <= 2 for n in per_generation[1:]), per_generation
+    # patience, three timer probes of 3 steps (48 request-steps at 16 requests), the drain's first probe
+    assert per_generation[0] <= 8 + 3 * 3 + 2
+    # then the backed-off timer probes and one probe per new floor (a refill cancels a drain's probe)
+    assert sum(per_generation[1:]) <= 20 and sum(per_generation[4:]) <= 5, per_generation
     assert not pol.drafting_enabled
 
 
@@ -596,6 +609,35 @@ def test_closed_loop_drafts_in_the_drains_where_low_load_pays_and_pauses_at_once
     assert missed == 0  # every low-load step of every drain drafted
     # patience + early timer probes in the first generation, then the two failed drain probes (48, 32) each
     assert losing_drafts <= 12 + 2 * 8, losing_drafts
+
+
+def test_a_refill_cancels_a_low_load_probe_and_a_lucky_probe_does_not_reset_the_backoff() -> None:
+    pol = SaturationPolicy(patience=2, resume_every=4)
+    losing = _decision(0, 0.5, 1.0)
+    for _ in range(2):
+        pol.begin_step(16)
+        pol.observe_outcome(losing, 8, 16)
+    assert not pol.drafting_enabled
+    assert pol.begin_step(4) and pol.probing  # the batch drains: a probe at 4 requests
+    pol.observe_outcome(losing, 2, 4)  # 4 of its 48 request-steps
+    assert pol.probing
+    assert not pol.begin_step(16)  # refilled: the probe ends, unjudged at 16 requests, its load is the floor
+    assert not pol.probing and not pol.drafting_enabled
+    assert not pol.begin_step(4)  # above 0.75 x 4: that load was just tried
+    # A timer probe that pays by luck resumes; losing again at once, the pause backs off from where it was.
+    while not pol.begin_step(16):
+        pass
+    wait = pol.probe_wait
+    for _ in range(3):  # 48 request-steps
+        pol.observe_outcome(_decision(5, 1.3, 1.0), 40, 16)
+        if pol.drafting_enabled:
+            break
+        pol.begin_step(16)
+    assert pol.drafting_enabled
+    for _ in range(2):
+        pol.begin_step(16)
+        pol.observe_outcome(losing, 8, 16)
+    assert not pol.drafting_enabled and pol.probe_wait == 2 * wait
 
 
 def test_patience_zero_never_pauses() -> None:
@@ -782,7 +824,7 @@ def test_outcomes_pause_a_confidently_wrong_head_that_predictions_never_would() 
 
 
 def test_a_probe_at_low_load_drafts_long_enough_to_judge_and_can_resume() -> None:
-    from dspark_cli.core.capacity import PROBE_REQUEST_STEPS
+    from dspark_cli.core.capacity import PROBE_MAX_STEPS, PROBE_REQUEST_STEPS
 
     cfg = CapacityConfig(mode="varlen", saturation_patience=2, resume_every=3)
     mgr = CapacityManager(cfg, _flat_draft_curve(), num_spec_tokens=3, max_slots=4)
@@ -793,9 +835,11 @@ def test_a_probe_at_low_load_drafts_long_enough_to_judge_and_can_resume() -> Non
     assert not mgr.drafting_enabled
     assert _step(mgr, 2, 0.95, 2.5) is None  # paused step 2; step 3 starts the probe
     probing = []
-    for _ in range(PROBE_REQUEST_STEPS // 2):  # a probe covers PROBE_REQUEST_STEPS request-steps: 8 steps of 2
+    # a probe covers PROBE_REQUEST_STEPS request-steps, or PROBE_MAX_STEPS steps at low load
+    steps = min(-(-PROBE_REQUEST_STEPS // 2), PROBE_MAX_STEPS)
+    for _ in range(steps):
         assert _step(mgr, 2, 0.95, 2.5) is not None
         probing.append(mgr.saturation.probing)
-    assert probing == [True] * (PROBE_REQUEST_STEPS // 2 - 1) + [False]
+    assert probing == [True] * (steps - 1) + [False]
     # judged on its own outcome (it paid), not on the losing history: drafting resumes
     assert mgr.drafting_enabled and mgr.saturation.probe_wait == 3

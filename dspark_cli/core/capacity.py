@@ -52,8 +52,16 @@ STEP_TIME_MEMORY = 256
 STEP_TIME_CLAMP = 4.0
 PLAIN_SAMPLE_EVERY = 64
 PROBE_REQUEST_STEPS = 16
+# ... or for PROBE_MAX_STEPS steps at low load, whichever comes first: a small model's step costs the same at
+# 2 requests as at 16, and a lucky verdict at low load only drafts until the batch refills.
+PROBE_MAX_STEPS = 4
 # SaturationPolicy: a load at or below this fraction of the lowest unprofitable one is probed at once.
 LOAD_FALL = 0.75
+# A probe resumes drafting only if its realized gain clears plain decoding by this margin: a probe that
+# resumes by luck costs ``patience`` losing steps, and one step of 16 requests whose mean acceptance sat 30%
+# below break-even cleared 1.0 about one probe in five (a CPU replay of the real H200 setup); drafting that
+# pays by less than the margin is not worth that risk.
+PROBE_MARGIN = 1.05
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -432,11 +440,13 @@ class SaturationPolicy:
     (``drafting_enabled`` False: engines skip the draft pass and decode one token per request).
 
     Resume rule, checked by :meth:`begin_step` at the start of every step while paused. Every resume goes
-    through a *probe*: one drafting step (several at low load, until ``PROBE_REQUEST_STEPS`` request-steps
-    are seen) judged on its own outcome; if it pays, drafting resumes, otherwise the pause continues.
+    through a *probe*: drafting steps until ``PROBE_REQUEST_STEPS`` request-steps are seen (at most
+    ``PROBE_MAX_STEPS`` steps), judged on their own outcome, which must beat plain decoding by
+    ``PROBE_MARGIN``; if it pays, drafting resumes, otherwise the pause continues.
 
     * **timer**: after ``probe_wait`` paused steps (``resume_every``, doubled by every failed timer probe,
-      up to ``MAX_PROBE_BACKOFF x resume_every``). A probe costs a whole speculative step plus the draft's
+      up to ``MAX_PROBE_BACKOFF x resume_every``; a resume that pauses again within ``2 x patience``
+      drafting steps was a false positive and doubles it too, instead of starting over). A probe costs a whole speculative step plus the draft's
       catch-up over the pause, so under sustained saturation fixed-rate probes would tax throughput by
       ~1/resume_every forever; the backoff bounds that tax at 1/(16 resume_every).
     * **load fell**: when the number of running requests falls to <= 3/4 of the lowest load at which
@@ -468,6 +478,7 @@ class SaturationPolicy:
         # that load drafting pauses again at once, where it was (see begin_step).
         self._ceiling: int | None = None
         self._ceiling_wait = resume_every
+        self._ceiling_floor = 0
         self._paused_steps = 0
         self._probe_wait = resume_every
         self._probing = False
@@ -478,6 +489,11 @@ class SaturationPolicy:
         self._probe_ms = 0.0
         self._probe_plain = 0.0
         self._probe_requests = 0
+        self._probe_steps = 0
+        # Drafting steps since the last resume, and the probe wait then: a resume that pauses again within a
+        # few steps was a probe's false positive, and the backoff goes on from where it was (see _pause).
+        self._drafting_since_resume = 0
+        self._wait_at_resume: int | None = None
 
     @property
     def drafting_enabled(self) -> bool:
@@ -487,14 +503,31 @@ class SaturationPolicy:
     def probing(self) -> bool:
         return self._probing
 
+    @property
+    def floor(self) -> int:
+        """The lowest load at which drafting was found not to pay in this pause (0 before any pause)."""
+        return self._floor
+
+    @property
+    def ceiling(self) -> int | None:
+        """After a load probe resumed drafting: the load at which drafting pauses again at once."""
+        return self._ceiling
+
     def begin_step(self, num_running: int) -> bool:
         """Whether this step drafts (always while enabled; resumes or probes while paused)."""
         if not self._paused:
             if self._ceiling is not None and num_running >= self._ceiling:
+                floor = self._ceiling_floor
                 self._pause(num_running, self._ceiling_wait)  # the load that did not pay is back
+                self._floor = floor  # and the loads found losing before stay known: no new probes above it
                 return False
             return True
         if self._probing:
+            if self._probe_on_load and num_running > LOAD_FALL * self._floor:
+                # The batch refilled before a low-load probe had its evidence: it cannot judge this load.
+                self._floor = min(self._floor, self._probe_running)
+                self._end_probe()
+                return False
             return True  # a probe lasts until its verdict is observed (one step unless judged on outcomes)
         self._paused_steps += 1
         self._probe_on_load = num_running <= LOAD_FALL * self._floor
@@ -535,11 +568,12 @@ class SaturationPolicy:
             self._probe_ms += step_ms
             self._probe_plain += r / decision.theta_no_draft
             self._probe_requests += r
-            if self._probe_requests < PROBE_REQUEST_STEPS:
+            self._probe_steps += 1
+            if self._probe_requests < PROBE_REQUEST_STEPS and self._probe_steps < PROBE_MAX_STEPS:
                 return decision.pays
             realized = (self._probe_tokens / self._probe_ms) / (self._probe_requests / self._probe_plain)
-            self._probe_tokens = self._probe_ms = self._probe_plain = 0.0
-            self._probe_requests = 0
+            self._clear_probe()
+            realized /= PROBE_MARGIN
         else:
             realized = self._realized.value
         paid = decision.pays and realized >= 1.0
@@ -557,10 +591,10 @@ class SaturationPolicy:
         if self._paused:
             if self._probing:
                 if paid:
-                    on_load, wait = self._probe_on_load, self._probe_wait
+                    on_load, wait, floor = self._probe_on_load, self._probe_wait, self._floor
                     self._resume()
                     if on_load:
-                        self._ceiling, self._ceiling_wait = self._paused_at, wait
+                        self._ceiling, self._ceiling_wait, self._ceiling_floor = self._paused_at, wait, floor
                     return
                 self._floor = min(self._floor, self._probe_running)
                 if not self._probe_on_load:
@@ -568,12 +602,24 @@ class SaturationPolicy:
                     self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.resume_every)
             self._probing = False
             return
+        self._drafting_since_resume += 1
         if paid:
             self._streak = 0
             return
         self._streak += 1
         if self.patience > 0 and self._streak >= self.patience:
-            self._pause(num_running, self.resume_every)
+            wait = self.resume_every
+            if self._wait_at_resume is not None and self._drafting_since_resume <= 2 * self.patience:
+                wait = min(2 * self._wait_at_resume, self.MAX_PROBE_BACKOFF * self.resume_every)
+            self._pause(num_running, wait)
+
+    def _clear_probe(self) -> None:
+        self._probe_tokens = self._probe_ms = self._probe_plain = 0.0
+        self._probe_requests = self._probe_steps = 0
+
+    def _end_probe(self) -> None:
+        self._probing = False
+        self._clear_probe()
 
     def _pause(self, num_running: int, probe_wait: int) -> None:
         self._paused = True
@@ -584,6 +630,8 @@ class SaturationPolicy:
         self._ceiling = None
 
     def _resume(self) -> None:
+        self._wait_at_resume = self._probe_wait
+        self._drafting_since_resume = 0
         self._paused = False
         self._probing = False
         self._streak = 0
