@@ -55,7 +55,7 @@ queue1() {
   stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
 }
 
-queue_one() {  # one GPU: what both queues do, the matrices first, in the order the sitting needs them
+queue_one() {  # one GPU: what both queues do, one after the other (the GPU tests first, GSM8K last)
   stage "GPU tests" bash benchmarks/h200_suite.sh "$ROOT/core" gputests
   stage "prepare phase" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/prepare_step.py --out "$ROOT/prepare"
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
