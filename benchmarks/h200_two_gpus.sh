@@ -15,7 +15,7 @@
 #        (the three SmolLM2 parts copied in, see h200_matrix.sh) -- the real matrix at c=1 (issue 7's proof)
 #        and 16..256, then GSM8K.
 # GPUS=1: GPU tests, the prepare-phase timing, the real matrix (16..256) once /tmp/smol/ready exists, the
-#        scaled matrix, the T=1 overhead breakdown, then GSM8K (~27 min in all: the last stages may not fit).
+#        scaled matrix, the T=1 overhead breakdown, then GSM8K (23 min in all on the H200, 2026-12-01).
 # ROOT should live under /tmp on the host: it stays while the host is held -- and the host is given back,
 # queues and files with it, once no device command has run for 30 s: poll `status` (or carry files in)
 # at least that often until `collect` has run. The queues run in their own
