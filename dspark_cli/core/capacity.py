@@ -446,19 +446,21 @@ class SaturationPolicy:
 
     * **timer**: after ``probe_wait`` paused steps (``resume_every``, doubled by every failed timer probe,
       up to ``MAX_PROBE_BACKOFF x resume_every``; a resume that pauses again within ``2 x patience``
-      drafting steps was a false positive and doubles it too, instead of starting over). A probe costs a whole speculative step plus the draft's
-      catch-up over the pause, so under sustained saturation fixed-rate probes would tax throughput by
-      ~1/resume_every forever; the backoff bounds that tax at 1/(16 resume_every).
+      drafting steps was a false positive and doubles it too, instead of starting over). A probe costs a
+      whole speculative step plus the draft's catch-up over the pause, so under sustained saturation
+      fixed-rate probes would tax throughput by ~1/resume_every forever; the backoff bounds that tax at
+      1/(MAX_PROBE_BACKOFF x resume_every).
     * **load fell**: when the number of running requests falls to <= 3/4 of the lowest load at which
       drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs at
       once: the contention that made drafting unprofitable may be gone. A failed one lowers that floor to
       its own load and leaves the timer alone. If one pays, drafting resumes with a *ceiling*: once the
       load is back at the one that paused drafting, drafting pauses again at once, with the probe wait it
-      had (not after ``patience`` more losing steps); a timer probe that pays clears it. Why a probe and not a plain resume: under closed-loop load
-      (a benchmark's waves, a client pool) the batch drains and refills every generation; where drafting
-      pays at no load (a slow draft, low acceptance at temperature 1) an unconditional resume paid
-      ``patience`` losing drafting steps per refill and reset the backoff, which on a 135M pair cost up to
-      a quarter of the throughput of plain decoding.
+      had (not after ``patience`` more losing steps); a timer probe that pays clears it. A refill before a
+      low-load probe has its evidence ends that probe unjudged. Why a probe and not a plain resume: under
+      closed-loop load (a benchmark's waves, a client pool) the batch drains and refills every generation;
+      where drafting pays at no load (a slow draft, low acceptance at temperature 1) an unconditional resume
+      paid ``patience`` losing drafting steps per refill and reset the backoff, which on a 135M pair cost
+      up to a quarter of the throughput of plain decoding.
 
     ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
     """

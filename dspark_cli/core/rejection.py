@@ -284,10 +284,8 @@ def warm_up_rejection_sample(
 
     The kernels take request and row counts as runtime values, but their tile split, combine width and
     pipelining follow the row count, and a kernel is compiled per argument dtype. A compile costs tens of
-    milliseconds to a second; without this, the first drafting step at each new shape paid it inside
-    serving (on the H200: p99 inter-token latencies of 40-66 ms against 6 ms in cells whose few drafting
-    steps -- saturation probes at the odd batch sizes of a draining batch -- met shapes the start-up never
-    ran). ``admitted_dtype``: what the engine passes as admitted counts (the capacity manager's allocation
+    milliseconds to a second, which the first drafting step at each new shape would otherwise pay inside
+    serving (a GPU test checks that nothing compiles after this). ``admitted_dtype``: what the engine passes as admitted counts (the capacity manager's allocation
     is int32; verify-all engines pass int64). Returns how many plans were compiled (0 where the torch path
     runs: CPU, no Triton).
     """
@@ -300,7 +298,7 @@ def warm_up_rejection_sample(
     width = num_spec + 1
     compiled = 0
     for rows in sorted(set(row_counts)):
-        reqs = max(1, min(max_reqs, rows // width or 1, rows))
+        reqs = min(max_reqs, max(1, rows // width))
         logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=device)
         index = torch.zeros(rows, dtype=torch.int64, device=device)
         valid = torch.ones(rows, dtype=torch.bool, device=device)

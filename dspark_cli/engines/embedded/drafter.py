@@ -116,7 +116,7 @@ class Drafter:
         self._forward = forward  # catch-up pass (ragged)
         self._step_forward = step_forward or forward  # one token per request (CUDA graph per request count)
         # The whole greedy loop after the catch-up as one replay (CUDA graphs): (h, next_pos, tables) ->
-        # (tokens, confidences), or None when no captured size fits. None = the eager loop below.
+        # (tokens, confidences, None), or None when no captured size fits. None = the eager loop below.
         self.loop_fn: LoopFn | None = None
         # The same for sampling batches: (h, next_pos, tables, temperature, uniforms) -> (tokens, confidences,
         # draft distributions [R, K, V]), or None.

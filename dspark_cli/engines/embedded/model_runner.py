@@ -227,7 +227,6 @@ class _DraftLoopGraphs:
         self.fwd = fwd
         self.sizes = sorted(sizes)
         self.k = num_spec
-        self.sampling = sampling
         self.kv_len = max_blocks * fwd.block_size
         top = self.sizes[-1]
         hidden = drafter.model.args.hidden_size
