@@ -69,13 +69,16 @@ def test_greedy_outputs_identical_across_capacity_modes_over_http(tmp_path: Path
     # Each extra verified token is expensive: only drafts with a high survival are worth verifying.
     SpsCurve.from_points([(1, 1.0), (2, 1.6), (3, 2.2), (4, 2.8), (5, 3.4), (8, 5.0)], [(1, 0.3), (4, 0.4)],
                          0.1).save(curve)
+    # The saturation policy judges measured step times, so on a loaded host it may pause drafting for the
+    # whole run and leave the pruned paths unexercised; never pausing keeps this test about pruning.
+    never_pause = ["--speculative-config", '{"dspark_saturation_patience": 0}']
     configs = {
         "nospec": ["-k", "0"],
         "none": ["-k", str(K), "--capacity-mode", "none"],
         # a dense model's uniform batch saves nothing by pruning, so mask alone verifies whole batches; the
         # budget cap makes it prune, which is the layout path whose losslessness this checks
-        "mask": ["-k", str(K), "--capacity-mode", "mask", "--sps-curve", str(curve), "--budget-frac", "0.5"],
-        "varlen": ["-k", str(K), "--capacity-mode", "varlen", "--sps-curve", str(curve)],
+        "mask": ["-k", str(K), "--capacity-mode", "mask", "--sps-curve", str(curve), "--budget-frac", "0.5", *never_pause],
+        "varlen": ["-k", str(K), "--capacity-mode", "varlen", "--sps-curve", str(curve), *never_pause],
     }
     texts: dict[str, list[str]] = {}
     counters: dict[str, tuple[float, float, float]] = {}
