@@ -163,6 +163,7 @@ def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, promp
     s.phase_steps.clear()
     before = (s.num_decode_steps, s.num_draft_tokens, s.num_verified_draft_tokens, s.num_paused_steps,
               s.num_accepted_tokens, s.num_drafts)
+    stalls = s.stalls.copy()
     engine.phase_timing = mode
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -187,6 +188,12 @@ def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, promp
         acceptance_length=(1 + (s.num_accepted_tokens - before[4]) / drafts) if drafts else None,
         schedule_ms_per_step=s.phase_ms.get("schedule", 0.0) / max(1, sum(s.phase_steps.values())),
         kinds=kinds,
+        # what the run waited on beyond its steps' work: kernel compiles while serving, full GCs (stalls.py)
+        serving_compiles=s.stalls.compiles["serving"] - stalls.compiles["serving"],
+        serving_compile_ms=s.stalls.compile_ms["serving"] - stalls.compile_ms["serving"],
+        compiles_by_step={k: v - stalls.compiles_by_step.get(k, 0) for k, v in s.stalls.compiles_by_step.items()
+                          if v != stalls.compiles_by_step.get(k, 0)},
+        full_gc_ms=s.stalls.full_gc_ms - stalls.full_gc_ms,
     )
 
 
@@ -247,6 +254,14 @@ def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "sm
             "prompt_len": prompt_len, "phases": rows}
 
 
+def _stall_cell(r: dict[str, Any]) -> str:
+    """``compiles/ms gc ms``: kernel compiles while serving (none expected after start-up) and full GCs."""
+    text = f"{r['serving_compiles']}/{r['serving_compile_ms']:.0f}"
+    if r["compiles_by_step"]:
+        text += " (" + ",".join(f"{k} {v}" for k, v in sorted(r["compiles_by_step"].items())) + ")"
+    return text + f" gc {r['full_gc_ms']:.0f}"
+
+
 def _print_phases(console: Any, steps: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -254,7 +269,7 @@ def _print_phases(console: Any, steps: dict[str, Any]) -> None:
                     f"{steps['max_tokens']} tokens, T={steps.get('temperature', 0.0):g}; host = no added syncs, "
                     "device = sync per phase, gpu = CUDA events: each phase's span of the device timeline)")
     for col in ("config", "c", "timing", "kind", "steps", *PHASES, "sum", "sched", "tok/s", "ms/step*", "paused",
-                "acc len"):
+                "acc len", "stalls"):
         t.add_column(col, justify="right")
     for r in steps["phases"]:
         first = True
@@ -274,14 +289,16 @@ def _print_phases(console: Any, steps: dict[str, Any]) -> None:
                       f"{r['tok_s']:.0f}" if first else "",
                       f"{1000 * r['wall_s'] / max(1, r['decode_steps']):.2f}" if first else "",
                       f"{r['paused_steps']}/{r['decode_steps']}" if first else "",
-                      f"{acc:.2f}" if first and acc else "")
+                      f"{acc:.2f}" if first and acc else "",
+                      _stall_cell(r) if first else "")
             first = False
     console.print(t)
     console.print("ms/step* = generate() wall / decode steps (prefill steps included in the wall). Phases: prepare "
                   "(block tables, H2D), draft (catch-up + K drafts; paused: the 1-token draft catch-up), plan "
                   "(capacity record/plan/allocate), layout, verify (target forward + logits), reject (rejection "
                   "sampler / sampling, STS), sync (the one D2H copy: waits for the device in host timing), emit "
-                  "(counters, traces, token emission); prefill rows: draft column = prefill forward.")
+                  "(counters, traces, token emission); prefill rows: draft column = prefill forward. stalls = "
+                  "kernel compiles while serving / their ms (by step kind), and ms of full garbage collections.")
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ import numpy as np
 import orjson
 
 from dspark_cli.bench.datasets import Prompt
-from dspark_cli.bench.metrics import SpecDecodeCounters
+from dspark_cli.bench.metrics import SpecDecodeCounters, dspark_counters, parse_prometheus
 from dspark_cli.errors import DsparkError
 
 Endpoint = Literal["chat", "completions"]
@@ -210,15 +210,24 @@ async def fetch_model_name(session: aiohttp.ClientSession, base_url: str) -> str
     return str(models[0]["id"])
 
 
-async def fetch_counters(session: aiohttp.ClientSession, base_url: str) -> SpecDecodeCounters:
-    """Spec-decode counters from ``/metrics``; an absent endpoint reads as "no counters", not an error."""
+@dataclass(frozen=True)
+class ServerCounters:
+    """One scrape of ``/metrics``: vLLM's spec-decode counters and the toolkit's own (``dspark:*``)."""
+
+    spec: SpecDecodeCounters
+    dspark: dict[str, float]
+
+
+async def fetch_counters(session: aiohttp.ClientSession, base_url: str) -> ServerCounters:
+    """Counters from ``/metrics``; an absent endpoint reads as "no counters", not an error."""
     try:
         async with session.get(f"{base_url}/metrics") as resp:
             if resp.status != 200:
-                return SpecDecodeCounters()
-            return SpecDecodeCounters.from_text(await resp.text())
+                return ServerCounters(SpecDecodeCounters(), {})
+            samples = parse_prometheus(await resp.text())
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return SpecDecodeCounters()
+        return ServerCounters(SpecDecodeCounters(), {})
+    return ServerCounters(SpecDecodeCounters.from_samples(samples), dspark_counters(samples))
 
 
 def make_session(cfg: LoadConfig) -> aiohttp.ClientSession:

@@ -44,7 +44,7 @@ from dspark_cli.bench.client import (
     run_load,
 )
 from dspark_cli.bench.datasets import Prompt
-from dspark_cli.bench.metrics import counter_delta
+from dspark_cli.bench.metrics import counter_delta, dspark_counter_delta
 from dspark_cli.errors import DsparkError
 from dspark_cli.fileio import atomic_write_json, read_json
 
@@ -331,13 +331,15 @@ async def _measure(spec: MatrixSpec, cfg: BenchConfig, c: int, base_url: str, se
         before = await fetch_counters(session, base_url)
         results, wall, model = await run_load(spec.cell_prompts(c), load, hooks.request_done, session)
         after = await fetch_counters(session, base_url)
-    stats = counter_delta(before, after)
+    stats = counter_delta(before.spec, after.spec)
     return {
         "dspark_bench_cell": CELL_FORMAT,
         "config": cfg.name,
         "concurrency": c,
         "metrics": aggregate(results, wall),
         "spec_decode": stats.to_dict() if stats is not None else None,
+        # The server's own counters over the cell (embedded engine: paused steps, kernel compiles, full GCs).
+        "server_counters": dspark_counter_delta(before.dspark, after.dspark),
         "workload": spec.workload,
         "server": {**server, "model": model},
         "started_at": started,

@@ -163,6 +163,32 @@ class SpecDecodeCounters:
         return cls.from_samples(parse_prometheus(text))
 
 
+DSPARK_PREFIX = "dspark:"
+# Labels that say which engine or model a sample is from, not what it counts: summed over, like vLLM's engines.
+_SOURCE_LABELS = frozenset({"model_name", "engine"})
+
+
+def dspark_counters(samples: Iterable[Sample]) -> dict[str, float]:
+    """The toolkit's own counters (``dspark:*_total``), keyed ``name`` or ``name{label=value,...}`` without
+    the prefix and suffix: ``kernel_compiles{phase=serving}``, ``drafting_paused_steps``. Gauges are left out
+    (a delta of a gauge means nothing)."""
+    out: dict[str, float] = {}
+    for s in samples:
+        if not s.name.startswith(DSPARK_PREFIX) or not s.name.endswith("_total") or not math.isfinite(s.value):
+            continue
+        key = _base_name(s.name)[len(DSPARK_PREFIX):]
+        labels = sorted((k, v) for k, v in s.labels.items() if k not in _SOURCE_LABELS)
+        if labels:
+            key += "{" + ",".join(f"{k}={v}" for k, v in labels) + "}"
+        out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def dspark_counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each of the toolkit's counters did between two scrapes (a counter absent before counts from 0)."""
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items())}
+
+
 @dataclass(frozen=True)
 class SpecDecodeStats:
     """What happened between two counter snapshots: the numbers the bench table reports."""

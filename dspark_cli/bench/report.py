@@ -37,6 +37,9 @@ PRETTY = {
     "upstream": "vLLM adaptive",
 }
 MISSING = "—"
+SERVING_COMPILES = "kernel_compiles{phase=serving}"
+SERVING_COMPILE_S = "kernel_compile_seconds{phase=serving}"
+FULL_GC_S = "gc_full_collection_seconds"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,11 @@ class CellNumbers:
     per_user_tok_s: float | None
     failed: int
     delta_pct: float | None  # vs the baseline column; None for the baseline itself or without one
+    # From the server's own counters over the cell (None where it has none, e.g. vLLM): time the cell's steps
+    # waited on kernel compiles while serving and on full garbage collections (see engines/embedded/stalls.py).
+    serving_compiles: float | None = None
+    serving_compile_s: float | None = None
+    full_gc_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -72,6 +80,7 @@ def numbers(cell: dict[str, Any], base: dict[str, Any] | None) -> CellNumbers:
         base_tok = float(base["metrics"].get("output_tok_s") or 0.0)
         if base_tok > 0:
             delta = (tok_s / base_tok - 1.0) * 100.0
+    counters = cell.get("server_counters") or {}
     return CellNumbers(
         output_tok_s=tok_s,
         mean_itl_ms=(m.get("itl_ms") or {}).get("mean"),
@@ -79,6 +88,9 @@ def numbers(cell: dict[str, Any], base: dict[str, Any] | None) -> CellNumbers:
         per_user_tok_s=m.get("per_user_tok_s"),
         failed=int(m.get("failed") or 0),
         delta_pct=delta,
+        serving_compiles=counters.get(SERVING_COMPILES),
+        serving_compile_s=counters.get(SERVING_COMPILE_S),
+        full_gc_s=counters.get(FULL_GC_S),
     )
 
 
@@ -150,7 +162,24 @@ def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
     lines.append("|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|")
     for row in table.rows():
         lines.append("| " + " | ".join(row) + " |")
+    stalls = stall_notes(table)
+    if stalls:
+        lines += ["", "Kernel compiles while serving (a start-up warm-up missed them; the cell waited):", ""]
+        lines += [f"- {note}" for note in stalls]
     return "\n".join(lines) + "\n"
+
+
+def stall_notes(table: ComparisonTable) -> list[str]:
+    """One line per cell whose server compiled a kernel during the cell, with the time it cost."""
+    notes = []
+    for c in table.concurrencies:
+        for k in table.configs:
+            n = table.cells.get((k, c))
+            if n is not None and n.serving_compiles:
+                gc = f", full GCs {n.full_gc_s:.2f} s" if n.full_gc_s else ""
+                notes.append(f"{header(k)} at c={c}: {n.serving_compiles:.0f} compiles, "
+                             f"{n.serving_compile_s or 0.0:.2f} s{gc}")
+    return notes
 
 
 def to_rich(table: ComparisonTable, title: str | None = None) -> Table:

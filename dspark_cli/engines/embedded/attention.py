@@ -110,6 +110,10 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> Tensor: ...
 
+    def warm_up(self, num_heads: int, head_dim: int, k_cache: Tensor, v_cache: Tensor, max_blocks: int) -> int:
+        """Compile whatever kernels serving could otherwise compile on first use; returns how many."""
+        ...
+
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Scatter this step's K/V (``[T, KVH, D]``) into ``[num_blocks, block_size, KVH, D]`` caches in place."""
@@ -122,6 +126,9 @@ class TorchPagedAttention:
     """Reference backend: dense gather of each row's blocks + one SDPA over the [rows, Q] query grid."""
 
     name = "torch"
+
+    def warm_up(self, num_heads: int, head_dim: int, k_cache: Tensor, v_cache: Tensor, max_blocks: int) -> int:
+        return 0  # plain torch ops: nothing is compiled
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, inputs: AttentionInputs,
@@ -165,6 +172,10 @@ class TritonPagedAttention:
         from dspark_cli.engines.embedded import triton_attention
 
         self._kernel = triton_attention.paged_attention_varlen
+        self._warm_up = triton_attention.warm_up_paged_attention
+
+    def warm_up(self, num_heads: int, head_dim: int, k_cache: Tensor, v_cache: Tensor, max_blocks: int) -> int:
+        return self._warm_up(num_heads, head_dim, k_cache, v_cache, max_blocks)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, inputs: AttentionInputs,

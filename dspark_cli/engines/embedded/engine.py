@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from dspark_cli.engines.embedded.model_runner import ModelRunner
 from dspark_cli.engines.embedded.scheduler import Scheduler
 from dspark_cli.engines.embedded.seeded import counter_uniforms
 from dspark_cli.engines.embedded.sequence import SamplingParams, Sequence
+from dspark_cli.engines.embedded.stalls import StallCounters, StallWatch
 from dspark_cli.engines.embedded.synthetic import expected_accepted, synthetic_rejection_sample
 from dspark_cli.errors import DsparkError
 
@@ -91,6 +93,8 @@ class EngineStats:
     # step probing a saturation pause), paused (K > 0 without drafting: saturation), nospec (K == 0).
     phase_ms: dict[str, float] = field(default_factory=dict)
     phase_steps: dict[str, int] = field(default_factory=dict)
+    # Kernel compiles (start-up / serving) and full garbage collections, counted by the engine's StallWatch.
+    stalls: StallCounters = field(default_factory=StallCounters)
 
 
 class _PhaseClock:
@@ -174,6 +178,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
+        # Installed before anything compiles or captures, so start-up compiles are told from serving ones;
+        # the finalizer unhooks an engine that is dropped without close().
+        self.stalls = StallWatch().install()
+        weakref.finalize(self, self.stalls.close)
         # Curve problems are found before any weights are read: they are the likeliest user error.
         wants_capacity = config.num_speculative_tokens > 0 and config.draft is not None and config.capacity.mode != "none"
         file_curve = self._check_curve() if wants_capacity else None
@@ -199,7 +207,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.batched_token_limit, lookahead=self.num_spec
         )
-        self.stats = EngineStats(accepted_per_pos=[0] * self.num_spec, kv_blocks_total=self.block_manager.num_usable_blocks)
+        self.stats = EngineStats(accepted_per_pos=[0] * self.num_spec, kv_blocks_total=self.block_manager.num_usable_blocks,
+                                 stalls=self.stalls.counters)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
@@ -236,6 +245,7 @@ class LLMEngine:
             # Verify batches are padded to the captured sizes; the allocation's admitted counts are int32.
             warm_up_rejection_sample(self.num_spec, self.vocab_size, self.runner.capture_sizes, config.max_num_seqs,
                                      self.device, torch.int32 if self.capacity is not None else torch.int64)
+        self.stalls.start_serving()
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -325,6 +335,7 @@ class LLMEngine:
 
     def _prefill_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         self.stats.num_prefill_steps += 1
+        self.stalls.step_kind = "prefill"
         clock = self._clock("prefill")
         logits = self.runner.prefill(seqs)
         clock.mark("forward")
@@ -355,13 +366,15 @@ class LLMEngine:
         drafting = k > 0 and (self.capacity.begin_step(num_reqs) if self.capacity is not None else True)
         if k > 0 and not drafting:
             self.stats.num_paused_steps += 1
+        probe = drafting and self.capacity is not None and self.capacity.probe_step
+        self.stalls.step_kind = ("probe" if probe else "spec") if drafting else ("paused" if k > 0 else "nospec")
         if not drafting:
             outputs = self._plain_decode_step(seqs)
             if self.capacity is not None:
                 self.capacity.record_step_time(False, num_reqs, (time.perf_counter() - start) * 1e3)
             return outputs
         # Probes get their own kind in phase timing: their catch-up over the pause is not a drafting step's cost.
-        clock = self._clock("probe" if self.capacity is not None and self.capacity.probe_step else "spec")
+        clock = self._clock(self.stalls.step_kind)
         runner = self.runner
         dev = self.device
         slots_np = np.fromiter((self._slot_of[s.request_id] for s in seqs), dtype=np.int64, count=num_reqs)
@@ -600,6 +613,7 @@ class LLMEngine:
         if self.traces is not None:
             self.traces.close()
             self.traces = None
+        self.stalls.close()
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -39,6 +39,10 @@ class MetricsSnapshot:
     num_paused_steps: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    kernel_compiles: Mapping[str, int] = field(default_factory=dict)  # phase (startup / serving) -> count
+    kernel_compile_s: Mapping[str, float] = field(default_factory=dict)
+    full_gcs: int = 0
+    full_gc_s: float = 0.0
 
     @classmethod
     def from_stats(cls, stats: object) -> MetricsSnapshot:
@@ -59,7 +63,19 @@ class MetricsSnapshot:
             num_paused_steps=int(getattr(stats, "num_paused_steps", 0)),
             kv_blocks_total=int(getattr(stats, "kv_blocks_total", 0)),
             kv_blocks_free=int(getattr(stats, "kv_blocks_free", 0)),
+            **_stall_fields(getattr(stats, "stalls", None)),
         )
+
+
+def _stall_fields(stalls: object) -> dict[str, object]:
+    if stalls is None:
+        return {}
+    return {
+        "kernel_compiles": {k: int(v) for k, v in getattr(stalls, "compiles", {}).items()},
+        "kernel_compile_s": {k: float(v) / 1e3 for k, v in getattr(stalls, "compile_ms", {}).items()},
+        "full_gcs": int(getattr(stalls, "full_gcs", 0)),
+        "full_gc_s": float(getattr(stalls, "full_gc_ms", 0.0)) / 1e3,
+    }
 
 
 def _escape_label(value: str) -> str:
@@ -135,6 +151,20 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
     _family(lines, "dspark:drafting_paused_steps_total", "counter",
             "Decode steps that skipped drafting (saturation policy).", [(base, snap.num_paused_steps)])
     _family(lines, "dspark:kv_blocks_free", "gauge", "Free KV-cache blocks.", [(base, snap.kv_blocks_free)])
+    # What stalls steps beyond their own work (stalls.py): any compile in phase "serving" is a gap in the
+    # start-up warm-ups, and a benchmark cell that saw one lost that much time.
+    phases = sorted(set(snap.kernel_compiles) | {"startup", "serving"})
+    _family(lines, "dspark:kernel_compiles_total", "counter",
+            "Triton kernel compiles, at start-up and while serving.",
+            [({**base, "phase": ph}, snap.kernel_compiles.get(ph, 0)) for ph in phases])
+    _family(lines, "dspark:kernel_compile_seconds_total", "counter",
+            "Time spent compiling Triton kernels, at start-up and while serving.",
+            [({**base, "phase": ph}, snap.kernel_compile_s.get(ph, 0.0)) for ph in phases])
+    _family(lines, "dspark:gc_full_collections_total", "counter",
+            "Full (generation 2) Python garbage collections; each holds the interpreter lock.",
+            [(base, snap.full_gcs)])
+    _family(lines, "dspark:gc_full_collection_seconds_total", "counter",
+            "Time spent in full Python garbage collections.", [(base, snap.full_gc_s)])
     return "\n".join(lines) + "\n"
 
 

@@ -32,6 +32,7 @@ moved with one host-to-device copy, not one small copy per field.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,6 +367,7 @@ class ModelRunner:
                 self.block_size,
             )
 
+        self._warm_up_attention()
         self.use_graphs = device.type == "cuda" and config.cuda_graphs
         self.capture_sizes: list[int] = []
         self._verify_graphs: _GraphedForward | None = None
@@ -385,6 +387,20 @@ class ModelRunner:
             self.drafter = self._new_drafter(catchup_fn, step_fn)
             if self.use_graphs:
                 self._capture_loop_graphs()
+
+    def _warm_up_attention(self) -> None:
+        """Compile every attention variant now: eager forwards (prefills, a long catch-up after a saturation
+        pause) pick their kernel variant by shape, and a first use inside serving stalls that step."""
+        start = time.perf_counter()
+        compiled = 0
+        for fwd in (self.target_fwd, self.draft_fwd):
+            if fwd is not None:
+                args = fwd.model.args
+                k_cache, v_cache = fwd.kv[0]
+                compiled += self.backend.warm_up(args.num_heads, args.head_dim, k_cache, v_cache,
+                                                 self.max_blocks_per_seq)
+        if compiled:
+            log.info("attention kernels ready: %d variants in %.1f s", compiled, time.perf_counter() - start)
 
     def emulate_graphs(self) -> None:
         """Route decode-time forwards through the graph families' static buffers without capturing

@@ -66,7 +66,7 @@ except ImportError:  # the CPU-only install runs torch_reference; the kernel is 
     triton = None
     tl = None
 
-__all__ = ["paged_attention_varlen", "torch_reference", "triton_available"]
+__all__ = ["paged_attention_varlen", "torch_reference", "triton_available", "warm_up_paged_attention"]
 
 # Decided once at import, like triton.jit itself decides at decoration time whether kernels run on the GPU
 # or in the numpy interpreter; CPU tensors may only reach the kernel in the latter case.
@@ -368,9 +368,11 @@ def _plan(
 
 def _launch(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-    query_start_loc: Tensor, scale: float, out: Tensor, **overrides: int | None,
+    query_start_loc: Tensor, scale: float, out: Tensor, *, warm_up: bool = False, **overrides: int | None,
 ) -> Tensor:
-    """Launch with optional tile overrides (see :func:`_plan`); tests and benchmarks pin them, callers don't."""
+    """Launch with optional tile overrides (see :func:`_plan`); tests and benchmarks pin them, callers don't.
+
+    ``warm_up`` compiles the kernels this call would launch and launches nothing."""
     num_rows, num_heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     num_reqs, max_blocks = block_tables.shape
@@ -395,7 +397,7 @@ def _launch(
         o_part = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         grid = (num_tile_progs, kv_heads, num_splits)
 
-    _paged_attn_kernel[grid](
+    _run(_paged_attn_kernel, grid, warm_up,
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, m_part, l_part, o_part,
         scale_log2, num_reqs, num_rows, num_tile_progs,
@@ -410,7 +412,7 @@ def _launch(
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_rows, num_heads)](
+        _run(_merge_splits_kernel, (num_rows, num_heads), warm_up,
             m_part, l_part, o_part, query_start_loc, out,
             num_reqs, out.stride(0), out.stride(1), out.stride(2),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
@@ -418,6 +420,51 @@ def _launch(
             num_warps=1 if block_d <= 64 else 2,
         )
     return out
+
+
+def _run(kernel: object, grid: tuple[int, ...], warm_up: bool, *args: object, **kwargs: object) -> None:
+    if warm_up:
+        kernel.warmup(*args, grid=grid, **kwargs)  # type: ignore[attr-defined]
+    else:
+        kernel[grid](*args, **kwargs)  # type: ignore[index]
+
+
+def warm_up_paged_attention(num_heads: int, head_dim: int, k_cache: Tensor, v_cache: Tensor, max_blocks: int) -> int:
+    """Compile now every kernel variant a launch over these caches can pick; returns how many plans compiled.
+
+    A launch's tile height (decode-like or prefill-like rows per request) and KV split count follow the
+    batch's shape (:func:`_plan`), and each combination is its own compiled kernel. Captured graphs fix the
+    shapes of decode-time steps, but eager forwards -- prefills, and the draft's catch-up after a saturation
+    pause, whose rows per request grow with the pause -- pick whatever their shape asks for, so the first
+    catch-up after a longer pause than any before met a compile inside serving (0.1-1 s fresh, tens of ms
+    from Triton's disk cache) on the step that probes whether drafting pays. The variants are few: two tile
+    heights times the power-of-two split counts up to ``_MAX_SPLITS``. ``max_blocks`` is the block-table
+    width serving uses (its row stride is part of a kernel's specialisation). 0 where the kernel does not
+    run: no Triton, not CUDA, or the interpreter.
+    """
+    if triton is None or _INTERPRETED or k_cache.device.type != "cuda":
+        return 0
+    device = k_cache.device
+    _, page, kv_heads, _ = k_cache.shape
+    q = torch.empty((1, num_heads, head_dim), dtype=k_cache.dtype, device=device)
+    out = torch.empty_like(q)
+    tables = torch.zeros((1, max_blocks), dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    fp32 = k_cache.dtype == torch.float32
+    sms = _num_sms(device)
+    plans = set()
+    for block_m in (16,) if fp32 else (16, 64):
+        # One query tile is the fewest programs a launch has, so its split count is the most any launch picks.
+        most = _plan(1, num_heads, head_dim, kv_heads, page, 1, max_blocks, sms, fp32, block_m=block_m).num_splits
+        for splits in (1 << i for i in range(most.bit_length())):
+            plan = _plan(1, num_heads, head_dim, kv_heads, page, 1, max_blocks, sms, fp32, num_splits=splits,
+                         block_m=block_m)
+            if plan not in plans:
+                plans.add(plan)
+                _launch(q, k_cache, v_cache, tables, seq_lens, qsl, 1.0, out, warm_up=True, block_m=block_m,
+                        num_splits=splits)
+    return len(plans)
 
 
 def paged_attention_varlen(

@@ -1,0 +1,208 @@
+"""Step stalls: the StallWatch's counts, their /metrics series and bench cells, and -- on CUDA -- that nothing
+compiles once an engine serves, however long the saturation pauses that its probes catch up on."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_embedded_engine import TinyPair, make_engine, prompts
+
+from dspark_cli.bench.metrics import dspark_counter_delta, dspark_counters, parse_prometheus
+from dspark_cli.bench.report import build_table, to_markdown
+from dspark_cli.core.sps import SpsCurve
+from dspark_cli.engines.embedded.metrics import MetricsSnapshot, parse_metrics, render_metrics
+from dspark_cli.engines.embedded.sequence import SamplingParams
+from dspark_cli.engines.embedded.stalls import StallWatch
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _knobs():  # type: ignore[no-untyped-def]
+    knobs = pytest.importorskip("triton").knobs
+    if not hasattr(knobs, "runtime") or not hasattr(knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this triton has no compile hooks")
+    return knobs.runtime
+
+
+def _compile_hooks(runtime, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    """Call the installed hooks the way Triton's JIT does around one compile (a CPU has no backend to compile)."""
+    assert not runtime.jit_cache_hook(**kwargs)
+    runtime.jit_post_compile_hook(**kwargs)
+
+
+def test_watch_counts_compiles_by_phase_and_step_and_warns_only_while_serving(caplog: pytest.LogCaptureFixture) -> None:
+    runtime = _knobs()
+    before = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+    watch = StallWatch().install()
+    try:
+        _compile_hooks(runtime, repr="_k[num_warps=4](x: *fp32)", fn=None)
+        watch.start_serving()
+        watch.step_kind = "probe"
+        with caplog.at_level(logging.WARNING, logger="dspark_cli.engines.embedded.stalls"):
+            _compile_hooks(runtime, repr="_attn[num_warps=4](q: *bf16)", fn=None)
+        c = watch.counters
+        assert c.compiles == {"startup": 1, "serving": 1} and c.compiles_by_step == {"probe": 1}
+        assert c.compile_ms["serving"] >= 0.0
+        assert len(caplog.records) == 1 and "_attn while serving (a probe step" in caplog.text
+    finally:
+        watch.close()
+    assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == before
+
+
+def test_watch_chains_the_hook_it_found_and_keeps_a_later_one_working() -> None:
+    runtime = _knobs()
+    saved = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+    seen: list[str] = []
+
+    def earlier(**kwargs: object) -> bool:
+        seen.append("earlier")
+        return True  # "skip this compile": Triton must still hear it through our hook
+
+    try:
+        runtime.jit_cache_hook = earlier
+        first = StallWatch().install()
+        second = StallWatch().install()
+        assert runtime.jit_cache_hook(repr="k", fn=None) is True and seen == ["earlier"]
+        first.close()  # not on top: its slot stays, forwarding
+        assert runtime.jit_cache_hook(repr="k", fn=None) is True and seen == ["earlier"] * 2
+        runtime.jit_post_compile_hook(repr="k", fn=None)
+        assert first.counters.compiles["startup"] == 0 and second.counters.compiles["startup"] == 1
+        second.close()
+        assert runtime.jit_cache_hook == second._prev_pre  # back to what second found: first's forwarder
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
+
+
+def test_watch_times_full_collections_only() -> None:
+    watch = StallWatch().install()
+    try:
+        gc.collect(0)
+        assert watch.counters.full_gcs == 0
+        gc.collect()
+        assert watch.counters.full_gcs == 1 and watch.counters.full_gc_ms > 0.0
+    finally:
+        watch.close()
+    gc.collect()
+    assert watch.counters.full_gcs == 1
+
+
+def test_engine_counts_its_compiles_and_exports_them(pair: TinyPair) -> None:
+    engine = make_engine(pair, draft=str(pair.draft_head))
+    assert engine.stalls.serving and engine.stats.stalls is engine.stalls.counters
+    engine.generate(prompts(2), SamplingParams(temperature=0.0, max_tokens=4))
+    gc.collect()
+    text = render_metrics(MetricsSnapshot.from_stats(engine.stats), "tiny", engine.num_spec)
+    m = parse_metrics(text)
+    for phase in ("startup", "serving"):
+        assert (("dspark:kernel_compiles_total", (("model_name", "tiny"), ("phase", phase)))) in m
+    assert m[("dspark:gc_full_collections_total", (("model_name", "tiny"),))] >= 1
+    assert m[("dspark:gc_full_collection_seconds_total", (("model_name", "tiny"),))] > 0.0
+    # the bench's view of the same text: prefix and source labels dropped, phases kept
+    counters = dspark_counters(parse_prometheus(text))
+    assert counters["kernel_compiles{phase=serving}"] == 0.0 and counters["gc_full_collections"] >= 1
+    assert "kv_blocks_free" not in counters  # a gauge: no delta
+    engine.close()
+    assert engine.stalls._on_gc not in gc.callbacks  # close() unhooked it
+
+
+def test_dspark_counter_delta_and_the_bench_table_report_compiles_per_cell() -> None:
+    before = {"kernel_compiles{phase=serving}": 2.0, "gc_full_collection_seconds": 0.5}
+    after = {"kernel_compiles{phase=serving}": 5.0, "kernel_compile_seconds{phase=serving}": 0.75,
+             "gc_full_collection_seconds": 0.5}
+    delta = dspark_counter_delta(before, after)
+    assert delta == {"gc_full_collection_seconds": 0.0, "kernel_compile_seconds{phase=serving}": 0.75,
+                     "kernel_compiles{phase=serving}": 3.0}
+
+    def cell(config: str, counters: dict[str, float]) -> dict:
+        return {"config": config, "concurrency": 16, "metrics": {"output_tok_s": 100.0}, "server_counters": counters}
+
+    md = to_markdown(build_table([cell("none", {}), cell("varlen", delta)]))
+    assert "Varlen + SPS at c=16: 3 compiles, 0.75 s" in md
+    assert "Kernel compiles" not in to_markdown(build_table([cell("none", {}), cell("varlen", {})]))
+
+
+def test_attention_warm_up_is_a_noop_where_the_torch_path_runs() -> None:
+    from dspark_cli.engines.embedded.triton_attention import warm_up_paged_attention
+
+    cache = torch.zeros(4, 16, 2, 64)
+    assert warm_up_paged_attention(8, 64, cache, cache, 8) == 0
+
+
+@pytest.mark.gpu
+@CUDA
+def test_attention_warm_up_covers_every_shape_serving_can_launch() -> None:
+    """Prefill-like and catch-up-like batches (many rows per request, every split count the planner picks)
+    compile nothing after the warm-up."""
+    from dspark_cli.engines.embedded import triton_attention as ta
+
+    heads, kv_heads, dim, page, max_blocks = 9, 3, 64, 16, 129
+    k = torch.randn(512, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    assert ta.warm_up_paged_attention(heads, dim, k, v, max_blocks) == 8
+
+    def compiled() -> int:
+        return sum(len(c[0]) for kern in (ta._paged_attn_kernel, ta._merge_splits_kernel)
+                   for c in kern.device_caches.values())
+
+    before = compiled()
+    g = torch.Generator().manual_seed(0)
+    for reqs, rows_per_req in ((1, 1), (1, 150), (3, 40), (16, 65), (16, 8), (64, 1), (256, 8), (7, 129)):
+        lens = torch.randint(rows_per_req, 2000, (reqs,), generator=g).clamp(max=max_blocks * page)
+        tables = torch.randint(0, 512, (reqs, max_blocks), generator=g, dtype=torch.int32).cuda()
+        qsl = torch.arange(0, reqs + 1, dtype=torch.int32, device="cuda") * rows_per_req
+        q = torch.randn(reqs * rows_per_req, heads, dim, device="cuda", dtype=torch.bfloat16)
+        ta.paged_attention_varlen(q, k, v, tables, lens.to(torch.int32).cuda(), qsl, dim ** -0.5)
+    torch.cuda.synchronize()
+    assert compiled() == before
+
+
+_SERVE_SCRIPT = """
+import json, sys
+from dspark_cli.core.capacity import CapacityConfig
+from dspark_cli.engines.embedded.config import EngineConfig
+from dspark_cli.engines.embedded.engine import LLMEngine
+from dspark_cli.engines.embedded.sequence import SamplingParams
+import torch
+
+target, draft, curve = sys.argv[1:4]
+engine = LLMEngine(EngineConfig(model=target, draft=draft, num_speculative_tokens=3, device="cuda",
+                                dtype="bfloat16", max_num_seqs=8, max_model_len=512, block_size=16, seed=0,
+                                sps_curve=curve, capacity=CapacityConfig(mode="varlen", saturation_patience=1,
+                                                                         resume_every=2)))
+g = torch.Generator().manual_seed(0)
+for i in range(8):
+    prompt = torch.randint(3, engine.vocab_size, (6 + 25 * i,), generator=g).tolist()
+    engine.add_request(f"r{i}", prompt, SamplingParams(temperature=float(i % 2), max_tokens=300, ignore_eos=True,
+                                                        seed=i if i % 4 == 1 else None))
+lag = 0
+while engine.has_unfinished_requests():
+    lag = max([lag] + [s.num_tokens - s.num_draft_computed for s in engine.scheduler.running])
+    engine.step()
+c = engine.stats.stalls
+print(json.dumps({"compiles": c.compiles, "by_step": c.compiles_by_step, "lag": lag,
+                  "probes": engine.stats.num_drafts, "paused": engine.stats.num_paused_steps}))
+"""
+
+
+@pytest.mark.gpu
+@CUDA
+def test_nothing_compiles_while_serving_across_saturation_pauses(pair: TinyPair, tmp_path: Path) -> None:
+    """A fresh process (an empty in-process kernel cache, as a server starts): prefills of many lengths,
+    greedy, sampled and seeded requests, and probes whose catch-up spans pauses of up to 64 steps -- the
+    watch sees compiles at start-up and none while serving."""
+    curve = tmp_path / "expensive_draft.json"
+    SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 500.0), (8, 500.0)], 0.1).save(curve)
+    out = subprocess.run([sys.executable, "-c", _SERVE_SCRIPT, str(pair.target), str(pair.draft_head), str(curve)],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["paused"] > 0 and res["probes"] > 0 and res["lag"] > 32, res  # long catch-ups did run
+    assert res["compiles"]["startup"] > 0, res  # the hook sees real compiles
+    assert res["compiles"]["serving"] == 0, (res, out.stderr[-3000:])
