@@ -45,7 +45,7 @@ def test_watch_counts_compiles_by_phase_and_step_and_warns_only_while_serving(ca
         _compile_hooks(runtime, repr="_k[num_warps=4](x: *fp32)", fn=None)
         watch.start_serving()
         watch.step_kind = "probe"
-        with caplog.at_level(logging.WARNING, logger="dspark_cli.engines.embedded.stalls"):
+        with caplog.at_level(logging.WARNING, logger="dspark.embedded"):
             _compile_hooks(runtime, repr="_attn[num_warps=4](q: *bf16)", fn=None)
         c = watch.counters
         assert c.compiles == {"startup": 1, "serving": 1} and c.compiles_by_step == {"probe": 1}

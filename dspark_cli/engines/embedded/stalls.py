@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dspark.embedded")
 
 __all__ = ["StallCounters", "StallWatch"]
 
