@@ -640,6 +640,66 @@ def test_a_refill_cancels_a_low_load_probe_and_a_lucky_probe_does_not_reset_the_
     assert not pol.drafting_enabled and pol.probe_wait == 2 * wait
 
 
+def _drive(pol: SaturationPolicy, steps: list[tuple[int, bool]]) -> list[bool]:
+    """Run the policy as an engine does (begin_step, then observe on drafting steps); which steps drafted."""
+    drafted = []
+    for running, paid in steps:
+        d = pol.begin_step(running)
+        drafted.append(d)
+        if d:
+            pol.observe(paid, num_running=running)
+    return drafted
+
+
+_loads_and_outcomes = st.lists(st.tuples(st.integers(1, 64), st.booleans()), min_size=1, max_size=400)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_loads_and_outcomes, st.integers(0, 4), st.integers(1, 8))
+def test_saturation_policy_invariants_under_any_loads_and_outcomes(
+    steps: list[tuple[int, bool]], patience: int, resume_every: int
+) -> None:
+    """Whatever the loads and outcomes: the probe wait stays within [resume_every, MAX x resume_every], no
+    pause outlasts that bound (a probe always comes), and drafting only pauses after a losing step."""
+    pol = SaturationPolicy(patience, resume_every)
+    bound = SaturationPolicy.MAX_PROBE_BACKOFF * resume_every
+    gap = 0
+    lost_before = False
+    for running, paid in steps:
+        was_enabled = pol.drafting_enabled
+        d = pol.begin_step(running)
+        if was_enabled and not d:
+            assert lost_before  # a ceiling re-pause follows a pause, which followed a losing step
+        gap = 0 if d else gap + 1
+        assert gap <= bound
+        if d:
+            pol.observe(paid, num_running=running)
+            lost_before = lost_before or not paid
+        assert resume_every <= pol.probe_wait <= bound
+        if patience == 0:
+            assert d and pol.drafting_enabled
+    if not lost_before:
+        assert pol.drafting_enabled
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 8), st.integers(1, 256), st.integers(200, 3000))
+def test_saturation_tax_under_sustained_saturation_is_bounded_by_the_backoff(
+    patience: int, resume_every: int, load: int, num_steps: int
+) -> None:
+    """At a constant load where drafting never pays, the drafting steps are the first `patience` ones, one
+    probe per doubling of the wait, then one per MAX x resume_every paused steps."""
+    pol = SaturationPolicy(patience, resume_every)
+    bound = SaturationPolicy.MAX_PROBE_BACKOFF * resume_every
+    drafted = _drive(pol, [(load, False)] * num_steps)
+    doublings = SaturationPolicy.MAX_PROBE_BACKOFF.bit_length()
+    assert sum(drafted) <= patience + doublings + num_steps // bound + 1
+    # ... and probes keep coming at that rate: no gap between drafting steps exceeds the bound
+    at = [i for i, d in enumerate(drafted) if d] + [num_steps]
+    assert max(b - a - 1 for a, b in zip(at, at[1:])) <= bound
+    assert pol.probe_wait == min(bound, resume_every << (sum(drafted) - patience))
+
+
 def test_patience_zero_never_pauses() -> None:
     pol = SaturationPolicy(patience=0, resume_every=1)
     for _ in range(50):
