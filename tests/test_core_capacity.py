@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -696,7 +697,7 @@ def test_saturation_tax_under_sustained_saturation_is_bounded_by_the_backoff(
     assert sum(drafted) <= patience + doublings + num_steps // bound + 1
     # ... and probes keep coming at that rate: no gap between drafting steps exceeds the bound
     at = [i for i, d in enumerate(drafted) if d] + [num_steps]
-    assert max(b - a - 1 for a, b in zip(at, at[1:])) <= bound
+    assert max(b - a - 1 for a, b in itertools.pairwise(at)) <= bound
     assert pol.probe_wait == min(bound, resume_every << (sum(drafted) - patience))
 
 

@@ -135,6 +135,34 @@ def test_attention_warm_up_is_a_noop_where_the_torch_path_runs() -> None:
     assert warm_up_paged_attention(8, 64, cache, cache, 8) == 0
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim, max_blocks, fp32", [
+    (9, 3, 64, 129, False),    # SmolLM2-135M, max_model_len 2048
+    (32, 8, 128, 257, False),  # Llama-3-8B, 4096
+    (4, 2, 16, 33, False),     # the tiny test pair
+    (9, 3, 64, 129, True),
+])
+@pytest.mark.parametrize("sms", [132, 80, 8])
+def test_attention_warm_up_variants_cover_every_plan_the_planner_picks(
+    heads: int, kv_heads: int, dim: int, max_blocks: int, fp32: bool, sms: int
+) -> None:
+    """The warm-up compiles exactly the set of variants that any batch shape can ask for: a sweep of request
+    counts and rows per request (decode, verify, catch-up, prefill) never plans outside it."""
+    pytest.importorskip("triton")
+    from dspark_cli.engines.embedded import triton_attention as ta
+
+    variants = ta.attention_variants(heads, dim, kv_heads, 16, max_blocks, sms, fp32)
+    warmed = {ta._compiled_key(ta._plan(1, heads, dim, kv_heads, 16, 1, max_blocks, sms, fp32, block_m=bm,
+                                        num_splits=sp)) for bm, sp in variants}
+    assert len(warmed) == len(variants)
+    seen = set()
+    for reqs in (1, 2, 3, 5, 8, 13, 16, 31, 64, 100, 256):
+        for per_req in (1, 2, 4, 8, 16, 31, 32, 33, 65, 129, 300, 1000):
+            seen.add(ta._compiled_key(ta._plan(reqs * per_req, heads, dim, kv_heads, 16, reqs, max_blocks, sms,
+                                               fp32)))
+    assert seen <= warmed
+    assert len(seen) >= len(warmed) // 2  # the sweep reaches most of them: the set is not padded
+
+
 @pytest.mark.gpu
 @CUDA
 def test_attention_warm_up_covers_every_shape_serving_can_launch() -> None:

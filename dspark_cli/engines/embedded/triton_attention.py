@@ -452,19 +452,34 @@ def warm_up_paged_attention(num_heads: int, head_dim: int, k_cache: Tensor, v_ca
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     fp32 = k_cache.dtype == torch.float32
-    sms = _num_sms(device)
-    plans = set()
+    variants = attention_variants(num_heads, head_dim, kv_heads, page, max_blocks, _num_sms(device), fp32)
+    for block_m, splits in variants:
+        _launch(q, k_cache, v_cache, tables, seq_lens, qsl, 1.0, out, warm_up=True, block_m=block_m,
+                num_splits=splits)
+    return len(variants)
+
+
+def attention_variants(num_heads: int, head_dim: int, kv_heads: int, page: int, max_blocks: int, num_sms: int,
+                       fp32: bool = False) -> list[tuple[int, int]]:
+    """Every (tile height, split count) the planner can pick for these shapes, as :func:`_plan` overrides.
+
+    The tile height is decode-like (16 rows) or prefill-like (64; never in fp32); one query tile is the
+    fewest programs a launch has, so its split count is the most any launch picks, and counts are powers of
+    two. Everything else in a plan follows from these two and the shapes."""
+    out: dict[tuple[int, ...], tuple[int, int]] = {}
     for block_m in (16,) if fp32 else (16, 64):
-        # One query tile is the fewest programs a launch has, so its split count is the most any launch picks.
-        most = _plan(1, num_heads, head_dim, kv_heads, page, 1, max_blocks, sms, fp32, block_m=block_m).num_splits
+        most = _plan(1, num_heads, head_dim, kv_heads, page, 1, max_blocks, num_sms, fp32,
+                     block_m=block_m).num_splits
         for splits in (1 << i for i in range(most.bit_length())):
-            plan = _plan(1, num_heads, head_dim, kv_heads, page, 1, max_blocks, sms, fp32, num_splits=splits,
-                         block_m=block_m)
-            if plan not in plans:
-                plans.add(plan)
-                _launch(q, k_cache, v_cache, tables, seq_lens, qsl, 1.0, out, warm_up=True, block_m=block_m,
-                        num_splits=splits)
-    return len(plans)
+            p = _plan(1, num_heads, head_dim, kv_heads, page, 1, max_blocks, num_sms, fp32, num_splits=splits,
+                      block_m=block_m)
+            out.setdefault(_compiled_key(p), (block_m, splits))
+    return list(out.values())
+
+
+def _compiled_key(p: _Plan) -> tuple[int, ...]:
+    """What of a plan is compiled into the kernel (the tile-program count is a runtime argument)."""
+    return p.block_m, p.block_q, p.group_pad, p.block_n, p.block_d, p.num_splits, p.num_warps, p.num_stages
 
 
 def paged_attention_varlen(
