@@ -30,7 +30,7 @@ for stage in "$@"; do
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_core_rejection.py tests/test_core_capacity.py \
         tests/test_core_sts.py tests/test_core_layout.py tests/test_core_triton_rejection.py tests/test_vllm_manager.py \
         tests/test_embedded_engine_step.py tests/test_embedded_synthetic.py tests/test_embedded_seeded.py \
-        tests/test_triton_attention.py 2>&1 | tail -15 \
+        tests/test_triton_attention.py tests/test_embedded_stalls.py 2>&1 | tail -15 \
         | tee "$OUT/core_gpu_tests.log" || status=1 ;;
     attention)
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_attention.py 2>&1 | tail -15 \

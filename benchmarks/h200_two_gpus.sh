@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/h200_two_gpus.sh start ROOT       # copy the repo to ROOT/repo, start both queues
 #   GPUS=1 bash benchmarks/h200_two_gpus.sh start ROOT  # a one-GPU host: one queue, the work below in turn
+#   QUEUE=stalls bash benchmarks/h200_two_gpus.sh start ROOT  # one GPU: the compile-stall check (queue_stalls)
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -69,8 +70,21 @@ queue_one() {  # one GPU: what both queues do, one after the other (the GPU test
   stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
 }
 
+# One GPU, the check of PERFORMANCE section 11 item 5 (attention variants compiled inside probes): the GPU
+# tests (nothing compiles while serving), the real matrix with 8 waves (summary.md lists any cell whose server
+# compiled while serving), then the SmolLM2-shape step breakdown at T=1 with its "stalls" column (~21 min).
+queue_stalls() {
+  stage "GPU tests" bash benchmarks/h200_suite.sh "$ROOT/core" gputests
+  stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
+  CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
+    stage "real matrix" bash benchmarks/h200_matrix.sh "$ROOT" real
+  stage "step breakdown at T=1 (smollm2)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
+    python3 benchmarks/embedded_engine.py --temperature 1 --out "$ROOT/steps_t1"
+}
+
 QUEUES=(0 1)
 [[ ${GPUS:-2} == 1 ]] && QUEUES=(_one)
+[[ ${QUEUE:-} == stalls ]] && QUEUES=(_stalls)
 
 case $ACTION in
   start)
@@ -86,7 +100,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -94,7 +108,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one; do
+    for q in 0 1 _one _stalls; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"
