@@ -72,12 +72,15 @@ queue_one() {  # one GPU: what both queues do, one after the other (the GPU test
 
 # One GPU, the check of PERFORMANCE section 11 item 5 (attention variants compiled inside probes): the GPU
 # tests (nothing compiles while serving), the real matrix with 8 waves (summary.md lists any cell whose server
-# compiled while serving), then the SmolLM2-shape step breakdown at T=1 with its "stalls" column (~21 min).
+# compiled while serving), a torch.profiler breakdown of the real pair's slowest probes at c=16, then the
+# SmolLM2-shape step breakdown at T=1 with its "stalls" column (~22 min).
 queue_stalls() {
   stage "GPU tests" bash benchmarks/h200_suite.sh "$ROOT/core" gputests
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
   CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
     stage "real matrix" bash benchmarks/h200_matrix.sh "$ROOT" real
+  stage "probe profile (real pair, c=16)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
+    python3 benchmarks/probe_profile.py --model smollm2-135m --draft auto --out "$ROOT/probe_profile"
   stage "step breakdown at T=1 (smollm2)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
     python3 benchmarks/embedded_engine.py --temperature 1 --out "$ROOT/steps_t1"
 }
