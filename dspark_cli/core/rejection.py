@@ -285,9 +285,9 @@ def warm_up_rejection_sample(
     The kernels take request and row counts as runtime values, but their tile split, combine width and
     pipelining follow the row count, and a kernel is compiled per argument dtype. A compile costs tens of
     milliseconds to a second, which the first drafting step at each new shape would otherwise pay inside
-    serving (a GPU test checks that nothing compiles after this). ``admitted_dtype``: what the engine passes as admitted counts (the capacity manager's allocation
-    is int32; verify-all engines pass int64). Returns how many plans were compiled (0 where the torch path
-    runs: CPU, no Triton).
+    serving (a GPU test checks that nothing compiles after this). ``admitted_dtype``: what the engine passes
+    as admitted counts (the capacity manager's allocation is int32; verify-all engines pass int64). Returns
+    how many plans were compiled (0 where the torch path runs: CPU, no Triton).
     """
     device = torch.device(device)
     probe = torch.empty(1, vocab_size, device=device)

@@ -393,10 +393,15 @@ class ModelRunner:
         pause) pick their kernel variant by shape, and a first use inside serving stalls that step."""
         start = time.perf_counter()
         compiled = 0
+        shapes = set()  # a draft of the target's width shares its kernels: warm them once
         for fwd in (self.target_fwd, self.draft_fwd):
-            if fwd is not None:
-                args = fwd.model.args
-                k_cache, v_cache = fwd.kv[0]
+            if fwd is None:
+                continue
+            args = fwd.model.args
+            k_cache, v_cache = fwd.kv[0]
+            shape = (args.num_heads, args.head_dim, tuple(k_cache.shape[1:]), k_cache.dtype)
+            if shape not in shapes:
+                shapes.add(shape)
                 compiled += self.backend.warm_up(args.num_heads, args.head_dim, k_cache, v_cache,
                                                  self.max_blocks_per_seq)
         if compiled:

@@ -83,10 +83,6 @@ class StallWatch:
     def serving(self) -> bool:
         return self._serving
 
-    @property
-    def watches_compiles(self) -> bool:
-        return self._knobs is not None
-
     def install(self) -> StallWatch:
         if self._installed:
             return self
@@ -131,11 +127,10 @@ class StallWatch:
         start = self._compile_start.pop(threading.get_ident(), None)
         if self._installed and start is not None:
             ms = (time.perf_counter() - start) * 1e3
-            self.record_compile(_kernel_name(kwargs), ms, str(kwargs.get("repr", "")))
+            self._record_compile(_kernel_name(kwargs), ms, str(kwargs.get("repr", "")))
         return self._prev_post(**kwargs) if self._prev_post is not None else None
 
-    def record_compile(self, kernel: str, ms: float, detail: str = "") -> None:
-        """Count one compile of ``kernel`` that took ``ms`` (what the Triton hooks report)."""
+    def _record_compile(self, kernel: str, ms: float, detail: str) -> None:
         phase = SERVING if self._serving else STARTUP
         c = self.counters
         c.compiles[phase] += 1

@@ -430,7 +430,7 @@ def _run(kernel: object, grid: tuple[int, ...], warm_up: bool, *args: object, **
 
 
 def warm_up_paged_attention(num_heads: int, head_dim: int, k_cache: Tensor, v_cache: Tensor, max_blocks: int) -> int:
-    """Compile now every kernel variant a launch over these caches can pick; returns how many plans compiled.
+    """Compile now every kernel variant a launch over these caches can pick; returns how many variants.
 
     A launch's tile height (decode-like or prefill-like rows per request) and KV split count follow the
     batch's shape (:func:`_plan`), and each combination is its own compiled kernel. Captured graphs fix the
