@@ -211,3 +211,58 @@ def test_fused_layout_kernel_compiles_for_hopper_with_runtime_loop_bounds() -> N
                             options=dict(num_warps=4))
     assert ".entry" in kernel.asm["ptx"]
     assert {"num_reqs", "num_rows"} <= {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+
+
+class _LaunchRecorder:
+    """Stands in for the compiled layout kernel: records the variant key Triton would compile each launch
+    under (argument dtypes, alignment and integer specialisations, constexprs), computed by Triton itself."""
+
+    def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
+        self.fn = fn
+        self.keys: set[tuple] = set()
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        def launch(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            names = self.fn.arg_names
+            skip = {names[i] if isinstance(i, int) else i for i in self.fn.do_not_specialize}
+            key = tuple(
+                (name, str(native_specialize_impl(BaseBackend, arg, False, True, True)))
+                for name, arg in zip(names, args) if name not in skip
+            )
+            self.keys.add(key + tuple(sorted((k, v) for k, v in kwargs.items())))
+
+        return launch
+
+
+def test_every_serving_layout_launch_is_a_variant_the_warm_up_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton compiles a kernel variant per argument dtype, pointer alignment and integer specialisation.
+    Serving hands the layout int32 or int64 counts, column views at odd offsets and one-request batches; the
+    warm-up must already have compiled whatever variant those launch (on the H200 the first drafting step
+    and the first paused step each compiled one inside serving)."""
+    pytest.importorskip("triton")
+    from dspark_cli.core import _triton_rejection as tr
+    from dspark_cli.core.layout import warm_up_varlen_layout
+
+    recorder = _LaunchRecorder(tr._varlen_layout_kernel)
+    monkeypatch.setattr(tr, "_varlen_layout_kernel", recorder)
+    monkeypatch.setattr(tr, "available", lambda device: True)
+    k = 7
+    assert warm_up_varlen_layout([k, 0, k], "cpu") == 2
+    warmed = set(recorder.keys)
+    assert len(warmed) == 2
+    recorder.keys.clear()
+    g = torch.Generator().manual_seed(0)
+    for num_reqs in (1, 2, 3, 9, 256):
+        for width in (k, 0):
+            for adm_dtype in (torch.int32, torch.int64):
+                packed = torch.randint(0, 50, (3 * num_reqs + 1,), generator=g)
+                last, start = packed[1 : 1 + num_reqs], packed[1 + num_reqs : 1 + 2 * num_reqs]  # odd offsets
+                drafts = torch.randint(0, 50, (num_reqs, width + 1), generator=g)[:, 1:]  # a column slice
+                admitted = torch.randint(0, width + 1, (num_reqs,), generator=g).to(adm_dtype)
+                for lt in (last, last.to(torch.int32), last.clone()):
+                    build_varlen_layout(lt, drafts, admitted, start, num_reqs * (width + 1))
+    assert recorder.keys <= warmed, recorder.keys - warmed
+    assert len(recorder.keys) == 2

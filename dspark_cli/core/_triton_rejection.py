@@ -594,6 +594,17 @@ if triton is not None:
         _clear_slots(r, slots_ptr, K, BLOCK_K)
 
 
+def _kernel_input(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as ``dtype``, rows dense (unit last stride) and 16-byte aligned: no-ops when it already is.
+
+    Callers hand in column views of packed batch tensors and counts of either integer width.
+    """
+    t = t.to(dtype)
+    if t.dim() and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 LAYOUT_BLOCK_R = 128  # requests per iteration of the layout kernel's request loop
 LAYOUT_BLOCK_T = 1024  # rows per iteration of its padding loop
 
@@ -615,11 +626,11 @@ def build_varlen_layout_fused(
     seq_lens = torch.empty(num_reqs, dtype=torch.int32, device=device)
     nlog = torch.empty(num_reqs, dtype=torch.int32, device=device)
     ntok = torch.empty((), dtype=i64, device=device)
-    if drafts.stride(1) != 1:
-        drafts = drafts.contiguous()
-    # The kernel indexes the per-request vectors with unit stride; callers may hand in column views of a
-    # packed batch tensor, so make them dense (a no-op when they already are).
-    last_tokens, admitted, start_pos = last_tokens.contiguous(), admitted.contiguous(), start_pos.contiguous()
+    # Triton compiles a variant per argument dtype and per pointer alignment: canonical inputs keep it at one
+    # variant per K, which the engines compile at start-up (warm_up_varlen_layout). On the H200 the first
+    # drafting step (int32 admitted counts) and the first paused step (K = 0) each compiled one inside serving.
+    last_tokens, drafts = _kernel_input(last_tokens, i64), _kernel_input(drafts, i64)
+    admitted, start_pos = _kernel_input(admitted, torch.int32), _kernel_input(start_pos, i64)
     # Fixed tiles (see the kernel): one variant per K serves every batch; a step is one program either way.
     _varlen_layout_kernel[(1,)](
         last_tokens, drafts, drafts.stride(0), admitted, start_pos,

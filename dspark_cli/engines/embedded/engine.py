@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from dspark_cli.core.capacity import CapacityManager, warm_up_allocate
-from dspark_cli.core.layout import VerifyLayout, build_mask_layout, build_varlen_layout
+from dspark_cli.core.layout import VerifyLayout, build_mask_layout, build_varlen_layout, warm_up_varlen_layout
 from dspark_cli.core.rejection import rejection_sample, sample, warm_up_rejection_sample
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.core.sts import OnlineSTS, apply_temperatures, load_sts
@@ -242,9 +242,10 @@ class LLMEngine:
             )
             warm_up_allocate(self.num_spec, config.max_num_seqs, self.device)  # no compiles while serving
         if self.num_spec > 0 and config.synthetic is None and self.runner.capture_sizes:
-            # Verify batches are padded to the captured sizes; the allocation's admitted counts are int32.
+            # Verify batches are padded to the captured sizes; admitted counts are int32 in every mode.
             warm_up_rejection_sample(self.num_spec, self.vocab_size, self.runner.capture_sizes, config.max_num_seqs,
-                                     self.device, torch.int32 if self.capacity is not None else torch.int64)
+                                     self.device, torch.int32)
+        warm_up_varlen_layout({self.num_spec, 0}, self.device)  # drafting steps; paused and plain steps
         self.stalls.start_serving()
 
     # ------------------------------------------------------------------------------------------ setup
@@ -509,10 +510,11 @@ class LLMEngine:
         return outputs
 
     def _full_drafts(self, num_reqs: int) -> Tensor:
-        """``[R]`` filled with K (capacity "none": every draft admitted), cached per R: no launch per step."""
+        """``[R]`` int32 (the allocation's dtype) filled with K (capacity "none": every draft admitted), cached
+        per R: no launch per step, and the kernels see one argument dtype in every mode."""
         cached = self._full_cache.get(num_reqs)
         if cached is None:
-            cached = torch.full((num_reqs,), self.num_spec, dtype=torch.int64, device=self.device)
+            cached = torch.full((num_reqs,), self.num_spec, dtype=torch.int32, device=self.device)
             self._full_cache[num_reqs] = cached
         return cached
 
