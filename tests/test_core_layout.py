@@ -230,7 +230,7 @@ class _LaunchRecorder:
             skip = {names[i] if isinstance(i, int) else i for i in self.fn.do_not_specialize}
             key = tuple(
                 (name, str(native_specialize_impl(BaseBackend, arg, False, True, True)))
-                for name, arg in zip(names, args) if name not in skip
+                for name, arg in zip(names, args, strict=False) if name not in skip
             )
             self.keys.add(key + tuple(sorted((k, v) for k, v in kwargs.items())))
 
