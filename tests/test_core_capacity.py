@@ -487,17 +487,69 @@ def test_saturation_pauses_after_patience_and_probes() -> None:
 
 def test_step_time_calibration_compares_drafting_with_plain_steps() -> None:
     cal = StepTimeCalibration(memory=8)
-    assert cal.relative_draft_cost == 1.0  # nothing measured: trust the curve
+    assert cal.relative_draft_cost(4) == 1.0  # nothing measured: trust the curve
     cal.record(True, 4, measured_ms=30.0, priced_ms=20.0)
-    assert cal.ratio(True) == pytest.approx(1.5) and cal.ratio(False) is None
-    assert cal.relative_draft_cost == 1.0  # plain decoding not measured yet
+    assert cal.ratio(True, 4) == pytest.approx(1.5) and cal.ratio(False, 4) is None
+    assert cal.relative_draft_cost(4) == 1.0  # plain decoding not measured yet
     cal.record(False, 4, measured_ms=12.0, priced_ms=10.0)
-    assert cal.relative_draft_cost == pytest.approx(1.5 / 1.2)
+    assert cal.relative_draft_cost(4) == pytest.approx(1.5 / 1.2)
     cal.record(True, 4, measured_ms=1e6, priced_ms=1.0)  # a compile stall pulls by the clamp at most
-    assert cal.ratio(True) < 4.0
+    assert cal.ratio(True, 4) < 4.0
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         cal.record(False, 4, measured_ms=bad, priced_ms=10.0)
     assert cal.num_samples == {True: 2, False: 1}
+
+
+def test_step_time_calibration_judges_each_load_by_its_own_bucket() -> None:
+    """Host work the curve does not price is most of a plain step at 256 requests and little at 16 (H200,
+    SmolLM2-135M: plain 4x / 1.4x its price, drafting 1.9x / 1.45x): each load gets its own quotient, a load
+    never measured borrows the nearest one's, and the lower one on a tie."""
+    cal = StepTimeCalibration()
+    assert [cal.load_bucket(r) for r in (1, 2, 3, 4, 15, 16, 31, 256, 511)] == [1, 2, 2, 3, 4, 5, 5, 9, 9]
+    for _ in range(50):
+        cal.record(True, 256, measured_ms=1.9 * 16.0, priced_ms=16.0)
+        cal.record(False, 256, measured_ms=4.0 * 4.4, priced_ms=4.4)
+    assert cal.relative_draft_cost(16) == pytest.approx(1.9 / 4.0)  # only 256 measured: borrowed
+    for _ in range(50):
+        cal.record(True, 16, measured_ms=1.45 * 9.2, priced_ms=9.2)
+        cal.record(False, 16, measured_ms=1.36 * 4.0, priced_ms=4.0)
+    assert cal.relative_draft_cost(16) == pytest.approx(1.45 / 1.36)
+    assert cal.relative_draft_cost(20) == pytest.approx(1.45 / 1.36)  # same bucket
+    assert cal.relative_draft_cost(256) == pytest.approx(1.9 / 4.0)
+    assert cal.relative_draft_cost(64) == pytest.approx(1.45 / 1.36)  # 2 buckets from 16, 2 from 256: lower
+    assert cal.relative_draft_cost(128) == pytest.approx(1.9 / 4.0)
+
+
+def test_heavy_load_calibration_does_not_make_drafting_at_light_load_look_cheap() -> None:
+    """The H200 real-setup cells at 16 requests drafted every step at 0.65x plain decoding's throughput after
+    the 256-request warm-up had filled one all-loads window: now the light load pauses within patience."""
+    curve = SpsCurve.from_points([(16, 3.0), (128, 3.3), (2048, 6.1)], [(16, 4.9), (256, 9.2)], 0.9)  # H200 real
+    cfg = CapacityConfig(mode="mask", policy="argmax", saturation_patience=8, resume_every=4)
+    mgr = CapacityManager(cfg, curve, 7, 256, "cpu")
+    for _ in range(40):  # the heavy load: drafting 1.9x its price, plain steps 4x theirs
+        priced = float(curve.step_cost_ms(256, 256 * 8, drafting=True, sampling=True))
+        mgr.record_step_time(True, 256, 1.9 * priced, priced)
+        mgr.record_step_time(False, 256, 4.0 * float(curve.step_cost_ms(256, 256, drafting=False)))
+    for _ in range(8):  # a few plain steps at the light load
+        mgr.record_step_time(False, 16, 1.36 * float(curve.step_cost_ms(16, 16, drafting=False)))
+    slots = np.arange(16)
+    drafted, first_pause = 0, None
+    for _ in range(40):
+        if not mgr.begin_step(16):
+            first_pause = drafted if first_pause is None else first_pause
+            mgr.record_step_time(False, 16, 1.36 * float(curve.step_cost_ms(16, 16, drafting=False)))
+            continue
+        drafted += 1
+        mgr.record_confidences(torch.from_numpy(slots), torch.full((16, 7), 0.9))  # confidently wrong
+        decision = mgr.plan(slots, np.full(16, 7), 16, 16, defer_saturation=True, sampling=True)
+        mgr.record_outcome(16 + 10)  # acceptance length 1.63, as measured
+        mgr.record_step_time(True, 16, 1.45 * decision.step_ms)
+    assert not mgr.drafting_enabled
+    # patience losing steps, then paused; the first drafting step at this load borrows the heavy load's
+    # quotient until its own is measured, and the realized window remembers it for a step or two
+    assert first_pause is not None and first_pause <= 8 + 2
+    assert drafted <= first_pause + 3  # and only probes after that, backing off
+    assert mgr.step_times.relative_draft_cost(16) > 1.0 > mgr.step_times.relative_draft_cost(256)
 
 
 def _timed_manager(patience: int) -> CapacityManager:
@@ -531,7 +583,7 @@ def test_timed_engines_get_a_plain_measuring_step_and_its_price_judges_drafting(
     mgr = _timed_manager(patience=4)
     for _ in range(4 * PLAIN_SAMPLE_EVERY):
         _timed_step(mgr, 3.0, emitted=8 + 8)
-    assert mgr.step_times.relative_draft_cost > 2.0
+    assert mgr.step_times.relative_draft_cost(8) > 2.0
     assert not mgr.drafting_enabled
     # Patience 0 never pauses, so it never measures plain decoding either.
     mgr = _timed_manager(patience=0)
