@@ -274,3 +274,28 @@ def test_decode_inputs_are_correct_and_16_byte_aligned_at_any_batch_size(pair: T
     assert col.tolist() == extra.tolist()
     for view in (tables, start_pos, last_tokens, col):
         assert view.storage_offset() * view.element_size() % 16 == 0
+
+
+def test_graph_capture_runs_with_garbage_freed_first_and_the_collector_off() -> None:
+    """A garbage cycle holding CUDA graphs must not be collected in the middle of a capture (its destructors
+    would call CUDA while a stream captures): it is freed before, and the collector stays off during."""
+    import gc
+    import weakref
+
+    from dspark_cli.engines.embedded.model_runner import no_collection_during_capture
+
+    class Holder:
+        pass
+
+    a, b = Holder(), Holder()
+    a.other, b.other = b, a  # a cycle: only the cyclic collector frees it
+    dead = weakref.ref(a)
+    del a, b
+    assert gc.isenabled()
+    with no_collection_during_capture():
+        assert dead() is None
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_collection_during_capture():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()

@@ -31,8 +31,11 @@ moved with one host-to-device copy, not one small copy per field.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +65,41 @@ __all__ = ["ModelRunner", "capture_sizes_for"]
 log = logging.getLogger("dspark.embedded")
 
 CPU_KV_BUDGET_BYTES = 1 << 30  # KV pools on CPU default to at most 1 GiB (both models together)
+
+
+@contextmanager
+def no_collection_during_capture() -> Iterator[None]:
+    """Free cyclic garbage first, then keep the cyclic collector off while graphs are captured.
+
+    A garbage cycle that holds CUDA graphs (an engine dropped earlier, a profiling runner) may be collected
+    at any allocation; if that happens during a capture, the graphs' destructors call into CUDA, which is not
+    permitted while a stream captures, and the capture in progress is invalidated (seen on the H200 as
+    "operation not permitted when stream is capturing (function reset)" and a failed engine). torch's
+    ``torch.cuda.graph`` no longer collects before capturing by default.
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def capture_graph(body: Callable[[], object], pool: object) -> torch.cuda.CUDAGraph:
+    """``body`` captured into a CUDA graph sharing memory ``pool`` (None: a new one), after two warm-up runs
+    on a side stream (lazy initialisations, allocator growth and autotuning happen outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph
 
 
 def capture_sizes_for(max_size: int) -> list[int]:
@@ -146,21 +184,14 @@ class _GraphedForward:
         if emulate:
             return
         # Largest first, sharing one memory pool: smaller graphs reuse the big one's blocks.
-        for size in reversed(self.sizes):
-            rows = self._rows(size)
-            self.is_padding[:size].fill_(True)
-            self.req_index[:size].fill_(rows)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._body(size)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._body(size)
-            self.pool = graph.pool()
-            self._captured[size] = graph
+        with no_collection_during_capture():
+            for size in reversed(self.sizes):
+                rows = self._rows(size)
+                self.is_padding[:size].fill_(True)
+                self.req_index[:size].fill_(rows)
+                graph = capture_graph(lambda size=size: self._body(size), self.pool)
+                self.pool = graph.pool()
+                self._captured[size] = graph
 
     def pick(self, num_tokens: int, max_query_len: int) -> int | None:
         if max_query_len > self.qlen:
@@ -282,19 +313,12 @@ class _DraftLoopGraphs:
         if emulate:
             self.graphs = {size: None for size in self.sizes}
             return
-        for size in reversed(self.sizes):
-            self.num_real.fill_(0)  # capture with every row padding: warm-up writes only the scratch slot
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._body(size)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._body(size)
-            self.pool = graph.pool()
-            self.graphs[size] = graph
+        with no_collection_during_capture():
+            for size in reversed(self.sizes):
+                self.num_real.fill_(0)  # capture with every row padding: warm-up writes only the scratch slot
+                graph = capture_graph(lambda size=size: self._body(size), self.pool)
+                self.pool = graph.pool()
+                self.graphs[size] = graph
 
     def run(
         self, h: Tensor, next_pos: Tensor, block_tables: Tensor, temperature: Tensor | None = None,
