@@ -70,6 +70,7 @@ def test_serve_matrix_table_json_plots_and_resume(tmp_path: Path) -> None:
         # the embedded server's own counters over the cell: its steps, and no kernel compiled while serving
         counters = cell["server_counters"]
         assert counters["engine_steps"] > 0 and counters["kernel_compiles{phase=serving}"] == 0
+        assert cell["server_gauges"]["kv_blocks_free"] > 0  # gauges: end-of-cell values, not deltas
     assert cells["nospec__c1"]["server"]["serve_args"][-6:-4] == ["-k", "0"]
     spec = cells["none__c2"]["spec_decode"]
     assert spec is not None and spec["num_drafts"] > 0 and 1.0 <= spec["acceptance_length"]

@@ -235,3 +235,30 @@ def test_nothing_compiles_while_serving_across_saturation_pauses(pair: TinyPair,
     assert res["compiles"]["startup"] > 0, res  # the hook sees real compiles
     serving = "\n".join(line for line in out.stderr.splitlines() if "while serving" in line)
     assert res["compiles"]["serving"] == 0, f"{res}\n{serving}"  # a string: pytest prints it whole
+
+
+def test_saturation_evidence_is_exported_as_gauges_and_kept_per_cell(pair: TinyPair, tmp_path: Path) -> None:
+    """The policy's evidence -- drafting over plain cost relative to the curve per load, and the realized
+    gain -- reaches /metrics as gauges, which the bench keeps as end-of-cell values (never deltas)."""
+    from dspark_cli.bench.metrics import dspark_gauges
+    from dspark_cli.core.capacity import CapacityConfig
+
+    curve = tmp_path / "expensive_draft.json"  # drafting never pays: it pauses at once, then probes
+    SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 500.0), (8, 500.0)], 0.1).save(curve)
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(curve),
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2))
+    engine.generate(prompts(4), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    stats = engine.stats
+    assert stats.num_paused_steps > 0 and stats.num_drafts > 0  # timed drafting and plain steps at one load
+    assert stats.drafting_cost_scale and stats.realized_gain is not None
+    text = render_metrics(MetricsSnapshot.from_stats(stats), "tiny", engine.num_spec)
+    m = parse_metrics(text)
+    for bucket, value in stats.drafting_cost_scale.items():
+        lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
+        label = str(lo) if lo == hi else f"{lo}-{hi}"
+        assert m[("dspark:drafting_cost_scale", (("load", label), ("model_name", "tiny")))] == pytest.approx(value)
+    assert m[("dspark:saturation_realized_gain", (("model_name", "tiny"),))] == pytest.approx(stats.realized_gain)
+    gauges = dspark_gauges(parse_prometheus(text))
+    assert "saturation_realized_gain" in gauges and "kv_blocks_free" in gauges
+    assert not any(k.startswith("kernel_compiles") for k in gauges)  # counters are deltas, not gauges
+    engine.close()

@@ -31,7 +31,7 @@ import numpy as np
 import orjson
 
 from dspark_cli.bench.datasets import Prompt
-from dspark_cli.bench.metrics import SpecDecodeCounters, dspark_counters, parse_prometheus
+from dspark_cli.bench.metrics import SpecDecodeCounters, dspark_counters, dspark_gauges, parse_prometheus
 from dspark_cli.errors import DsparkError
 
 Endpoint = Literal["chat", "completions"]
@@ -216,6 +216,7 @@ class ServerCounters:
 
     spec: SpecDecodeCounters
     dspark: dict[str, float]
+    gauges: dict[str, float] = field(default_factory=dict)
 
 
 async def fetch_counters(session: aiohttp.ClientSession, base_url: str) -> ServerCounters:
@@ -227,7 +228,7 @@ async def fetch_counters(session: aiohttp.ClientSession, base_url: str) -> Serve
             samples = parse_prometheus(await resp.text())
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return ServerCounters(SpecDecodeCounters(), {})
-    return ServerCounters(SpecDecodeCounters.from_samples(samples), dspark_counters(samples))
+    return ServerCounters(SpecDecodeCounters.from_samples(samples), dspark_counters(samples), dspark_gauges(samples))
 
 
 def make_session(cfg: LoadConfig) -> aiohttp.ClientSession:

@@ -340,6 +340,8 @@ async def _measure(spec: MatrixSpec, cfg: BenchConfig, c: int, base_url: str, se
         "spec_decode": stats.to_dict() if stats is not None else None,
         # The server's own counters over the cell (embedded engine: paused steps, kernel compiles, full GCs).
         "server_counters": dspark_counter_delta(before.dspark, after.dspark),
+        # ... and its gauges at the end of the cell (the saturation policy's evidence: cost scales, gain).
+        "server_gauges": after.gauges,
         "workload": spec.workload,
         "server": {**server, "model": model},
         "started_at": started,

@@ -184,6 +184,21 @@ def dspark_counters(samples: Iterable[Sample]) -> dict[str, float]:
     return out
 
 
+def dspark_gauges(samples: Iterable[Sample]) -> dict[str, float]:
+    """The toolkit's own gauges (``dspark:*`` not ending in ``_total``), keyed like :func:`dspark_counters`:
+    ``drafting_cost_scale{load=16-31}``, ``saturation_realized_gain``. A cell keeps their values at its end."""
+    out: dict[str, float] = {}
+    for s in samples:
+        if not s.name.startswith(DSPARK_PREFIX) or s.name.endswith("_total") or not math.isfinite(s.value):
+            continue
+        key = s.name[len(DSPARK_PREFIX):]
+        labels = sorted((k, v) for k, v in s.labels.items() if k not in _SOURCE_LABELS)
+        if labels:
+            key += "{" + ",".join(f"{k}={v}" for k, v in labels) + "}"
+        out[key] = s.value
+    return out
+
+
 def dspark_counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What each of the toolkit's counters did between two scrapes (a counter absent before counts from 0)."""
     return {k: v - before.get(k, 0.0) for k, v in sorted(after.items())}

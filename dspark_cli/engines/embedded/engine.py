@@ -95,6 +95,10 @@ class EngineStats:
     phase_steps: dict[str, int] = field(default_factory=dict)
     # Kernel compiles (start-up / serving) and full garbage collections, counted by the engine's StallWatch.
     stalls: StallCounters = field(default_factory=StallCounters)
+    # The saturation policy's evidence (capacity modes): measured drafting over plain cost relative to the
+    # curve per load bucket (StepTimeCalibration.quotients) and the windowed realized gain over plain decoding.
+    drafting_cost_scale: dict[int, float] = field(default_factory=dict)
+    realized_gain: float | None = None
 
 
 class _PhaseClock:
@@ -469,6 +473,8 @@ class LLMEngine:
         clock.mark("emit")
         if self.capacity is not None:
             self.capacity.record_step_time(True, num_reqs, (time.perf_counter() - start) * 1e3)
+            self.stats.drafting_cost_scale = self.capacity.step_times.quotients()
+            self.stats.realized_gain = self.capacity.realized_gain
         return outputs
 
     def _plain_decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:

@@ -43,6 +43,8 @@ class MetricsSnapshot:
     kernel_compile_s: Mapping[str, float] = field(default_factory=dict)
     full_gcs: int = 0
     full_gc_s: float = 0.0
+    drafting_cost_scale: Mapping[int, float] = field(default_factory=dict)  # load bucket -> quotient
+    realized_gain: float | None = None
 
     @classmethod
     def from_stats(cls, stats: object) -> MetricsSnapshot:
@@ -64,7 +66,19 @@ class MetricsSnapshot:
             kv_blocks_total=int(getattr(stats, "kv_blocks_total", 0)),
             kv_blocks_free=int(getattr(stats, "kv_blocks_free", 0)),
             **_stall_fields(getattr(stats, "stalls", None)),
+            drafting_cost_scale={int(b): float(v) for b, v in (getattr(stats, "drafting_cost_scale", {}) or {}).items()},
+            realized_gain=_optional_float(getattr(stats, "realized_gain", None)),
         )
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def load_bucket_label(bucket: int) -> str:
+    """The request counts of a StepTimeCalibration load bucket: "1", "2-3", ..., "256-511"."""
+    lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
+    return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
 def _stall_fields(stalls: object) -> dict[str, object]:
@@ -165,6 +179,16 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
             [(base, snap.full_gcs)])
     _family(lines, "dspark:gc_full_collection_seconds_total", "counter",
             "Time spent in full Python garbage collections.", [(base, snap.full_gc_s)])
+    # The saturation policy's evidence: > 1 means a drafting step costs more, relative to a plain step, than
+    # the curve says (host work it does not price); the realized gain is drafting's Θ over plain decoding's.
+    if snap.drafting_cost_scale:
+        _family(lines, "dspark:drafting_cost_scale", "gauge",
+                "Measured drafting over plain step cost, relative to the SPS curve, per load (requests).",
+                [({**base, "load": load_bucket_label(b)}, v) for b, v in snap.drafting_cost_scale.items()])
+    if snap.realized_gain is not None:
+        _family(lines, "dspark:saturation_realized_gain", "gauge",
+                "Windowed realized throughput of drafting steps over plain decoding's (> 1: drafting pays).",
+                [(base, snap.realized_gain)])
     return "\n".join(lines) + "\n"
 
 
