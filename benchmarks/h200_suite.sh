@@ -30,8 +30,8 @@ for stage in "$@"; do
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_core_rejection.py tests/test_core_capacity.py \
         tests/test_core_sts.py tests/test_core_layout.py tests/test_core_triton_rejection.py tests/test_vllm_manager.py \
         tests/test_embedded_engine_step.py tests/test_embedded_synthetic.py tests/test_embedded_seeded.py \
-        tests/test_triton_attention.py tests/test_embedded_stalls.py 2>&1 | tail -15 \
-        | tee "$OUT/core_gpu_tests.log" || status=1 ;;
+        tests/test_triton_attention.py tests/test_embedded_stalls.py 2>&1 | tee "$OUT/core_gpu_tests.full.log" \
+        | tail -15 | tee "$OUT/core_gpu_tests.log" || status=1 ;;  # the full log keeps the tracebacks
     attention)
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_attention.py 2>&1 | tail -15 \
         | tee "$OUT/attention_gpu_tests.log" || status=1
