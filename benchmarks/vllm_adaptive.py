@@ -10,6 +10,9 @@ The toolkit is run from the tree (no pip install), so the script registers the p
 the servers it starts through a throw-away ``.dist-info`` on their PYTHONPATH. Each server's log is checked
 for the plugin's own start-up line, so a silently inactive plugin fails the run instead of measuring
 upstream twice. Budget: ~1.5 min per config (start-up with FULL_DECODE_ONLY and no torch.compile), < 8 min.
+``--overlap-starts N`` starts N configs' servers on the one GPU in a staggered row (each once the previous
+one has sized its KV cache) and measures them one at a time once all of them are up, each with its
+``--gpu-memory-utilization`` share; the group is stopped together.
 
 The client is ``dspark bench --base-url`` (default): every server's cells land in ``OUT/bench``, whose
 summary is one table over all configs (random prompts of --input-len tokens, equal work per cell); its
@@ -34,6 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +110,58 @@ def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], o
     return 0 if ok and not any("error" in r for r in results) else 1
 
 
+KV_LINE = "KV cache size:"  # vLLM's log line once a server has sized its KV cache (allocation follows)
+
+
+@dataclass
+class _Server:
+    """One started ``vllm serve`` of one config."""
+
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _wait_for_line(srv: _Server, needle: str, timeout: float) -> None:
+    """Until ``needle`` is in the server's log (RuntimeError if it exits or the timeout passes first)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if needle in srv.log_path.read_text(errors="replace"):
+            return
+        if srv.proc.poll() is not None:
+            raise RuntimeError(f"{srv.name}: server exited with {srv.proc.returncode} before {needle!r}")
+        time.sleep(1)
+    raise RuntimeError(f"{srv.name}: no {needle!r} in its log after {timeout:.0f} s")
+
+
+def _vllm_bench(args: argparse.Namespace, vllm: list[str], srv: _Server, env: dict[str, str],
+                t_start: float) -> list[dict]:
+    """``vllm bench serve`` at every concurrency (its JSON per cell in OUT)."""
+    rows = []
+    for c in (int(x) for x in args.concurrency.split(",")):
+        fname = f"bench-{srv.name}-c{c}.json"
+        bench = [*vllm, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{srv.port}",
+                 "--model", args.model, "--dataset-name", "random", "--random-input-len",
+                 str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts",
+                 str(args.num_prompts), "--max-concurrency", str(c), "--ignore-eos", "--seed", "0",
+                 "--save-result", "--result-dir", str(args.out), "--result-filename", fname]
+        subprocess.run(bench, env=env, check=True, stdout=subprocess.DEVNULL, timeout=240)
+        r = json.loads((args.out / fname).read_text())
+        rows.append({"config": srv.name, "concurrency": c, "output_tok_s": r.get("output_throughput"),
+                     "mean_itl_ms": r.get("mean_itl_ms"), "acceptance_length": r.get("spec_decode_acceptance_length"),
+                     "completed": r.get("completed")})
+        print(f"[{time.time() - t_start:5.0f}s]   c={c}: {rows[-1]}", flush=True)
+    return rows
+
+
 def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str, str]) -> list[dict]:
     """``dspark bench --base-url`` against this config's server; its cells (and the joint table) in OUT/bench."""
     out = args.out / "bench"
@@ -153,6 +209,12 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--dspark", default="{}", help="extra JSON for ours (e.g. {\"online_sts\": true})")
     ap.add_argument("--startup-timeout", type=float, default=240.0)
+    ap.add_argument("--overlap-starts", type=int, default=1, metavar="N",
+                    help="start up to N configs' servers together on the one GPU (each after the previous one "
+                         "sized its KV cache), then measure them one at a time: an 8B-shaped server takes ~2.5 "
+                         "min to start, mostly graph capture, which overlaps; give each a --gpu-memory-utilization "
+                         "share")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     ap.add_argument("--lossless", type=int, default=0, metavar="N",
                     help="instead of benchmarking, send N fixed prompts greedily (temperature 0, 32 tokens) to "
                          "each config and check every config's token ids against nospec's (run it without "
@@ -172,7 +234,7 @@ def main() -> int:
         base_spec.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=unconditional)
     ours = json.loads(args.dspark)
     engine = [args.model, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
-              "--gpu-memory-utilization", "0.35", "--dtype", "bfloat16",
+              "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--dtype", "bfloat16",
               "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
               # FlashInfer's GEMM/MoE autotune (11 s of a 60 s start on the 135M shape) tunes kernels these dense
               # bf16 models on FLASH_ATTN do not run; every config skips it alike.
@@ -200,57 +262,76 @@ def main() -> int:
     unknown = [n for n in args.configs.split(",") if n not in specs]
     if unknown:
         ap.error(f"unknown configs {unknown}; choose from {sorted(specs)}")
+    if args.overlap_starts < 1:
+        ap.error("--overlap-starts must be >= 1")
+    if args.overlap_starts * args.gpu_memory_utilization > 0.95:
+        ap.error(f"--overlap-starts {args.overlap_starts} x --gpu-memory-utilization {args.gpu_memory_utilization} "
+                 "exceeds the GPU: lower the utilization share")
     results: list[dict] = []
     outputs: dict[str, list[list[int]]] = {}
     if args.lossless and args.synthetic_rates:
         ap.error("--lossless checks real verification: drop --synthetic-rates")
     t_start = time.time()
-    for name in args.configs.split(","):
+
+    def start(name: str) -> _Server:
         port = _free_port()
         spec = specs[name]
         spec_args = [] if spec is None else ["--speculative-config", json.dumps(spec)]
-        plan = plan_vllm_serve([*engine, "--port", str(port), *spec_args])
-        cmd = plan.command(vllm)
+        cmd = plan_vllm_serve([*engine, "--port", str(port), *spec_args]).command(vllm)
         log_path = args.out / f"serve-{name}.log"
         print(f"[{time.time() - t_start:5.0f}s] {name}: {shlex.join(cmd)}", flush=True)
         with log_path.open("w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            try:
-                _wait_ready(port, proc, args.startup_timeout)
-                active = ACTIVE_LINE in log_path.read_text(errors="replace")
-                ours_expected = name.startswith(("varlen", "mask"))
-                if ours_expected != active:
-                    raise RuntimeError(f"plugin {'inactive' if ours_expected else 'active'} for {name}")
-                if args.lossless:
-                    outputs[name] = _greedy_outputs(port, args.model, args.lossless)
-                    print(f"[{time.time() - t_start:5.0f}s]   {args.lossless} greedy outputs", flush=True)
-                if not args.lossless and args.client == "dspark":
-                    results += _dspark_bench(args, name, port, env)
-                for c in [] if args.lossless or args.client == "dspark" else [int(x) for x in
-                                                                               args.concurrency.split(",")]:
-                    fname = f"bench-{name}-c{c}.json"
-                    bench = [*vllm, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
-                             "--model", args.model, "--dataset-name", "random", "--random-input-len",
-                             str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts",
-                             str(args.num_prompts), "--max-concurrency", str(c), "--ignore-eos", "--seed", "0",
-                             "--save-result", "--result-dir", str(args.out), "--result-filename", fname]
-                    subprocess.run(bench, env=env, check=True, stdout=subprocess.DEVNULL, timeout=240)
-                    r = json.loads((args.out / fname).read_text())
-                    results.append({"config": name, "concurrency": c,
-                                     "output_tok_s": r.get("output_throughput"),
-                                     "mean_itl_ms": r.get("mean_itl_ms"),
-                                     "acceptance_length": r.get("spec_decode_acceptance_length"),
-                                     "completed": r.get("completed")})
-                    print(f"[{time.time() - t_start:5.0f}s]   c={c}: {results[-1]}", flush=True)
-            except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
-                results.append({"config": name, "error": str(exc)})
-                print(f"  {name} FAILED: {exc} (log: {log_path})", flush=True)
-            finally:
-                os.killpg(proc.pid, signal.SIGTERM)
+        return _Server(name, port, proc, log_path)
+
+    def measure(srv: _Server) -> None:
+        _wait_ready(srv.port, srv.proc, args.startup_timeout)
+        log_text = srv.log_path.read_text(errors="replace")
+        active = ACTIVE_LINE in log_text
+        ours_expected = srv.name.startswith(("varlen", "mask"))
+        if ours_expected != active:
+            raise RuntimeError(f"plugin {'inactive' if ours_expected else 'active'} for {srv.name}")
+        kv = [line.strip() for line in log_text.splitlines() if KV_LINE in line]
+        print(f"[{time.time() - t_start:5.0f}s]   {srv.name} ready; {kv[-1] if kv else 'no KV line'}", flush=True)
+        if args.lossless:
+            outputs[srv.name] = _greedy_outputs(srv.port, args.model, args.lossless)
+            print(f"[{time.time() - t_start:5.0f}s]   {args.lossless} greedy outputs", flush=True)
+        elif args.client == "dspark":
+            results.extend(_dspark_bench(args, srv.name, srv.port, env))
+        else:
+            results.extend(_vllm_bench(args, vllm, srv, env, t_start))
+
+    names = args.configs.split(",")
+    for first in range(0, len(names), args.overlap_starts):
+        batch = names[first:first + args.overlap_starts]
+        group: list[_Server] = []
+        try:
+            for i, name in enumerate(batch):
+                if group:
+                    # The next server starts once the previous one has sized and allocated its KV cache: vLLM
+                    # sizes it from whole-device free memory, so two memory profiles at once mis-size each
+                    # other (vLLM issue 55827), and memory freed during a profile aborts it.
+                    try:
+                        _wait_for_line(group[-1], KV_LINE, args.startup_timeout)
+                    except RuntimeError as exc:  # its own measurement reports it; the rest are not started
+                        results.extend({"config": n, "error": f"not started: {exc}"} for n in batch[i:])
+                        break
+                group.append(start(name))
+            for srv in group:  # every server of the group up first: graph captures would disturb the cells
                 try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    _wait_ready(srv.port, srv.proc, args.startup_timeout)
+                except RuntimeError:
+                    pass  # its measurement below reports it
+            for srv in group:
+                try:
+                    measure(srv)
+                except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                    results.append({"config": srv.name, "error": str(exc)})
+                    print(f"  {srv.name} FAILED: {exc} (log: {srv.log_path})", flush=True)
+        finally:
+            # Stopped together after the group: a server stopping frees memory under a later one's profile.
+            for srv in group:
+                srv.stop()
         (args.out / "results.json").write_text(json.dumps({"results": results, "args": vars(args)}, default=str,
                                                           indent=2))
     if args.lossless:

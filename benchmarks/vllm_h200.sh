@@ -13,6 +13,11 @@
 # GPU host (each limited to 10 minutes there): give every command the same OUT under /tmp on the host (it
 # stays while the host is held) with a few CONFIGS each -- e.g. nospec,all / upstream,varlen /
 # mask,varlen-nosat / varlen-nosts,varlen-startup -- and copy it to the command's output folder at its end.
+# OVERLAP=N starts N configs' servers together (each once the previous one has sized its KV cache; graph
+# capture, most of a start, overlaps) and measures them one after another, every server of the group up:
+# with GPU_UTIL=0.22 (31 GB each: 16 GB of 8B weights, ~12 GB of KV) two groups of four cover issue 6's
+# eight configs, e.g. OVERLAP=4 GPU_UTIL=0.22 CONFIGS=nospec,all,upstream,varlen, then
+# CONFIGS=mask,varlen-nosat,varlen-nosts,varlen-startup. Not yet run on the H200.
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
 # vLLM's synthetic rejection sampler with a V4-Flash-like decay (conditional 0.8 ... 0.08 along the block).
@@ -62,6 +67,7 @@ case "$STAGE" in
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
-      --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" ;;
+      --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" \
+      --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
   *) echo "unknown stage $STAGE (proof|scaled|lossless|profile|profile-scaled)" >&2; exit 2 ;;
 esac
