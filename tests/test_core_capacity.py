@@ -501,9 +501,9 @@ def test_step_time_calibration_compares_drafting_with_plain_steps() -> None:
 
 
 def test_step_time_calibration_judges_each_load_by_its_own_bucket() -> None:
-    """Host work the curve does not price is most of a plain step at 256 requests and little at 16 (H200,
-    SmolLM2-135M: plain 4x / 1.4x its price, drafting 1.9x / 1.45x): each load gets its own quotient, a load
-    never measured borrows the nearest one's, and the lower one on a tie."""
+    """Host work the curve does not price weighs more at 256 requests than at 16 (say plain steps 4x / 1.36x
+    their price, drafting 1.9x / 1.45x): each load gets its own quotient, a load never measured borrows the
+    nearest one's, and the lower one on a tie."""
     cal = StepTimeCalibration()
     assert [cal.load_bucket(r) for r in (1, 2, 3, 4, 15, 16, 31, 256, 511)] == [1, 2, 2, 3, 4, 5, 5, 9, 9]
     for _ in range(50):
@@ -521,8 +521,9 @@ def test_step_time_calibration_judges_each_load_by_its_own_bucket() -> None:
 
 
 def test_heavy_load_calibration_does_not_make_drafting_at_light_load_look_cheap() -> None:
-    """The H200 real-setup cells at 16 requests drafted every step at 0.65x plain decoding's throughput after
-    the 256-request warm-up had filled one all-loads window: now the light load pauses within patience."""
+    """After a heavy phase had filled one all-loads window, the H200 real-setup cells at 16 requests drafted
+    every step at a loss (PERFORMANCE section 12): with windows per load the light load pauses within
+    patience."""
     curve = SpsCurve.from_points([(16, 3.0), (128, 3.3), (2048, 6.1)], [(16, 4.9), (256, 9.2)], 0.9)  # H200 real
     cfg = CapacityConfig(mode="mask", policy="argmax", saturation_patience=8, resume_every=4)
     mgr = CapacityManager(cfg, curve, 7, 256, "cpu")

@@ -406,13 +406,12 @@ class StepTimeCalibration:
     against plain decoding.
 
     Why per load (power-of-two buckets of the request count): the error is not one factor. Host work per
-    request (sampling state, emission, the server's streaming) that the curve does not price is a small
-    part of a drafting step at 16 requests and most of a plain step at 256 -- on an H200 with SmolLM2-135M
-    (whole-cell step averages), plain steps took about 1.35x their price at 16 requests and 4x at 256,
-    drafting steps 1.45x and 1.9x. One window over all loads, request-weighted, holds about the 256-request
-    quotient (0.47) at every load after a heavy phase, and makes drafting at 16 requests look ~1.5x better
-    than plain decoding when it is ~0.65x: those cells drafted every step. A load is judged by its own
-    bucket, or else by the nearest bucket that has both kinds of steps.
+    request that the curve does not price (sampling state, emission, the server's streaming) is a small part
+    of a step at 16 requests and a large one at 256. A window remembers ``STEP_TIME_MEMORY`` request-steps,
+    so a single 256-request step outweighs all it held before. One window over all loads therefore judged a light load after a heavy
+    phase mostly by the heavy load's quotient. On an H200 (SmolLM2-135M, section 12 of docs/PERFORMANCE.md)
+    that coincided with drafting at 16 requests every step at about 0.6x the throughput of plain decoding.
+    A load is judged by its own bucket, or else by the nearest bucket that has both kinds of steps.
 
     Request-weighted windows of ``STEP_TIME_MEMORY`` request-steps; a sample's ratio is clamped to
     ``[1/STEP_TIME_CLAMP, STEP_TIME_CLAMP]`` so one compile stall cannot swing a window. With no bucket
