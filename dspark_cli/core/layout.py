@@ -179,8 +179,8 @@ def warm_up_varlen_layout(num_specs: Sequence[int], device: torch.device | str) 
 
     Engines pass their K and 0 (paused and no-speculation steps verify one row per request). The kernel
     takes request and row counts at run time and its inputs in canonical dtypes, so one variant per K
-    serves every batch; without this, the first drafting step and the first paused step each paid a
-    compile (tens of milliseconds to a second, measured on an H200) inside serving. Returns how many
+    serves every batch. Without this, the first drafting step and the first paused step each paid a compile
+    (tens of milliseconds to a second) inside serving, as a GPU test on an H200 found. Returns how many
     variants ran (0 where the torch path is used).
     """
     device = torch.device(device)

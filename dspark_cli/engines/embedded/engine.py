@@ -377,6 +377,7 @@ class LLMEngine:
             outputs = self._plain_decode_step(seqs)
             if self.capacity is not None:
                 self.capacity.record_step_time(False, num_reqs, (time.perf_counter() - start) * 1e3)
+                self.stats.drafting_cost_scale = self.capacity.step_times.quotients()
             return outputs
         # Probes get their own kind in phase timing: their catch-up over the pause is not a drafting step's cost.
         clock = self._clock(self.stalls.step_kind)
