@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 PREFIX = "vllm:spec_decode_"
@@ -168,35 +168,33 @@ DSPARK_PREFIX = "dspark:"
 _SOURCE_LABELS = frozenset({"model_name", "engine"})
 
 
+def _dspark_series(samples: Iterable[Sample], counters: bool) -> Iterator[tuple[str, float]]:
+    """``(key, value)`` of the toolkit's counters (``counters``: ``dspark:*_total``) or gauges (the rest), keyed
+    ``name`` or ``name{label=value,...}`` without the prefix (and a counter's suffix), source labels dropped."""
+    for s in samples:
+        if not s.name.startswith(DSPARK_PREFIX) or s.name.endswith("_total") != counters or not math.isfinite(s.value):
+            continue
+        key = (_base_name(s.name) if counters else s.name)[len(DSPARK_PREFIX):]
+        labels = sorted((k, v) for k, v in s.labels.items() if k not in _SOURCE_LABELS)
+        if labels:
+            key += "{" + ",".join(f"{k}={v}" for k, v in labels) + "}"
+        yield key, s.value
+
+
 def dspark_counters(samples: Iterable[Sample]) -> dict[str, float]:
     """The toolkit's own counters (``dspark:*_total``), keyed ``name`` or ``name{label=value,...}`` without
     the prefix and suffix: ``kernel_compiles{phase=serving}``, ``drafting_paused_steps``. Gauges are left out
     (a delta of a gauge means nothing)."""
     out: dict[str, float] = {}
-    for s in samples:
-        if not s.name.startswith(DSPARK_PREFIX) or not s.name.endswith("_total") or not math.isfinite(s.value):
-            continue
-        key = _base_name(s.name)[len(DSPARK_PREFIX):]
-        labels = sorted((k, v) for k, v in s.labels.items() if k not in _SOURCE_LABELS)
-        if labels:
-            key += "{" + ",".join(f"{k}={v}" for k, v in labels) + "}"
-        out[key] = out.get(key, 0.0) + s.value
+    for key, value in _dspark_series(samples, counters=True):
+        out[key] = out.get(key, 0.0) + value
     return out
 
 
 def dspark_gauges(samples: Iterable[Sample]) -> dict[str, float]:
     """The toolkit's own gauges (``dspark:*`` not ending in ``_total``), keyed like :func:`dspark_counters`:
     ``drafting_cost_scale{load=16-31}``, ``saturation_realized_gain``. A cell keeps their values at its end."""
-    out: dict[str, float] = {}
-    for s in samples:
-        if not s.name.startswith(DSPARK_PREFIX) or s.name.endswith("_total") or not math.isfinite(s.value):
-            continue
-        key = s.name[len(DSPARK_PREFIX):]
-        labels = sorted((k, v) for k, v in s.labels.items() if k not in _SOURCE_LABELS)
-        if labels:
-            key += "{" + ",".join(f"{k}={v}" for k, v in labels) + "}"
-        out[key] = s.value
-    return out
+    return dict(_dspark_series(samples, counters=False))
 
 
 def dspark_counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -408,10 +408,10 @@ class StepTimeCalibration:
     Why per load (power-of-two buckets of the request count): the error is not one factor. Host work per
     request that the curve does not price (sampling state, emission, the server's streaming) is a small part
     of a step at 16 requests and a large one at 256. A window remembers ``STEP_TIME_MEMORY`` request-steps,
-    so a single 256-request step outweighs all it held before. One window over all loads therefore judged a light load after a heavy
-    phase mostly by the heavy load's quotient. On an H200 (SmolLM2-135M, section 12 of docs/PERFORMANCE.md)
-    that coincided with drafting at 16 requests every step at about 0.6x the throughput of plain decoding.
-    A load is judged by its own bucket, or else by the nearest bucket that has both kinds of steps.
+    so a single 256-request step outweighs all it held before. One window over all loads therefore judged a
+    light load after a heavy phase mostly by the heavy load's quotient. On an H200 (SmolLM2-135M, section 12
+    of docs/PERFORMANCE.md) that coincided with drafting at 16 requests every step at about 0.6x the
+    throughput of plain decoding. A load is judged by its own bucket, or else by the nearest bucket that has both kinds of steps.
 
     Request-weighted windows of ``STEP_TIME_MEMORY`` request-steps; a sample's ratio is clamped to
     ``[1/STEP_TIME_CLAMP, STEP_TIME_CLAMP]`` so one compile stall cannot swing a window. With no bucket
@@ -449,27 +449,21 @@ class StepTimeCalibration:
     def quotients(self) -> dict[int, float]:
         """Drafting over plain measured/priced quotient of every load bucket holding both kinds of steps."""
         out = {}
-        for (drafting, b), window in self._windows.items():
+        for (drafting, b), window in sorted(self._windows.items()):
             plain = self._windows.get((False, b))
             if drafting and plain is not None and window.value is not None and plain.value is not None:
                 out[b] = min(max(window.value / plain.value, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
-        return dict(sorted(out.items()))
+        return out
 
     def relative_draft_cost(self, num_reqs: int) -> float:
         """How much more (> 1) or less a drafting step of ``num_reqs`` requests really costs, relative to
         plain decoding, than priced: its load bucket's quotient, else the nearest bucket's with both (ties
         go to the lower load), else 1."""
+        quotients = self.quotients()
+        if not quotients:
+            return 1.0
         own = self.load_bucket(num_reqs)
-        both = sorted(
-            {b for (_, b) in self._windows if (True, b) in self._windows and (False, b) in self._windows},
-            key=lambda b: (abs(b - own), b),
-        )
-        if not both:
-            return 1.0
-        d, p = self._windows[(True, both[0])].value, self._windows[(False, both[0])].value
-        if d is None or p is None:  # not reached: a window exists once a sample was added
-            return 1.0
-        return min(max(d / p, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
+        return quotients[min(quotients, key=lambda b: (abs(b - own), b))]
 
 
 class SaturationPolicy:

@@ -186,10 +186,11 @@ def warm_up_varlen_layout(num_specs: Sequence[int], device: torch.device | str) 
     device = torch.device(device)
     if not _use_triton(device, None):
         return 0
-    for k in sorted(set(num_specs)):
-        zeros = torch.zeros(1, dtype=torch.int64, device=device)
+    widths = sorted(set(num_specs))
+    zeros = torch.zeros(1, dtype=torch.int64, device=device)
+    for k in widths:
         build_varlen_layout(zeros, torch.zeros(1, k, dtype=torch.int64, device=device), zeros, zeros, 1 + k)
-    return len(set(num_specs))
+    return len(widths)
 
 
 def build_mask_layout(last_tokens: Tensor, drafts: Tensor, admitted: Tensor, start_pos: Tensor) -> VerifyLayout:
