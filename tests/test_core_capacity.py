@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from dspark_cli.core.capacity import (
     PLAIN_SAMPLE_EVERY,
+    PROBE_BANK,
+    PROBE_TAX,
     BudgetDecision,
     CapacityConfig,
     CapacityManager,
@@ -752,6 +754,116 @@ def test_saturation_tax_under_sustained_saturation_is_bounded_by_the_backoff(
     at = [i for i, d in enumerate(drafted) if d] + [num_steps]
     assert max(b - a - 1 for a, b in itertools.pairwise(at)) <= bound
     assert pol.probe_wait == min(bound, resume_every << (sum(drafted) - patience))
+
+
+def _timed_closed_loop(pol: SaturationPolicy, generations: int, paused_ms: float, drafting_ms: float
+                       ) -> tuple[float, float, int]:
+    """16 clients whose requests finish together, drafting never paying, each step's time reported: returns
+    (paused ms, ms of drafting steps after the first pause, drafting steps after it)."""
+    losing = _decision(0, 0.5, 1.0)
+    paused = spent = 0.0
+    drafted_after = 0
+    for _ in range(generations):
+        for r in [16] * 124 + [9, 5, 2, 1]:
+            was_paused = pol.counters.pauses > 0
+            if pol.begin_step(r):
+                pol.observe_outcome(losing, r // 2, r)
+                pol.record_step_ms(True, drafting_ms)
+                if was_paused:
+                    spent += drafting_ms
+                    drafted_after += 1
+            else:
+                pol.record_step_ms(False, paused_ms)
+                paused += paused_ms
+    return paused, spent, drafted_after
+
+
+def test_probe_tax_bounds_the_time_probes_take_in_closed_loop_drains() -> None:
+    """The H200 case of docs/PERFORMANCE.md section 13: a probe costs 22 ms where a paused step costs 5 ms.
+    Counted in steps, the drains' load probes and the timer's probes cost over 3% of the paused time; on the
+    time allowance they cost about PROBE_TAX of it, whatever the number of drains."""
+    untimed = SaturationPolicy(patience=8, resume_every=16)
+    drafted_untimed = 0
+    losing = _decision(0, 0.5, 1.0)
+    for _ in range(8):
+        for r in [16] * 124 + [9, 5, 2, 1]:
+            if untimed.begin_step(r):
+                drafted_untimed += untimed.counters.pauses > 0
+                untimed.observe_outcome(losing, r // 2, r)
+    assert drafted_untimed * 22.0 > 0.03 * 1000 * 5.0  # what the step-counted schedule spent
+
+    pol = SaturationPolicy(patience=8, resume_every=16)
+    paused, spent, drafted_after = _timed_closed_loop(pol, 8, paused_ms=5.0, drafting_ms=22.0)
+    # Probing spends at most its share of paused time, plus the one probe (<= PROBE_MAX_STEPS steps) that
+    # may start with the allowance at zero.
+    assert spent <= PROBE_TAX * paused + 4 * 22.0, (spent, paused)
+    assert drafted_after < drafted_untimed
+    assert pol.counters.deferred_probe_steps > 0
+    c = pol.counters
+    assert c.pauses == 1 and c.resumes == 0
+    assert sum(c.probes.values()) > 0 and c.probes["timer", "paid"] == c.probes["load", "paid"] == 0
+    assert c.probe_steps == drafted_after
+
+
+def test_an_engine_that_reports_no_step_times_is_never_held_back_by_the_probe_tax() -> None:
+    pol = SaturationPolicy(patience=1, resume_every=4)
+    for _ in range(200):
+        if pol.begin_step(16):
+            pol.observe(False, num_running=16)
+    assert pol.counters.deferred_probe_steps == 0 and pol.probe_allowance_ms == 0.0
+
+
+def test_a_lucky_resume_is_charged_to_the_probe_tax_and_a_lasting_one_is_not() -> None:
+    pol = SaturationPolicy(patience=2, resume_every=1)
+    losing, paying = _decision(0, 0.5, 1.0), _decision(5, 1.3, 1.0)
+    for _ in range(2):
+        pol.begin_step(16)
+        pol.observe(losing, num_running=16)
+        pol.record_step_ms(True, 10.0)  # before the first pause: drafting, not charged
+    assert not pol.drafting_enabled and pol.probe_allowance_ms == 0.0
+    assert pol.begin_step(16) and pol.probing  # resume_every 1: the next paused step probes
+    pol.observe(paying, num_running=16)
+    pol.record_step_ms(True, 20.0)
+    assert pol.drafting_enabled and pol.probe_allowance_ms == -20.0
+    for _ in range(4):  # on probation (2 x patience drafting steps): charged
+        assert pol.begin_step(16) and pol.on_probation
+        pol.observe(paying, num_running=16)
+        pol.record_step_ms(True, 10.0)
+    assert pol.probe_allowance_ms == -60.0
+    for _ in range(2):  # past probation: the resume held, and its debt is forgiven
+        assert pol.begin_step(16) and not pol.on_probation
+        pol.observe(paying, num_running=16)
+        pol.record_step_ms(True, 10.0)
+    assert pol.probe_allowance_ms == 0.0
+    assert pol.counters.resumes == 1 and pol.counters.probes["timer", "paid"] == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 64), st.booleans(), st.floats(0.5, 40.0)), min_size=1, max_size=400),
+       st.integers(1, 4), st.integers(1, 8))
+def test_probes_start_only_with_allowance_left_and_the_bank_stays_capped(
+    steps: list[tuple[int, bool, float]], patience: int, resume_every: int
+) -> None:
+    """Whatever the loads, outcomes and step times of an engine that times its steps: a probe starts only
+    while the allowance is not negative, and the allowance never holds more than PROBE_BANK probes' worth."""
+    pol = SaturationPolicy(patience, resume_every)
+    probe_ms: list[float] = []
+    for running, paid, ms in steps:
+        before = pol.probe_allowance_ms
+        was_probing = pol.probing
+        d = pol.begin_step(running)
+        if d and pol.probing and not was_probing:
+            assert before >= 0.0
+        if d:
+            step_kind_probe = pol.probing
+            pol.observe(paid, num_running=running)
+            pol.record_step_ms(True, ms)
+            if step_kind_probe:
+                probe_ms.append(ms)
+        else:
+            pol.record_step_ms(False, ms)
+        if probe_ms:
+            assert pol.probe_allowance_ms <= PROBE_BANK * max(probe_ms) + 1e-9
 
 
 def test_patience_zero_never_pauses() -> None:

@@ -262,3 +262,36 @@ def test_saturation_evidence_is_exported_as_gauges_and_kept_per_cell(pair: TinyP
     assert "saturation_realized_gain" in gauges and "kv_blocks_free" in gauges
     assert not any(k.startswith("kernel_compiles") for k in gauges)  # counters are deltas, not gauges
     engine.close()
+
+
+def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPair, tmp_path: Path) -> None:
+    """Pauses, resumes, probe steps, probes held back by the probe tax and probes by (trigger, verdict), and
+    prefill steps: /metrics counts them as the policy and the engine did, and a bench cell's counters see them."""
+    from dspark_cli.bench.metrics import dspark_counters
+    from dspark_cli.core.capacity import PROBE_TRIGGERS, PROBE_VERDICTS, CapacityConfig
+
+    curve = tmp_path / "expensive_draft.json"
+    SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 500.0), (8, 500.0)], 0.1).save(curve)
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(curve),
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2))
+    engine.generate(prompts(4), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    sat = engine.capacity.saturation.counters
+    assert sat.pauses >= 1 and sat.probe_steps > 0 and sum(sat.probes.values()) > 0
+    text = render_metrics(MetricsSnapshot.from_stats(engine.stats), "tiny", engine.num_spec)
+    m = parse_metrics(text)
+    base = (("model_name", "tiny"),)
+    assert m[("dspark:prefill_steps_total", base)] == engine.stats.num_prefill_steps >= 1
+    assert m[("dspark:saturation_pauses_total", base)] == sat.pauses
+    assert m[("dspark:saturation_resumes_total", base)] == sat.resumes
+    assert m[("dspark:saturation_probe_steps_total", base)] == sat.probe_steps
+    assert m[("dspark:saturation_deferred_probe_steps_total", base)] == sat.deferred_probe_steps
+    for t in PROBE_TRIGGERS:
+        for v in PROBE_VERDICTS:
+            key = ("dspark:saturation_probes_total", (("model_name", "tiny"), ("trigger", t), ("verdict", v)))
+            assert m[key] == sat.probes[t, v]
+    counters = dspark_counters(parse_prometheus(text))
+    assert counters["saturation_probe_steps"] == sat.probe_steps
+    assert counters["saturation_probes{trigger=timer,verdict=failed}"] == sat.probes["timer", "failed"]
+    engine.close()
+    # An engine without a capacity manager has no policy to report: no saturation series at all.
+    assert "dspark:saturation_" not in render_metrics(MetricsSnapshot(), "tiny", 0)

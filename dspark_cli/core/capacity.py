@@ -29,7 +29,7 @@ stops paying; ``CapacityManager`` ties the pieces together for an engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -57,6 +57,13 @@ PROBE_REQUEST_STEPS = 16
 PROBE_MAX_STEPS = 4
 # SaturationPolicy: a load at or below this fraction of the lowest unprofitable one is probed at once.
 LOAD_FALL = 0.75
+# SaturationPolicy's probe tax, for engines that time their steps: probes (and the drafting steps of a resume
+# until it is confirmed) may spend at most PROBE_TAX of the paused steps' wall time; the allowance saved up
+# while paused is capped at PROBE_BANK probes' worth, so a long pause cannot fund a burst of probes.
+PROBE_TAX = 0.02
+PROBE_BANK = 4
+PROBE_TRIGGERS: tuple[str, ...] = ("timer", "load")
+PROBE_VERDICTS: tuple[str, ...] = ("paid", "failed", "unjudged")
 # A probe resumes drafting only if its realized gain clears plain decoding by this margin: a probe that
 # resumes by luck costs ``patience`` losing steps, and one step of 16 requests whose mean acceptance sat 30%
 # below break-even cleared 1.0 about one probe in five (a CPU replay of the real H200 setup); drafting that
@@ -466,6 +473,23 @@ class StepTimeCalibration:
         return quotients[min(quotients, key=lambda b: (abs(b - own), b))]
 
 
+@dataclass
+class SaturationCounters:
+    """What the saturation policy did, cumulative (engines export them as ``dspark:saturation_*`` counters).
+
+    ``probes`` holds every (trigger, verdict) pair from the start (``PROBE_TRIGGERS`` x ``PROBE_VERDICTS``), so
+    a reader on another thread can copy it while the engine counts. ``deferred_probe_steps``: paused steps on
+    which a probe was due but the probe tax held it back.
+    """
+
+    pauses: int = 0
+    resumes: int = 0
+    probe_steps: int = 0
+    deferred_probe_steps: int = 0
+    probes: dict[tuple[str, str], int] = field(
+        default_factory=lambda: {(t, v): 0 for t in PROBE_TRIGGERS for v in PROBE_VERDICTS})
+
+
 class SaturationPolicy:
     """Stop paying for the draft pass while verification does not pay, and probe to come back.
 
@@ -495,6 +519,18 @@ class SaturationPolicy:
       where drafting pays at no load (a slow draft, low acceptance at temperature 1) an unconditional resume
       paid ``patience`` losing drafting steps per refill and reset the backoff, which on a 135M pair cost
       up to a quarter of the throughput of plain decoding.
+
+    **Probe tax** (engines that report step times through :meth:`record_step_ms`). Counting probes in steps
+    is not enough where a probe costs several plain steps: a probe's draft pass catches up over the whole
+    pause, and at low load a step costs as much as a full one. On an H200 (SmolLM2-135M at 16 requests,
+    temperature 1) a probe took 22 ms against 5 ms for a paused step, and a closed-loop client pool's
+    drains and refills triggered load probes every generation: some 90 drafting steps in a 1,000-step cell
+    cost a quarter of the throughput of plain decoding. So probing runs on a time allowance: every paused
+    step saves ``PROBE_TAX`` of its wall time (at most ``PROBE_BANK`` probes' worth is kept), and probe steps
+    -- and the drafting steps of a resume until it has lasted ``2 x patience`` steps, the window in which a
+    lucky probe shows itself -- spend their whole wall time from it. A due probe (timer or load fall) waits
+    while the allowance is negative, so probing costs at most about ``PROBE_TAX`` of paused time, whatever
+    triggers it. An engine that reports no times is never held back. ``counters`` says what happened.
 
     ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
     """
@@ -530,6 +566,11 @@ class SaturationPolicy:
         # few steps was a probe's false positive, and the backoff goes on from where it was (see _pause).
         self._drafting_since_resume = 0
         self._wait_at_resume: int | None = None
+        # The probe tax (record_step_ms): allowance in ms, the mean probe step's ms, and what this step is.
+        self._allowance_ms = 0.0
+        self._probe_step_ms: float | None = None
+        self._step_kind = "drafting"
+        self.counters = SaturationCounters()
 
     @property
     def drafting_enabled(self) -> bool:
@@ -551,6 +592,17 @@ class SaturationPolicy:
 
     def begin_step(self, num_running: int) -> bool:
         """Whether this step drafts (always while enabled; resumes or probes while paused)."""
+        drafting = self._begin(num_running)
+        if not drafting:
+            self._step_kind = "paused"
+        elif self._probing:
+            self._step_kind = "probe"
+            self.counters.probe_steps += 1
+        else:
+            self._step_kind = "probation" if self.on_probation else "drafting"
+        return drafting
+
+    def _begin(self, num_running: int) -> bool:
         if not self._paused:
             if self._ceiling is not None and num_running >= self._ceiling:
                 floor = self._ceiling_floor
@@ -561,15 +613,54 @@ class SaturationPolicy:
         if self._probing:
             if self._probe_on_load and num_running > LOAD_FALL * self._floor:
                 # The batch refilled before a low-load probe had its evidence: it cannot judge this load.
+                self.counters.probes["load", "unjudged"] += 1
                 self._floor = min(self._floor, self._probe_running)
                 self._end_probe()
                 return False
             return True  # a probe lasts until its verdict is observed (one step unless judged on outcomes)
         self._paused_steps += 1
-        self._probe_on_load = num_running <= LOAD_FALL * self._floor
-        self._probing = self._probe_on_load or self._paused_steps >= self._probe_wait
+        on_load = num_running <= LOAD_FALL * self._floor
+        if not (on_load or self._paused_steps >= self._probe_wait):
+            return False
+        if self._allowance_ms < 0:
+            self.counters.deferred_probe_steps += 1  # due, but probing has spent its share of paused time
+            return False
+        self._probe_on_load = on_load
+        self._probing = True
         self._probe_running = num_running
-        return self._probing
+        return True
+
+    @property
+    def on_probation(self) -> bool:
+        """Drafting since a probe resumed it for fewer than ``2 x patience`` steps: a lucky probe's resume
+        would pause again within that window, so its steps are charged to the probe tax."""
+        return (not self._paused and self._wait_at_resume is not None
+                and self._drafting_since_resume < 2 * self.patience)
+
+    def record_step_ms(self, drafting: bool, measured_ms: float) -> None:
+        """Report the wall time of the step begun by the last :meth:`begin_step` (the probe tax).
+
+        A paused step saves ``PROBE_TAX`` of its time; a probe step, or a drafting step on probation, spends
+        all of its time. ``drafting`` is whether the step drafted: a plain step the engine took while drafting
+        is enabled (to measure plain decoding) neither saves nor spends.
+        """
+        if not (measured_ms > 0 and math.isfinite(measured_ms)):
+            return
+        if not drafting:
+            if self._step_kind == "paused":
+                cap = math.inf if self._probe_step_ms is None else PROBE_BANK * self._probe_step_ms
+                self._allowance_ms = min(self._allowance_ms + PROBE_TAX * measured_ms, cap)
+            return
+        if self._step_kind == "probe":
+            self._probe_step_ms = measured_ms if self._probe_step_ms is None else \
+                0.75 * self._probe_step_ms + 0.25 * measured_ms
+        if self._step_kind in ("probe", "probation"):
+            self._allowance_ms -= measured_ms
+
+    @property
+    def probe_allowance_ms(self) -> float:
+        """What the probe tax has left to spend (ms; negative: due probes wait until paused steps repay it)."""
+        return self._allowance_ms
 
     @property
     def realized_gain(self) -> float | None:
@@ -626,6 +717,8 @@ class SaturationPolicy:
         paid = pays.pays if isinstance(pays, BudgetDecision) else bool(pays)
         if self._paused:
             if self._probing:
+                trigger = "load" if self._probe_on_load else "timer"
+                self.counters.probes[trigger, "paid" if paid else "failed"] += 1
                 if paid:
                     on_load, wait, floor = self._probe_on_load, self._probe_wait, self._floor
                     self._resume()
@@ -639,6 +732,9 @@ class SaturationPolicy:
             self._probing = False
             return
         self._drafting_since_resume += 1
+        if self._wait_at_resume is not None and self._drafting_since_resume == 2 * self.patience + 1:
+            # Past probation: the resume held, and what its probation spent was no probing tax after all.
+            self._allowance_ms = max(self._allowance_ms, 0.0)
         if paid:
             self._streak = 0
             return
@@ -658,6 +754,7 @@ class SaturationPolicy:
         self._clear_probe()
 
     def _pause(self, num_running: int, probe_wait: int) -> None:
+        self.counters.pauses += 1
         self._paused = True
         self._floor = self._paused_at = num_running
         self._paused_steps = 0
@@ -666,6 +763,7 @@ class SaturationPolicy:
         self._ceiling = None
 
     def _resume(self) -> None:
+        self.counters.resumes += 1
         self._wait_at_resume = self._probe_wait
         self._drafting_since_resume = 0
         self._paused = False
@@ -764,10 +862,12 @@ class CapacityManager:
 
         ``priced_ms``: what the curve charged; defaults to the last decision's ``step_ms`` for a drafting
         step and to the curve's plain-decoding cost of ``num_reqs`` requests for a plain one. Probe steps
-        are skipped: their catch-up over the pause is the price of probing, not of drafting.
+        are skipped: their catch-up over the pause is the price of probing, not of drafting. Every step's
+        time also goes to the saturation policy's probe tax (:meth:`SaturationPolicy.record_step_ms`).
         """
         if self.cfg.mode == "none":
             return
+        self.saturation.record_step_ms(drafting, measured_ms)
         if drafting:
             if self._probe_step:
                 return

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark_cli.core.capacity import CapacityManager, warm_up_allocate
+from dspark_cli.core.capacity import CapacityManager, SaturationCounters, warm_up_allocate
 from dspark_cli.core.layout import VerifyLayout, build_mask_layout, build_varlen_layout, warm_up_varlen_layout
 from dspark_cli.core.rejection import rejection_sample, sample, warm_up_rejection_sample
 from dspark_cli.core.sps import SpsCurve
@@ -99,6 +99,8 @@ class EngineStats:
     # curve per load bucket (StepTimeCalibration.quotients) and the windowed realized gain over plain decoding.
     drafting_cost_scale: dict[int, float] = field(default_factory=dict)
     realized_gain: float | None = None
+    # What the saturation policy did (pauses, resumes, probes by trigger and verdict): the policy's own record.
+    saturation: SaturationCounters | None = None
 
 
 class _PhaseClock:
@@ -244,6 +246,7 @@ class LLMEngine:
             self.capacity = CapacityManager(
                 config.capacity, self.sps_curve, self.num_spec, config.max_num_seqs, self.device
             )
+            self.stats.saturation = self.capacity.saturation.counters
             warm_up_allocate(self.num_spec, config.max_num_seqs, self.device)  # no compiles while serving
         if self.num_spec > 0 and config.synthetic is None and self.runner.capture_sizes:
             # Verify batches are padded to the captured sizes; admitted counts are int32 in every mode.

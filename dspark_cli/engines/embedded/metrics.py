@@ -45,6 +45,11 @@ class MetricsSnapshot:
     full_gc_s: float = 0.0
     drafting_cost_scale: Mapping[int, float] = field(default_factory=dict)  # load bucket -> quotient
     realized_gain: float | None = None
+    num_prefill_steps: int = 0
+    # Saturation policy (capacity modes only): pauses, resumes, probe steps, due probes the tax held back,
+    # and probes by (trigger, verdict).
+    saturation: Mapping[str, int] = field(default_factory=dict)
+    saturation_probes: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     @classmethod
     def from_stats(cls, stats: object) -> MetricsSnapshot:
@@ -68,6 +73,8 @@ class MetricsSnapshot:
             **_stall_fields(getattr(stats, "stalls", None)),
             drafting_cost_scale={int(b): float(v) for b, v in (getattr(stats, "drafting_cost_scale", {}) or {}).items()},
             realized_gain=_optional_float(getattr(stats, "realized_gain", None)),
+            num_prefill_steps=int(getattr(stats, "num_prefill_steps", 0)),
+            **_saturation_fields(getattr(stats, "saturation", None)),
         )
 
 
@@ -89,6 +96,16 @@ def _stall_fields(stalls: object) -> dict[str, object]:
         "kernel_compile_s": {k: float(v) / 1e3 for k, v in getattr(stalls, "compile_ms", {}).items()},
         "full_gcs": int(getattr(stalls, "full_gcs", 0)),
         "full_gc_s": float(getattr(stalls, "full_gc_ms", 0.0)) / 1e3,
+    }
+
+
+def _saturation_fields(counters: object) -> dict[str, object]:
+    if counters is None:
+        return {}
+    return {
+        "saturation": {name: int(getattr(counters, name, 0))
+                       for name in ("pauses", "resumes", "probe_steps", "deferred_probe_steps")},
+        "saturation_probes": {(str(t), str(v)): int(n) for (t, v), n in dict(getattr(counters, "probes", {})).items()},
     }
 
 
@@ -162,8 +179,25 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
     _family(lines, "dspark:verified_draft_tokens_total", "counter",
             "Draft tokens the capacity manager admitted to verification.",
             [(base, snap.num_verified_draft_tokens)])
+    _family(lines, "dspark:prefill_steps_total", "counter",
+            "Engine steps that ran prompt prefills (every decoding request waits for them).",
+            [(base, snap.num_prefill_steps)])
     _family(lines, "dspark:drafting_paused_steps_total", "counter",
             "Decode steps that skipped drafting (saturation policy).", [(base, snap.num_paused_steps)])
+    if snap.saturation:
+        _family(lines, "dspark:saturation_pauses_total", "counter",
+                "Times the saturation policy paused drafting.", [(base, snap.saturation.get("pauses", 0))])
+        _family(lines, "dspark:saturation_resumes_total", "counter",
+                "Times a paying probe resumed drafting.", [(base, snap.saturation.get("resumes", 0))])
+        _family(lines, "dspark:saturation_probe_steps_total", "counter",
+                "Drafting steps that probed a pause (each pays the draft's catch-up over it).",
+                [(base, snap.saturation.get("probe_steps", 0))])
+        _family(lines, "dspark:saturation_deferred_probe_steps_total", "counter",
+                "Paused steps on which a probe was due but the probe tax held it back.",
+                [(base, snap.saturation.get("deferred_probe_steps", 0))])
+        _family(lines, "dspark:saturation_probes_total", "counter",
+                "Saturation probes by what started them (timer, load fall) and their verdict.",
+                [({**base, "trigger": t, "verdict": v}, n) for (t, v), n in sorted(snap.saturation_probes.items())])
     _family(lines, "dspark:kv_blocks_free", "gauge", "Free KV-cache blocks.", [(base, snap.kv_blocks_free)])
     # What stalls steps beyond their own work (stalls.py): any compile in phase "serving" is a gap in the
     # start-up warm-ups, and a benchmark cell that saw one lost that much time.
