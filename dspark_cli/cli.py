@@ -179,6 +179,10 @@ def serve(
     record_traces: str | None = typer.Option(None, "--record-traces", help="Append verification traces (JSONL) here."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Requests decoded together (more queue)."),
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length (prompt + output)."),
+    scheduler_delay_factor: float | None = typer.Option(
+        None, "--scheduler-delay-factor",
+        help="Embedded engine: while requests decode, newcomers wait up to this many times the last prefill's "
+             "time to share one prefill step (default 1; 0 prefills each arrival at once)."),
     host: str | None = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: int | None = typer.Option(None, "--port", help="Port (default 8000)."),
     device: str | None = typer.Option(None, "--device", help="auto (default), cpu or cuda."),
@@ -204,11 +208,14 @@ def serve(
         "confidence_threshold": confidence_threshold, "sps_curve": sps_curve, "sps_overhead_ms": sps_overhead_ms,
         "sts": sts, "online_sts": online_sts, "budget_frac": budget_frac, "min_predicted_gain": min_predicted_gain,
         "record_traces": record_traces, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-        "host": host, "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
+        "scheduler_delay_factor": scheduler_delay_factor, "host": host, "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
     }
     settings = build_settings(flags, speculative_config)
     extra = [a for a in ctx.args if a != "--"]
     if settings.engine == "vllm":
+        if settings.scheduler_delay_factor is not None:
+            raise DsparkError("--scheduler-delay-factor is an embedded-engine setting; vLLM 0.33 mixes prefills "
+                              "into decode steps itself (chunked prefill)")
         if importlib.util.find_spec("dspark_cli.engines.vllm.launcher") is None:
             raise DsparkError("--engine vllm is not available in this build (no vLLM launcher); use --engine embedded")
         from dspark_cli.engines.vllm.launcher import run_vllm_serve

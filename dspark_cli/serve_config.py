@@ -87,6 +87,7 @@ class ServeSettings:
     sts_refit_interval: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    scheduler_delay_factor: float | None = None  # embedded engine only (EngineConfig)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     device: str = "auto"
@@ -318,6 +319,8 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
             out[name] = _as_str(where, value)
         elif name in ("max_num_seqs", "max_model_len"):
             out[name] = _as_int(where, value, minimum=1)
+        elif name == "scheduler_delay_factor":
+            out[name] = _as_float(where, value, lo=0.0)
         elif name == "host":
             out[name] = _as_str(where, value)
         elif name == "port":
@@ -505,7 +508,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             "sps_curve": curve_path, "sts": sts_path, "online_sts": s.online_sts,
             "record_traces": s.record_traces, "device": s.device,
         }
-        for name in ("max_num_seqs", "max_model_len", "seed"):
+        for name in ("max_num_seqs", "max_model_len", "seed", "scheduler_delay_factor"):
             if getattr(s, name) is not None:
                 kwargs[name] = getattr(s, name)
         cfg = EngineConfig(**kwargs)

@@ -300,6 +300,61 @@ def test_overload_queues_beyond_max_num_seqs(tiny_pair: TinyPair) -> None:
     assert engine.stats.requests_finished == {"length": 5}
 
 
+def test_newcomers_wait_to_share_a_prefill_step_while_others_decode(tiny_pair: TinyPair) -> None:
+    """While requests decode, arrivals a step apart are held (up to the delay) and prefilled together; a
+    full batch of them, or an idle engine, prefills at once; outputs do not depend on the grouping."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ps = prompts(4)
+
+    def run(factor: float) -> tuple[dict[str, list[int]], int]:
+        engine = make_engine(tiny_pair, scheduler_delay_factor=factor, max_num_seqs=4)
+        engine.add_request("r0", ps[0], params)
+        outs: dict[str, list[int]] = {}
+        for i in range(1, 4):  # r0 decodes; one newcomer arrives per step
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            engine.add_request(f"r{i}", ps[i], params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return outs, engine.stats.num_prefill_steps
+
+    at_once, steps_at_once = run(0.0)
+    held, steps_held = run(1e6)  # hold until a full batch waits
+    assert steps_at_once == 4 and steps_held == 2  # r0, then r1..r3 together (3 waiting = 3 free slots)
+    assert held == at_once
+
+
+def test_the_prefill_hold_is_bounded_and_never_holds_a_full_batch_or_an_idle_engine() -> None:
+    from dspark_cli.engines.embedded.block_manager import BlockManager
+    from dspark_cli.engines.embedded.scheduler import Scheduler
+    from dspark_cli.engines.embedded.sequence import Sequence
+
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=3, max_num_batched_tokens=256, lookahead=3)
+    sched.prefill_delay_ms = 20.0
+    first = Sequence("a", [5, 6, 7], SamplingParams(), 0)
+    sched.add(first)
+    assert not sched.holds_prefill()  # nothing decodes: prefill at once
+    assert sched.schedule().is_prefill
+    late = Sequence("b", [5, 6], SamplingParams(), 1)
+    sched.add(late)
+    assert sched.holds_prefill(now=late.arrival_time + 0.005)
+    assert not sched.holds_prefill(now=late.arrival_time + 0.021)  # waited one delay: admitted
+    batch = sched.schedule()
+    if batch.is_prefill:  # this machine took more than 20 ms since the add
+        assert batch.seqs == [late]
+    else:
+        assert batch.seqs == [first]  # decode went on while it waited
+    full = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=256, lookahead=3)
+    full.prefill_delay_ms = 1e9
+    full.add(Sequence("x", [5], SamplingParams(), 0))
+    full.schedule()
+    full.add(Sequence("y", [5], SamplingParams(), 1))
+    assert not full.holds_prefill()  # one newcomer fills the last free slot: no one else could share it
+    with pytest.raises(DsparkError, match="scheduler_delay_factor"):
+        EngineConfig(scheduler_delay_factor=-1.0).validate()
+
+
 def test_traces_are_written_in_spec_format(tiny_pair: TinyPair, tmp_path: Path) -> None:
     path = tmp_path / "traces.jsonl"
     engine = make_engine(

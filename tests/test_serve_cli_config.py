@@ -119,6 +119,7 @@ def test_unknown_key_error_lists_known_keys() -> None:
         ({"budget_frac": 0.0}, "--budget-frac"),
         ({"min_predicted_gain": -0.1}, "--min-predicted-gain"),
         ({"max_num_seqs": 0}, "--max-num-seqs"),
+        ({"scheduler_delay_factor": -0.5}, "--scheduler-delay-factor"),
         ({"device": "tpu"}, "--device"),
         ({"sts": "/nonexistent/sts.json"}, "--sts"),
         ({"capacity_policy": "threshold", "capacity_mode": "varlen"}, "needs --confidence-threshold"),
@@ -165,6 +166,15 @@ def test_saturation_settings_reach_the_capacity_config() -> None:
     assert (cap.saturation_patience, cap.resume_every, cap.policy) == (0, 5, "paper")
     with pytest.raises(DsparkError, match="only supported by --engine vllm"):
         build_settings({}, json.dumps({"dspark_sts_refit_interval": 8}))
+
+
+def test_scheduler_delay_factor_reaches_the_engine_config() -> None:
+    launch = prepare_embedded(build_settings(_flags(scheduler_delay_factor=0.0)))
+    launch.cleanup()
+    assert launch.engine_config.scheduler_delay_factor == 0.0
+    launch = prepare_embedded(build_settings({}))
+    launch.cleanup()
+    assert launch.engine_config.scheduler_delay_factor == 1.0  # the engine's default
 
 
 def test_prepare_embedded_writes_inline_curve_with_overhead(tmp_path: Path) -> None:

@@ -63,6 +63,9 @@ class EngineConfig:
     capture_sizes: tuple[int, ...] | None = None
     # "auto" = the Triton paged-attention kernel on CUDA when triton is importable, else the torch path.
     attention_backend: str = "auto"
+    # While requests decode, newcomers wait up to this many times the last prefill step's time to share
+    # one prefill step (scheduler.py); 0 prefills each arrival at once.
+    scheduler_delay_factor: float = 1.0
 
     def validate(self) -> None:
         """Reject impossible settings with one-line messages before anything is loaded."""
@@ -80,6 +83,8 @@ class EngineConfig:
             raise DsparkError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.capture_sizes is not None and (not self.capture_sizes or min(self.capture_sizes) < 1):
             raise DsparkError(f"capture_sizes must be positive token counts, got {list(self.capture_sizes)}")
+        if not self.scheduler_delay_factor >= 0.0:
+            raise DsparkError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
         if self.dtype not in ("auto", *_DTYPES):
             raise DsparkError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.capacity.mode not in ("none", "mask", "varlen"):

@@ -21,8 +21,10 @@ drafter (``--draft synthetic:...``, synthetic.py), a speed-study mode whose acce
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,6 +219,7 @@ class LLMEngine:
                                  stalls=self.stalls.counters)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
+        self._prefill_ms: deque[float] = deque(maxlen=8)  # recent prefill step times (the scheduler's delay)
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self.generator = torch.Generator(device=self.device)
@@ -342,6 +345,15 @@ class LLMEngine:
         return outputs
 
     def _prefill_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        start = time.perf_counter()
+        outputs = self._run_prefill(seqs)
+        # What the next arrivals may wait to share a prefill step (scheduler.py): about one prefill's time.
+        # The median of the last few, so one prefill that waited on a compile does not hold arrivals for long.
+        self._prefill_ms.append((time.perf_counter() - start) * 1e3)
+        self.scheduler.prefill_delay_ms = self.config.scheduler_delay_factor * statistics.median(self._prefill_ms)
+        return outputs
+
+    def _run_prefill(self, seqs: list[Sequence]) -> list[RequestOutput]:
         self.stats.num_prefill_steps += 1
         self.stalls.step_kind = "prefill"
         clock = self._clock("prefill")

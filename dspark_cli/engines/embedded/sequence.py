@@ -15,6 +15,7 @@ The last token (the one most recently sampled) never has KV: it is what the next
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 from dspark_cli.errors import DsparkError
@@ -63,6 +64,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival = arrival  # admission order; preemption evicts the newest (largest) first
+        self.arrival_time = time.perf_counter()  # when it was queued (the scheduler's prefill delay)
         # Seeded requests read their own counter-based stream (seeded.py): draws taken so far.
         self.rng_offset = 0
         self.status = SequenceStatus.WAITING
