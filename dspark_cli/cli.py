@@ -181,8 +181,8 @@ def serve(
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length (prompt + output)."),
     scheduler_delay_factor: float | None = typer.Option(
         None, "--scheduler-delay-factor",
-        help="Embedded engine: while requests decode, newcomers wait up to this many times the last prefill's "
-             "time to share one prefill step (default 1; 0 prefills each arrival at once)."),
+        help="Embedded engine: while requests decode, newcomers wait up to this many times a prefill step's "
+             "time to share one prefill step (default 0: each arrival is prefilled at once)."),
     host: str | None = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: int | None = typer.Option(None, "--port", help="Port (default 8000)."),
     device: str | None = typer.Option(None, "--device", help="auto (default), cpu or cuda."),

@@ -102,3 +102,19 @@ def test_vllm_verify_all_column_is_the_baseline() -> None:
     assert baseline_of(["nospec", "upstream", "all", "varlen"]) == "all"
     assert baseline_of(["all", "none"]) == "none"
     assert header("all") == "Verify all" and header("upstream") == "vLLM adaptive"
+
+
+def test_server_steps_by_kind_get_their_own_table() -> None:
+    """A cell's server counted its steps by kind: the summary says each kind's mean ms and count, so a reader
+    can tell a slow paused step from a slow client; cells without such counters leave the table out."""
+    paused = cell("mask", 16, 2500)
+    paused["server_counters"] = {"steps{kind=paused}": 1000.0, "step_seconds{kind=paused}": 5.4,
+                                 "steps{kind=prefill}": 16.0, "step_seconds{kind=prefill}": 0.4,
+                                 "steps{kind=probe}": 0.0, "step_seconds{kind=probe}": 0.0}
+    plain = cell("nospec", 16, 2600)
+    plain["server_counters"] = {"steps{kind=nospec}": 1016.0, "step_seconds{kind=nospec}": 5.08}
+    t = build_table([plain, paused], ["nospec", "mask"], [16])
+    assert numbers(paused, None).steps == {"paused": (1000, pytest.approx(5.4)), "prefill": (16, pytest.approx(25.0))}
+    md = to_markdown(t)
+    assert "| 16 | nospec 5.00 x 1016 | paused 5.40 x 1000, prefill 25.00 x 16 |" in md.splitlines()
+    assert "Server steps" not in to_markdown(build_table([cell("none", 1, 100)], ["none"], [1]))

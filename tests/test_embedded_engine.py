@@ -355,6 +355,50 @@ def test_the_prefill_hold_is_bounded_and_never_holds_a_full_batch_or_an_idle_eng
         EngineConfig(scheduler_delay_factor=-1.0).validate()
 
 
+def test_prompts_admitted_while_drafting_is_paused_skip_the_draft_and_outputs_stay_lossless(
+    tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    """While the saturation policy pauses drafting, a prefill step runs the target only; the next probe's
+    catch-up feeds the draft the whole prompt and what was generated since. Greedy outputs are those of
+    plain decoding."""
+    curve = tmp_path / "expensive_draft.json"  # drafting never pays: pauses after one step, probes every 2
+    SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 500.0), (8, 500.0)], 0.1).save(curve)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ps = prompts(4)
+    # probe_tax 1: probes as often as the timer says (the default's share of paused time would wait longer)
+    engine = make_engine(tiny_pair, sps_curve=str(curve), max_num_seqs=2, scheduler_delay_factor=0.0,
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2, probe_tax=1.0))
+    drafter = engine.runner.drafter
+    calls: list[int] = []
+    real_prefill = drafter.prefill
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real_prefill(*args, **kwargs)
+
+    drafter.prefill = counted
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(ps):  # two run at once; the other two are admitted as the first finish
+        engine.add_request(f"r{i}", p, params)
+    deferred = []
+    while engine.has_unfinished_requests():
+        admitted = len(engine.scheduler.waiting)
+        paused = not engine.capacity.drafting_enabled
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if len(engine.scheduler.waiting) < admitted and paused:
+            deferred.extend((s, engine.stats.num_drafts) for s in engine.scheduler.running
+                            if s.num_draft_computed < s.num_prompt_tokens)
+    assert deferred, "no request was admitted while drafting was paused"
+    assert len(calls) == 1  # only the first prefill, before any pause, ran the draft
+    # a probe after a deferred admission drafted, its catch-up feeding the draft the prompt and the rest
+    assert engine.stats.num_drafts > deferred[0][1]
+    assert any(seq.num_draft_computed > seq.num_prompt_tokens for seq, _ in deferred)
+    reference = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=2)
+    expected = dict(zip([f"r{i}" for i in range(4)], reference.generate(ps, params), strict=True))
+    assert outs == {rid: list(toks) for rid, toks in expected.items()}
+
+
 def test_traces_are_written_in_spec_format(tiny_pair: TinyPair, tmp_path: Path) -> None:
     path = tmp_path / "traces.jsonl"
     engine = make_engine(

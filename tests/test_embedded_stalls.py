@@ -289,8 +289,18 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
         for v in PROBE_VERDICTS:
             key = ("dspark:saturation_probes_total", (("model_name", "tiny"), ("trigger", t), ("verdict", v)))
             assert m[key] == sat.probes[t, v]
+    # Steps by kind, and their wall time: every step is counted once, under the kind it ran as.
+    stats = engine.stats
+    assert sum(stats.steps.values()) == stats.num_prefill_steps + stats.num_decode_steps
+    assert stats.steps["prefill"] == stats.num_prefill_steps and stats.steps["paused"] == stats.num_paused_steps
+    assert stats.steps["probe"] == sat.probe_steps and stats.steps["nospec"] == 0
+    for kind, n in stats.steps.items():
+        assert m[("dspark:steps_total", (("kind", kind), ("model_name", "tiny")))] == n
+        seconds = m[("dspark:step_seconds_total", (("kind", kind), ("model_name", "tiny")))]
+        assert seconds == pytest.approx(stats.step_ms[kind] / 1e3) and (seconds > 0) == (n > 0)
     counters = dspark_counters(parse_prometheus(text))
     assert counters["saturation_probe_steps"] == sat.probe_steps
+    assert counters["steps{kind=paused}"] == stats.num_paused_steps
     assert counters["saturation_probes{trigger=timer,verdict=failed}"] == sat.probes["timer", "failed"]
     engine.close()
     # An engine without a capacity manager has no policy to report: no saturation series at all.

@@ -169,12 +169,12 @@ def test_saturation_settings_reach_the_capacity_config() -> None:
 
 
 def test_scheduler_delay_factor_reaches_the_engine_config() -> None:
-    launch = prepare_embedded(build_settings(_flags(scheduler_delay_factor=0.0)))
+    launch = prepare_embedded(build_settings(_flags(scheduler_delay_factor=1.5)))
     launch.cleanup()
-    assert launch.engine_config.scheduler_delay_factor == 0.0
+    assert launch.engine_config.scheduler_delay_factor == 1.5
     launch = prepare_embedded(build_settings({}))
     launch.cleanup()
-    assert launch.engine_config.scheduler_delay_factor == 1.0  # the engine's default
+    assert launch.engine_config.scheduler_delay_factor == 0.0  # the engine's default: no hold
 
 
 def test_prepare_embedded_writes_inline_curve_with_overhead(tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ length.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,8 @@ class CellNumbers:
     serving_compiles: float | None = None
     serving_compile_s: float | None = None
     full_gc_s: float | None = None
+    # The server's steps over the cell by kind (prefill, spec, probe, paused, nospec): count and mean ms.
+    steps: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -91,7 +94,23 @@ def numbers(cell: dict[str, Any], base: dict[str, Any] | None) -> CellNumbers:
         serving_compiles=counters.get(SERVING_COMPILES),
         serving_compile_s=counters.get(SERVING_COMPILE_S),
         full_gc_s=counters.get(FULL_GC_S),
+        steps=step_kinds(counters),
     )
+
+
+_STEPS_KEY = re.compile(r"^steps\{kind=(\w+)\}$")
+
+
+def step_kinds(counters: dict[str, Any]) -> dict[str, tuple[int, float]]:
+    """``{kind: (steps, mean ms)}`` from a cell's ``steps{kind=K}`` and ``step_seconds{kind=K}`` counters,
+    kinds that ran only."""
+    out = {}
+    for key, n in counters.items():
+        m = _STEPS_KEY.match(key)
+        if m and n:
+            seconds = float(counters.get(f"step_seconds{{kind={m.group(1)}}}", 0.0))
+            out[m.group(1)] = (int(n), seconds * 1e3 / float(n))
+    return out
 
 
 def format_tok_s(v: float) -> str:
@@ -162,11 +181,33 @@ def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
     lines.append("|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|")
     for row in table.rows():
         lines.append("| " + " | ".join(row) + " |")
+    steps = step_rows(table)
+    if steps:
+        lines += ["", "Server steps over each cell: kind mean ms x steps (the engine's own clock; a client's "
+                  "inter-token latency adds streaming and queueing)", ""]
+        lines.append("| " + " | ".join(hdr) + " |")
+        lines.append("|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in steps]
     stalls = stall_notes(table)
     if stalls:
         lines += ["", "Kernel compiles while serving (a start-up warm-up missed them; the cell waited):", ""]
         lines += [f"- {note}" for note in stalls]
     return "\n".join(lines) + "\n"
+
+
+def step_rows(table: ComparisonTable) -> list[list[str]]:
+    """Rows of "kind ms x n" per cell, where any cell's server counted its steps by kind; else none."""
+    if not any(n.steps for n in table.cells.values()):
+        return []
+    rows = []
+    for c in table.concurrencies:
+        row = [str(c)]
+        for k in table.configs:
+            n = table.cells.get((k, c))
+            row.append(", ".join(f"{kind} {ms:.2f} x {count}" for kind, (count, ms) in n.steps.items())
+                       if n is not None and n.steps else MISSING)
+        rows.append(row)
+    return rows
 
 
 def stall_notes(table: ComparisonTable) -> list[str]:

@@ -91,6 +91,7 @@ class CapacityConfig:
     min_predicted_gain: float = 0.0  # trim only if Θ(best) >= Θ(full) * (1 + gain)
     saturation_patience: int = 8  # consecutive non-paying steps before drafting pauses (0 = never)
     resume_every: int = 16  # while paused, one probe step with drafting every N steps
+    probe_tax: float = PROBE_TAX  # timed engines: probes may spend this share of paused time (SaturationPolicy)
     mask_pruning_saves: bool = False  # mask mode: padding rows are skipped (MoE with skip-padding), not computed
 
     def __post_init__(self) -> None:
@@ -103,6 +104,8 @@ class CapacityConfig:
         _check_float("min_predicted_gain", self.min_predicted_gain, 0.0, math.inf)
         _check_int("saturation_patience", self.saturation_patience, 0)
         _check_int("resume_every", self.resume_every, 1)
+        if not (isinstance(self.probe_tax, (int, float)) and 0.0 < self.probe_tax <= 1.0):
+            raise DsparkError(f"capacity setting probe_tax must be in (0, 1], got {self.probe_tax!r}")
         if not isinstance(self.mask_pruning_saves, bool):
             raise DsparkError(f"capacity setting mask_pruning_saves must be true or false, got {self.mask_pruning_saves!r}")
 
@@ -523,13 +526,13 @@ class SaturationPolicy:
     **Probe tax** (engines that report step times through :meth:`record_step_ms`). Counting probes in steps
     is not enough where a probe costs several plain steps: a probe's draft pass catches up over the whole
     pause, and at low load a step costs as much as a full one. On an H200 (SmolLM2-135M at 16 requests,
-    temperature 1) a probe took 22 ms against 5 ms for a paused step, and a closed-loop client pool's
-    drains and refills triggered load probes every generation: some 90 drafting steps in a 1,000-step cell
-    cost a quarter of the throughput of plain decoding. So probing runs on a time allowance: every paused
-    step saves ``PROBE_TAX`` of its wall time (at most ``PROBE_BANK`` probes' worth is kept), and probe steps
-    -- and the drafting steps of a resume until it has lasted ``2 x patience`` steps, the window in which a
-    lucky probe shows itself -- spend their whole wall time from it. A due probe (timer or load fall) waits
-    while the allowance is negative, so probing costs at most about ``PROBE_TAX`` of paused time, whatever
+    temperature 1; docs/PERFORMANCE.md section 13) a probe took 22 ms against 5 ms for a paused step, and a
+    1,000-step cell whose step-counted probes drafted 255 request-steps ran 23% below plain decoding; on
+    the time allowance the same cell took 3 probe steps. Every paused step saves ``probe_tax`` (default
+    ``PROBE_TAX``) of its wall time (at most ``PROBE_BANK`` probes' worth is kept), and probe steps -- and
+    the drafting steps of a resume until it has lasted ``2 x patience`` steps, the window in which a lucky
+    probe shows itself -- spend their whole wall time from it. A due probe (timer or load fall) waits
+    while the allowance is negative, so probing costs at most about ``probe_tax`` of paused time, whatever
     triggers it. An engine that reports no times is never held back. ``counters`` says what happened.
 
     ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
@@ -537,11 +540,15 @@ class SaturationPolicy:
 
     MAX_PROBE_BACKOFF = 32
 
-    def __init__(self, patience: int, resume_every: int) -> None:
+    def __init__(self, patience: int, resume_every: int, probe_tax: float = PROBE_TAX) -> None:
         _check_int("saturation_patience", patience, 0)
         _check_int("resume_every", resume_every, 1)
+        _check_float("probe_tax", probe_tax, 0.0, 1.0)
+        if probe_tax == 0:
+            raise DsparkError("capacity setting probe_tax must be > 0 (0 would never probe again after one probe)")
         self.patience = patience
         self.resume_every = resume_every
+        self.probe_tax = probe_tax
         self._streak = 0
         self._paused = False
         self._floor = 0  # lowest load at which drafting was found not to pay during this pause
@@ -640,7 +647,7 @@ class SaturationPolicy:
     def record_step_ms(self, drafting: bool, measured_ms: float) -> None:
         """Report the wall time of the step begun by the last :meth:`begin_step` (the probe tax).
 
-        A paused step saves ``PROBE_TAX`` of its time; a probe step, or a drafting step on probation, spends
+        A paused step saves ``probe_tax`` of its time; a probe step, or a drafting step on probation, spends
         all of its time. ``drafting`` is whether the step drafted: a plain step the engine took while drafting
         is enabled (to measure plain decoding) neither saves nor spends.
         """
@@ -649,7 +656,7 @@ class SaturationPolicy:
         if not drafting:
             if self._step_kind == "paused":
                 cap = math.inf if self._probe_step_ms is None else PROBE_BANK * self._probe_step_ms
-                self._allowance_ms = min(self._allowance_ms + PROBE_TAX * measured_ms, cap)
+                self._allowance_ms = min(self._allowance_ms + self.probe_tax * measured_ms, cap)
             return
         if self._step_kind == "probe":
             self._probe_step_ms = measured_ms if self._probe_step_ms is None else \
@@ -815,7 +822,7 @@ class CapacityManager:
         self.k = num_spec_tokens
         self.max_slots = max_slots
         self.device = torch.device(device)
-        self.saturation = SaturationPolicy(cfg.saturation_patience, cfg.resume_every)
+        self.saturation = SaturationPolicy(cfg.saturation_patience, cfg.resume_every, cfg.probe_tax)
         self.conf = torch.ones(max_slots, num_spec_tokens, dtype=torch.float32, device=self.device)
         pin = self.device.type == "cuda"
         self._host = [

@@ -63,9 +63,9 @@ class EngineConfig:
     capture_sizes: tuple[int, ...] | None = None
     # "auto" = the Triton paged-attention kernel on CUDA when triton is importable, else the torch path.
     attention_backend: str = "auto"
-    # While requests decode, newcomers wait up to this many times the last prefill step's time to share
-    # one prefill step (scheduler.py); 0 prefills each arrival at once.
-    scheduler_delay_factor: float = 1.0
+    # While requests decode, newcomers wait up to this many times the recent prefill steps' time to share
+    # one prefill step (scheduler.py); 0 (the default) prefills each arrival at once.
+    scheduler_delay_factor: float = 0.0
 
     def validate(self) -> None:
         """Reject impossible settings with one-line messages before anything is loaded."""

@@ -63,6 +63,11 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
 
 
+# Step kinds: a prompt prefill; a drafting decode step; one probing a saturation pause; a decode step with
+# drafting paused; a decode step of an engine without speculation.
+STEP_KINDS: tuple[str, ...] = ("prefill", "spec", "probe", "paused", "nospec")
+
+
 @dataclass
 class EngineStats:
     """Cumulative counters with vLLM's spec-decode metric semantics.
@@ -103,6 +108,10 @@ class EngineStats:
     realized_gain: float | None = None
     # What the saturation policy did (pauses, resumes, probes by trigger and verdict): the policy's own record.
     saturation: SaturationCounters | None = None
+    # Every step's wall time (ms, cumulative) and count by kind (STEP_KINDS), always on: what a step of each
+    # kind costs inside a server, where a client's inter-token latency also holds streaming and queueing.
+    step_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
 
 
 class _PhaseClock:
@@ -337,10 +346,14 @@ class LLMEngine:
         if not batch.seqs:
             self._refresh_counts()
             return []
+        start = time.perf_counter()
         if batch.is_prefill:
             outputs = self._prefill_step(batch.seqs)
         else:
             outputs = self._decode_step(batch.seqs)
+        kind = self.stalls.step_kind  # each step path names its kind
+        self.stats.step_ms[kind] = self.stats.step_ms.get(kind, 0.0) + (time.perf_counter() - start) * 1e3
+        self.stats.steps[kind] = self.stats.steps.get(kind, 0) + 1
         self._refresh_counts()
         return outputs
 
@@ -357,13 +370,18 @@ class LLMEngine:
         self.stats.num_prefill_steps += 1
         self.stalls.step_kind = "prefill"
         clock = self._clock("prefill")
-        logits = self.runner.prefill(seqs)
+        # While drafting is paused the draft skips the prompt too: the next probe's catch-up feeds it with
+        # the tokens generated since, and a request that finishes first never pays for it. A prefill step
+        # then costs what it costs without speculation (on an H200 the draft's prefill added ~6 ms to ~20).
+        draft = self.capacity is None or self.capacity.drafting_enabled
+        starts = [seq.num_computed_tokens for seq in seqs]
+        logits = self.runner.prefill(seqs, draft=draft)
         clock.mark("forward")
-        for seq in seqs:
+        for seq, start in zip(seqs, starts, strict=True):
             if seq.num_preemptions == 0:
                 self.stats.prompt_tokens += seq.num_prompt_tokens
             seq.num_computed_tokens = seq.num_tokens
-            seq.num_draft_computed = seq.num_tokens
+            seq.num_draft_computed = seq.num_tokens if draft else start
             slot = self._free_slots.pop()
             self._slot_of[seq.request_id] = slot
             if self.capacity is not None:

@@ -50,6 +50,8 @@ class MetricsSnapshot:
     # and probes by (trigger, verdict).
     saturation: Mapping[str, int] = field(default_factory=dict)
     saturation_probes: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    step_s: Mapping[str, float] = field(default_factory=dict)  # step kind -> cumulative wall time (s)
+    steps_by_kind: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_stats(cls, stats: object) -> MetricsSnapshot:
@@ -74,6 +76,8 @@ class MetricsSnapshot:
             drafting_cost_scale={int(b): float(v) for b, v in (getattr(stats, "drafting_cost_scale", {}) or {}).items()},
             realized_gain=_optional_float(getattr(stats, "realized_gain", None)),
             num_prefill_steps=int(getattr(stats, "num_prefill_steps", 0)),
+            step_s={str(k): float(v) / 1e3 for k, v in dict(getattr(stats, "step_ms", {}) or {}).items()},
+            steps_by_kind={str(k): int(v) for k, v in dict(getattr(stats, "steps", {}) or {}).items()},
             **_saturation_fields(getattr(stats, "saturation", None)),
         )
 
@@ -184,6 +188,14 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
             [(base, snap.num_prefill_steps)])
     _family(lines, "dspark:drafting_paused_steps_total", "counter",
             "Decode steps that skipped drafting (saturation policy).", [(base, snap.num_paused_steps)])
+    if snap.steps_by_kind:
+        kinds = sorted(snap.steps_by_kind)
+        _family(lines, "dspark:steps_total", "counter",
+                "Engine steps by kind (prefill, spec, probe, paused, nospec).",
+                [({**base, "kind": k}, snap.steps_by_kind[k]) for k in kinds])
+        _family(lines, "dspark:step_seconds_total", "counter",
+                "Engine step wall time by kind; over dspark:steps_total, a kind's mean step.",
+                [({**base, "kind": k}, snap.step_s.get(k, 0.0)) for k in kinds])
     if snap.saturation:
         _family(lines, "dspark:saturation_pauses_total", "counter",
                 "Times the saturation policy paused drafting.", [(base, snap.saturation.get("pauses", 0))])

@@ -578,8 +578,9 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------ forwards
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> Tensor:
-        """Target (and draft) KV for every token of each sequence; returns last-token logits ``[R, V]``."""
+    def prefill(self, seqs: list[Sequence], draft: bool = True) -> Tensor:
+        """Target (and, with ``draft``, draft) KV for every token of each sequence; returns last-token logits
+        ``[R, V]``. Without ``draft`` the draft's KV is left for its catch-up to feed."""
         ids: list[int] = []
         positions: list[int] = []
         req: list[int] = []
@@ -603,7 +604,7 @@ class ModelRunner:
         tables = self.block_tables(seqs)
         no_pad = torch.zeros_like(t_ids, dtype=torch.bool)
         hidden = self.target_fwd.run(t_ids, t_pos, t_req, no_pad, t_start, tables, max_q, kv_len)
-        if self.drafter is not None:
+        if self.drafter is not None and draft:
             self.drafter.prefill(t_ids, t_pos, t_req, t_start, tables, max_q, kv_len)
         return self.target.compute_logits(hidden[t_last])
 

@@ -2,13 +2,16 @@
 
 A step is either a **prefill** of newly admitted requests (their whole prompt, or prompt + generated
 tokens after a preemption) or a **decode** step of every running request. Prefill wins when something is
-waiting and fits, like nano-vllm: it adds requests to the batch as early as possible -- except that while
+waiting and fits, like nano-vllm: it adds requests to the batch as early as possible. Optionally, while
 requests are decoding, newcomers wait up to ``prefill_delay_ms`` (the engine sets it to
-``scheduler_delay_factor`` x the last prefill step's time, as vLLM's V0 scheduler did) unless a full batch
-of them is waiting. Why: prefills are not chunked into decode steps, so every prefill step stalls every
-decoding request, and an eager prefill costs about the same for one prompt as for sixteen (some 20 ms on an
-H200 for SmolLM2-135M, four decode steps). Arrivals a few milliseconds apart -- a client pool whose
-requests finish a step or two apart -- each paid that stall; held for one prefill's time they share it.
+``scheduler_delay_factor`` x the median of recent prefill steps' times, like vLLM's V0 scheduler delay)
+unless a full batch of them is waiting. Why: prefills are not chunked into decode steps, so every prefill
+step stalls every decoding request, and an eager prefill costs about the same for one prompt as for
+sixteen (some 20 ms on an H200 for SmolLM2-135M, four decode steps); arrivals a few milliseconds apart
+each paid that stall. Why it is off by default: where arrivals already come in bursts, holding a burst's
+late members behind its first ones splits it into two cohorts that stay apart, and the decode steps run
+partly empty while they wait (docs/PERFORMANCE.md section 13: on the H200 it merged the spec configs'
+prefill steps at 32 requests, 43-53 down to 23-26, and gave no speculation ~100 partly empty steps at 16).
 
 Decode reserves KV for ``K + 1`` lookahead positions per request (the verify pass writes the last token
 and K drafts; the draft writes K - 1 more of its own), so a step never runs out of slots halfway. When
