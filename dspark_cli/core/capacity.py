@@ -529,10 +529,12 @@ class SaturationPolicy:
     temperature 1; docs/PERFORMANCE.md section 13) a probe took 22 ms against 5 ms for a paused step, and a
     1,000-step cell whose step-counted probes drafted 255 request-steps ran 23% below plain decoding; on
     the time allowance the same cell took 3 probe steps. Every paused step saves ``probe_tax`` (default
-    ``PROBE_TAX``) of its wall time (at most ``PROBE_BANK`` probes' worth is kept), and probe steps -- and
+    ``PROBE_TAX``) of its wall time (at most ``PROBE_BANK`` probes' worth is kept; it starts full, at the
+    first probe's cost), and probe steps -- and
     the drafting steps of a resume until it has lasted ``2 x patience`` steps, the window in which a lucky
     probe shows itself -- spend their whole wall time from it. A due probe (timer or load fall) waits
-    while the allowance is negative, so probing costs at most about ``probe_tax`` of paused time, whatever
+    while the allowance is negative, so probing costs at most ``PROBE_BANK`` probes plus about ``probe_tax``
+    of paused time, whatever
     triggers it. An engine that reports no times is never held back. ``counters`` says what happened.
 
     ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
@@ -659,8 +661,13 @@ class SaturationPolicy:
                 self._allowance_ms = min(self._allowance_ms + self.probe_tax * measured_ms, cap)
             return
         if self._step_kind == "probe":
-            self._probe_step_ms = measured_ms if self._probe_step_ms is None else \
-                0.75 * self._probe_step_ms + 0.25 * measured_ms
+            if self._probe_step_ms is None:
+                # The allowance starts full: the first probes (a fresh server learning where drafting pays,
+                # online STS calibrating on what probes verify) do not wait for paused time to fund them.
+                self._allowance_ms = max(self._allowance_ms, PROBE_BANK * measured_ms)
+                self._probe_step_ms = measured_ms
+            else:
+                self._probe_step_ms = 0.75 * self._probe_step_ms + 0.25 * measured_ms
         if self._step_kind in ("probe", "probation"):
             self._allowance_ms -= measured_ms
 

@@ -362,8 +362,10 @@ def _time_decode_steps(engine: LLMEngine, num_reqs: int, ctx: int, warmup: int, 
         raise DsparkError(f"max_model_len={engine.config.max_model_len} is too short to time {steps} decode steps; "
                           "raise --max-model-len")
     saved_stats = dataclasses.replace(engine.stats, accepted_per_pos=list(engine.stats.accepted_per_pos),
-                                      requests_finished=dict(engine.stats.requests_finished))
+                                      requests_finished=dict(engine.stats.requests_finished),
+                                      step_ms=dict(engine.stats.step_ms), steps=dict(engine.stats.steps))
     saved = (engine.traces, engine.online_sts, engine.capacity, engine._arrivals)
+    saved_prefill = (list(engine._prefill_ms), engine.scheduler.prefill_delay_ms)  # the prefill hold's memory
     engine.traces, engine.online_sts, engine.capacity = None, None, None
     in_step = device.type == "cpu"
     fwd_ms = [0.0]
@@ -409,6 +411,9 @@ def _time_decode_steps(engine: LLMEngine, num_reqs: int, ctx: int, warmup: int, 
         for rid in ids:
             engine.abort_request(rid)
         engine.traces, engine.online_sts, engine.capacity, engine._arrivals = saved
+        engine._prefill_ms.clear()
+        engine._prefill_ms.extend(saved_prefill[0])
+        engine.scheduler.prefill_delay_ms = saved_prefill[1]
         for f in dataclasses.fields(saved_stats):
             setattr(engine.stats, f.name, getattr(saved_stats, f.name))
         engine._refresh_counts()
