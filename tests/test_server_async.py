@@ -330,3 +330,47 @@ def test_model_alias_and_error_shapes(tokenizer) -> None:  # type: ignore[no-unt
             await ae.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_consumer_that_falls_behind_gets_the_waiting_steps_merged() -> None:
+    """While a consumer is busy the engine keeps stepping; what waits in its queue arrives as one output
+    carrying every waiting token, in order, the last one's finish state included. A consumer that keeps
+    up gets one output per step."""
+    eng = ScriptedEngine(max_num_seqs=1, step_s=0.002)
+
+    async def main() -> None:
+        ae = AsyncEngine(lambda: eng)
+        await ae.start()
+        prompt, n = [7], 40
+        expected = [(7 + j) % 50 + 10 for j in range(n)]
+        sizes: list[int] = []
+        toks: list[int] = []
+        last = None
+        async for out in ae.generate("slow", prompt, P(n)):
+            sizes.append(len(out.new_token_ids))
+            toks.extend(out.new_token_ids)
+            last = out
+            await asyncio.sleep(0.02)  # ten engine steps per item
+        assert toks == expected and last is not None and last.finished and last.finish_reason == "length"
+        assert max(sizes) > 1 and len(sizes) < n
+        assert await _collect(ae, "quick", prompt, 5) == expected[:5]
+        await ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_error_behind_waiting_tokens_comes_after_them() -> None:
+    eng = ScriptedEngine(max_num_seqs=1, fail_at_step=4)
+
+    async def main() -> None:
+        ae = AsyncEngine(lambda: eng)
+        await ae.start()
+        toks: list[int] = []
+        with pytest.raises(EngineDeadError):
+            async for out in ae.generate("r", [3], P(100)):
+                await asyncio.sleep(0.05)  # the engine steps on and then fails meanwhile
+                toks.extend(out.new_token_ids)
+        assert toks == [(3 + j) % 50 + 10 for j in range(3)]  # the three steps before the failure
+        await ae.shutdown()
+
+    asyncio.run(main())

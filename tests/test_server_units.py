@@ -7,7 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dspark_cli.engines.embedded.metrics import MetricsSnapshot, parse_metrics, render_metrics
-from dspark_cli.engines.embedded.server import IncrementalDetokenizer, StopTextBuffer
+from dspark_cli.engines.embedded.server import IncrementalDetokenizer, StopTextBuffer, fast_decoder
 
 # ----------------------------------------------------------------------------------------- /metrics
 
@@ -160,3 +160,27 @@ def test_incremental_detokenizer_matches_full_decode(byte_tokenizer, text: str, 
     parts.append(detok.flush())
     assert "".join(parts) == tok.decode(ids, skip_special_tokens=True)
     assert all("\ufffd" not in p for p in parts)  # never emits half a character
+
+
+@settings(max_examples=80, deadline=None)
+@given(ids=st.lists(st.integers(0, 299), max_size=12))
+def test_the_fast_decoder_is_the_tokenizers_own_decode(byte_tokenizer, ids: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """The Rust decode the detokenizer uses gives exactly what ``decode(..., skip_special_tokens=True)`` does,
+    special tokens and partial characters included."""
+    tok = byte_tokenizer
+    ids = [i % len(tok) for i in ids] + [tok.eos_token_id]
+    assert fast_decoder(tok)(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_the_fast_decoder_keeps_the_wrapper_where_it_cleans_up_spaces(byte_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    calls: list[list[int]] = []
+
+    class Cleaning:  # a tokenizer whose decode post-processes the Rust output: the wrapper must be used
+        backend_tokenizer = byte_tokenizer.backend_tokenizer
+        clean_up_tokenization_spaces = True
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            calls.append(ids)
+            return "cleaned"
+
+    assert fast_decoder(Cleaning())([1, 2]) == "cleaned" and calls == [[1, 2]]

@@ -54,6 +54,11 @@ class _Stop:
     pass
 
 
+def _merged(first: Any, then: Any) -> Any:
+    """One output with the tokens of two consecutive ones of a request (``then``'s finish state)."""
+    return dataclasses.replace(then, new_token_ids=[*first.new_token_ids, *then.new_token_ids])
+
+
 class AsyncEngine:
     """Owns one engine on a background thread; ``generate`` streams its outputs to coroutines.
 
@@ -130,6 +135,13 @@ class AsyncEngine:
 
         Leaving the iteration early (the consumer breaks, or its task is cancelled because the client went
         away) aborts the request in the engine, which frees its KV blocks.
+
+        When the consumer falls behind (the event loop is busy with other streams), the outputs waiting in the
+        request's queue are merged into one, as vLLM's output collector does: one SSE chunk, one socket write,
+        carries the tokens of several steps. Why: at 256 streams the server's per-chunk work (the write
+        syscall above all) is what bounds throughput (``benchmarks/server_overhead.py``), and a chunk per step
+        that the client would receive late anyway buys it nothing. While the loop keeps up, every step is
+        its own chunk.
         """
         if self.state != "ready":
             raise EngineDeadError(self._dead_reason())
@@ -139,12 +151,20 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, list(prompt_ids), params))
         finished = False
+        held: Any = None  # an error found while merging: raised after the tokens before it are out
         try:
             while True:
-                item = await stream.get()
+                item = held if held is not None else await stream.get()
+                held = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                while not item.finished and not stream.empty():
+                    nxt = stream.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        held = nxt
+                        break
+                    item = _merged(item, nxt)
                 if item.finished:
                     finished = True
                 yield item

@@ -69,6 +69,19 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 # -------------------------------------------------------------------------------------- detokenisation
 
 
+def fast_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it, through the Rust
+    tokenizer directly where that is the same thing (a fast tokenizer without clean-up of tokenization
+    spaces). Why: the detokenizer decodes twice per streamed token per request, and the Python wrapper
+    costs ~3x the Rust decode (8 against 2.5 us for SmolLM2's tokenizer on a 2-core CPU) -- at 256
+    requests a step that is milliseconds on the interpreter the engine thread also needs."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    decode = backend.decode
+    return lambda ids: decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas without re-decoding the whole output each step.
 
@@ -82,13 +95,10 @@ class IncrementalDetokenizer:
     _CONTEXT = 5
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
-        self._tok = tokenizer
+        self._decode = fast_decoder(tokenizer)
         self._ids: list[int] = list(prompt_ids[-self._CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
 
     def push(self, new_ids: list[int]) -> str:
         if not new_ids:
