@@ -562,9 +562,10 @@ async def _stream(request: web.Request, gen: _Generation, rid: str, created: int
                 if gen.finish_reason is not None:
                     await resp.write(chunk(delta if (delta or not chat) else None, gen.finish_reason))
                 elif delta or gen.num_tokens > sent_tokens:
-                    # One chunk per engine step that produced tokens, even when they produced no text yet
+                    # One chunk per engine output (a step, or the steps merged while this stream was
+                    # behind) that produced tokens, even when they produced no text yet
                     # (a partial UTF-8 sequence, text held back by a stop string, ids a random model's
-                    # tokenizer cannot spell): timing clients see every step, usage counts every token.
+                    # tokenizer cannot spell): timing clients see every output, usage counts every token.
                     await resp.write(chunk(delta, None))
                 sent_tokens = gen.num_tokens
     except (EngineDeadError, RequestRejectedError) as exc:
