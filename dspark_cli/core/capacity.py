@@ -175,8 +175,11 @@ def schedule_paper(
     ``B`` starts at R (every request verifies its anchor/bonus slot) unless ``num_nondraft_tokens`` says
     otherwise; τ starts at ``num_sampling`` (default R). Returns verify lengths ``ℓ[R]`` (int64).
     """
-    conf = confidences.detach().float().cpu().numpy() if isinstance(confidences, torch.Tensor) else confidences
-    conf = np.asarray(conf, dtype=np.float64)
+    # Widened, never narrowed: rounding float64 confidences through float32 turned exact ties of Θ (which
+    # must stop the walk) into strict gains.
+    if isinstance(confidences, torch.Tensor):
+        confidences = confidences.detach().to(torch.float64).cpu().numpy()
+    conf = np.asarray(confidences, dtype=np.float64)
     if conf.ndim != 2:
         raise ValueError(f"confidences must be [R, K], got shape {conf.shape}")
     r, k = conf.shape
