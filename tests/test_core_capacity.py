@@ -1090,3 +1090,12 @@ def test_a_probe_at_low_load_drafts_long_enough_to_judge_and_can_resume() -> Non
     assert probing == [True] * (steps - 1) + [False]
     # judged on its own outcome (it paid), not on the losing history: drafting resumes
     assert mgr.drafting_enabled and mgr.saturation.probe_wait == 3
+
+
+@pytest.mark.parametrize("tax", [0, 0.0, -0.1, 1.5, float("nan"), True, "0.02"])
+def test_a_probe_tax_outside_zero_to_one_is_refused_by_the_config_and_the_policy(tax: object) -> None:
+    with pytest.raises(DsparkError, match="probe_tax"):
+        CapacityConfig(mode="varlen", probe_tax=tax)  # type: ignore[arg-type]
+    with pytest.raises(DsparkError, match="probe_tax"):
+        SaturationPolicy(8, 16, tax)  # type: ignore[arg-type]
+    assert CapacityConfig(mode="varlen", probe_tax=1.0).probe_tax == 1.0

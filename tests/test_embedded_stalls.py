@@ -266,7 +266,7 @@ def test_saturation_evidence_is_exported_as_gauges_and_kept_per_cell(pair: TinyP
 
 def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPair, tmp_path: Path) -> None:
     """Pauses, resumes, probe steps, probes held back by the probe tax and probes by (trigger, verdict), and
-    prefill steps: /metrics counts them as the policy and the engine did, and a bench cell's counters see them."""
+    steps by kind: /metrics counts them as the policy and the engine did, and a bench cell's counters see them."""
     from dspark_cli.bench.metrics import dspark_counters
     from dspark_cli.core.capacity import PROBE_TRIGGERS, PROBE_VERDICTS, CapacityConfig
 
@@ -280,7 +280,8 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
     text = render_metrics(MetricsSnapshot.from_stats(engine.stats), "tiny", engine.num_spec)
     m = parse_metrics(text)
     base = (("model_name", "tiny"),)
-    assert m[("dspark:prefill_steps_total", base)] == engine.stats.num_prefill_steps >= 1
+    prefills = m[("dspark:steps_total", (("kind", "prefill"), ("model_name", "tiny")))]
+    assert prefills == engine.stats.num_prefill_steps >= 1
     assert m[("dspark:saturation_pauses_total", base)] == sat.pauses
     assert m[("dspark:saturation_resumes_total", base)] == sat.resumes
     assert m[("dspark:saturation_probe_steps_total", base)] == sat.probe_steps

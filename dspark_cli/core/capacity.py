@@ -104,8 +104,7 @@ class CapacityConfig:
         _check_float("min_predicted_gain", self.min_predicted_gain, 0.0, math.inf)
         _check_int("saturation_patience", self.saturation_patience, 0)
         _check_int("resume_every", self.resume_every, 1)
-        if not (isinstance(self.probe_tax, (int, float)) and 0.0 < self.probe_tax <= 1.0):
-            raise DsparkError(f"capacity setting probe_tax must be in (0, 1], got {self.probe_tax!r}")
+        _check_probe_tax(self.probe_tax)
         if not isinstance(self.mask_pruning_saves, bool):
             raise DsparkError(f"capacity setting mask_pruning_saves must be true or false, got {self.mask_pruning_saves!r}")
 
@@ -123,6 +122,12 @@ def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
         rng = f"[{lo}, {hi}]" if math.isfinite(hi) else f">= {lo} and finite"
         raise DsparkError(f"capacity setting {name} must be a number in {rng}, got {value!r}")
+
+
+def _check_probe_tax(value: Any) -> None:
+    _check_float("probe_tax", value, 0.0, 1.0)
+    if value == 0:
+        raise DsparkError("capacity setting probe_tax must be > 0 (0 would never probe again after one probe)")
 
 
 def _check_int(name: str, value: Any, lo: int) -> None:
@@ -548,9 +553,7 @@ class SaturationPolicy:
     def __init__(self, patience: int, resume_every: int, probe_tax: float = PROBE_TAX) -> None:
         _check_int("saturation_patience", patience, 0)
         _check_int("resume_every", resume_every, 1)
-        _check_float("probe_tax", probe_tax, 0.0, 1.0)
-        if probe_tax == 0:
-            raise DsparkError("capacity setting probe_tax must be > 0 (0 would never probe again after one probe)")
+        _check_probe_tax(probe_tax)
         self.patience = patience
         self.resume_every = resume_every
         self.probe_tax = probe_tax

@@ -351,22 +351,19 @@ class LLMEngine:
             outputs = self._prefill_step(batch.seqs)
         else:
             outputs = self._decode_step(batch.seqs)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
         kind = self.stalls.step_kind  # each step path names its kind
-        self.stats.step_ms[kind] = self.stats.step_ms.get(kind, 0.0) + (time.perf_counter() - start) * 1e3
+        self.stats.step_ms[kind] = self.stats.step_ms.get(kind, 0.0) + elapsed_ms
         self.stats.steps[kind] = self.stats.steps.get(kind, 0) + 1
+        if batch.is_prefill:
+            # What the next arrivals may wait to share a prefill step (scheduler.py): about one prefill's
+            # time, the median of the last few, so one prefill that waited on a compile does not hold them long.
+            self._prefill_ms.append(elapsed_ms)
+            self.scheduler.prefill_delay_ms = self.config.scheduler_delay_factor * statistics.median(self._prefill_ms)
         self._refresh_counts()
         return outputs
 
     def _prefill_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        start = time.perf_counter()
-        outputs = self._run_prefill(seqs)
-        # What the next arrivals may wait to share a prefill step (scheduler.py): about one prefill's time.
-        # The median of the last few, so one prefill that waited on a compile does not hold arrivals for long.
-        self._prefill_ms.append((time.perf_counter() - start) * 1e3)
-        self.scheduler.prefill_delay_ms = self.config.scheduler_delay_factor * statistics.median(self._prefill_ms)
-        return outputs
-
-    def _run_prefill(self, seqs: list[Sequence]) -> list[RequestOutput]:
         self.stats.num_prefill_steps += 1
         self.stalls.step_kind = "prefill"
         clock = self._clock("prefill")

@@ -45,7 +45,6 @@ class MetricsSnapshot:
     full_gc_s: float = 0.0
     drafting_cost_scale: Mapping[int, float] = field(default_factory=dict)  # load bucket -> quotient
     realized_gain: float | None = None
-    num_prefill_steps: int = 0
     # Saturation policy (capacity modes only): pauses, resumes, probe steps, due probes the tax held back,
     # and probes by (trigger, verdict).
     saturation: Mapping[str, int] = field(default_factory=dict)
@@ -75,7 +74,6 @@ class MetricsSnapshot:
             **_stall_fields(getattr(stats, "stalls", None)),
             drafting_cost_scale={int(b): float(v) for b, v in (getattr(stats, "drafting_cost_scale", {}) or {}).items()},
             realized_gain=_optional_float(getattr(stats, "realized_gain", None)),
-            num_prefill_steps=int(getattr(stats, "num_prefill_steps", 0)),
             step_s={str(k): float(v) / 1e3 for k, v in dict(getattr(stats, "step_ms", {}) or {}).items()},
             steps_by_kind={str(k): int(v) for k, v in dict(getattr(stats, "steps", {}) or {}).items()},
             **_saturation_fields(getattr(stats, "saturation", None)),
@@ -183,9 +181,6 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
     _family(lines, "dspark:verified_draft_tokens_total", "counter",
             "Draft tokens the capacity manager admitted to verification.",
             [(base, snap.num_verified_draft_tokens)])
-    _family(lines, "dspark:prefill_steps_total", "counter",
-            "Engine steps that ran prompt prefills (every decoding request waits for them).",
-            [(base, snap.num_prefill_steps)])
     _family(lines, "dspark:drafting_paused_steps_total", "counter",
             "Decode steps that skipped drafting (saturation policy).", [(base, snap.num_paused_steps)])
     if snap.steps_by_kind:
