@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_two_gpus.sh start ROOT       # copy the repo to ROOT/repo, start both queues
 #   GPUS=1 bash benchmarks/h200_two_gpus.sh start ROOT  # a one-GPU host: one queue, the work below in turn
 #   QUEUE=stalls bash benchmarks/h200_two_gpus.sh start ROOT  # one GPU: the compile-stall check (queue_stalls)
+#   QUEUE=vllm bash benchmarks/h200_two_gpus.sh start ROOT    # one GPU: issue 6 on vLLM 0.33 (queue_vllm)
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -85,9 +86,28 @@ queue_stalls() {
     python3 benchmarks/embedded_engine.py --temperature 1 --out "$ROOT/steps_t1"
 }
 
+# One GPU, issue 6 (vLLM 0.33 on the Llama-3-8B shape): waits for the staged wheels (/tmp/stage/ready, once
+# every group of ../shared/tools/vllm-h200/stage.py is copied in), installs them, profiles the scaled curve,
+# then the eight configs in two groups of four servers started in a staggered row, then the greedy lossless
+# check on the SmolLM2 shape (~15 min after staging, 2026-12-01 estimate).
+queue_vllm() {
+  stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
+  stage "install vLLM" bash /tmp/stage/install.sh
+  # A failed profile would leave varlen on vLLM's start-up curve unnoticed: the last committed curve instead.
+  stage "profile-scaled" bash benchmarks/vllm_h200.sh "$ROOT/vllm" profile-scaled || {
+    echo "profile-scaled failed: using benchmarks/results/vllm_h200/profile-scaled/sps_curve.json"
+    cp benchmarks/results/vllm_h200/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"; }
+  OVERLAP=4 GPU_UTIL=0.22 CONFIGS=${VLLM_GROUP1:-nospec,all,upstream,varlen} \
+    stage "scaled, group 1" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
+  OVERLAP=4 GPU_UTIL=0.22 CONFIGS=${VLLM_GROUP2:-mask,varlen-nosat,varlen-nosts,varlen-startup} \
+    stage "scaled, group 2" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
+  OVERLAP=4 GPU_UTIL=0.2 stage "lossless" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless
+}
+
 QUEUES=(0 1)
 [[ ${GPUS:-2} == 1 ]] && QUEUES=(_one)
 [[ ${QUEUE:-} == stalls ]] && QUEUES=(_stalls)
+[[ ${QUEUE:-} == vllm ]] && QUEUES=(_vllm)
 
 case $ACTION in
   start)
@@ -103,7 +123,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -111,7 +131,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls; do
+    for q in 0 1 _one _stalls _vllm; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"

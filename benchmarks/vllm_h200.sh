@@ -62,7 +62,8 @@ case "$STAGE" in
   lossless)  # greedy outputs of every config against no speculation (real verification, no synthetic)
     read -r TARGET DRAFT < <(models random:smollm2-135m random:small:layers=2)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless" --load-format dummy \
-      --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --dspark '{"online_sts": true}' ;;
+      --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --dspark '{"online_sts": true}' \
+      --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
   scaled)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
