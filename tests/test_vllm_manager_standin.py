@@ -9,6 +9,7 @@ online STS -- are the real code on real CPU tensors.
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 from typing import Any, NamedTuple
@@ -136,6 +137,26 @@ def test_varlen_budget_allocation_and_layout(manager_cls) -> None:
     assert qsl[:4].tolist() == cu.tolist() and int(qsl[-1]) == tokens
 
 
+def test_varlen_admits_exactly_the_budget_the_runner_is_told(manager_cls) -> None:
+    """The runner sizes the verify batch by the host budget, with no sync: the device allocation must admit
+    exactly that many drafts. The budget comes from a step-old copy of the confidences, the allocation from
+    this step's, and the allocation never admits a zero-survival slot: when this step's confidences are 0
+    (vLLM's acceptance estimator passed through without STS, whose sigmoid never returns 0), it admitted
+    none of a budget of 5, the query_start_loc fell short of the batch, and on the H200 a device-side index
+    assert ended the server (docs/PERFORMANCE.md section 14)."""
+    m = _make(manager_cls, "varlen")
+    _record(m, [[0.9] * K] * 3)
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
+    budget = m._batch_budget[2]
+    assert budget == 5  # the flat part of the curve: 3 + 5 tokens cost what 3 do
+    m._confidence_probs[:3] = 0.0  # this step's confidences, after the budget was chosen
+    _, qsl, told, _ = m.reallocate_drafts(list(per_req), torch.arange(3))
+    caps = m._batch_draft_capacity[:3]
+    assert told == budget and int(caps.sum()) == budget
+    assert int(qsl[3]) == 3 + budget
+
+
 def test_mask_keeps_the_uniform_layout_and_pads_pruned_rows(manager_cls) -> None:
     m = _make(manager_cls, "mask")
     _record(m, [[0.9, 0.9, 0.9, 0.9], [0.9, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2]])
@@ -215,7 +236,8 @@ class ExecuteModelState(NamedTuple):
 
 
 def _step_state(r: int, scheduled: int = K) -> Any:
-    return types.SimpleNamespace(execute_model_state=ExecuteModelState(types.SimpleNamespace(num_reqs=r), scheduled))
+    batch = types.SimpleNamespace(num_reqs=r, num_tokens=r * (1 + scheduled), num_draft_tokens=r * scheduled)
+    return types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, scheduled))
 
 
 def test_saturation_pauses_drafting_by_scheduling_zero_drafts_and_probes_back(manager_cls) -> None:
@@ -252,6 +274,47 @@ def test_saturation_pauses_drafting_by_scheduling_zero_drafts_and_probes_back(ma
         step(0.99, K)
     assert m.saturation.drafting_enabled
     assert [step(0.99, K) for _ in range(3)] == [K, K, K]
+
+
+def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls, caplog) -> None:
+    """vLLM's paused draft_model step still runs the draft's prefill pass: here it takes 30 ms where the
+    curve prices plain decoding at 10. Drafting steps take what they are priced at (15 ms) and emit only
+    the bonus token, so on the curve alone drafting loses (3 tokens / 15 ms against 3 / 10) and stays
+    paused; measured, it beats pausing 2x (3 / 15 against 3 / 30), so a probe resumes it for good."""
+
+    def run(timed: bool) -> list[int]:
+        m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+        m._pause_supported = True
+        now = [0.0]
+        m._clock = lambda: now[0]
+        m._report_every = 0.6  # s of the fake clock
+        per_req = {f"r{i}": 1 + K for i in range(3)}
+        drafts = {x: [0] * K for x in per_req}
+        scheduled = []
+        for _ in range(60):
+            real = m._drafts_real
+            if timed:  # the interval since the last decision: its propose and the batch it shaped
+                now[0] += (0.015 if real else 0.030)
+            if real:
+                _record(m, [[0.6] * K] * 3)
+            # async scheduling: a paused decision's batch carries placeholder drafts, verified by none
+            m.get_num_tokens(per_req, drafts)
+            m.reallocate_drafts(list(per_req), torch.arange(3))
+            batch = types.SimpleNamespace(num_reqs=3, num_tokens=3 + 3 * K, num_draft_tokens=3 * K)
+            runner = types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, K))
+            m.begin_drafting_step(runner)
+            m.observe(torch.full((3,), 1, dtype=torch.int32))
+            scheduled.append(runner.execute_model_state.num_spec_tokens_to_schedule)
+        return scheduled
+
+    untimed = run(False)
+    with caplog.at_level(logging.INFO, logger="vllm.dspark"):
+        timed = run(True)
+    assert untimed[-20:].count(K) < 5  # priced by the curve alone: paused, failed probes only
+    assert timed[-20:] == [K] * 20  # measured: drafting resumed and stays on
+    # the server log says so (every 10 s of serving; here 0.6 s, and 60 steps of 15-30 ms make one line)
+    lines = [r.getMessage() for r in caplog.records if "dspark: saturation:" in r.getMessage()]
+    assert len(lines) == 1 and "pauses 1, resumes 1" in lines[0] and "2-3: 0.33" in lines[0]
 
 
 def test_steps_scheduled_without_drafts_are_never_verified(manager_cls) -> None:

@@ -447,6 +447,12 @@ class StepTimeCalibration:
         """Bucket b holds request counts in ``[2**(b-1), 2**b)``: 1, 2-3, 4-7, ..., 256-511."""
         return max(1, int(num_reqs)).bit_length()
 
+    @staticmethod
+    def bucket_label(bucket: int) -> str:
+        """The request counts of a load bucket: "1", "2-3", ..., "256-511"."""
+        lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
+        return str(lo) if lo == hi else f"{lo}-{hi}"
+
     def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float) -> None:
         if not (measured_ms > 0 and priced_ms > 0 and math.isfinite(measured_ms) and math.isfinite(priced_ms)):
             return
@@ -482,6 +488,59 @@ class StepTimeCalibration:
             return 1.0
         own = self.load_bucket(num_reqs)
         return quotients[min(quotients, key=lambda b: (abs(b - own), b))]
+
+
+class StepTimer:
+    """Measured step times for the saturation policy, in engines that time their steps.
+
+    Two consumers: the policy's probe tax (:meth:`SaturationPolicy.record_step_ms`, every step) and
+    :class:`StepTimeCalibration` (drafting against plain steps, per load), whose quotient rescales what a
+    drafting step cost when the policy judges its outcome (:meth:`cost_scale`). While drafting stays on,
+    :meth:`begin_step` turns one step in ``PLAIN_SAMPLE_EVERY`` timed drafting steps into a plain one, so
+    the quotient has a plain measurement to compare against (one plain step in 65 costs a paying
+    configuration well under 1%). The embedded engine's probe steps are not drafting's cost (a probe catches
+    the draft up over the whole pause) and are left out of the calibration; ``time_probes`` keeps them, for
+    engines whose draft is never behind (vLLM's paused steps keep the draft's K/V), where a probe's steps are
+    the only drafting measurements a pause leaves.
+
+    What a "plain" step is depends on the engine, and that is the point: the embedded engine's paused step
+    is plain decoding, while vLLM's paused ``draft_model`` step still runs the draft's prefill pass (on the
+    H200's Llama-3-8B shape it cost 13 ms against 8.6 ms for no speculation at 64 requests,
+    docs/PERFORMANCE.md section 14). The quotient then compares drafting against what pausing really costs
+    there, not against the curve's price of plain decoding.
+    """
+
+    def __init__(self, saturation: SaturationPolicy, time_probes: bool = False) -> None:
+        self.saturation = saturation
+        self.time_probes = time_probes
+        self.step_times = StepTimeCalibration()
+        self._drafting_since_plain = 0  # timed drafting steps since the last timed plain step
+        self.probe_step = False  # the step begun last drafts as a saturation probe
+
+    def begin_step(self, num_running: int) -> bool:
+        """Whether this step drafts: the policy's verdict, or a plain sample once drafting has run
+        ``PLAIN_SAMPLE_EVERY`` timed steps (pointless where drafting never pauses: patience 0)."""
+        drafting = self.saturation.begin_step(num_running)
+        self.probe_step = drafting and self.saturation.probing
+        if (drafting and not self.probe_step and self.saturation.patience > 0
+                and self._drafting_since_plain >= PLAIN_SAMPLE_EVERY):
+            return False
+        return drafting
+
+    def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float) -> None:
+        """A step's measured wall time and what the curve charged for it."""
+        self.saturation.record_step_ms(drafting, measured_ms)
+        if drafting:
+            if self.probe_step and not self.time_probes:
+                return
+            self._drafting_since_plain += 1
+        else:
+            self._drafting_since_plain = 0
+        self.step_times.record(drafting, num_reqs, measured_ms, priced_ms)
+
+    def cost_scale(self, num_running: int) -> float:
+        """What to pass :meth:`SaturationPolicy.observe_outcome` for a step of ``num_running`` requests."""
+        return self.step_times.relative_draft_cost(num_running)
 
 
 @dataclass
@@ -848,34 +907,29 @@ class CapacityManager:
         self._added_at = np.full(max_slots, -1, dtype=np.int64)
         self.last_decision: BudgetDecision | None = None
         self._pending_running = 0
-        self.step_times = StepTimeCalibration()
-        self._drafting_since_plain = 0  # timed drafting steps since the last timed plain step
-        self._probe_step = False  # the step in progress is a probe (its catch-up is not drafting's cost)
+        self.timer = StepTimer(self.saturation)
 
     # -- saturation
     @property
     def probe_step(self) -> bool:
         """The step begun by the last :meth:`begin_step` drafts as a saturation probe (after a pause)."""
-        return self._probe_step
+        return self.timer.probe_step
+
+    @property
+    def step_times(self) -> StepTimeCalibration:
+        return self.timer.step_times
 
     @property
     def drafting_enabled(self) -> bool:
         return self.cfg.mode == "none" or self.saturation.drafting_enabled
 
     def begin_step(self, num_running: int) -> bool:
-        """Whether this step drafts. An engine that times its steps (:meth:`record_step_time`) also gets
-        one plain step after every ``PLAIN_SAMPLE_EVERY`` timed drafting steps while drafting is on: the
-        measurement of plain decoding that :class:`StepTimeCalibration` compares drafting steps against
-        (one plain step in 65 costs a paying configuration well under 1%)."""
-        self._probe_step = False
+        """Whether this step drafts (:meth:`StepTimer.begin_step`: an engine that times its steps with
+        :meth:`record_step_time` also gets a plain step now and then while drafting is on)."""
         if self.cfg.mode == "none":
+            self.timer.probe_step = False
             return True
-        drafting = self.saturation.begin_step(num_running)
-        self._probe_step = drafting and self.saturation.probing
-        if (drafting and not self._probe_step and self.cfg.saturation_patience > 0
-                and self._drafting_since_plain >= PLAIN_SAMPLE_EVERY):
-            return False  # measure plain decoding; pointless where drafting never pauses (patience 0)
-        return drafting
+        return self.timer.begin_step(num_running)
 
     def record_step_time(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float | None = None) -> None:
         """Report a decode step's measured wall time (host clock, the step's own sync included).
@@ -887,20 +941,15 @@ class CapacityManager:
         """
         if self.cfg.mode == "none":
             return
-        self.saturation.record_step_ms(drafting, measured_ms)
-        if drafting:
-            if self._probe_step:
-                return
-            if priced_ms is None:
-                if self.last_decision is None:
-                    return
-                priced_ms = self.last_decision.step_ms
-            self._drafting_since_plain += 1
-        else:
-            if priced_ms is None:
+        if priced_ms is None:
+            if not drafting:
                 priced_ms = float(self.curve.step_cost_ms(num_reqs, num_reqs, drafting=False))
-            self._drafting_since_plain = 0
-        self.step_times.record(drafting, num_reqs, measured_ms, priced_ms)
+            elif self.last_decision is not None:
+                priced_ms = self.last_decision.step_ms
+            else:
+                self.saturation.record_step_ms(drafting, measured_ms)
+                return
+        self.timer.record(drafting, num_reqs, measured_ms, priced_ms)
 
     # -- confidences
     def add_request(self, slot: int) -> None:
@@ -967,7 +1016,7 @@ class CapacityManager:
         if self.cfg.mode == "none":
             return self.last_decision.pays
         return self.saturation.observe_outcome(self.last_decision, emitted_tokens, self._pending_running,
-                                               self.step_times.relative_draft_cost(self._pending_running))
+                                               self.timer.cost_scale(self._pending_running))
 
     @property
     def realized_gain(self) -> float | None:

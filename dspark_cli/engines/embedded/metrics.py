@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from dspark_cli.core.capacity import StepTimeCalibration
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM always exports these finish reasons (zero until they happen) so that rate() works from the start.
@@ -82,12 +84,6 @@ class MetricsSnapshot:
 
 def _optional_float(value: object) -> float | None:
     return None if value is None else float(value)  # type: ignore[arg-type]
-
-
-def load_bucket_label(bucket: int) -> str:
-    """The request counts of a StepTimeCalibration load bucket: "1", "2-3", ..., "256-511"."""
-    lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
-    return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
 def _stall_fields(stalls: object) -> dict[str, object]:
@@ -225,7 +221,7 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
     if snap.drafting_cost_scale:
         _family(lines, "dspark:drafting_cost_scale", "gauge",
                 "Measured drafting over plain step cost, relative to the SPS curve, per load (requests).",
-                [({**base, "load": load_bucket_label(b)}, v) for b, v in snap.drafting_cost_scale.items()])
+                [({**base, "load": StepTimeCalibration.bucket_label(b)}, v) for b, v in snap.drafting_cost_scale.items()])
     if snap.realized_gain is not None:
         _family(lines, "dspark:saturation_realized_gain", "gauge",
                 "Windowed realized throughput of drafting steps over plain decoding's (> 1: drafting pays).",

@@ -222,6 +222,8 @@ CONTRACT: tuple[Assumption, ...] = (
     Assumption(INPUT_BATCH, "InputBatch.req_ids", "field"),
     Assumption(INPUT_BATCH, "InputBatch.idx_mapping", "field"),
     Assumption(INPUT_BATCH, "InputBatch.num_draft_tokens_per_req", "field"),
+    Assumption(INPUT_BATCH, "InputBatch.num_draft_tokens", "field",
+               why="step timing: a paused step is priced as plain decoding of the batch's non-draft tokens"),
     Assumption(ASYNC_UTILS, "StepTimingSample.forward_ms", "field"),
     Assumption(ASYNC_UTILS, "StepTimingSample.drafter_ms", "field"),
     Assumption(ASYNC_UTILS, "StepTimingSample.num_target_tokens", "field"),

@@ -30,6 +30,7 @@ import atexit
 import dataclasses
 import functools
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ from dspark_cli.engines.vllm.config import DsparkVllmSettings
 from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR
 
 logger = logging.getLogger("vllm.dspark")
+# Admissible survival for every scheduled draft slot (reallocate_drafts: the budget must be met exactly).
+SURVIVAL_FLOOR = 1e-30
+REPORT_EVERY_S = 10.0  # the saturation policy's log line (vLLM's own stats line comes as often)
 
 
 
@@ -347,7 +351,11 @@ def build_manager_class(base: type) -> type:
     from vllm.v1.worker.gpu.spec_decode.adaptive_verification import AdmittedDraftCounts
 
     from dspark_cli.core.capacity import (
+        STEP_TIME_CLAMP,
+        BudgetDecision,
         SaturationPolicy,
+        StepTimeCalibration,
+        StepTimer,
         allocate,
         choose_budget,
         prefix_survival,
@@ -364,6 +372,16 @@ def build_manager_class(base: type) -> type:
             self.mode = mode
             self.cfg = settings.replace(mode=mode).capacity_config()
             self.saturation = SaturationPolicy(self.cfg.saturation_patience, self.cfg.resume_every)
+            # Step times (host clock between drafting decisions): the probe tax, and what a drafting step
+            # costs against a paused one, which in vLLM is not plain decoding (core.capacity.StepTimer).
+            self.timer = StepTimer(self.saturation, time_probes=True)
+            self._clock = time.perf_counter
+            self._last_begin: tuple[float, bool, int] | None = None  # (time, drafting, requests) of the last
+            self._step_decision: BudgetDecision | None = None  # priced the batch now running (get_num_tokens)
+            # What the policy did, in the server log every REPORT_EVERY_S (vLLM's /metrics are vLLM's own).
+            self._decisions = {True: 0, False: 0}
+            self._report_every = REPORT_EVERY_S
+            self._next_report: float | None = None
             self.vllm_config = vllm_config
             pc = vllm_config.parallel_config
             self._dp_size = int(getattr(pc, "data_parallel_size", 1))
@@ -514,6 +532,7 @@ def build_manager_class(base: type) -> type:
                 ))
                 decision = choose_budget(survival, drafts, int(nondraft.sum()), num_sampling, self.curve, self.cfg)
                 budget = min(decision.budget, cap)
+                self._step_decision = decision
                 if self._pause_supported:
                     # Judged by its outcome once that is on the host (observe -> next get_num_tokens).
                     self._outcome_decision = (decision, r)
@@ -549,7 +568,14 @@ def build_manager_class(base: type) -> type:
             elif budget >= total:
                 caps.copy_(sched_gpu)
             else:
-                caps.copy_(allocate(prefix_survival(self._confidence_probs[idx_mapping]), sched_gpu, budget))
+                # The runner sizes the batch by the host's `budget` (no sync), so the allocation must admit
+                # exactly that many drafts -- and it never admits a zero-survival slot. This step's
+                # confidences can be 0 where the step-old copy that chose the budget was not (vLLM's
+                # estimator passed through without STS): without the floor the batch came out short and a
+                # gather ran past it (H200, docs/PERFORMANCE.md section 14). Floored slots tie and rank by
+                # (position, request), so every request still gets a prefix.
+                survival = torch.nan_to_num(prefix_survival(self._confidence_probs[idx_mapping]), nan=0.0)
+                caps.copy_(allocate(survival.clamp_min_(SURVIVAL_FLOOR), sched_gpu, budget))
             self._verify_pending = (list(req_ids), r, idx_mapping, self._drafts_real)
             self._cu_num_logits[:1].zero_()
             if self.mode == "mask":
@@ -645,11 +671,62 @@ def build_manager_class(base: type) -> type:
                 return
             scheduled = int(state.num_spec_tokens_to_schedule)
             drafting = scheduled > 0
+            if self._pause_supported:
+                self._time_last_step(state.input_batch)
             if drafting and self._pause_supported:
-                drafting = self.saturation.begin_step(state.input_batch.num_reqs)
+                drafting = self.timer.begin_step(state.input_batch.num_reqs)
                 if not drafting:
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
+                self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs))
+                self._decisions[drafting] += 1
+                self._maybe_report(now)
+            else:
+                self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
             self._drafts_real = drafting
+
+        def _maybe_report(self, now: float) -> None:
+            """Log what the saturation policy did and why, every ``REPORT_EVERY_S`` of serving."""
+            if self._next_report is None:
+                self._next_report = now + self._report_every
+                return
+            if now < self._next_report:
+                return
+            self._next_report = now + self._report_every
+            c = self.saturation.counters
+            probes = ", ".join(f"{t} {v} {n}" for (t, v), n in c.probes.items() if n)
+            quotients = ", ".join(f"{StepTimeCalibration.bucket_label(b)}: {q:.2f}"
+                                  for b, q in self.timer.step_times.quotients().items())
+            logger.info("dspark: saturation: drafting %d / paused %d decisions; pauses %d, resumes %d, probes [%s]; "
+                        "drafting/paused step time over priced, by load [%s]",
+                        self._decisions[True], self._decisions[False], c.pauses, c.resumes, probes or "none",
+                        quotients or "not measured yet")
+
+        def _time_last_step(self, batch: Any) -> None:
+            """Time the interval since the last drafting decision and charge it to that decision.
+
+            Between two calls the runner samples, proposes by the last decision (the draft pass, or a
+            paused step's prefill pass only) and runs the target over the batch that decision shaped (a
+            paused decision's batch verifies none of its placeholder drafts), so the interval is that
+            decision's step. It is priced by the budget decision of the batch now running when the last
+            decision drafted, else as plain decoding of that batch's non-draft tokens. Skipped: a drafting
+            interval whose batch got no budget decision (vLLM scheduled it no drafts), and an interval past
+            ``STEP_TIME_CLAMP`` times its price (the server idled between requests).
+            """
+            last, self._last_begin = self._last_begin, None
+            decision, self._step_decision = self._step_decision, None
+            if last is None or self.curve is None:
+                return
+            start, drafted, r = last
+            measured = (self._clock() - start) * 1e3
+            if drafted:
+                if decision is None:
+                    return
+                priced = decision.step_ms
+            else:
+                tokens = int(batch.num_tokens) - int(batch.num_draft_tokens or 0)
+                priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs), drafting=False))
+            if priced > 0 and measured <= STEP_TIME_CLAMP * priced:
+                self.timer.record(drafted, r, measured, priced)
 
         def calibrate_in_graph(self, conf: torch.Tensor) -> torch.Tensor:
             """The draft model's confidences -> STS-calibrated, inside the captured draft graph.
@@ -689,7 +766,7 @@ def build_manager_class(base: type) -> type:
             if self._outcome_event is not None:
                 self._outcome_event.synchronize()
             decision, r = pending
-            self.saturation.observe_outcome(decision, int(self._outcome_host.item()), r)
+            self.saturation.observe_outcome(decision, int(self._outcome_host.item()), r, self.timer.cost_scale(r))
 
         def observe(self, num_sampled: torch.Tensor) -> None:
             """Outcomes of this step's verification (device), before propose overwrites the drafts."""
