@@ -284,7 +284,7 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
 
     def run(timed: bool) -> list[int]:
         m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
-        m._pause_supported = True
+        m._pause_supported = m._timed = True  # attach(): a draft_model speculator on a single rank
         now = [0.0]
         m._clock = lambda: now[0]
         m._report_every = 0.6  # s of the fake clock

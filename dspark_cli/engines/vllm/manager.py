@@ -421,6 +421,9 @@ def build_manager_class(base: type) -> type:
             self._verify_pending: tuple[list[str], int, np.ndarray, bool] | None = None
             self._drafts_real = True  # whether the drafts verified next are real (not a paused step's stale ids)
             self._pause_supported = False
+            # Step timing only on a single rank: TP ranks must take the same saturation decisions, and
+            # those are reproducible from shared outcomes but not from each rank's own clock (attach sets it).
+            self._timed = False
             self._skip_decode = False  # StandaloneAR: this propose keeps its prefill pass only
             self._attached = False
             self._traces: _TraceStager | None = None
@@ -641,6 +644,7 @@ def build_manager_class(base: type) -> type:
                 (isinstance(spec, DFlashSpeculator) or standalone)
                 and self._dp_size == 1 and self.cfg.saturation_patience > 0
             )
+            self._timed = self._pause_supported and self._tp() is None
             if not self._pause_supported and self.cfg.saturation_patience > 0:
                 logger.info("dspark: saturation can only trim (budget 0); skipping the draft pass needs a "
                             "DFlash-family or draft_model speculator and data_parallel_size 1")
@@ -671,15 +675,16 @@ def build_manager_class(base: type) -> type:
                 return
             scheduled = int(state.num_spec_tokens_to_schedule)
             drafting = scheduled > 0
-            if self._pause_supported:
+            if self._timed:
                 self._time_last_step(state.input_batch)
             if drafting and self._pause_supported:
                 drafting = self.timer.begin_step(state.input_batch.num_reqs)
                 if not drafting:
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
-                self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs))
                 self._decisions[drafting] += 1
-                self._maybe_report(now)
+                if self._timed:
+                    self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs))
+                    self._maybe_report(now)
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
             self._drafts_real = drafting
