@@ -141,9 +141,9 @@ def test_varlen_admits_exactly_the_budget_the_runner_is_told(manager_cls) -> Non
     """The runner sizes the verify batch by the host budget, with no sync: the device allocation must admit
     exactly that many drafts. The budget comes from a step-old copy of the confidences, the allocation from
     this step's, and the allocation never admits a zero-survival slot: when this step's confidences are 0
-    (vLLM's acceptance estimator passed through without STS, whose sigmoid never returns 0), it admitted
-    none of a budget of 5, the query_start_loc fell short of the batch, and on the H200 a device-side index
-    assert ended the server (docs/PERFORMANCE.md section 14)."""
+    (vLLM's acceptance estimator passed through without STS, whose sigmoid keeps them above 0), it admitted
+    none of a budget of 5 and the query_start_loc fell short of the batch: the likely cause of the
+    device-side index assert that ended a server on the H200 (docs/PERFORMANCE.md section 14)."""
     m = _make(manager_cls, "varlen")
     _record(m, [[0.9] * K] * 3)
     per_req = {f"r{i}": 1 + K for i in range(3)}

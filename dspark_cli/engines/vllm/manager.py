@@ -574,9 +574,9 @@ def build_manager_class(base: type) -> type:
                 # The runner sizes the batch by the host's `budget` (no sync), so the allocation must admit
                 # exactly that many drafts -- and it never admits a zero-survival slot. This step's
                 # confidences can be 0 where the step-old copy that chose the budget was not (vLLM's
-                # estimator passed through without STS): without the floor the batch came out short and a
-                # gather ran past it (H200, docs/PERFORMANCE.md section 14). Floored slots tie and rank by
-                # (position, request), so every request still gets a prefix.
+                # estimator passed through without STS): without the floor the batch came out short, the
+                # likely cause of a gather past it on the H200 (docs/PERFORMANCE.md section 14). Floored
+                # slots tie and rank by (position, request), so every request still gets a prefix.
                 survival = torch.nan_to_num(prefix_survival(self._confidence_probs[idx_mapping]), nan=0.0)
                 caps.copy_(allocate(survival.clamp_min_(SURVIVAL_FLOOR), sched_gpu, budget))
             self._verify_pending = (list(req_ids), r, idx_mapping, self._drafts_real)
