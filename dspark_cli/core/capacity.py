@@ -609,6 +609,11 @@ class SaturationPolicy:
 
     MAX_PROBE_BACKOFF = 32
 
+    @classmethod
+    def from_config(cls, cfg: CapacityConfig) -> SaturationPolicy:
+        """The policy a capacity configuration asks for (patience, probe wait, probe tax)."""
+        return cls(cfg.saturation_patience, cfg.resume_every, cfg.probe_tax)
+
     def __init__(self, patience: int, resume_every: int, probe_tax: float = PROBE_TAX) -> None:
         _check_int("saturation_patience", patience, 0)
         _check_int("resume_every", resume_every, 1)
@@ -894,7 +899,7 @@ class CapacityManager:
         self.k = num_spec_tokens
         self.max_slots = max_slots
         self.device = torch.device(device)
-        self.saturation = SaturationPolicy(cfg.saturation_patience, cfg.resume_every, cfg.probe_tax)
+        self.saturation = SaturationPolicy.from_config(cfg)
         self.conf = torch.ones(max_slots, num_spec_tokens, dtype=torch.float32, device=self.device)
         pin = self.device.type == "cuda"
         self._host = [

@@ -371,7 +371,7 @@ def build_manager_class(base: type) -> type:
             self.settings = settings
             self.mode = mode
             self.cfg = settings.replace(mode=mode).capacity_config()
-            self.saturation = SaturationPolicy(self.cfg.saturation_patience, self.cfg.resume_every)
+            self.saturation = SaturationPolicy.from_config(self.cfg)  # its probe tax reads the step timing
             # Step times (host clock between drafting decisions): the probe tax, and what a drafting step
             # costs against a paused one, which in vLLM is not plain decoding (core.capacity.StepTimer).
             self.timer = StepTimer(self.saturation, time_probes=True)
