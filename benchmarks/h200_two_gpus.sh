@@ -8,6 +8,7 @@
 #   GPUS=1 bash benchmarks/h200_two_gpus.sh start ROOT  # a one-GPU host: one queue, the work below in turn
 #   QUEUE=stalls bash benchmarks/h200_two_gpus.sh start ROOT  # one GPU: the compile-stall check (queue_stalls)
 #   QUEUE=vllm bash benchmarks/h200_two_gpus.sh start ROOT    # one GPU: issue 6 on vLLM 0.33 (queue_vllm)
+#   QUEUE=vllm-anatomy bash benchmarks/h200_two_gpus.sh start ROOT  # one GPU: issue 6's step anatomy + re-run
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -104,10 +105,25 @@ queue_vllm() {
   OVERLAP=4 GPU_UTIL=0.2 stage "lossless" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless
 }
 
+# One GPU, issue 6 after section 14: where a paused step's 4 ms go (vllm_step_anatomy.py), the greedy lossless
+# check, then the four configs the step-timing and allocation fixes change, on the curve profiled in section
+# 14's sitting (same machine kind; saves the 3-minute profile): ~19 min after staging (estimate).
+queue_vllm_anatomy() {
+  stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
+  stage "install vLLM" bash /tmp/stage/install.sh
+  mkdir -p "$ROOT/vllm/profile-scaled"
+  cp benchmarks/results/vllm_h200/scaled-2026-12-01/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"
+  stage "anatomy" bash benchmarks/vllm_h200.sh "$ROOT/vllm" anatomy
+  OVERLAP=4 GPU_UTIL=0.2 stage "lossless" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless
+  OVERLAP=4 GPU_UTIL=0.22 CONFIGS=${VLLM_GROUP1:-nospec,all,varlen,varlen-nosat} \
+    stage "scaled, group 1" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
+}
+
 QUEUES=(0 1)
 [[ ${GPUS:-2} == 1 ]] && QUEUES=(_one)
 [[ ${QUEUE:-} == stalls ]] && QUEUES=(_stalls)
 [[ ${QUEUE:-} == vllm ]] && QUEUES=(_vllm)
+[[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
 
 case $ACTION in
   start)
@@ -123,7 +139,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm || $q == _vllm_anatomy ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -131,7 +147,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls _vllm; do
+    for q in 0 1 _one _stalls _vllm _vllm_anatomy; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"

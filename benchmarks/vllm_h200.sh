@@ -7,6 +7,8 @@
 #   bash benchmarks/vllm_h200.sh OUT lossless        # greedy token ids of upstream/varlen/mask against nospec
 #   bash benchmarks/vllm_h200.sh OUT profile         # dspark profile-sps --engine vllm (proof then uses it)
 #   bash benchmarks/vllm_h200.sh OUT profile-scaled  # the same for the Llama-3-8B shape (scaled then uses it)
+#   bash benchmarks/vllm_h200.sh OUT anatomy         # where a step's time goes, 8B shape, 64 requests: no spec,
+#                                                    # ours paused (and two ablations), verify-all, mask paused
 #
 # Tables come from `dspark bench --base-url` (one summary over every config in OUT/<stage>/bench; cells
 # resume). An 8B-shaped server takes ~2.5 min to start, so the scaled matrix spans several commands on the
@@ -70,5 +72,10 @@ case "$STAGE" in
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
       --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" \
       --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
-  *) echo "unknown stage $STAGE (proof|scaled|lossless|profile|profile-scaled)" >&2; exit 2 ;;
+  anatomy)
+    read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
+    CURVE=() && [[ -f $OUT/profile-scaled/sps_curve.json ]] && CURVE=(--sps-curve "$OUT/profile-scaled/sps_curve.json")
+    python3 benchmarks/vllm_step_anatomy.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/anatomy" "${CURVE[@]}" \
+      --configs "${CONFIGS:-nospec,paused,all,mask-paused}" -c "${CONC:-64}" ;;
+  *) echo "unknown stage $STAGE (proof|scaled|lossless|profile|profile-scaled|anatomy)" >&2; exit 2 ;;
 esac

@@ -1,0 +1,179 @@
+"""The step-anatomy instrumentation of benchmarks/vllm_step_anatomy.py on a stand-in vLLM runner (CPU).
+
+The benchmark runs inside vLLM's worker on the GPU host; what it reports is only as good as its wrappers:
+each phase timed once under its label, paused and drafting steps told apart, and the two paused-step
+ablations really skipping the work they name while leaving drafting steps alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_step_anatomy.py"
+spec = importlib.util.spec_from_file_location("vllm_step_anatomy", PATH)
+anatomy_mod = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = anatomy_mod  # dataclasses resolve their module by name
+spec.loader.exec_module(anatomy_mod)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, ms: float) -> None:
+        self.t += ms / 1e3
+
+
+class StandInSpeculator:
+    num_speculative_steps = 3
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.draft_tokens = torch.zeros(8, 3, dtype=torch.int64)
+        self.calls: list[str] = []
+
+    def propose(self, input_batch, num_speculative_tokens=None, dummy_run=False):
+        self._prefill(input_batch)
+        if num_speculative_tokens:
+            self._multi_step_decode(input_batch)
+        return self.draft_tokens[: input_batch.num_reqs]
+
+    def _prefill(self, input_batch):
+        self.calls.append("prefill")
+        self.clock.advance(1.0)
+        self.draft_tokens[: input_batch.num_reqs, 0] = self.sample_draft(torch.zeros(input_batch.num_reqs, 4))
+
+    def sample_draft(self, hidden):
+        self.calls.append("sample")
+        self.clock.advance(0.5)
+        return torch.full((hidden.shape[0],), 7)
+
+    def _multi_step_decode(self, input_batch):
+        self.calls.append("decode")
+        self.clock.advance(3.0)
+
+
+class StandInManager:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def get_num_tokens(self) -> int:
+        self.clock.advance(0.25)
+        return 0
+
+
+class StandInRunner:
+    """execute_model then sample_tokens, each step; sample_tokens proposes with the step's draft count."""
+
+    def __init__(self, clock: Clock, num_reqs: int) -> None:
+        self.clock = clock
+        self.speculator = StandInSpeculator(clock)
+        self.adaptive_verification = StandInManager(clock)
+        self.execute_model_state = None
+        self.num_reqs = num_reqs
+
+    def execute_model(self, drafting: bool):
+        self.clock.advance(2.0)
+        self.prepare_inputs()
+        self.adaptive_verification.get_num_tokens()
+        qsl = np.arange(self.num_reqs + 1) * (4 if drafting else 1)
+        batch = SimpleNamespace(num_reqs=self.num_reqs, num_tokens=int(qsl[-1]), query_start_loc_np=qsl)
+        self.execute_model_state = SimpleNamespace(input_batch=batch, k=3 if drafting else 0)
+
+    def prepare_inputs(self):
+        self.clock.advance(0.5)
+
+    def sample_tokens(self):
+        state = self.execute_model_state
+        self.sample()
+        self.speculator.propose(state.input_batch, num_speculative_tokens=state.k)
+
+    def sample(self):
+        self.clock.advance(0.75)
+
+
+def drive(runner: StandInRunner, pattern: list[bool]) -> None:
+    for drafting in pattern:
+        runner.execute_model(drafting)
+        runner.sample_tokens()
+    runner.execute_model(False)  # closes the last step's record
+
+
+def test_phases_are_timed_once_each_and_steps_told_apart():
+    clock = Clock()
+    runner = StandInRunner(clock, num_reqs=4)
+    anatomy = anatomy_mod.StepAnatomy(runner, clock=clock)
+    wrapped = anatomy.install()
+    assert {"runner.execute_model", "runner.prepare_inputs", "speculator.propose", "speculator._prefill",
+            "speculator.sample_draft", "speculator._multi_step_decode", "manager.get_num_tokens"} <= set(wrapped)
+    drive(runner, [True] * 6 + [False] * 6)
+    out = anatomy.summary(steady_reqs=4, skip_first=0)
+    drafting, paused = out["by_kind"]["drafting"], out["by_kind"]["paused"]
+    assert (drafting["steps"], paused["steps"]) == (6, 6)
+    # drafting: execute 2 + prepare 0.5 + manager 0.25, sample 0.75, prefill 1 + sample 0.5, decode 3
+    assert drafting["interval_ms"] == pytest.approx(8.0)
+    assert paused["interval_ms"] == pytest.approx(5.0)
+    host = drafting["host_ms"]
+    assert host["runner.execute_model"] == pytest.approx(2.75)
+    assert host["runner.prepare_inputs"] == pytest.approx(0.5)
+    assert host["manager.get_num_tokens"] == pytest.approx(0.25)
+    assert host["runner.sample_tokens"] == pytest.approx(5.25)
+    assert host["speculator.propose"] == pytest.approx(4.5)
+    assert host["speculator._prefill"] == pytest.approx(1.5)
+    assert host["speculator.sample_draft"] == pytest.approx(0.5)
+    assert "speculator._multi_step_decode" not in paused["host_ms"]  # never ran while paused
+    assert drafting["tokens"] == 16 and paused["tokens"] == 4
+
+
+def test_ablations_skip_only_paused_work():
+    clock = Clock()
+    runner = StandInRunner(clock, num_reqs=4)
+    anatomy = anatomy_mod.StepAnatomy(runner, clock=clock)
+    anatomy.install()
+    spec = runner.speculator
+    anatomy.skip_paused_sample = True
+    drive(runner, [False, True])
+    assert spec.calls == ["prefill", "prefill", "sample", "decode"]  # the paused prefill kept, its sample not
+    anatomy.skip_paused_sample, anatomy.skip_paused_draft = False, True
+    spec.calls.clear()
+    anatomy.reset()
+    drive(runner, [False, False, True])
+    assert spec.calls == ["prefill", "sample", "decode"]  # paused steps do no draft work, drafting steps all
+    paused = anatomy.summary(steady_reqs=4, skip_first=0)["by_kind"]["paused"]
+    assert paused["host_ms"]["speculator.propose"] == pytest.approx(0.0)
+    assert paused["interval_ms"] == pytest.approx(3.5)
+
+
+def test_steady_steps_exclude_other_loads_and_prefill_chunks():
+    clock = Clock()
+    runner = StandInRunner(clock, num_reqs=4)
+    anatomy = anatomy_mod.StepAnatomy(runner, clock=clock)
+    anatomy.install()
+    drive(runner, [False] * 3)
+    runner.num_reqs = 3  # a request finished: not the steady batch
+    drive(runner, [False] * 2)
+    out = anatomy.summary(steady_reqs=4, skip_first=0)
+    assert out["by_kind"]["paused"]["steps"] == 3
+    anatomy.records[0].max_query_len = 50  # a prefill chunk rides in the batch
+    assert anatomy.summary(steady_reqs=4, skip_first=0)["by_kind"]["paused"]["steps"] == 2
+
+
+def test_table_lists_every_variant_and_kind():
+    res = {"config": "paused", "variants": [{"variant": "as served", "tok_s": 4900.0, "by_kind": {
+        "paused": {"steps": 300, "interval_ms": 13.0, "tokens": 64.0, "full_graph_share": 1.0,
+                   "host_ms": {"runner.execute_model": 3.0, "manager.observe": 0.1, "manager.get_num_tokens": 0.2},
+                   "device_ms": {"execute": 8.0, "forward": 7.5, "sample_tokens": 2.0, "propose": 1.5}}}}]}
+    text = anatomy_mod.table([res])
+    row = text.splitlines()[2]
+    assert row.startswith("| paused | as served | paused | 300 | 4900 | 13.00 | 8.00 | 7.50 | 2.00 | 1.50 | 3.00 |")
+    assert "| 0.30 | 1.00 |" in row  # our hooks summed; every step replayed a FULL graph
