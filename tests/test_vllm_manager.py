@@ -129,11 +129,18 @@ def test_speculator_hooks_are_installed_once_and_serve_the_latest_manager() -> N
         def observe_verification(self, idx_mapping, num_sampled, num_rejected) -> None:
             calls.append(f"estimator saw {num_rejected}")
 
+        draft_tokens = torch.full((4, 3), 5)
+
         def _multi_step_decode(self, *args) -> None:
             calls.append("decode")
 
+        def sample_draft(self, hidden_states, positions=None):
+            calls.append("sample")
+            return torch.full((hidden_states.shape[0],), 9)
+
         def propose(self, *args, num_speculative_tokens=None, dummy_run=False):
             calls.append("prefill")
+            self.draft_tokens[:2, 0] = self.sample_draft(torch.zeros(2, 8), None)
             self._multi_step_decode()
             return "drafts"
 
@@ -163,12 +170,14 @@ def test_speculator_hooks_are_installed_once_and_serve_the_latest_manager() -> N
     spec.observe_verification(None, 2, 5)
     assert calls == ["estimator saw 4", "serving observed"]
     calls.clear()
-    assert spec.propose(num_speculative_tokens=0) == "drafts"  # paused: prefill only
+    assert spec.propose(num_speculative_tokens=0) == "drafts"  # paused: the prefill pass, without its sample
     assert calls == ["prefill"]
+    assert spec.draft_tokens[:, 0].tolist() == [5, 5, 5, 5]  # what the skipped sample would have overwritten
     calls.clear()
     spec.propose(num_speculative_tokens=7)
     spec.propose(num_speculative_tokens=0, dummy_run=True)  # profiling runs always draft fully
-    assert calls == ["prefill", "decode", "prefill", "decode"]
+    assert calls == ["prefill", "sample", "decode", "prefill", "sample", "decode"]
+    assert spec.draft_tokens[:2, 0].tolist() == [9, 9]
 
 
 @pytest.mark.gpu
