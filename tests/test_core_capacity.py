@@ -627,6 +627,45 @@ def test_a_failed_load_probe_lowers_the_floor_and_keeps_the_timer() -> None:
     assert pol.probe_wait == 16
 
 
+def test_a_load_rise_past_the_top_probes_at_once_and_a_failure_raises_the_top() -> None:
+    pol = SaturationPolicy(patience=1, resume_every=1000)
+    losing = _decision(0, 0.5, 1.0)
+    pol.begin_step(16)
+    pol.observe(losing, num_running=16)
+    assert not pol.drafting_enabled and pol.top == 16
+    assert not pol.begin_step(21)  # below 4/3 x 16
+    assert pol.begin_step(22) and pol.probing  # a probe at once, not a resume
+    pol.observe(losing, num_running=22)
+    assert not pol.drafting_enabled and pol.top == 22 and pol.probe_wait == 1000  # the timer is left alone
+    assert pol.counters.probes["rise", "failed"] == 1
+    assert not pol.begin_step(29)  # below 4/3 x 22: that load was just tried
+    assert pol.begin_step(64) and pol.probing
+    pol.observe(_decision(5, 1.3, 1.0), num_running=64)
+    assert pol.drafting_enabled and pol.counters.probes["rise", "paid"] == 1
+    assert pol.ceiling is None  # unlike a load-fall resume: going back down pauses only after patience
+
+
+def test_drafting_that_pays_only_at_high_load_resumes_when_the_load_rises() -> None:
+    """The H200 vLLM case of docs/PERFORMANCE.md section 15: drafting loses at 16 and 64 requests (a fixed-cost
+    eager draft pass on short steps) and pays at 256. Cells of 16, 64, then 256 requests, each a few hundred
+    steps with a drain to idle between them. The timer backs off over the losing cells; the load rise at
+    the 256 cell probes at once and drafting resumes for (nearly) the whole cell."""
+    pol = SaturationPolicy(patience=8, resume_every=16)
+    drafted_at_256 = 0
+    wait_before = {}
+    for load, steps in ((16, 600), (64, 600), (256, 300)):
+        wait_before[load] = pol.probe_wait
+        for r in [load] * steps + [load // 2, load // 4, 1]:
+            pays = r >= 256
+            if pol.begin_step(r):
+                drafted_at_256 += r == 256
+                pol.observe_outcome(_decision(5 if pays else 0, 1.3 if pays else 0.7, 1.0),
+                                    int((1.3 if pays else 0.7) * r), r)
+    assert wait_before[256] >= 8 * 16  # the losing cells backed the timer off
+    assert drafted_at_256 >= 300 - 2
+    assert pol.counters.probes["rise", "paid"] == 1
+
+
 def test_closed_loop_refills_do_not_restart_drafting_where_it_never_pays() -> None:
     """A pool of 16 clients whose requests finish together: the batch drains to a few requests and refills
     every 128 steps. Where drafting does not pay at any load, each refill used to resume drafting (and

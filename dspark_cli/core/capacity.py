@@ -55,14 +55,16 @@ PROBE_REQUEST_STEPS = 16
 # ... or for PROBE_MAX_STEPS steps at low load, whichever comes first: a small model's step costs the same at
 # 2 requests as at 16, and a lucky verdict at low load only drafts until the batch refills.
 PROBE_MAX_STEPS = 4
-# SaturationPolicy: a load at or below this fraction of the lowest unprofitable one is probed at once.
+# SaturationPolicy: a load at or below this fraction of the lowest unprofitable one is probed at once, and
+# so is one at or above LOAD_RISE times the highest.
 LOAD_FALL = 0.75
+LOAD_RISE = 4 / 3
 # SaturationPolicy's probe tax, for engines that time their steps: probes (and the drafting steps of a resume
 # until it is confirmed) may spend at most PROBE_TAX of the paused steps' wall time; the allowance saved up
 # while paused is capped at PROBE_BANK probes' worth, so a long pause cannot fund a burst of probes.
 PROBE_TAX = 0.02
 PROBE_BANK = 4
-PROBE_TRIGGERS: tuple[str, ...] = ("timer", "load")
+PROBE_TRIGGERS: tuple[str, ...] = ("timer", "load", "rise")  # "load": the load fell; "rise": it rose
 PROBE_VERDICTS: tuple[str, ...] = ("paid", "failed", "unjudged")
 # A probe resumes drafting only if its realized gain clears plain decoding by this margin: a probe that
 # resumes by luck costs ``patience`` losing steps, and one step of 16 requests whose mean acceptance sat 30%
@@ -584,7 +586,18 @@ class SaturationPolicy:
       its own load and leaves the timer alone. If one pays, drafting resumes with a *ceiling*: once the
       load is back at the one that paused drafting, drafting pauses again at once, with the probe wait it
       had (not after ``patience`` more losing steps); a timer probe that pays clears it. A refill before a
-      low-load probe has its evidence ends that probe unjudged. Why a probe and not a plain resume: under
+      low-load probe has its evidence ends that probe unjudged.
+    * **load rose**: when the number of running requests rises to >= 4/3 of the highest load at which
+      drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs at
+      once; a failed one raises that top to its own load and leaves the timer alone. Drafting can stop
+      paying at low load and pay again at high load: a draft pass with a fixed per-step cost (vLLM's
+      ``draft_model`` runs its decode passes eagerly, ~10 ms of launches at any batch size) weighs most on
+      the short steps of a small batch, and verification's cost per request falls as the batch grows. On the
+      H200 (Llama-3-8B shape, docs/PERFORMANCE.md section 15) drafting lost at 16 and 64 requests and won by
+      26% at 256, where the timer, backed off by the failures below, never probed in a 10-second cell. A
+      closed-loop refill probes at most once per new top.
+
+    Why a probe and not a plain resume: under
       closed-loop load (a benchmark's waves, a client pool) the batch drains and refills every generation;
       where drafting pays at no load (a slow draft, low acceptance at temperature 1) an unconditional resume
       paid ``patience`` losing drafting steps per refill and reset the backoff, which on a 135M pair cost
@@ -633,7 +646,8 @@ class SaturationPolicy:
         self._paused_steps = 0
         self._probe_wait = resume_every
         self._probing = False
-        self._probe_on_load = False  # the probe in progress was started by a load fall, not the timer
+        self._top = 0  # highest load at which drafting was found not to pay during this pause
+        self._probe_trigger = "timer"  # what started the probe in progress (a PROBE_TRIGGERS name)
         self._probe_running = 0
         self._realized = RequestWeightedMean(REALIZED_MEMORY)  # realized Θ / Θ(plain decoding), judged steps
         self._probe_tokens = 0.0  # the probe in progress: emitted tokens, priced ms, plain-decoding ms, requests
@@ -665,6 +679,11 @@ class SaturationPolicy:
         return self._floor
 
     @property
+    def top(self) -> int:
+        """The highest load at which drafting was found not to pay in this pause (0 before any pause)."""
+        return self._top
+
+    @property
     def ceiling(self) -> int | None:
         """After a load probe resumed drafting: the load at which drafting pauses again at once."""
         return self._ceiling
@@ -690,7 +709,7 @@ class SaturationPolicy:
                 return False
             return True
         if self._probing:
-            if self._probe_on_load and num_running > LOAD_FALL * self._floor:
+            if self._probe_trigger == "load" and num_running > LOAD_FALL * self._floor:
                 # The batch refilled before a low-load probe had its evidence: it cannot judge this load.
                 self.counters.probes["load", "unjudged"] += 1
                 self._floor = min(self._floor, self._probe_running)
@@ -698,13 +717,18 @@ class SaturationPolicy:
                 return False
             return True  # a probe lasts until its verdict is observed (one step unless judged on outcomes)
         self._paused_steps += 1
-        on_load = num_running <= LOAD_FALL * self._floor
-        if not (on_load or self._paused_steps >= self._probe_wait):
+        if num_running <= LOAD_FALL * self._floor:
+            trigger = "load"
+        elif num_running >= LOAD_RISE * self._top:
+            trigger = "rise"
+        elif self._paused_steps >= self._probe_wait:
+            trigger = "timer"
+        else:
             return False
         if self._allowance_ms < 0:
             self.counters.deferred_probe_steps += 1  # due, but probing has spent its share of paused time
             return False
-        self._probe_on_load = on_load
+        self._probe_trigger = trigger
         self._probing = True
         self._probe_running = num_running
         return True
@@ -801,16 +825,17 @@ class SaturationPolicy:
         paid = pays.pays if isinstance(pays, BudgetDecision) else bool(pays)
         if self._paused:
             if self._probing:
-                trigger = "load" if self._probe_on_load else "timer"
+                trigger = self._probe_trigger
                 self.counters.probes[trigger, "paid" if paid else "failed"] += 1
                 if paid:
-                    on_load, wait, floor = self._probe_on_load, self._probe_wait, self._floor
+                    wait, floor = self._probe_wait, self._floor
                     self._resume()
-                    if on_load:
+                    if trigger == "load":
                         self._ceiling, self._ceiling_wait, self._ceiling_floor = self._paused_at, wait, floor
                     return
                 self._floor = min(self._floor, self._probe_running)
-                if not self._probe_on_load:
+                self._top = max(self._top, self._probe_running)
+                if trigger == "timer":
                     self._paused_steps = 0
                     self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.resume_every)
             self._probing = False
@@ -840,7 +865,7 @@ class SaturationPolicy:
     def _pause(self, num_running: int, probe_wait: int) -> None:
         self.counters.pauses += 1
         self._paused = True
-        self._floor = self._paused_at = num_running
+        self._floor = self._paused_at = self._top = num_running
         self._paused_steps = 0
         self._probe_wait = probe_wait
         self._streak = 0
