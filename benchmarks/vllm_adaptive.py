@@ -22,6 +22,11 @@ cells resume, so a config cut off by a time limit is simply run again. ``--clien
 Configs: nospec, all (verify every draft), upstream (vLLM's adaptive verification), varlen and mask (ours,
 with --dspark), and ablations of ours: varlen-nosat (no saturation policy), varlen-nosts (no STS),
 varlen-startup (vLLM's start-up profile instead of the --dspark sps_curve).
+
+``--anatomy`` loads the step anatomy of ``benchmarks/vllm_step_anatomy.py`` into every server (its worker
+extension, called over vLLM's development endpoint ``/collective_rpc``) and benches one concurrency at a
+time, recording each: where a served step's time goes, by kind, with the share of steps that carried a
+prefill chunk (``OUT/anatomy/``). It adds a few microseconds of host time per step to every config alike.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.vllm_step_anatomy import EXTENSION as ANATOMY_EXTENSION  # noqa: E402
+from benchmarks.vllm_step_anatomy import table as anatomy_table  # noqa: E402
 from dspark_cli.bench.matrix import cell_path, load_cell  # noqa: E402
 from dspark_cli.bench.report import numbers  # noqa: E402
 from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET  # noqa: E402
@@ -162,7 +169,48 @@ def _vllm_bench(args: argparse.Namespace, vllm: list[str], srv: _Server, env: di
     return rows
 
 
-def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str, str]) -> list[dict]:
+def _rpc(port: int, method: str, **kwargs: object) -> list:
+    """A worker method by name over vLLM's development endpoint (every argument travels as a string)."""
+    body = {"method": method, "kwargs": {k: str(v) for k, v in kwargs.items()}}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/collective_rpc", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        raw = r.read()
+    return json.loads(raw).get("results", []) if raw else []
+
+
+def _served_anatomy(args: argparse.Namespace, name: str, port: int, env: dict[str, str]) -> list[dict]:
+    """``dspark bench`` one concurrency at a time, the step anatomy recording each (OUT/anatomy)."""
+    out = args.out / "anatomy"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"  {name}: anatomy wraps {len(_rpc(port, 'anatomy_install')[0])} methods", flush=True)
+    rows = []
+    for c in (int(x) for x in args.concurrency.split(",")):
+        _rpc(port, "anatomy_begin")
+        one = argparse.Namespace(**{**vars(args), "concurrency": str(c)})
+        rows.extend(_dspark_bench(one, name, port, env, log_suffix=f"-c{c}"))
+        # A closed loop runs between 3/4 of its clients (while finished ones refill) and all of them.
+        summary = _rpc(port, "anatomy_end", steady_reqs=c, min_reqs=max(1, (3 * c) // 4))[0]
+        cell = {"config": f"{name} c={c}", "concurrency": c,
+                "variants": [{"variant": "served", "tok_s": rows[-1]["output_tok_s"], **summary}]}
+        (out / f"{name}-c{c}.json").write_text(json.dumps(cell, indent=1))
+    _write_anatomy_tables(out)
+    return rows
+
+
+def _write_anatomy_tables(out: Path) -> None:
+    cells = [json.loads(f.read_text()) for f in sorted(out.glob("*-c*.json"))]
+    cells.sort(key=lambda x: (x["config"].split(" ")[0], x["concurrency"]))
+    every = [{**x, "variants": [{**v, "by_kind": v["all_steps"]} for v in x["variants"]]} for x in cells]
+    shares = ", ".join(f"{x['config']} {x['variants'][0]['prefill_share']}" for x in cells)
+    (out / "anatomy.md").write_text(
+        "Steady decode steps (3/4 to all of the clients running, no prefill chunk):\n\n" + anatomy_table(cells)
+        + "\nEvery step that ran a request:\n\n" + anatomy_table(every)
+        + f"\nShare of steps that carried a prefill chunk: {shares}\n")
+
+
+def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str, str],
+                  log_suffix: str = "") -> list[dict]:
     """``dspark bench --base-url`` against this config's server; its cells (and the joint table) in OUT/bench."""
     out = args.out / "bench"
     cmd = [sys.executable, "-m", "dspark_cli.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
@@ -171,7 +219,7 @@ def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str,
            "--ignore-eos", "--temperature", str(args.temperature), "--endpoint", "completions",
            "--model", args.model, "--results-dir", str(out), "--no-plots"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    (args.out / f"bench-{name}.log").write_text(run.stdout + run.stderr)
+    (args.out / f"bench-{name}{log_suffix}.log").write_text(run.stdout + run.stderr)
     if run.returncode != 0:
         raise RuntimeError(f"dspark bench exited with {run.returncode}: {run.stderr.strip()[-300:]}")
     print(run.stdout, flush=True)
@@ -215,6 +263,9 @@ def main() -> int:
                          "min to start, mostly graph capture, which overlaps; give each a --gpu-memory-utilization "
                          "share")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--anatomy", action="store_true",
+                    help="record where each served step's time goes (benchmarks/vllm_step_anatomy.py), per "
+                         "concurrency, into OUT/anatomy")
     ap.add_argument("--lossless", type=int, default=0, metavar="N",
                     help="instead of benchmarking, send N fixed prompts greedily (temperature 0, 32 tokens) to "
                          "each config and check every config's token ids against nospec's (run it without "
@@ -241,6 +292,11 @@ def main() -> int:
               "--no-enable-flashinfer-autotune"]
     if args.load_format:
         engine += ["--load-format", args.load_format]
+    if args.anatomy:
+        if args.lossless or args.client != "dspark":
+            ap.error("--anatomy records dspark bench cells: drop --lossless / --client vllm")
+        engine += ["--worker-extension-cls", ANATOMY_EXTENSION]
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /collective_rpc, which the anatomy is driven through
     dspark_keys = {f"dspark_{k}": v for k, v in ours.items()}
     varlen = {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "varlen"}
     specs: dict[str, dict | None] = {
@@ -296,6 +352,8 @@ def main() -> int:
         if args.lossless:
             outputs[srv.name] = _greedy_outputs(srv.port, args.model, args.lossless)
             print(f"[{time.time() - t_start:5.0f}s]   {args.lossless} greedy outputs", flush=True)
+        elif args.client == "dspark" and args.anatomy:
+            results.extend(_served_anatomy(args, srv.name, srv.port, env))
         elif args.client == "dspark":
             results.extend(_dspark_bench(args, srv.name, srv.port, env))
         else:

@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/vllm_h200.sh OUT proof           # SmolLM2-135M shape: nospec, all, upstream, varlen, mask, c=8,64
 #   bash benchmarks/vllm_h200.sh OUT scaled          # Llama-3-8B shape, k=7: the same configs at c=16,64,256
+#                                                    # (ANATOMY=1: each served step's anatomy too, OUT/scaled/anatomy)
 #   bash benchmarks/vllm_h200.sh OUT lossless        # greedy token ids of upstream/varlen/mask against nospec
 #   bash benchmarks/vllm_h200.sh OUT profile         # dspark profile-sps --engine vllm (proof then uses it)
 #   bash benchmarks/vllm_h200.sh OUT profile-scaled  # the same for the Llama-3-8B shape (scaled then uses it)
@@ -71,7 +72,7 @@ case "$STAGE" in
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
       --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" \
-      --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
+      --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ${ANATOMY:+--anatomy} ;;
   anatomy)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     CURVE=() && [[ -f $OUT/profile-scaled/sps_curve.json ]] && CURVE=(--sps-curve "$OUT/profile-scaled/sps_curve.json")

@@ -217,18 +217,28 @@ class StepAnatomy:
         self.records = []
         self.current = None
 
-    def summary(self, steady_reqs: int, skip_first: int = 5) -> dict[str, Any]:
-        """Medians over steady decode steps: ``steady_reqs`` requests, no prefill chunk, past the first few."""
+    def summary(self, steady_reqs: int, skip_first: int = 5, min_reqs: int | None = None) -> dict[str, Any]:
+        """Medians by step kind over the steady decode steps -- ``min_reqs`` (default ``steady_reqs``) to
+        ``steady_reqs`` requests, no prefill chunk, past the first few -- and over every step that ran a
+        request (``all_steps``), with the share of those that carried a prefill chunk (a served closed loop
+        refills as requests end; such a step is not a decode-only batch, so no FULL decode graph fits it)."""
         steps = self.records[skip_first:]
         k = int(getattr(getattr(self.runner, "speculator", None), "num_speculative_steps", 0) or 0)
-        steady = [s for s in steps if s.num_reqs == steady_reqs and 0 < s.max_query_len <= 1 + k]
+        lo = steady_reqs if min_reqs is None else min_reqs
+        steady = [s for s in steps if lo <= s.num_reqs <= steady_reqs and 0 < s.max_query_len <= 1 + k]
+        busy = [s for s in steps if s.num_reqs > 0]
+        prefill = sum(s.max_query_len > 1 + k for s in busy)
+        return {"steps": len(steps), "steady_steps": len(steady), "by_kind": self._by_kind(steady),
+                "all_steps": self._by_kind(busy),
+                "prefill_share": round(prefill / len(busy), 3) if busy else None}
 
+    def _by_kind(self, steps: list[StepRecord]) -> dict[str, Any]:
         def med(values: list[float]) -> float | None:
             return round(statistics.median(values), 3) if values else None
 
         by_kind: dict[str, Any] = {}
         for kind, sel in (("drafting", True), ("paused", False), ("nospec", None)):
-            group = [s for s in steady if s.drafting is sel]
+            group = [s for s in steps if s.drafting is sel]
             if not group:
                 continue
             labels = sorted({lb for s in group for lb in s.host_ms})
@@ -245,7 +255,11 @@ class StepAnatomy:
                 "host_ms": {lb: med([s.host_ms.get(lb, 0.0) for s in group]) for lb in labels},
                 "device_ms": device,
             }
-        return {"steps": len(steps), "steady_steps": len(steady), "by_kind": by_kind}
+        return by_kind
+
+
+def _flag(value: bool | str) -> bool:
+    return value is True or str(value).lower() in ("1", "true", "yes")
 
 
 class AnatomyExtension:
@@ -254,22 +268,25 @@ class AnatomyExtension:
     def anatomy_install(self) -> list[str]:
         import torch
 
-        anatomy = StepAnatomy(self.model_runner, event_factory=lambda: torch.cuda.Event(enable_timing=True))
+        events = (lambda: torch.cuda.Event(enable_timing=True)) if torch.cuda.is_available() else None
+        anatomy = StepAnatomy(self.model_runner, event_factory=events)
         self._dspark_anatomy = anatomy
         return anatomy.install()
 
-    def anatomy_begin(self, skip_paused_sample: bool = False, skip_paused_draft: bool = False) -> None:
+    # vLLM's dev endpoint (POST /collective_rpc, VLLM_SERVER_DEV_MODE=1) passes every argument as a string.
+    def anatomy_begin(self, skip_paused_sample: bool | str = False, skip_paused_draft: bool | str = False) -> None:
         a = self._dspark_anatomy
         a.reset()
-        a.skip_paused_sample = skip_paused_sample
-        a.skip_paused_draft = skip_paused_draft
+        a.skip_paused_sample = _flag(skip_paused_sample)
+        a.skip_paused_draft = _flag(skip_paused_draft)
 
-    def anatomy_end(self, steady_reqs: int) -> dict[str, Any]:
+    def anatomy_end(self, steady_reqs: int | str, min_reqs: int | str | None = None) -> dict[str, Any]:
         import torch
 
-        torch.cuda.synchronize()  # every span's events are complete before they are read
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # every span's events are complete before they are read
         a = self._dspark_anatomy
-        out = a.summary(steady_reqs)
+        out = a.summary(int(steady_reqs), min_reqs=None if min_reqs is None else int(min_reqs))
         a.skip_paused_sample = a.skip_paused_draft = False
         a.reset()
         return out
@@ -293,10 +310,11 @@ VARIANTS = {
 }
 
 
-# Graphs for the batches measured at 64 requests only (a paused or plain step: 64 tokens; verify-all and a
-# uniform mask step: 512), so each engine starts in about a minute; a replay costs the same whatever else
-# was captured.
-CAPTURE_SIZES = [64, 128, 256, 512]
+def capture_sizes(concurrency: int, k: int) -> list[int]:
+    """Graphs for the batches measured only (a paused or plain step: one token per request; verify-all and
+    a uniform mask step: 1 + k), so each engine starts in about a minute; a replay costs the same whatever
+    else was captured. 64 requests, k=7: 64, 128, 256, 512."""
+    return sorted({concurrency, 2 * concurrency, 4 * concurrency, (1 + k) * concurrency})
 
 
 def unconditional(rates: tuple[float, ...]) -> list[float]:
@@ -327,7 +345,8 @@ def engine_argv(args: argparse.Namespace, config: str) -> list[str]:
     argv = [args.model, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--dtype", "bfloat16",
             "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                                "cudagraph_capture_sizes": CAPTURE_SIZES}),
+                                                "cudagraph_capture_sizes": capture_sizes(args.concurrency,
+                                                                                         args.k)}),
             "--no-enable-flashinfer-autotune", "--load-format", "dummy"]
     spec = spec_for(config, args.draft, args.k, args.sps_curve)
     if spec is not None:

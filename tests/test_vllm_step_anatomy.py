@@ -8,7 +8,10 @@ ablations really skipping the work they name while leaving drafting steps alone.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -177,3 +180,63 @@ def test_table_lists_every_variant_and_kind():
     row = text.splitlines()[2]
     assert row.startswith("| paused | as served | paused | 300 | 4900 | 13.00 | 8.00 | 7.50 | 2.00 | 1.50 | 3.00 |")
     assert "| 0.30 | 1.00 |" in row  # our hooks summed; every step replayed a FULL graph
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_served_anatomy_is_driven_over_the_dev_endpoint_with_string_arguments(tmp_path: Path):
+    """vllm_adaptive.py --anatomy drives the worker extension through vLLM's POST /collective_rpc, which passes
+    every argument as a string; a stand-in of that endpoint calls a real AnatomyExtension on a stand-in runner."""
+    adaptive = _load("vllm_adaptive_under_test", PATH.parent / "vllm_adaptive.py")
+    clock = Clock()
+    ext = anatomy_mod.AnatomyExtension()
+    ext.model_runner = StandInRunner(clock, num_reqs=4)
+    seen: list[dict] = []
+
+    class Endpoint(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            assert all(isinstance(v, str) for v in body.get("kwargs", {}).values())
+            result = getattr(ext, body["method"])(*body.get("args", []), **body.get("kwargs", {}))
+            payload = json.dumps({"results": [result]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        assert "speculator.propose" in adaptive._rpc(port, "anatomy_install")[0]
+        adaptive._rpc(port, "anatomy_begin", skip_paused_draft=True)
+        assert ext._dspark_anatomy.skip_paused_draft and not ext._dspark_anatomy.skip_paused_sample
+        for _ in range(8):  # paused steps of 4, then 3 requests (a closed loop refilling)
+            drive(ext.model_runner, [False])
+            ext.model_runner.num_reqs = 7 - ext.model_runner.num_reqs
+        summary = adaptive._rpc(port, "anatomy_end", steady_reqs=4, min_reqs=3)[0]
+    finally:
+        server.shutdown()
+    assert [b["method"] for b in seen] == ["anatomy_install", "anatomy_begin", "anatomy_end"]
+    assert seen[2]["kwargs"] == {"steady_reqs": "4", "min_reqs": "3"}
+    paused = summary["by_kind"]["paused"]
+    assert ext.model_runner.speculator.calls == []  # no draft work, as switched
+    assert summary["prefill_share"] == 0.0 and summary["all_steps"]["paused"]["steps"] >= paused["steps"]
+    # the tables vllm_adaptive writes from such cells
+    out = tmp_path / "anatomy"
+    out.mkdir()
+    cell = {"config": "paused c=4", "concurrency": 4, "variants": [{"variant": "served", "tok_s": 100.0, **summary}]}
+    (out / "paused-c4.json").write_text(json.dumps(cell))
+    adaptive._write_anatomy_tables(out)
+    text = (out / "anatomy.md").read_text()
+    assert text.count("| paused c=4 | served | paused |") == 2 and "paused c=4 0.0" in text
