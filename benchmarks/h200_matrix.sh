@@ -37,23 +37,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
   | tee -a "$OUT/$SETUP/machine.txt"
 
 smollm2() {  # the converted SmolLM2 checkpoint in the cache, from the GGUF parts in /tmp/smol
-  python3 - <<'PY'
-import glob, os, shutil
-from pathlib import Path
-from dspark_cli.engines.embedded import assets
-out = assets.cache_dir() / assets.SMOLLM2_DIRNAME
-if not (out / "config.json").is_file():
-    parts = sorted(glob.glob("/tmp/smol/*.gguf.part*"), key=lambda p: int(p.rsplit("part", 1)[1]))
-    if not parts:
-        raise SystemExit("no /tmp/smol/*.gguf.part*: stage .carry/smol/part1..3 first (see the header)")
-    gguf = Path("/tmp/smol") / Path(parts[0]).name.rsplit(".part", 1)[0]
-    with open(gguf, "wb") as fh:
-        for p in parts:
-            with open(p, "rb") as src:
-                shutil.copyfileobj(src, fh)
-    assets._build_dir_atomically(out, lambda tmp: assets.convert_gguf(gguf, tmp))
-print(out)
-PY
+  python3 benchmarks/smollm2_parts.py --parts /tmp/smol
 }
 
 case $SETUP in

@@ -89,8 +89,10 @@ queue_stalls() {
 
 # One GPU, issue 6 (vLLM 0.33 on the Llama-3-8B shape): waits for the staged wheels (/tmp/stage/ready, once
 # every group of ../shared/tools/vllm-h200/stage.py is copied in), installs them, profiles the scaled curve,
-# then the eight configs in two groups of four servers started in a staggered row, then the greedy lossless
-# check on the SmolLM2 shape (~15 min after staging, 2026-12-01 estimate).
+# then the eight configs in two groups of four servers started in a staggered row (ANATOMY=1: with the served
+# step anatomy), then the greedy lossless check on the SmolLM2 shape, and -- once /tmp/smol/ready exists (the
+# three SmolLM2 parts carried in, and .whl with the first call) -- the same with real weights (~27 min after
+# staging, 2026-12-01).
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
   stage "install vLLM" bash /tmp/stage/install.sh
@@ -103,6 +105,8 @@ queue_vllm() {
   OVERLAP=4 GPU_UTIL=0.22 CONFIGS=${VLLM_GROUP2:-mask,varlen-nosat,varlen-nosts,varlen-startup} \
     stage "scaled, group 2" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
   OVERLAP=4 GPU_UTIL=0.2 stage "lossless" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless
+  stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
+  OVERLAP=4 GPU_UTIL=0.2 stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
 }
 
 # One GPU, issue 6 after section 14: where a paused step's 4 ms go (vllm_step_anatomy.py), the greedy lossless

@@ -6,6 +6,7 @@
 #   bash benchmarks/vllm_h200.sh OUT scaled          # Llama-3-8B shape, k=7: the same configs at c=16,64,256
 #                                                    # (ANATOMY=1: each served step's anatomy too, OUT/scaled/anatomy)
 #   bash benchmarks/vllm_h200.sh OUT lossless        # greedy token ids of upstream/varlen/mask against nospec
+#   bash benchmarks/vllm_h200.sh OUT lossless-real   # the same with real SmolLM2 weights and its distilled draft
 #   bash benchmarks/vllm_h200.sh OUT profile         # dspark profile-sps --engine vllm (proof then uses it)
 #   bash benchmarks/vllm_h200.sh OUT profile-scaled  # the same for the Llama-3-8B shape (scaled then uses it)
 #   bash benchmarks/vllm_h200.sh OUT anatomy         # where a step's time goes, 8B shape, 64 requests: no spec,
@@ -67,6 +68,14 @@ case "$STAGE" in
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless" --load-format dummy \
       --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --dspark '{"online_sts": true}' \
       --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
+  lossless-real)  # the same check with real weights: SmolLM2-135M and its distilled draft, as plain Llama dirs
+    # Converted with the host's own torch and the gguf wheel of /tmp/dspark-site (carry .whl at the start),
+    # from the GGUF parts in /tmp/smol (carry .carry/smol/part1..3, as for h200_matrix.sh's real setup).
+    read -r TARGET DRAFT < <(env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/vllm_real_pair.py \
+      "$OUT/real-pair" --parts /tmp/smol)
+    python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless-real" \
+      --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --dspark '{"online_sts": true}' \
+      --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
   scaled)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
@@ -78,5 +87,5 @@ case "$STAGE" in
     CURVE=() && [[ -f $OUT/profile-scaled/sps_curve.json ]] && CURVE=(--sps-curve "$OUT/profile-scaled/sps_curve.json")
     python3 benchmarks/vllm_step_anatomy.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/anatomy" "${CURVE[@]}" \
       --configs "${CONFIGS:-nospec,paused,all,mask-paused}" -c "${CONC:-64}" ;;
-  *) echo "unknown stage $STAGE (proof|scaled|lossless|profile|profile-scaled|anatomy)" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE (proof|scaled|lossless|lossless-real|profile|profile-scaled|anatomy)" >&2; exit 2 ;;
 esac
