@@ -9,6 +9,7 @@
 #   QUEUE=stalls bash benchmarks/h200_two_gpus.sh start ROOT  # one GPU: the compile-stall check (queue_stalls)
 #   QUEUE=vllm bash benchmarks/h200_two_gpus.sh start ROOT    # one GPU: issue 6 on vLLM 0.33 (queue_vllm)
 #   QUEUE=vllm-anatomy bash benchmarks/h200_two_gpus.sh start ROOT  # one GPU: issue 6's step anatomy + re-run
+#   QUEUE=vllm-lossless bash benchmarks/h200_two_gpus.sh start ROOT # one GPU: greedy lossless, dummy and real
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -90,9 +91,7 @@ queue_stalls() {
 # One GPU, issue 6 (vLLM 0.33 on the Llama-3-8B shape): waits for the staged wheels (/tmp/stage/ready, once
 # every group of ../shared/tools/vllm-h200/stage.py is copied in), installs them, profiles the scaled curve,
 # then the eight configs in two groups of four servers started in a staggered row (ANATOMY=1: with the served
-# step anatomy), then the greedy lossless check on the SmolLM2 shape, and -- once /tmp/smol/ready exists (the
-# three SmolLM2 parts carried in, and .whl with the first call) -- the same with real weights (~27 min after
-# staging, 2026-12-01).
+# step anatomy): ~22 min after staging (2026-12-01: install 1, profile 3, groups 10 and 8).
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
   stage "install vLLM" bash /tmp/stage/install.sh
@@ -104,9 +103,20 @@ queue_vllm() {
     stage "scaled, group 1" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
   OVERLAP=4 GPU_UTIL=0.22 CONFIGS=${VLLM_GROUP2:-mask,varlen-nosat,varlen-nosts,varlen-startup} \
     stage "scaled, group 2" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
+}
+
+# One GPU, issue 6's item 4 and the low-load anatomy: the greedy lossless check on the SmolLM2 shape (dummy
+# weights), then -- once /tmp/smol/ready exists (the three SmolLM2 parts carried in, and .whl with the first
+# call) -- the same with real weights, then the in-process step anatomy at 16 requests (~15 min after staging).
+queue_vllm_lossless() {
+  stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
+  stage "install vLLM" bash /tmp/stage/install.sh
   OVERLAP=4 GPU_UTIL=0.2 stage "lossless" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
   OVERLAP=4 GPU_UTIL=0.2 stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
+  mkdir -p "$ROOT/vllm/profile-scaled"
+  cp benchmarks/results/vllm_h200/scaled-2026-12-01/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"
+  CONC=16 stage "anatomy at 16 requests" bash benchmarks/vllm_h200.sh "$ROOT/vllm" anatomy
 }
 
 # One GPU, issue 6 after section 14: where a paused step's 4 ms go (vllm_step_anatomy.py), the greedy lossless
@@ -128,6 +138,7 @@ QUEUES=(0 1)
 [[ ${QUEUE:-} == stalls ]] && QUEUES=(_stalls)
 [[ ${QUEUE:-} == vllm ]] && QUEUES=(_vllm)
 [[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
+[[ ${QUEUE:-} == vllm-lossless ]] && QUEUES=(_vllm_lossless)
 
 case $ACTION in
   start)
@@ -143,7 +154,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm || $q == _vllm_anatomy ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -151,7 +162,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls _vllm _vllm_anatomy; do
+    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"
