@@ -643,6 +643,11 @@ def test_a_load_rise_past_the_top_probes_at_once_and_a_failure_raises_the_top() 
     pol.observe(_decision(5, 1.3, 1.0), num_running=64)
     assert pol.drafting_enabled and pol.counters.probes["rise", "paid"] == 1
     assert pol.ceiling is None  # unlike a load-fall resume: going back down pauses only after patience
+    # An engine that does not say the load (num_running 0) gets the timer only, never a load probe.
+    pol = SaturationPolicy(patience=1, resume_every=4)
+    pol.begin_step(16)
+    pol.observe(losing)
+    assert [pol.begin_step(64) for _ in range(4)] == [False, False, False, True]
 
 
 def test_drafting_that_pays_only_at_high_load_resumes_when_the_load_rises() -> None:

@@ -719,7 +719,7 @@ class SaturationPolicy:
         self._paused_steps += 1
         if num_running <= LOAD_FALL * self._floor:
             trigger = "load"
-        elif num_running >= LOAD_RISE * self._top:
+        elif self._top > 0 and num_running >= LOAD_RISE * self._top:  # 0: the pausing load was not given
             trigger = "rise"
         elif self._paused_steps >= self._probe_wait:
             trigger = "timer"
