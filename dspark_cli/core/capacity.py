@@ -597,11 +597,10 @@ class SaturationPolicy:
       26% at 256, where the timer, backed off by the failures below, never probed in a 10-second cell. A
       closed-loop refill probes at most once per new top.
 
-    Why a probe and not a plain resume: under
-      closed-loop load (a benchmark's waves, a client pool) the batch drains and refills every generation;
-      where drafting pays at no load (a slow draft, low acceptance at temperature 1) an unconditional resume
-      paid ``patience`` losing drafting steps per refill and reset the backoff, which on a 135M pair cost
-      up to a quarter of the throughput of plain decoding.
+    Why a probe and not a plain resume: under closed-loop load (a benchmark's waves, a client pool) the batch
+    drains and refills every generation; where drafting pays at no load (a slow draft, low acceptance at
+    temperature 1) an unconditional resume paid ``patience`` losing drafting steps per refill and reset the
+    backoff, which on a 135M pair cost up to a quarter of the throughput of plain decoding.
 
     **Probe tax** (engines that report step times through :meth:`record_step_ms`). Counting probes in steps
     is not enough where a probe costs several plain steps: a probe's draft pass catches up over the whole
