@@ -507,9 +507,9 @@ class StepTimer:
 
     What a "plain" step is depends on the engine, and that is the point: the embedded engine's paused step
     is plain decoding, while vLLM's paused ``draft_model`` step still runs the draft's prefill pass (on the
-    H200's Llama-3-8B shape it cost 13 ms against 8.6 ms for no speculation at 64 requests,
-    docs/PERFORMANCE.md section 14). The quotient then compares drafting against what pausing really costs
-    there, not against the curve's price of plain decoding.
+    H200's Llama-3-8B shape at 64 requests a served paused step cost 8.8 ms against 6.9 ms with no
+    speculation, 7.1 against 6.3 ms in-process; docs/PERFORMANCE.md section 15). The quotient then compares
+    drafting against what pausing really costs there, not against the curve's price of plain decoding.
     """
 
     def __init__(self, saturation: SaturationPolicy, time_probes: bool = False) -> None:
