@@ -141,11 +141,8 @@ class StepAnatomy:
             self.current.interval_ms = (now - self.current.start) * 1e3
             self.records.append(self.current)
         self.current = StepRecord(start=now)
-        self._span_start("execute")
-        try:
+        with self._span("execute"):
             return original(*args, **kwargs)
-        finally:
-            self._span_end("execute")
 
     def _sample_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         rec = self.current
@@ -157,27 +154,23 @@ class StepAnatomy:
             qsl = getattr(batch, "query_start_loc_np", None)
             if qsl is not None and rec.num_reqs > 0:
                 rec.max_query_len = int(np.diff(np.asarray(qsl[: rec.num_reqs + 1])).max())
-        self._span_start("sample_tokens")
-        try:
+        with self._span("sample_tokens"):
             return original(*args, **kwargs)
-        finally:
-            self._span_end("sample_tokens")
 
     def _propose(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         k = kwargs.get("num_speculative_tokens")
         paused = k == 0 and not kwargs.get("dummy_run")
         if self.current is not None and not kwargs.get("dummy_run"):
             self.current.drafting = not paused
-        self._span_start("propose")
-        try:
+        with self._span("propose"):
             if paused and self.skip_paused_draft:
                 batch = kwargs.get("input_batch", args[0] if args else None)
                 return self.runner.speculator.draft_tokens[: int(batch.num_reqs)]
             self._paused_propose = paused
-            return original(*args, **kwargs)
-        finally:
-            self._paused_propose = False
-            self._span_end("propose")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._paused_propose = False
 
     def _sample_draft(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._paused_propose and self.skip_paused_sample:
@@ -188,13 +181,18 @@ class StepAnatomy:
     def _run_fullgraph(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.current is not None:
             self.current.full_graph = True
-        self._span_start("forward")
-        try:
+        with self._span("forward"):
             return original(*args, **kwargs)
-        finally:
-            self._span_end("forward")
 
     # ------------------------------------------------------------------ device spans
+    @contextlib.contextmanager
+    def _span(self, span: str) -> Iterator[None]:
+        self._span_start(span)
+        try:
+            yield
+        finally:
+            self._span_end(span)
+
     def _span_start(self, span: str) -> None:
         if self.event_factory is None or self.current is None:
             return

@@ -240,3 +240,26 @@ def test_served_anatomy_is_driven_over_the_dev_endpoint_with_string_arguments(tm
     adaptive._write_anatomy_tables(out)
     text = (out / "anatomy.md").read_text()
     assert text.count("| paused c=4 | served | paused |") == 2 and "paused c=4 0.0" in text
+
+
+def test_device_spans_pair_up_per_step():
+    """Each span's two events belong to the step they timed (events read the stand-in clock here)."""
+    clock = Clock()
+
+    class Event:
+        def record(self):
+            self.t = clock.t
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    runner = StandInRunner(clock, num_reqs=4)
+    anatomy = anatomy_mod.StepAnatomy(runner, clock=clock, event_factory=Event)
+    anatomy.install()
+    drive(runner, [True] * 3)
+    device = anatomy.summary(steady_reqs=4, skip_first=0)["by_kind"]["drafting"]["device_ms"]
+    # execute: 2 + prepare 0.5 + manager 0.25; sample_tokens: 0.75 + propose (prefill 1, sample 0.5, decode 3)
+    assert device["execute"] == pytest.approx(2.75)
+    assert device["propose"] == pytest.approx(4.5)
+    assert device["sample_tokens"] == pytest.approx(5.25)
+    assert device["forward"] is None  # the stand-in has no model to hook
