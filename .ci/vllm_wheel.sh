@@ -19,6 +19,7 @@ FILES=(
   vllm/v1/worker/gpu/spec_decode/__init__.py
   vllm/v1/worker/gpu/cudagraph_utils.py
   vllm/v1/worker/gpu/input_batch.py
+  vllm/v1/worker/gpu/states.py
   vllm/v1/worker/gpu/async_utils.py
   vllm/v1/worker/gpu/structured_outputs.py
   vllm/v1/worker/gpu/attn_utils.py

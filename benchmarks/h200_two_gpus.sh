@@ -92,13 +92,29 @@ queue_stalls() {
 # every group of ../shared/tools/vllm-h200/stage.py is copied in), installs them, profiles the scaled curve,
 # then the eight configs in two groups of four servers started in a staggered row (ANATOMY=1: with the served
 # step anatomy): ~22 min after staging (2026-12-01: install 1, profile 3, groups 10 and 8).
+# REUSE_CURVE=1: the curve `dspark profile-sps` measured in section 14's sitting (same machine kind) instead of
+# profiling again (saves 3 min). REAL_SMOKE=1: first the greedy lossless check with real weights (issue 6 item
+# 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec, varlen and varlen-current,
+# with a concurrent smoke per config; should a config fail to serve, the matrix keeps the draft's K/V current.
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
   stage "install vLLM" bash /tmp/stage/install.sh
-  # A failed profile would leave varlen on vLLM's start-up curve unnoticed: the last committed curve instead.
-  stage "profile-scaled" bash benchmarks/vllm_h200.sh "$ROOT/vllm" profile-scaled || {
-    echo "profile-scaled failed: using benchmarks/results/vllm_h200/profile-scaled/sps_curve.json"
-    cp benchmarks/results/vllm_h200/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"; }
+  mkdir -p "$ROOT/vllm/profile-scaled"
+  if [[ ${REUSE_CURVE:-0} == 1 ]]; then
+    cp benchmarks/results/vllm_h200/scaled-2026-12-01/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"
+  else
+    # A failed profile would leave varlen on vLLM's start-up curve unnoticed: the last committed curve instead.
+    stage "profile-scaled" bash benchmarks/vllm_h200.sh "$ROOT/vllm" profile-scaled || {
+      echo "profile-scaled failed: using benchmarks/results/vllm_h200/profile-scaled/sps_curve.json"
+      cp benchmarks/results/vllm_h200/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"; }
+  fi
+  if [[ ${REAL_SMOKE:-0} == 1 ]]; then
+    stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
+    OVERLAP=3 GPU_UTIL=0.2 CONFIGS=nospec,varlen,varlen-current \
+      stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
+    rc=$?
+    [[ $rc == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
+  fi
   OVERLAP=4 GPU_UTIL=0.22 CONFIGS=${VLLM_GROUP1:-nospec,all,upstream,varlen} \
     stage "scaled, group 1" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
   OVERLAP=4 GPU_UTIL=0.22 CONFIGS=${VLLM_GROUP2:-mask,varlen-nosat,varlen-nosts,varlen-startup} \

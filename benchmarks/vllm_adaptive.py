@@ -21,7 +21,8 @@ cells resume, so a config cut off by a time limit is simply run again. ``--clien
 
 Configs: nospec, all (verify every draft), upstream (vLLM's adaptive verification), varlen and mask (ours,
 with --dspark), and ablations of ours: varlen-nosat (no saturation policy), varlen-nosts (no STS),
-varlen-startup (vLLM's start-up profile instead of the --dspark sps_curve).
+varlen-startup (vLLM's start-up profile instead of the --dspark sps_curve), varlen-current (the draft's
+K/V kept current on every paused step instead of caught up: engines/vllm/upkeep.py).
 
 ``--anatomy`` loads the step anatomy of ``benchmarks/vllm_step_anatomy.py`` into every server (its worker
 extension, called over vLLM's development endpoint ``/collective_rpc``) and benches one concurrency at a
@@ -53,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.vllm_step_anatomy import EXTENSION as ANATOMY_EXTENSION  # noqa: E402
 from benchmarks.vllm_step_anatomy import table as anatomy_table  # noqa: E402
 from dspark_cli.bench.matrix import cell_path, load_cell  # noqa: E402
+from dspark_cli.bench.metrics import SpecDecodeCounters, counter_delta  # noqa: E402
 from dspark_cli.bench.report import numbers  # noqa: E402
 from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET  # noqa: E402
 from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
@@ -103,18 +105,63 @@ def _greedy_outputs(port: int, model: str, n: int) -> list[list[int]]:
     return outs
 
 
-def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], out: Path) -> int:
+def _acceptance(port: int) -> dict | None:
+    """The server's speculative-decoding counters since it started (None without speculation)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        after = SpecDecodeCounters.from_text(r.read().decode())
+    stats = counter_delta(SpecDecodeCounters(), after)
+    return None if stats is None else stats.to_dict()
+
+
+def _concurrent_smoke(port: int, model: str, n: int) -> dict:
+    """N requests at once with staggered lengths, so requests arrive, pause, resume and end mid-batch (steps that
+    mix prompt chunks with decoding rows): every one must come back complete. Outputs are not compared -- batch
+    composition changes a real model's numerics -- only served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> int:
+        body = {"model": model, "prompt": [1 + (53 * i + 7 * j) % 900 for j in range(8 + 5 * i)],
+                "max_tokens": 16 + 9 * i, "temperature": 0.0, "ignore_eos": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return int(json.loads(r.read())["usage"]["completion_tokens"]) - body["max_tokens"]
+
+    with ThreadPoolExecutor(n) as pool:
+        short = list(pool.map(one, range(n)))
+    return {"requests": n, "complete": sum(d == 0 for d in short)}
+
+
+UPKEEP_LINE = "draft K/V while paused:"  # the manager's periodic saturation log line (engines/vllm/manager.py)
+
+
+def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], out: Path,
+                     served: dict[str, dict] | None = None) -> int:
     ref = outputs.get("nospec")
     table = {}
+    served = served or {}
     for name, outs in outputs.items():
         same = None if ref is None else sum(a == b for a, b in zip(outs, ref, strict=True))
-        table[name] = {"identical_to_nospec": same, "prompts": len(outs)}
-        print(f"{name:10} identical to nospec: {same}/{len(outs)}" if ref is not None else f"{name:10} (no nospec)")
+        table[name] = {"identical_to_nospec": same, "prompts": len(outs), **served.get(name, {})}
+        acc = (served.get(name, {}).get("acceptance") or {}).get("acceptance_length")
+        smoke = served.get(name, {}).get("smoke")
+        print((f"{name:14} identical to nospec: {same}/{len(outs)}" if ref is not None else f"{name:14} (no nospec)")
+              + (f"; acceptance length {acc:.3f}" if acc else "")
+              + (f"; concurrent {smoke['complete']}/{smoke['requests']} complete" if smoke else ""))
+        upkeep = served.get(name, {}).get("upkeep")
+        if upkeep:
+            print(f"{'':14} {upkeep}")
     (out / "lossless.json").write_text(json.dumps({"outputs": outputs, "summary": table,
                                                     "errors": [r for r in results if "error" in r]}, indent=1))
+    if any(v.get("smoke") and v["smoke"]["complete"] != v["smoke"]["requests"] for v in table.values()):
+        print("lossless greedy: FAILED (a concurrent request came back short)")
+        return 1
+    if any("error" in r for r in results):
+        print("lossless greedy: FAILED (a config did not serve)")
+        return 1
     ok = ref is not None and all(v["identical_to_nospec"] == v["prompts"] for v in table.values())
-    print("lossless greedy: " + ("OK" if ok else "FAILED"))
-    return 0 if ok and not any("error" in r for r in results) else 1
+    print("lossless greedy: " + ("OK" if ok else "FAILED (outputs differ)"))
+    return 0 if ok else 3  # 3: every config served, some output differs from nospec's
 
 
 KV_LINE = "KV cache size:"  # vLLM's log line once a server has sized its KV cache (allocation follows)
@@ -247,7 +294,7 @@ def main() -> int:
     ap.add_argument("--load-format", default=None, help="e.g. dummy (real step costs, no weights)")
     ap.add_argument("--configs", default="upstream,varlen,mask",
                     help="comma list of nospec, all, upstream, varlen, mask, varlen-nosat, varlen-nosts, "
-                         "varlen-startup")
+                         "varlen-startup, varlen-current")
     ap.add_argument("--client", choices=("dspark", "vllm"), default="dspark",
                     help="dspark bench --base-url (one summary table in OUT/bench) or vllm bench serve")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the bench requests")
@@ -270,6 +317,9 @@ def main() -> int:
                     help="instead of benchmarking, send N fixed prompts greedily (temperature 0, 32 tokens) to "
                          "each config and check every config's token ids against nospec's (run it without "
                          "--synthetic-rates: synthetic acceptance is not lossless by design)")
+    ap.add_argument("--smoke", type=int, default=0, metavar="N",
+                    help="with --lossless: then N concurrent requests of staggered lengths per config, each of "
+                         "which must come back complete (served, not compared)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="dspark-ep-"))
@@ -310,6 +360,7 @@ def main() -> int:
         "varlen-nosts": {**{k: v for k, v in varlen.items() if k not in ("dspark_online_sts", "dspark_sts")},
                          "dspark_online_sts": False},
         "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
+        "varlen-current": {**varlen, "dspark_draft_catchup_tokens": 0},  # the draft's K/V kept current while paused
     }
     if args.lossless:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
@@ -325,6 +376,7 @@ def main() -> int:
                  "exceeds the GPU: lower the utilization share")
     results: list[dict] = []
     outputs: dict[str, list[list[int]]] = {}
+    served: dict[str, dict] = {}  # lossless: per config, acceptance, the concurrent smoke, the upkeep line
     if args.lossless and args.synthetic_rates:
         ap.error("--lossless checks real verification: drop --synthetic-rates")
     t_start = time.time()
@@ -351,6 +403,13 @@ def main() -> int:
         print(f"[{time.time() - t_start:5.0f}s]   {srv.name} ready; {kv[-1] if kv else 'no KV line'}", flush=True)
         if args.lossless:
             outputs[srv.name] = _greedy_outputs(srv.port, args.model, args.lossless)
+            info: dict = {"acceptance": _acceptance(srv.port)}  # of the sequential greedy requests
+            if args.smoke:
+                info["smoke"] = _concurrent_smoke(srv.port, args.model, args.smoke)
+            upkeep = [ln.split(UPKEEP_LINE, 1)[1].strip() for ln in srv.log_path.read_text(errors="replace")
+                      .splitlines() if UPKEEP_LINE in ln]
+            info["upkeep"] = upkeep[-1] if upkeep else None
+            served[srv.name] = info
             print(f"[{time.time() - t_start:5.0f}s]   {args.lossless} greedy outputs", flush=True)
         elif args.client == "dspark" and args.anatomy:
             results.extend(_served_anatomy(args, srv.name, srv.port, env))
@@ -393,7 +452,7 @@ def main() -> int:
         (args.out / "results.json").write_text(json.dumps({"results": results, "args": vars(args)}, default=str,
                                                           indent=2))
     if args.lossless:
-        return _report_lossless(outputs, results, args.out)
+        return _report_lossless(outputs, results, args.out, served)
     ref_name = "upstream" if any(r.get("config") == "upstream" for r in results) else results[0].get("config")
     base = {r["concurrency"]: r["output_tok_s"] for r in results if r.get("config") == ref_name and "error" not in r}
     print(f"\n{'config':10} {'c':>4} {'tok/s':>9} {'ITL ms':>8} {'accept':>7} {'vs ' + str(ref_name):>12}")

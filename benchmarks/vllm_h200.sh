@@ -6,7 +6,9 @@
 #   bash benchmarks/vllm_h200.sh OUT scaled          # Llama-3-8B shape, k=7: the same configs at c=16,64,256
 #                                                    # (ANATOMY=1: each served step's anatomy too, OUT/scaled/anatomy)
 #   bash benchmarks/vllm_h200.sh OUT lossless        # greedy token ids of upstream/varlen/mask against nospec
-#   bash benchmarks/vllm_h200.sh OUT lossless-real   # the same with real SmolLM2 weights and its distilled draft
+#   bash benchmarks/vllm_h200.sh OUT lossless-real   # the same with real SmolLM2 weights and its distilled draft,
+#                                                    # then SMOKE (16) concurrent requests per config; exit 3:
+#                                                    # all served, some output differs; 1: a config failed
 #   bash benchmarks/vllm_h200.sh OUT profile         # dspark profile-sps --engine vllm (proof then uses it)
 #   bash benchmarks/vllm_h200.sh OUT profile-scaled  # the same for the Llama-3-8B shape (scaled then uses it)
 #   bash benchmarks/vllm_h200.sh OUT anatomy         # where a step's time goes, 8B shape, 64 requests: no spec,
@@ -41,9 +43,13 @@ python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch._
 # Ours use the measured curve when the profile stage ran first, else vLLM's start-up profile.
 OURS='{"online_sts": true}'
 [[ -f $OUT/profile/sps_curve.json ]] && OURS="{\"online_sts\": true, \"sps_curve\": \"$OUT/profile/sps_curve.json\"}"
-OURS_SCALED='{"online_sts": true}'
+# OUT/keep-draft-current (the queue writes it when the smoke stage before the matrix failed to serve): ours keep
+# the draft's K/V current while paused (draft_catchup_tokens 0) instead of catching it up (engines/vllm/upkeep.py).
+KEEP=""
+[[ -f $OUT/keep-draft-current ]] && KEEP=', "draft_catchup_tokens": 0'
+OURS_SCALED="{\"online_sts\": true$KEEP}"
 [[ -f $OUT/profile-scaled/sps_curve.json ]] && \
-  OURS_SCALED="{\"online_sts\": true, \"sps_curve\": \"$OUT/profile-scaled/sps_curve.json\"}"
+  OURS_SCALED="{\"online_sts\": true, \"sps_curve\": \"$OUT/profile-scaled/sps_curve.json\"$KEEP}"
 profile() {  # TARGET DRAFT OUTDIR MAX_NUM_SEQS: dspark profile-sps --engine vllm with the serving stages' flags
   mkdir -p "$3"
   python3 -m dspark_cli.cli profile-sps --engine vllm "$1" -o "$3/sps_curve.json" \
@@ -74,8 +80,8 @@ case "$STAGE" in
     read -r TARGET DRAFT < <(env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/vllm_real_pair.py \
       "$OUT/real-pair" --parts /tmp/smol)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless-real" \
-      --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --dspark '{"online_sts": true}' \
-      --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
+      --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --smoke "${SMOKE:-16}" \
+      --dspark '{"online_sts": true}' --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
   scaled)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \

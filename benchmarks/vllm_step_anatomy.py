@@ -11,10 +11,10 @@ splits a step into its parts, inside the engine, so the next change cuts the rig
   alone, ``sample_tokens`` and the whole ``propose``, and the step interval (``execute_model`` to
   ``execute_model``, host clock): a step whose interval is well above its device spans leaves the GPU
   idle, waiting on the host;
-* two ablations of a paused step, runtime switches in the worker (benchmark-only; never served): the
-  draft's prefill pass without its first-token sample, and no draft work at all (what a pause that skipped
-  the draft and caught up on resume would cost). The second leaves the draft's K/V stale; it is measured
-  with drafting forced off, where nothing reads it.
+* two ablations of a paused step, runtime switches in the worker: the draft kept current (the draft's
+  prefill pass on every paused step, without its first-token sample: what ``draft_catchup_tokens: 0``
+  serves, against the deferred catch-up served by default), and no draft work at all (benchmark-only: it
+  leaves the draft's K/V stale; it is measured with drafting forced off, where nothing reads it).
 
 One engine per config, in its own process, in vLLM's own ``LLM`` class with this module as the worker
 extension (``collective_rpc`` by name). Each variant is one ``generate`` of ``-c`` prompts at once (steady
@@ -272,11 +272,18 @@ class AnatomyExtension:
         return anatomy.install()
 
     # vLLM's dev endpoint (POST /collective_rpc, VLLM_SERVER_DEV_MODE=1) passes every argument as a string.
-    def anatomy_begin(self, skip_paused_sample: bool | str = False, skip_paused_draft: bool | str = False) -> None:
+    def anatomy_begin(self, skip_paused_sample: bool | str = False, skip_paused_draft: bool | str = False,
+                      keep_draft_current: bool | str = False) -> None:
+        """Start a measured run. ``keep_draft_current``: our manager's deferred draft K/V upkeep is off for it
+        (a paused step runs the draft's prefill pass, as ``draft_catchup_tokens: 0`` serves)."""
         a = self._dspark_anatomy
         a.reset()
         a.skip_paused_sample = _flag(skip_paused_sample)
         a.skip_paused_draft = _flag(skip_paused_draft)
+        manager = getattr(self.model_runner, "adaptive_verification", None)
+        if _flag(keep_draft_current) and getattr(manager, "_upkeep", None) is not None:
+            self._dspark_stashed_upkeep = manager._upkeep
+            manager._upkeep = None
 
     def anatomy_end(self, steady_reqs: int | str, min_reqs: int | str | None = None) -> dict[str, Any]:
         import torch
@@ -286,6 +293,10 @@ class AnatomyExtension:
         a = self._dspark_anatomy
         out = a.summary(int(steady_reqs), min_reqs=None if min_reqs is None else int(min_reqs))
         a.skip_paused_sample = a.skip_paused_draft = False
+        stashed = getattr(self, "_dspark_stashed_upkeep", None)
+        if stashed is not None:
+            self.model_runner.adaptive_verification._upkeep = stashed
+            self._dspark_stashed_upkeep = None
         a.reset()
         return out
 
@@ -299,12 +310,16 @@ RATES = (0.8, 0.7, 0.6, 0.5, 0.35, 0.2, 0.08)
 # pause starts after one step, and the probe timer never fires within a generate.
 PAUSED = {"dspark_capacity_verification_mode": "varlen", "dspark_min_predicted_gain": 1e9,
           "dspark_saturation_patience": 1, "dspark_resume_every": 1_000_000}
-# Variants per config: (name, skip_paused_sample, skip_paused_draft).
-VARIANTS = {
-    "nospec": [("as served", False, False)],
-    "all": [("as served", False, False)],
-    "paused": [("as served", False, False), ("prefill without sample", True, False), ("no draft work", False, True)],
-    "mask-paused": [("as served", False, False)],
+# Variants per config: (name, anatomy_begin switches). "as served" pauses with the deferred draft K/V upkeep
+# (engines.vllm.upkeep); "draft kept current" is the served path of draft_catchup_tokens 0 (the draft's prefill
+# pass every paused step, without its sample: section 15's second row); "no draft work" skips the draft
+# and never catches up (section 15's floor; benchmark-only).
+VARIANTS: dict[str, list[tuple[str, dict[str, bool]]]] = {
+    "nospec": [("as served", {})],
+    "all": [("as served", {})],
+    "paused": [("as served", {}), ("draft kept current", {"keep_draft_current": True}),
+               ("no draft work", {"skip_paused_draft": True})],
+    "mask-paused": [("as served", {})],
 }
 
 
@@ -375,9 +390,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0), use_tqdm=False)
     variants = []
-    for name, skip_sample, skip_draft in VARIANTS[args.run]:
-        llm.collective_rpc("anatomy_begin", kwargs={"skip_paused_sample": skip_sample,
-                                                    "skip_paused_draft": skip_draft})
+    for name, switches in VARIANTS[args.run]:
+        llm.collective_rpc("anatomy_begin", kwargs=switches)
         t = time.perf_counter()
         outs = llm.generate(prompts, sampling, use_tqdm=False)
         wall = time.perf_counter() - t

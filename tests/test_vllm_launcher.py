@@ -88,6 +88,7 @@ def test_files_are_checked_and_made_absolute(tmp_path: Path, monkeypatch: pytest
         (["m", "--speculative-config", _spec(dspark_sps_curv=[[1, 2]])], "unknown key"),
         (["m", "--speculative-config", _spec(dspark_capacity_verification_mode="fast")], "mode"),
         (["m", "--speculative-config", _spec(dspark_budget_frac=0)], "budget_frac"),
+        (["m", "--speculative-config", _spec(dspark_draft_catchup_tokens=-1)], "draft_catchup_tokens"),
         (["m", "--capacity-mode", "mask"], "speculative"),
         (["m", "--speculative-config", "[1]"], "JSON object"),
         (["m", "--speculative-config", "{nope"], "not valid JSON"),
@@ -124,6 +125,14 @@ def test_seed_translation_covers_every_key_the_cli_knows() -> None:
     assert set(serve_config.DSPARK_KEYS) <= set(SEED_KEYS)
     out = settings_from_seed_keys({"dspark_sps_curve": "auto", "dspark_confidence_threshold": 0.0})
     assert out["sps_curve"] is None and "policy" not in out
+
+
+def test_the_draft_catch_up_budget_travels_to_the_workers() -> None:
+    plan = plan_vllm_serve(["m", "--speculative-config", _spec(dspark_capacity_verification_mode="varlen",
+                                                               dspark_draft_catchup_tokens=0)])
+    assert plan.settings.draft_catchup_tokens == 0  # 0: the draft's K/V kept current on every paused step
+    assert _flag(plan.argv, "--additional-config")["dspark"]["draft_catchup_tokens"] == 0
+    assert DsparkVllmSettings().draft_catchup_tokens == 2048
 
 
 def test_settings_round_trip_through_additional_config() -> None:

@@ -149,6 +149,7 @@ def test_speculator_hooks_are_installed_once_and_serve_the_latest_manager() -> N
             self.name, self.scale = name, scale
             self._skip_decode = False
             self._pause_supported = True
+            self._upkeep = None  # the draft kept current while paused (tests/test_vllm_upkeep.py: deferred)
 
         def calibrate_in_graph(self, conf):
             return conf * self.scale

@@ -190,6 +190,19 @@ def _load(name: str, path: Path):
     return mod
 
 
+def _reply(handler: BaseHTTPRequestHandler, payload: bytes, content_type: str) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", content_type)
+    handler.end_headers()
+    handler.wfile.write(payload)
+
+
+def _serve(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def test_served_anatomy_is_driven_over_the_dev_endpoint_with_string_arguments(tmp_path: Path):
     """vllm_adaptive.py --anatomy drives the worker extension through vLLM's POST /collective_rpc, which passes
     every argument as a string; a stand-in of that endpoint calls a real AnatomyExtension on a stand-in runner."""
@@ -205,17 +218,12 @@ def test_served_anatomy_is_driven_over_the_dev_endpoint_with_string_arguments(tm
             seen.append(body)
             assert all(isinstance(v, str) for v in body.get("kwargs", {}).values())
             result = getattr(ext, body["method"])(*body.get("args", []), **body.get("kwargs", {}))
-            payload = json.dumps({"results": [result]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(payload)
+            _reply(self, json.dumps({"results": [result]}).encode(), "application/json")
 
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _serve(Endpoint)
     try:
         port = server.server_address[1]
         assert "speculator.propose" in adaptive._rpc(port, "anatomy_install")[0]
@@ -263,3 +271,58 @@ def test_device_spans_pair_up_per_step():
     assert device["propose"] == pytest.approx(4.5)
     assert device["sample_tokens"] == pytest.approx(5.25)
     assert device["forward"] is None  # the stand-in has no model to hook
+
+
+def test_lossless_mode_reports_acceptance_the_concurrent_smoke_and_exit_codes(tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]):
+    """vllm_adaptive.py --lossless --smoke against a stand-in of vLLM's completions and metrics endpoints."""
+    adaptive = _load("vllm_adaptive_lossless", PATH.parent / "vllm_adaptive.py")
+    short_by = {"n": 0}
+
+    class Endpoint(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            n = body["max_tokens"] - (short_by["n"] if body["max_tokens"] > 100 else 0)
+            body = {"choices": [{"text": "x", "token_ids": list(range(n))}], "usage": {"completion_tokens": n}}
+            _reply(self, json.dumps(body).encode(), "application/json")
+
+        def do_GET(self):  # noqa: N802
+            _reply(self, b"vllm:spec_decode_num_drafts_total 10\nvllm:spec_decode_num_draft_tokens_total 70\n"
+                         b"vllm:spec_decode_num_accepted_tokens_total 15\n", "text/plain")
+
+        def log_message(self, *args):
+            pass
+
+    server = _serve(Endpoint)
+    try:
+        port = server.server_address[1]
+        assert adaptive._acceptance(port)["acceptance_length"] == pytest.approx(2.5)
+        assert adaptive._concurrent_smoke(port, "m", 12) == {"requests": 12, "complete": 12}
+        short_by["n"] = 3  # the longest requests come back short
+        smoke = adaptive._concurrent_smoke(port, "m", 12)
+    finally:
+        server.shutdown()
+    assert smoke["complete"] < 12
+    same = {"nospec": [[1, 2]], "varlen": [[1, 2]]}
+    ok = {"acceptance": {"acceptance_length": 2.5}, "smoke": {"requests": 12, "complete": 12},
+          "upkeep": "skipped on 40 steps, 2 catch-ups of 600 tokens"}
+    assert adaptive._report_lossless(same, [], tmp_path, {"varlen": ok}) == 0
+    out = capsys.readouterr().out
+    assert "acceptance length 2.500" in out and "2 catch-ups" in out and "lossless greedy: OK" in out
+    assert adaptive._report_lossless({"nospec": [[1, 2]], "varlen": [[1, 3]]}, [], tmp_path) == 3
+    assert adaptive._report_lossless(same, [], tmp_path, {"varlen": {**ok, "smoke": smoke}}) == 1
+    assert adaptive._report_lossless(same, [{"config": "mask", "error": "exited"}], tmp_path) == 1
+    assert json.loads((tmp_path / "lossless.json").read_text())["errors"][0]["config"] == "mask"
+
+
+def test_keep_draft_current_switches_the_managers_upkeep_off_for_one_run():
+    clock = Clock()
+    ext = anatomy_mod.AnatomyExtension()
+    ext.model_runner = StandInRunner(clock, num_reqs=4)
+    upkeep = object()
+    ext.model_runner.adaptive_verification = SimpleNamespace(_upkeep=upkeep)
+    ext.anatomy_install()
+    ext.anatomy_begin(keep_draft_current="True")  # the dev endpoint's string form
+    assert ext.model_runner.adaptive_verification._upkeep is None
+    ext.anatomy_end(steady_reqs=4)
+    assert ext.model_runner.adaptive_verification._upkeep is upkeep

@@ -37,6 +37,7 @@ SEED_KEYS: dict[str, str] = {
     "dspark_saturation_patience": "saturation_patience",
     "dspark_resume_every": "resume_every",
     "dspark_sts_refit_interval": "sts_refit_interval",
+    "dspark_draft_catchup_tokens": "draft_catchup_tokens",
 }
 
 
@@ -60,6 +61,10 @@ class DsparkVllmSettings:
     sts_refit_interval: int = 64
     confidence_temperature: float | None = None
     record_traces: str | None = None
+    # While paused, a draft_model draft stops writing its K/V each step and catches up over the skipped
+    # positions in one pass once this many are pending in the batch (or drafting resumes); 0 keeps the draft's
+    # K/V current on every paused step (engines.vllm.upkeep says why this pays).
+    draft_catchup_tokens: int = 2048
 
     def __post_init__(self) -> None:
         w = f"--additional-config {ADDITIONAL_CONFIG_KEY}"
@@ -71,6 +76,7 @@ class DsparkVllmSettings:
         _integer(f"{w}.saturation_patience", self.saturation_patience, 0)
         _integer(f"{w}.resume_every", self.resume_every, 1)
         _integer(f"{w}.sts_refit_interval", self.sts_refit_interval, 1)
+        _integer(f"{w}.draft_catchup_tokens", self.draft_catchup_tokens, 0)
         if self.overhead_ms is not None:
             _number(f"{w}.overhead_ms", self.overhead_ms, 0.0, math.inf)
         if self.confidence_temperature is not None:

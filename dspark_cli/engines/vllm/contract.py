@@ -36,6 +36,7 @@ SPEC_INIT = "vllm.v1.worker.gpu.spec_decode"
 REJECTION = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 CUDAGRAPH = "vllm.v1.worker.gpu.cudagraph_utils"
 INPUT_BATCH = "vllm.v1.worker.gpu.input_batch"
+STATES = "vllm.v1.worker.gpu.states"
 ASYNC_UTILS = "vllm.v1.worker.gpu.async_utils"
 STRUCTURED = "vllm.v1.worker.gpu.structured_outputs"
 ATTN_UTILS = "vllm.v1.worker.gpu.attn_utils"
@@ -262,6 +263,32 @@ CONTRACT: tuple[Assumption, ...] = (
     Assumption(STANDALONE_AR, "StandaloneARSpeculator._prefill", "contains",
                ("self.draft_tokens[:num_reqs, 0] = self.sample_draft(",),
                why="the skipped sample's result lands in draft_tokens[:, 0], which the paused hook hands back"),
+    # --- deferred draft K/V upkeep while paused (engines.vllm.upkeep)
+    Assumption(STANDALONE_AR, "StandaloneARSpeculator._prefill", "method",
+               ("input_batch", "num_rejected", "last_sampled", "num_reqs", "skip_attn", "num_tokens_across_dp"),
+               why="a catch-up calls the prefill pass positionally over a synthetic batch of owed positions"),
+    Assumption(STANDALONE_AR, "_prepare_prefill_inputs_kernel", "contains",
+               ("is_correction = j == num_valid", "start_pos = tl.load(target_positions_ptr + q_start)",
+                "new_seq_len = tl.minimum(seq_len + 1, max_model_len)"),
+               why="catch-up rows are laid out as the kernel reads a row: contiguous positions from the row's "
+                   "first, accepted tokens, then the correction; K/V lengths end at the row's last token"),
+    Assumption(STANDALONE_AR, "prepare_prefill_inputs", "contains", ("return src_tokens + num_reqs",),
+               why="the upkeep budget leaves one correction slot per request in the expanded buffers"),
+    Assumption(SPECULATOR, "DraftModelSpeculator.__init__", "self_attr", ("max_num_tokens", "max_num_reqs", "dcp_size"),
+               why="the upkeep budget is bounded by the speculator's expanded prefill buffers"),
+    Assumption(SPECULATOR, "BaseSpeculator.propose", "method",
+               ("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states",
+                "num_sampled", "num_rejected", "last_sampled"),
+               why="the catch-up reads last_sampled as the runner passes it, positionally (index 7)"),
+    Assumption(STATES, "RequestState.__init__", "self_attr", ("all_token_ids",),
+               why="a catch-up gathers the committed token ids of the owed positions from it (.gpu)"),
+    Assumption(RUNNER, "GPUModelRunner.sample_tokens", "contains",
+               ("self.postprocess_sampled(", "self.req_states.last_sampled_tokens,"),
+               why="this step's tokens are committed into all_token_ids before propose reads them"),
+    *(Assumption(INPUT_BATCH, f"InputBatch.{name}", "field",
+                 why="what the upkeep reads of a batch, and replaces in its catch-up copy (dataclasses.replace)")
+      for name in ("idx_mapping_np", "query_start_loc_np", "seq_lens_cpu_upper_bound", "has_prefill",
+                   "num_draft_tokens", "num_tokens", "input_ids", "positions", "query_start_loc", "seq_lens")),
     Assumption(RUNNER, "GPUModelRunner.sample_tokens", "contains",
                ("draft_tokens[:, num_spec_tokens:] = -1",),
                why="a 0-draft step discards every proposed token, so a paused prefill need not sample one"),

@@ -39,6 +39,7 @@ import torch
 
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
 from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR
+from dspark_cli.engines.vllm.upkeep import CatchupBuffers, DraftUpkeep, catchup_batch
 
 logger = logging.getLogger("vllm.dspark")
 # Admissible survival for every scheduled draft slot (reallocate_drafts: the budget must be met exactly).
@@ -296,8 +297,32 @@ def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -
 
         def propose(*args: Any, **kwargs: Any) -> torch.Tensor:
             m = manager()
-            m._skip_decode = (m._pause_supported and kwargs.get("num_speculative_tokens") == 0
-                              and not kwargs.get("dummy_run"))
+            dummy = bool(kwargs.get("dummy_run"))
+            paused = m._pause_supported and kwargs.get("num_speculative_tokens") == 0 and not dummy
+            upkeep = m._upkeep
+            if upkeep is not None and not dummy:
+                batch = args[0] if args else kwargs["input_batch"]
+                r = int(batch.num_reqs)
+                slots = np.asarray(batch.idx_mapping_np[:r])
+                pure = upkeep.pure_decode(batch)
+                if paused and pure and upkeep.may_skip(slots):
+                    upkeep.skip(slots)  # no draft work: these tokens are written at the next catch-up
+                    return spec.draft_tokens[:r]
+                owed = upkeep.owed(slots)
+                if owed.any():
+                    rows = catchup_batch(batch, m.req_states.all_token_ids.gpu, upkeep.fit(owed),
+                                         m._catchup_buffers)
+                    upkeep.paid(slots)
+                    if pure:  # the catch-up rows end at this step's token: they are this step's prefill
+                        args, kwargs = _with_batch(args, kwargs, rows)
+                    else:  # a prompt chunk too: write the owed positions, then the step's own prefill pass
+                        m._skip_decode = True
+                        try:
+                            last_sampled = args[7] if len(args) > 7 else kwargs["last_sampled"]
+                            spec._prefill(rows, m._no_rejections[:r], last_sampled, r, False, None)
+                        finally:
+                            m._skip_decode = False
+            m._skip_decode = paused
             try:
                 return original_propose(*args, **kwargs)
             finally:
@@ -305,6 +330,12 @@ def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -
 
         spec._multi_step_decode = _multi_step_decode
         spec.propose = propose
+
+
+def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (batch, *args[1:]), kwargs
+    return args, {**kwargs, "input_batch": batch}
 
 
 def create_manager(settings: DsparkVllmSettings, av_module: Any, kwargs: dict[str, Any]) -> Any:
@@ -441,6 +472,9 @@ def build_manager_class(base: type) -> type:
             # those are reproducible from shared outcomes but not from each rank's own clock (attach sets it).
             self._timed = False
             self._skip_decode = False  # StandaloneAR: this propose keeps its prefill pass only
+            self._upkeep: DraftUpkeep | None = None  # StandaloneAR in varlen: deferred draft K/V (attach)
+            self._catchup_buffers: CatchupBuffers | None = None
+            self._no_rejections = torch.zeros(max_reqs, dtype=torch.int32, device=device)
             self._attached = False
             self._traces: _TraceStager | None = None
             # The saturation policy's outcome feedback: a step's emitted-token count goes to the host on a
@@ -510,6 +544,8 @@ def build_manager_class(base: type) -> type:
         def add_request(self, req_idx: int) -> None:
             super().add_request(req_idx)
             self._raw_slots[req_idx].fill_(1.0)
+            if self._upkeep is not None:
+                self._upkeep.reset(req_idx)
             self._steps[req_idx] = 0
 
         def record_confidences(self, confidence_probs: torch.Tensor, input_batch: Any) -> None:
@@ -667,6 +703,7 @@ def build_manager_class(base: type) -> type:
             # Compile the allocation kernel for every batch-size bucket now, not during serving.
             warm_up_allocate(self.num_speculative_steps, self.req_states.max_num_reqs, self.req_states.device,
                              drafts_dtype=self._sched_gpu.dtype)
+            self._set_up_upkeep(spec, standalone)
             hooked = getattr(spec, SPECULATOR_MANAGER_ATTR, None) is not None
             setattr(spec, SPECULATOR_MANAGER_ATTR, self)
             if not hooked:
@@ -678,6 +715,30 @@ def build_manager_class(base: type) -> type:
                     self._traces = _TraceStager(path, self.req_states.max_num_reqs, self.num_speculative_steps,
                                                 self.req_states.device)
                     logger.info("dspark: recording verification traces to %s", path)
+
+        def _set_up_upkeep(self, spec: Any, standalone: bool) -> None:
+            """StandaloneAR in varlen: defer the draft's K/V writes while paused (``engines.vllm.upkeep``).
+
+            Mask mode keeps the draft current: its paused batches carry placeholder drafts (vLLM's async
+            scheduler reserves them), so no paused step is a pure decode step there. The budget leaves room
+            for the prefill kernel's correction slot per request in the speculator's expanded buffers.
+            """
+            wanted = self.settings.draft_catchup_tokens
+            if not (standalone and self._pause_supported and self.mode == "varlen" and wanted > 0):
+                return
+            if int(getattr(spec, "dcp_size", 1)) > 1:
+                logger.info("dspark: decode context parallelism: the draft's K/V is kept current while paused")
+                return
+            budget = min(wanted, int(spec.max_num_tokens) - int(spec.max_num_reqs))
+            if budget < int(spec.max_num_reqs):
+                logger.info("dspark: max_num_batched_tokens %d leaves no catch-up budget over %d requests: the "
+                            "draft's K/V is kept current while paused", spec.max_num_tokens, spec.max_num_reqs)
+                return
+            self._upkeep = DraftUpkeep(self.req_states.max_num_reqs, budget)
+            self._catchup_buffers = CatchupBuffers.allocate(budget + int(spec.max_num_reqs),
+                                                            self.req_states.max_num_reqs, self.req_states.device)
+            logger.info("dspark: while paused, the draft skips its K/V pass and catches up every %d pending "
+                        "tokens or on resume", budget)
 
         def begin_drafting_step(self, runner: Any) -> None:
             """Before ``sample_tokens``: decide whether this step's propose drafts (saturation policy).
@@ -717,10 +778,14 @@ def build_manager_class(base: type) -> type:
             probes = ", ".join(f"{t} {v} {n}" for (t, v), n in c.probes.items() if n)
             quotients = ", ".join(f"{StepTimeCalibration.bucket_label(b)}: {q:.2f}"
                                   for b, q in self.timer.step_times.quotients().items())
+            u = self._upkeep
+            upkeep = ("kept current" if u is None else
+                      f"skipped on {u.skipped_steps} steps, {u.catchups} catch-ups of {u.caught_up_tokens} tokens"
+                      + (f", {u.truncated} truncated" if u.truncated else ""))
             logger.info("dspark: saturation: drafting %d / paused %d decisions; pauses %d, resumes %d, probes [%s]; "
-                        "drafting/paused step time over priced, by load [%s]",
+                        "drafting/paused step time over priced, by load [%s]; draft K/V while paused: %s",
                         self._decisions[True], self._decisions[False], c.pauses, c.resumes, probes or "none",
-                        quotients or "not measured yet")
+                        quotients or "not measured yet", upkeep)
 
         def _time_last_step(self, batch: Any) -> None:
             """Time the interval since the last drafting decision and charge it to that decision.

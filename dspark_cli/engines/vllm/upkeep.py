@@ -1,0 +1,170 @@
+"""Deferred K/V upkeep of a ``draft_model`` draft while the saturation policy pauses drafting.
+
+Why. vLLM's StandaloneAR speculator (``method: "draft_model"``) runs the draft over every token the target
+processed, each step, so that its K/V cache stays complete: its prefill pass. A paused step proposes no
+drafts but still paid that pass -- on the H200 (Llama-3-8B shape, 64 requests, docs/PERFORMANCE.md section
+15) 0.34 ms of device time behind 1.8 ms of eager launches, which the shorter steps of low load cannot hide;
+the "no draft work" ablation ran as fast as plain decoding. So while paused, a pure decode step (one token
+per request, no drafts, no prompt chunk) skips the pass and the tokens it would have written are counted as
+*pending* per request. One pass over a synthetic batch writes them all once ``budget`` tokens are pending
+in the batch, or when drafting resumes -- before any draft forward reads that K/V. At 64 requests and a
+budget of 2048 that is one pass every 32 paused steps instead of 32 passes.
+
+Why it is exact. At a step whose batch verifies no drafts every scheduled token is committed: its K/V
+entries are the draft's inputs at known positions, and the committed ids are in ``req_states.all_token_ids``.
+A request's pending tokens are always the ones right before its current query, so the catch-up row of
+request ``i`` is positions ``[start_i - pending_i, start_i]`` (``start_i``: its first query position this
+step) -- the same layout the prefill kernel already consumes (accepted tokens, then the correction token),
+so the speculator's own ``_prefill`` writes it, with a correction token that is the real next token at a
+decode step and is overwritten before it is read at a step that also carries a prompt chunk (that step runs
+its normal prefill pass right after the catch-up).
+
+What is not caught up: a request that ends before its next catch-up leaves its last pending positions
+unwritten in the draft's cache. Outputs are unaffected (the target verifies every draft); a later request
+that reuses those blocks through the prefix cache (a follow-up turn over a paused answer) drafts from an
+incomplete draft context until its own tokens overwrite them. Prompt chunks are never deferred, so shared
+prompts are complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class DraftUpkeep:
+    """How many K/V positions the draft owes each request slot, and when to pay them (host only).
+
+    ``budget``: the most tokens pending in one batch before a paused step catches up (and the size bound of
+    a catch-up batch, which must fit the speculator's expanded prefill buffers). Slot counters are reset by
+    :meth:`reset` when vLLM puts a new request into the slot.
+    """
+
+    def __init__(self, max_num_reqs: int, budget: int) -> None:
+        if budget <= 0:
+            raise ValueError(f"draft upkeep budget must be positive, got {budget}")
+        self.budget = budget
+        self.pending = np.zeros(max_num_reqs, dtype=np.int64)
+        self.skipped_steps = 0
+        self.catchups = 0
+        self.caught_up_tokens = 0
+        self.truncated = 0
+
+    def reset(self, slot: int) -> None:
+        self.pending[slot] = 0
+
+    @staticmethod
+    def pure_decode(batch: Any) -> bool:
+        """One committed token per request: no drafts verified, no prompt chunk (host fields only)."""
+        if int(batch.num_draft_tokens or 0) != 0 or bool(batch.has_prefill):
+            return False
+        return int(batch.num_tokens) == int(batch.num_reqs)
+
+    def owed(self, slots: np.ndarray) -> np.ndarray:
+        return self.pending[slots]
+
+    def may_skip(self, slots: np.ndarray) -> bool:
+        """Whether a paused pure-decode step over ``slots`` can defer its tokens within the budget."""
+        return int(self.pending[slots].sum()) + len(slots) <= self.budget
+
+    def skip(self, slots: np.ndarray) -> None:
+        self.pending[slots] += 1
+        self.skipped_steps += 1
+
+    def fit(self, owed: np.ndarray) -> np.ndarray:
+        """``owed`` scaled down to the budget when it exceeds it (a request absent from the steps that counted
+        the others' tokens can, in principle, add its own on return): the oldest positions stay unwritten --
+        holes in the draft's context, never in the output -- rather than a batch past its buffers."""
+        total = int(owed.sum())
+        if total <= self.budget:
+            return owed
+        self.truncated += 1
+        return owed * self.budget // total
+
+    def paid(self, slots: np.ndarray) -> None:
+        self.catchups += 1
+        self.caught_up_tokens += int(self.pending[slots].sum())
+        self.pending[slots] = 0
+
+
+@dataclasses.dataclass
+class CatchupBuffers:
+    """Persistent device buffers of the synthetic catch-up batch (allocated once, sliced per use)."""
+
+    input_ids: torch.Tensor  # [max_tokens] int32
+    positions: torch.Tensor  # [max_tokens] int64
+    query_start_loc: torch.Tensor  # [max_reqs + 1] int32
+
+    @classmethod
+    def allocate(cls, max_tokens: int, max_reqs: int, device: torch.device) -> CatchupBuffers:
+        return cls(torch.zeros(max_tokens, dtype=torch.int32, device=device),
+                   torch.zeros(max_tokens, dtype=torch.int64, device=device),
+                   torch.zeros(max_reqs + 1, dtype=torch.int32, device=device))
+
+
+def catchup_rows(all_token_ids: torch.Tensor, idx_mapping: torch.Tensor, starts: torch.Tensor,
+                 owed: np.ndarray, buffers: CatchupBuffers) -> tuple[np.ndarray, int]:
+    """Fill ``buffers`` with row ``i`` = committed tokens at positions ``[starts[i] - owed[i], starts[i]]``.
+
+    ``all_token_ids`` [max_reqs, max_len] (committed ids by slot), ``idx_mapping`` [R] batch row -> slot,
+    ``starts`` [R] each row's first query position this step (device), ``owed`` [R] host counts. Returns the
+    host ``query_start_loc`` [R + 1] of the rows and their total. No host sync: every size comes from ``owed``.
+    """
+    r = len(owed)
+    rows = owed.astype(np.int64) + 1
+    qsl_np = np.zeros(r + 1, dtype=np.int32)
+    np.cumsum(rows, out=qsl_np[1:])
+    total = int(qsl_np[-1])
+    if total > buffers.input_ids.shape[0]:
+        raise ValueError(f"catch-up batch of {total} tokens exceeds its {buffers.input_ids.shape[0]}-token buffer")
+    device = starts.device
+    pin = device.type == "cuda"
+    host = torch.from_numpy(np.concatenate([rows, owed.astype(np.int64)]))
+    host = host.pin_memory() if pin else host
+    both = host.to(device, non_blocking=True)
+    rows_d, owed_d = both[:r], both[r:]
+    qsl = buffers.query_start_loc[: r + 1]
+    qsl.copy_(torch.from_numpy(qsl_np).pin_memory() if pin else torch.from_numpy(qsl_np), non_blocking=True)
+    row_of = torch.repeat_interleave(torch.arange(r, device=device), rows_d, output_size=total)
+    offset = torch.arange(total, device=device) - qsl[:-1].to(torch.int64)[row_of]
+    pos = buffers.positions[:total]
+    torch.add(starts.to(torch.int64)[row_of] - owed_d[row_of], offset, out=pos)
+    buffers.input_ids[:total].copy_(all_token_ids[idx_mapping.to(torch.int64)[row_of], pos])
+    return qsl_np, total
+
+
+def catchup_batch(batch: Any, all_token_ids: torch.Tensor, owed: np.ndarray, buffers: CatchupBuffers) -> Any:
+    """A copy of vLLM's ``InputBatch`` whose queries are the catch-up rows (same requests, same row order).
+
+    Only what the StandaloneAR prefill reads changes: ids, positions, query starts (device and host), the
+    token count, and the K/V lengths, which end at each row's last position plus one (a pure-decode row's
+    lengths are unchanged). Block tables, slots and sampling state stay the batch's own.
+    """
+    r = int(batch.num_reqs)
+    qsl_np = np.asarray(batch.query_start_loc_np[: r + 1])
+    qsl = batch.query_start_loc[: r + 1].to(torch.int64)
+    starts = batch.positions[qsl[:-1]]
+    rows_qsl_np, total = catchup_rows(all_token_ids, batch.idx_mapping[:r], starts, owed, buffers)
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_lens = (batch.seq_lens[:r] - query_lens + 1).to(batch.seq_lens.dtype)
+    query_lens_cpu = torch.from_numpy(np.diff(qsl_np).astype(np.int64))
+    upper = batch.seq_lens_cpu_upper_bound
+    upper_rows = (upper[:r].to(torch.int64) - query_lens_cpu + 1).to(upper.dtype)
+    padded_qsl_np = np.full(len(batch.query_start_loc_np), total, dtype=np.int32)
+    padded_qsl_np[: r + 1] = rows_qsl_np
+    return dataclasses.replace(
+        batch,
+        input_ids=buffers.input_ids[:total],
+        positions=buffers.positions[:total],
+        query_start_loc=buffers.query_start_loc[: r + 1],
+        query_start_loc_np=padded_qsl_np,
+        num_tokens=total,
+        seq_lens=seq_lens,
+        seq_lens_cpu_upper_bound=torch.cat([upper_rows, upper[r:]]),
+    )
+
+
+__all__ = ["DraftUpkeep", "CatchupBuffers", "catchup_rows", "catchup_batch"]
