@@ -94,8 +94,11 @@ queue_stalls() {
 # step anatomy): ~22 min after staging (2026-12-01: install 1, profile 3, groups 10 and 8).
 # REUSE_CURVE=1: the curve `dspark profile-sps` measured in section 14's sitting (same machine kind) instead of
 # profiling again (saves 3 min). REAL_SMOKE=1: first the greedy lossless check with real weights (issue 6 item
-# 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec, varlen and varlen-current,
-# with a concurrent smoke per config; should a config fail to serve, the matrix keeps the draft's K/V current.
+# 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec and forced-verification configs
+# (varlen-verify; varlen-cycle, pausing and probing often, caught up or kept current: their acceptance says
+# whether a caught-up draft drafts as well), with a concurrent smoke per config; should a config fail to
+# serve, the matrix keeps the draft's K/V current. Section 16's sitting ran nospec, varlen, varlen-current:
+# both of ours accepted no draft (so outputs matched trivially), which varlen-verify now rules in or out.
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
   stage "install vLLM" bash /tmp/stage/install.sh
@@ -110,7 +113,7 @@ queue_vllm() {
   fi
   if [[ ${REAL_SMOKE:-0} == 1 ]]; then
     stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
-    OVERLAP=3 GPU_UTIL=0.2 CONFIGS=nospec,varlen,varlen-current \
+    OVERLAP=4 GPU_UTIL=0.2 CONFIGS=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle,varlen-cycle-current} \
       stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
     rc=$?
     [[ $rc == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
@@ -188,6 +191,6 @@ case $ACTION in
   collect)
     DEST=${3:?usage: h200_two_gpus.sh collect ROOT DEST}
     mkdir -p "$DEST"
-    tar -C "$ROOT" --exclude=./repo --exclude='*.pid' -czf "$DEST/results.tgz" . && ls -la "$DEST" ;;
+    tar -C "$ROOT" --exclude=./repo --exclude='*.pid' --exclude=real-pair -czf "$DEST/results.tgz" . && ls -la "$DEST" ;;
   *) echo "unknown action $ACTION (start|status|collect)" >&2; exit 2 ;;
 esac

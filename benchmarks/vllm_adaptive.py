@@ -294,7 +294,8 @@ def main() -> int:
     ap.add_argument("--load-format", default=None, help="e.g. dummy (real step costs, no weights)")
     ap.add_argument("--configs", default="upstream,varlen,mask",
                     help="comma list of nospec, all, upstream, varlen, mask, varlen-nosat, varlen-nosts, "
-                         "varlen-startup, varlen-current")
+                         "varlen-startup, varlen-current; for --lossless also varlen-verify, varlen-cycle, "
+                         "varlen-cycle-current")
     ap.add_argument("--client", choices=("dspark", "vllm"), default="dspark",
                     help="dspark bench --base-url (one summary table in OUT/bench) or vllm bench serve")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the bench requests")
@@ -361,7 +362,16 @@ def main() -> int:
                          "dspark_online_sts": False},
         "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
         "varlen-current": {**varlen, "dspark_draft_catchup_tokens": 0},  # the draft's K/V kept current while paused
+        # For the lossless check with real weights: verification forced on (a survival threshold instead of the
+        # curve, no saturation), and the same with the policy pausing and probing often (patience 1, a probe
+        # every 2 paused steps, backing off): its probes draft right after a catch-up, so their acceptance
+        # against varlen-verify's says whether the caught-up draft drafts as well (varlen-cycle-current: kept
+        # current instead).
+        "varlen-verify": {**varlen, "dspark_saturation_patience": 0, "dspark_confidence_threshold": 0.001},
+        "varlen-cycle": {**varlen, "dspark_confidence_threshold": 0.001, "dspark_saturation_patience": 1,
+                         "dspark_resume_every": 2},
     }
+    specs["varlen-cycle-current"] = {**specs["varlen-cycle"], "dspark_draft_catchup_tokens": 0}
     if args.lossless:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
         # nothing about its padding path: a budget cap makes it prune.

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from dspark_cli.core.capacity import (
     PLAIN_SAMPLE_EVERY,
     PROBE_BANK,
+    PROBE_MARGIN,
     PROBE_TAX,
     BudgetDecision,
     CapacityConfig,
@@ -669,6 +670,23 @@ def test_drafting_that_pays_only_at_high_load_resumes_when_the_load_rises() -> N
     assert wait_before[256] >= 8 * 16  # the losing cells backed the timer off
     assert drafted_at_256 >= 300 - 2
     assert pol.counters.probes["rise", "paid"] == 1
+    last = pol.counters.last_probe  # what the server log says of it
+    assert last.trigger == "rise" and last.num_running == 256 and last.predicted
+    assert last.realized == pytest.approx(int(1.3 * 256) / PROBE_MARGIN)  # tokens per priced ms over plain's
+    assert last.describe().startswith("rise probe at 256 requests paid: realized ")
+
+
+def test_the_last_probe_verdict_says_why_a_probe_failed() -> None:
+    pol = SaturationPolicy(patience=1, resume_every=1)
+    pol.begin_step(32)
+    pol.observe_outcome(_decision(0, 0.5, 1.0), 16, 32)  # pauses
+    assert not pol.drafting_enabled and pol.counters.last_probe is None
+    assert pol.begin_step(32) and pol.probing
+    pol.observe_outcome(_decision(4, 1.5, 1.0), 1, 32, cost_scale=2.0)  # measured: drafting costs 2x its price
+    last = pol.counters.last_probe
+    assert last.trigger == "timer" and last.cost_scale == 2.0 and last.predicted
+    assert last.realized == pytest.approx(1 / 2.0 / PROBE_MARGIN) and last.realized < 1
+    assert "failed" in last.describe() and "cost scale 2.00" in last.describe()
 
 
 def test_closed_loop_refills_do_not_restart_drafting_where_it_never_pays() -> None:

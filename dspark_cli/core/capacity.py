@@ -501,14 +501,15 @@ class StepTimer:
     :meth:`begin_step` turns one step in ``PLAIN_SAMPLE_EVERY`` timed drafting steps into a plain one, so
     the quotient has a plain measurement to compare against (one plain step in 65 costs a paying
     configuration well under 1%). The embedded engine's probe steps are not drafting's cost (a probe catches
-    the draft up over the whole pause) and are left out of the calibration; ``time_probes`` keeps them, for
-    engines whose draft is never behind (vLLM's paused steps keep the draft's K/V), where a probe's steps are
-    the only drafting measurements a pause leaves.
+    the draft up over the whole pause) and are left out of the calibration; ``time_probes`` keeps them, where
+    a probe's steps are the only drafting measurements a pause leaves (the vLLM manager; since its paused
+    ``draft_model`` draft catches up too, docs/PERFORMANCE.md section 16, its probes carry part of a
+    catch-up, which leaves that choice open).
 
     What a "plain" step is depends on the engine, and that is the point: the embedded engine's paused step
-    is plain decoding, while vLLM's paused ``draft_model`` step still runs the draft's prefill pass (on the
-    H200's Llama-3-8B shape at 64 requests a served paused step cost 8.8 ms against 6.9 ms with no
-    speculation, 7.1 against 6.3 ms in-process; docs/PERFORMANCE.md section 15). The quotient then compares
+    is plain decoding, while vLLM's paused ``draft_model`` step still costs more (on the H200's Llama-3-8B
+    shape at 64 requests, in-process, 6.84 ms against 6.31 ms with no speculation after the draft's prefill
+    pass was deferred, 7.1 ms before; docs/PERFORMANCE.md sections 15 and 16). The quotient then compares
     drafting against what pausing really costs there, not against the curve's price of plain decoding.
     """
 
@@ -560,6 +561,28 @@ class SaturationCounters:
     deferred_probe_steps: int = 0
     probes: dict[tuple[str, str], int] = field(
         default_factory=lambda: {(t, v): 0 for t in PROBE_TRIGGERS for v in PROBE_VERDICTS})
+    last_probe: ProbeVerdict | None = None  # the evidence of the latest judged probe
+
+
+@dataclass(frozen=True)
+class ProbeVerdict:
+    """Why the latest probe paid or failed: what a server's log needs to tell a wrong verdict from a right one.
+
+    ``realized``: the probe's Θ over plain decoding's, after ``PROBE_MARGIN`` (it pays at >= 1, and only if
+    ``predicted`` -- the budget decision said drafting pays too); ``cost_scale``: the measured drafting-step
+    quotient the verdict used (``StepTimeCalibration``).
+    """
+
+    trigger: str
+    num_running: int
+    realized: float
+    predicted: bool
+    cost_scale: float
+
+    def describe(self) -> str:
+        verdict = "paid" if self.predicted and self.realized >= 1.0 else "failed"
+        return (f"{self.trigger} probe at {self.num_running} requests {verdict}: realized {self.realized:.2f}x plain "
+                f"decoding at cost scale {self.cost_scale:.2f}, predicted {'to pay' if self.predicted else 'no gain'}")
 
 
 class SaturationPolicy:
@@ -806,8 +829,11 @@ class SaturationPolicy:
             if self._probe_requests < PROBE_REQUEST_STEPS and self._probe_steps < PROBE_MAX_STEPS:
                 return decision.pays
             realized = (self._probe_tokens / self._probe_ms) / (self._probe_requests / self._probe_plain)
+            running = self._probe_running or r
             self._clear_probe()
             realized /= PROBE_MARGIN
+            self.counters.last_probe = ProbeVerdict(self._probe_trigger, running, realized, decision.pays,
+                                                    cost_scale)
         else:
             realized = self._realized.value
         paid = decision.pays and realized >= 1.0

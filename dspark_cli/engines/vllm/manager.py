@@ -247,10 +247,14 @@ def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -
     * ``model.compute_confidence`` (``calibrate``): STS inside the draft graph (DSpark confidence heads);
     * ``observe_verification``: outcomes for online STS and traces, and upstream's estimator censored;
     * ``propose`` / ``_multi_step_decode`` / ``sample_draft`` (``skip_decode``, StandaloneAR): a paused step
-      keeps the draft's prefill pass, which writes the draft's K/V, and skips its K - 1 decode passes and the
-      prefill's first-token sample, whose token the runner discards (every draft of a 0-draft step becomes
-      -1). The sample is a vocabulary-wide head over every request: 0.40 of the 0.74 ms a paused step cost
-      over plain decoding on the H200 (Llama-3-8B shape, 64 requests; docs/PERFORMANCE.md section 15).
+      skips the draft's K - 1 decode passes and the prefill's first-token sample, whose token the runner
+      discards (every draft of a 0-draft step becomes -1): a vocabulary-wide head over every request, 0.40 of
+      the 0.74 ms a paused step cost over plain decoding on the H200 (Llama-3-8B shape, 64 requests;
+      docs/PERFORMANCE.md section 15). With the manager's ``_upkeep`` (varlen) a paused pure-decode step
+      skips the prefill pass too and owes its K/V writes; a later propose writes them first, as a
+      synthetic batch through the speculator's own ``_prefill`` (``engines.vllm.upkeep``: served on the
+      H200, +29% and +23% at 16 and 64 requests over keeping the draft current, section 16). Without it the
+      prefill pass runs, which keeps the draft's K/V complete.
     """
     def manager() -> Any:
         return getattr(spec, SPECULATOR_MANAGER_ATTR)
@@ -689,8 +693,9 @@ def build_manager_class(base: type) -> type:
             # already supports per step: the speculator is told num_speculative_tokens=0, the scheduler gets
             # no drafts, and the next step decodes one token per request. The DFlash family then stores its
             # context K/V and skips the query pass; StandaloneAR ignores the count, so its K-1 decode passes
-            # are skipped here while its prefill pass still runs (the draft's K/V stays complete, so drafts
-            # after resuming are as good as before the pause). Other speculators only trim (budget 0).
+            # are skipped here, and in varlen its prefill pass too, the draft's K/V caught up later
+            # (engines.vllm.upkeep: drafts after resuming are as good as before the pause); in mask mode
+            # the prefill pass still runs. Other speculators only trim (budget 0).
             standalone = isinstance(spec, StandaloneARSpeculator)
             self._pause_supported = (
                 (isinstance(spec, DFlashSpeculator) or standalone)
@@ -782,10 +787,11 @@ def build_manager_class(base: type) -> type:
             upkeep = ("kept current" if u is None else
                       f"skipped on {u.skipped_steps} steps, {u.catchups} catch-ups of {u.caught_up_tokens} tokens"
                       + (f", {u.truncated} truncated" if u.truncated else ""))
+            last = "none" if c.last_probe is None else c.last_probe.describe()
             logger.info("dspark: saturation: drafting %d / paused %d decisions; pauses %d, resumes %d, probes [%s]; "
-                        "drafting/paused step time over priced, by load [%s]; draft K/V while paused: %s",
-                        self._decisions[True], self._decisions[False], c.pauses, c.resumes, probes or "none",
-                        quotients or "not measured yet", upkeep)
+                        "last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V while "
+                        "paused: %s", self._decisions[True], self._decisions[False], c.pauses, c.resumes,
+                        probes or "none", last, quotients or "not measured yet", upkeep)
 
         def _time_last_step(self, batch: Any) -> None:
             """Time the interval since the last drafting decision and charge it to that decision.
