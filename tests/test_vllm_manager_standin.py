@@ -157,6 +157,25 @@ def test_varlen_admits_exactly_the_budget_the_runner_is_told(manager_cls) -> Non
     assert int(qsl[3]) == 3 + budget
 
 
+def test_a_paused_varlen_step_gets_the_layout_the_allocation_would_build(manager_cls) -> None:
+    """A paused step's placeholder drafts are verified by none: its layout is built on the host in one copy,
+    and it must equal what the device allocation builds for a budget of 0 (prompt chunks included)."""
+    per_req = {"r0": 1 + K, "r1": 9 + K, "r2": 1 + K}  # r1 carries a prompt chunk of 9 tokens
+    drafts = {x: [0] * K for x in per_req}
+    layouts = []
+    for real in (True, False):
+        m = _make(manager_cls, "varlen")
+        _record(m, [[0.0] * K] * 3)  # no survival: the allocation's budget is 0 too
+        m._drafts_real = real
+        assert m.get_num_tokens(per_req, drafts) == 11 and m._batch_budget[2] == 0
+        m.query_start_loc.fill_(-1)
+        cu, qsl, told, admitted = m.reallocate_drafts(list(per_req), torch.arange(3))
+        layouts.append((cu.tolist(), qsl.tolist(), told, admitted))
+        assert m._verify_pending[3] is real
+    assert layouts[0] == layouts[1]
+    assert layouts[1][0] == [0, 1, 2, 3] and layouts[1][1][:4] == [0, 1, 10, 11] and set(layouts[1][1][4:]) == {11}
+
+
 def test_mask_keeps_the_uniform_layout_and_pads_pruned_rows(manager_cls) -> None:
     m = _make(manager_cls, "mask")
     _record(m, [[0.9, 0.9, 0.9, 0.9], [0.9, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2]])
