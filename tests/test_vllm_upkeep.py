@@ -121,7 +121,8 @@ class Runner:
         upkeep = DraftUpkeep(MAX_REQS, upkeep_budget) if upkeep_budget else None
         self.manager = types.SimpleNamespace(
             _pause_supported=True, _skip_decode=False, _upkeep=upkeep,
-            _catchup_buffers=CatchupBuffers.allocate((upkeep_budget or 0) + MAX_REQS, MAX_REQS, torch.device("cpu")),
+            _catchup_buffers=CatchupBuffers.allocate((upkeep_budget or 0) + max_num_tokens, MAX_REQS,
+                                                     torch.device("cpu")),
             _no_rejections=torch.zeros(MAX_REQS, dtype=torch.int32),
             req_states=types.SimpleNamespace(all_token_ids=types.SimpleNamespace(gpu=self.committed)),
             calibrate_in_graph=lambda c: c, verified_rejections=lambda s, r: r, observe=lambda s: None)
@@ -203,6 +204,18 @@ def test_a_resumed_draft_always_drafts_from_its_committed_context(seed: int, bud
     runner = Runner(budget, max_num_tokens=budget + 2 * MAX_REQS, rng=rng)
     drive(runner, rng, 120)
     assert runner.spec.drafting_reads > 0
+
+
+def test_catch_ups_ride_the_steps_own_prefill_pass_where_they_fit() -> None:
+    """A paused step that carries a prompt chunk catches up in its own prefill pass; where the rows would not
+    fit the speculator's expanded buffers (a small max_num_batched_tokens), in a pass of their own first."""
+    for budget, max_num_tokens, separate in ((8, 256, False), (4, 4 + MAX_REQS, True)):
+        rng = random.Random(11)
+        runner = Runner(budget, max_num_tokens, rng)
+        drive(runner, rng, 200)
+        upkeep = runner.manager._upkeep
+        assert upkeep.catchups > 0 and upkeep.skipped_steps > 0
+        assert (upkeep.separate_catchups > 0) is separate, (max_num_tokens, upkeep.separate_catchups)
 
 
 def test_pausing_skips_most_draft_passes_and_catches_up_in_few() -> None:

@@ -314,12 +314,19 @@ def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -
                     return spec.draft_tokens[:r]
                 owed = upkeep.owed(slots)
                 if owed.any():
-                    rows = catchup_batch(batch, m.req_states.all_token_ids.gpu, upkeep.fit(owed),
-                                         m._catchup_buffers)
-                    upkeep.paid(slots)
-                    if pure:  # the catch-up rows end at this step's token: they are this step's prefill
+                    owed = upkeep.fit(owed)
+                    # A batch that verifies no drafts (every query token committed) whose rows fit the
+                    # speculator's expanded buffers: one pass, rows run on through each query.
+                    whole = (int(batch.num_draft_tokens or 0) == 0
+                             and int(owed.sum()) + int(batch.num_tokens) <= m._catchup_buffers.capacity
+                             and int(owed.sum()) + int(batch.num_tokens) + r
+                             <= int(spec.max_num_tokens) + int(spec.max_num_reqs))
+                    rows = catchup_batch(batch, m.req_states.all_token_ids.gpu, owed, m._catchup_buffers,
+                                         whole_query=whole)
+                    upkeep.paid(slots, merged=whole)
+                    if whole:  # the catch-up is this step's prefill pass
                         args, kwargs = _with_batch(args, kwargs, rows)
-                    else:  # a prompt chunk too: write the owed positions, then the step's own prefill pass
+                    else:  # drafts verified, or too large: write the owed positions, then the step's own pass
                         m._skip_decode = True
                         try:
                             last_sampled = args[7] if len(args) > 7 else kwargs["last_sampled"]
@@ -763,7 +770,7 @@ def build_manager_class(base: type) -> type:
                             "draft's K/V is kept current while paused", spec.max_num_tokens, spec.max_num_reqs)
                 return
             self._upkeep = DraftUpkeep(self.req_states.max_num_reqs, budget)
-            self._catchup_buffers = CatchupBuffers.allocate(budget + int(spec.max_num_reqs),
+            self._catchup_buffers = CatchupBuffers.allocate(budget + int(spec.max_num_tokens),
                                                             self.req_states.max_num_reqs, self.req_states.device)
             logger.info("dspark: while paused, the draft skips its K/V pass and catches up every %d pending "
                         "tokens or on resume", budget)

@@ -15,9 +15,12 @@ entries are the draft's inputs at known positions, and the committed ids are in 
 A request's pending tokens are always the ones right before its current query, so the catch-up row of
 request ``i`` is positions ``[start_i - pending_i, start_i]`` (``start_i``: its first query position this
 step) -- the same layout the prefill kernel already consumes (accepted tokens, then the correction token),
-so the speculator's own ``_prefill`` writes it, with a correction token that is the real next token at a
-decode step and is overwritten before it is read at a step that also carries a prompt chunk (that step runs
-its normal prefill pass right after the catch-up).
+so the speculator's own ``_prefill`` writes it. At a step that verifies no drafts the rows run on through
+each request's query, so the one pass is also the step's own prefill pass (a prompt chunk's row is the
+chunk, a decode row ends at its token, and the correction token is what the normal pass would write). Where
+drafts are verified, or the rows would not fit the speculator's expanded buffers, the rows end at each
+first query position (their correction slot holds a placeholder that the step's own pass, run right after,
+overwrites).
 
 What is not caught up: a request that ends before its next catch-up leaves its last pending positions
 unwritten in the draft's cache. Outputs are unaffected (the target verifies every draft); a later request
@@ -52,6 +55,7 @@ class DraftUpkeep:
         self.catchups = 0
         self.caught_up_tokens = 0
         self.truncated = 0
+        self.separate_catchups = 0
 
     def reset(self, slot: int) -> None:
         self.pending[slot] = 0
@@ -84,8 +88,11 @@ class DraftUpkeep:
         self.truncated += 1
         return owed * self.budget // total
 
-    def paid(self, slots: np.ndarray) -> None:
+    def paid(self, slots: np.ndarray, merged: bool = True) -> None:
+        """The owed positions of ``slots`` were written; ``merged``: in the step's own prefill pass (else in
+        a pass of their own before it)."""
         self.catchups += 1
+        self.separate_catchups += not merged
         self.caught_up_tokens += int(self.pending[slots].sum())
         self.pending[slots] = 0
 
@@ -98,6 +105,10 @@ class CatchupBuffers:
     positions: torch.Tensor  # [max_tokens] int64
     query_start_loc: torch.Tensor  # [max_reqs + 1] int32
 
+    @property
+    def capacity(self) -> int:
+        return int(self.input_ids.shape[0])
+
     @classmethod
     def allocate(cls, max_tokens: int, max_reqs: int, device: torch.device) -> CatchupBuffers:
         return cls(torch.zeros(max_tokens, dtype=torch.int32, device=device),
@@ -106,15 +117,17 @@ class CatchupBuffers:
 
 
 def catchup_rows(all_token_ids: torch.Tensor, idx_mapping: torch.Tensor, starts: torch.Tensor,
-                 owed: np.ndarray, buffers: CatchupBuffers) -> tuple[np.ndarray, int]:
-    """Fill ``buffers`` with row ``i`` = committed tokens at positions ``[starts[i] - owed[i], starts[i]]``.
+                 owed: np.ndarray, buffers: CatchupBuffers, through: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """Fill ``buffers`` with row ``i`` = committed tokens at positions ``[starts[i] - owed[i], starts[i] +
+    through[i])`` (``through`` defaults to 1: up to and including the row's first query position).
 
     ``all_token_ids`` [max_reqs, max_len] (committed ids by slot), ``idx_mapping`` [R] batch row -> slot,
-    ``starts`` [R] each row's first query position this step (device), ``owed`` [R] host counts. Returns the
-    host ``query_start_loc`` [R + 1] of the rows and their total. No host sync: every size comes from ``owed``.
+    ``starts`` [R] each row's first query position this step (device), ``owed`` and ``through`` [R] host
+    counts. Returns the host ``query_start_loc`` [R + 1] of the rows and their total. No host sync: every size
+    comes from the host counts.
     """
     r = len(owed)
-    rows = owed.astype(np.int64) + 1
+    rows = owed.astype(np.int64) + (1 if through is None else through.astype(np.int64))
     qsl_np = np.zeros(r + 1, dtype=np.int32)
     np.cumsum(rows, out=qsl_np[1:])
     total = int(qsl_np[-1])
@@ -136,23 +149,31 @@ def catchup_rows(all_token_ids: torch.Tensor, idx_mapping: torch.Tensor, starts:
     return qsl_np, total
 
 
-def catchup_batch(batch: Any, all_token_ids: torch.Tensor, owed: np.ndarray, buffers: CatchupBuffers) -> Any:
+def catchup_batch(batch: Any, all_token_ids: torch.Tensor, owed: np.ndarray, buffers: CatchupBuffers,
+                  whole_query: bool = False) -> Any:
     """A copy of vLLM's ``InputBatch`` whose queries are the catch-up rows (same requests, same row order).
 
-    Only what the StandaloneAR prefill reads changes: ids, positions, query starts (device and host), the
-    token count, and the K/V lengths, which end at each row's last position plus one (a pure-decode row's
-    lengths are unchanged). Block tables, slots and sampling state stay the batch's own.
+    ``whole_query`` (a batch that verifies no drafts: every query token is committed): each row runs on
+    through the request's query, so one pass is both the catch-up and the step's own prefill pass; else each
+    row ends at the request's first query position, and the step's own pass follows. Only what the
+    StandaloneAR prefill reads changes: ids, positions, query starts (device and host), the token count, and
+    the K/V lengths, which end at each row's last position plus one (unchanged for a whole-query row or a
+    pure-decode one). Block tables, slots and sampling state stay the batch's own.
     """
     r = int(batch.num_reqs)
     qsl_np = np.asarray(batch.query_start_loc_np[: r + 1])
     qsl = batch.query_start_loc[: r + 1].to(torch.int64)
     starts = batch.positions[qsl[:-1]]
-    rows_qsl_np, total = catchup_rows(all_token_ids, batch.idx_mapping[:r], starts, owed, buffers)
-    query_lens = qsl[1:] - qsl[:-1]
-    seq_lens = (batch.seq_lens[:r] - query_lens + 1).to(batch.seq_lens.dtype)
-    query_lens_cpu = torch.from_numpy(np.diff(qsl_np).astype(np.int64))
+    query_lens_np = np.diff(qsl_np).astype(np.int64)
+    through = query_lens_np if whole_query else np.ones(r, dtype=np.int64)
+    rows_qsl_np, total = catchup_rows(all_token_ids, batch.idx_mapping[:r], starts, owed, buffers, through)
+    # K/V lengths lose the query tokens past each row's end (none for a whole-query row), computed where each
+    # length lives: a host count copied to the device unpinned would wait for the stream.
+    seq_lens = batch.seq_lens[:r]
+    if not whole_query:
+        seq_lens = (seq_lens - (qsl[1:] - qsl[:-1]) + 1).to(batch.seq_lens.dtype)
     upper = batch.seq_lens_cpu_upper_bound
-    upper_rows = (upper[:r].to(torch.int64) - query_lens_cpu + 1).to(upper.dtype)
+    upper_rows = (upper[:r].to(torch.int64) - torch.from_numpy(query_lens_np - through)).to(upper.dtype)
     padded_qsl_np = np.full(len(batch.query_start_loc_np), total, dtype=np.int32)
     padded_qsl_np[: r + 1] = rows_qsl_np
     return dataclasses.replace(
