@@ -157,6 +157,24 @@ def test_varlen_admits_exactly_the_budget_the_runner_is_told(manager_cls) -> Non
     assert int(qsl[3]) == 3 + budget
 
 
+def test_the_allocation_follows_the_runners_request_order(manager_cls) -> None:
+    """get_num_tokens sees the scheduler's order; reallocate_drafts gets the runner's, which may differ."""
+    per_req = {"r0": 1 + K, "r1": 1 + K, "r2": 3 + K}  # r2 carries a prompt chunk of 3 tokens
+    drafts = {"r0": [0] * K, "r1": [0] * 2, "r2": [0] * K}
+    caps = []
+    for order in (["r0", "r1", "r2"], ["r2", "r0", "r1"]):
+        m = _make(manager_cls, "varlen")
+        _record(m, [[0.95] * K, [0.6] * K, [0.3] * K])  # by slot: r0 > r1 > r2
+        m.get_num_tokens(per_req, drafts)
+        _, qsl, _, _ = m.reallocate_drafts(order, torch.tensor([int(x[1]) for x in order]))
+        got = dict(zip(order, m._batch_draft_capacity[:3].tolist(), strict=True))
+        assert [int(m._sched_gpu[i]) for i in range(3)] == [len(drafts[x]) for x in order]
+        lens = np.diff(qsl[:4].numpy()).tolist()
+        assert lens == [got[x] + per_req[x] - len(drafts[x]) for x in order]
+        caps.append(got)
+    assert caps[0] == caps[1]
+
+
 def test_a_paused_varlen_step_gets_the_layout_the_allocation_would_build(manager_cls) -> None:
     """A paused step's placeholder drafts are verified by none: its layout is built on the host in one copy,
     and it must equal what the device allocation builds for a budget of 0 (prompt chunks included)."""

@@ -32,7 +32,7 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -343,6 +343,26 @@ def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -
         spec.propose = propose
 
 
+class BatchBudget(NamedTuple):
+    """The budget decision of the batch being prepared (``get_num_tokens`` -> ``reallocate_drafts``).
+
+    Three fields, budget last: upstream's ``compact_batch`` unpacks ``_, _, budget``. ``counts`` holds each
+    request's scheduled drafts and non-draft tokens in ``req_ids``' order; the runner may hand
+    ``reallocate_drafts`` another order.
+    """
+
+    req_ids: list[str]
+    counts: np.ndarray  # [2, R] int32: drafts, non-draft tokens
+    budget: int
+
+    def in_order(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if req_ids == self.req_ids:
+            return self.counts[0], self.counts[1]
+        where = {x: i for i, x in enumerate(self.req_ids)}
+        idx = np.fromiter(map(where.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+        return self.counts[0][idx], self.counts[1][idx]
+
+
 def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if args:
         return (batch, *args[1:]), kwargs
@@ -588,13 +608,14 @@ def build_manager_class(base: type) -> type:
             scheduled = np.fromiter(num_tokens_per_req.values(), dtype=np.int64, count=r)
             drafts = np.fromiter((len(draft_tokens.get(x, ())) for x in req_ids), dtype=np.int64, count=r)
             nondraft = scheduled - drafts
-            slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids), dtype=np.int64, count=r)
             total = int(drafts.sum())
             cap = min(total, max(0, self._max_total_logits - r * self.num_bonus_tokens))
             self._judge_last_outcome()
             if self._verify_all:
                 budget = cap if self._drafts_real else 0
             elif self._drafts_real:
+                slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids), dtype=np.int64,
+                                    count=r)
                 stale = self._stale_confidences[self._stale_idx].np[slots]
                 survival = np.cumprod(np.clip(stale.astype(np.float64), 0.0, 1.0), axis=1)
                 num_sampling = int(np.count_nonzero(
@@ -608,11 +629,7 @@ def build_manager_class(base: type) -> type:
                     self._outcome_decision = (decision, r)
             else:
                 budget = 0  # placeholders from a paused draft pass: verify none of them
-            self._batch_budget = (
-                dict(zip(req_ids, drafts.tolist(), strict=True)),
-                dict(zip(req_ids, nondraft.tolist(), strict=True)),
-                budget,
-            )
+            self._batch_budget = BatchBudget(req_ids, np.stack([drafts, nondraft]).astype(np.int32), budget)
             return int(nondraft.sum()) + (budget if self.mode == "varlen" else total)
 
         def compact_batch(self, num_draft_tokens_per_req: np.ndarray, num_scheduled_tokens: np.ndarray,
@@ -625,10 +642,9 @@ def build_manager_class(base: type) -> type:
         def reallocate_drafts(self, req_ids: list[str], idx_mapping: torch.Tensor) -> tuple[Any, Any, int, Any]:
             batch_budget, self._batch_budget = self._batch_budget, None
             assert batch_budget is not None
-            drafts_per_req, nondraft_per_req, budget = batch_budget
             r = idx_mapping.shape[0]
-            sched = np.fromiter((drafts_per_req[x] for x in req_ids), dtype=np.int32, count=r)
-            nondraft = np.fromiter((nondraft_per_req[x] for x in req_ids), dtype=np.int32, count=r)
+            sched, nondraft = batch_budget.in_order(req_ids)
+            budget = batch_budget.budget
             total = int(sched.sum())
             if budget == 0 and not self._drafts_real and self.mode == "varlen":
                 return self._paused_layout(req_ids, r, idx_mapping, nondraft)
