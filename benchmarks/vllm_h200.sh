@@ -76,7 +76,7 @@ case "$STAGE" in
       --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
   lossless-real)  # the same check with real weights: SmolLM2-135M and its distilled draft, as plain Llama dirs
     # Converted with the host's own torch and the gguf wheel of /tmp/dspark-site (carry .whl at the start),
-    # from the GGUF parts in /tmp/smol (carry .carry/smol/part1..3, as for h200_matrix.sh's real setup).
+    # from the GGUF parts in /tmp/smol (carry .carry/smol/part1..4, as for h200_matrix.sh's real setup).
     read -r TARGET DRAFT < <(env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/vllm_real_pair.py \
       "$OUT/real-pair" --parts /tmp/smol)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless-real" \

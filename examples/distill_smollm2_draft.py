@@ -54,7 +54,9 @@ PACKAGED_KEY = "dspark_packaged_draft"
 PACKAGED_FORMAT_VERSION = 1
 HEAD_FEATURES = ["final_hidden_normed", "log_q_token", "entropy_q"]
 MAX_PACKAGED_BYTES = 16 * 1024 * 1024
-PART_BYTES = 32 * 1024 * 1024
+# A GPU command carries the working tree (33 MB) and at most 64 MiB in all: a piece of 24 MiB leaves room for
+# the GSM8K rows and the gguf package in the first directory (32 MiB pieces stopped fitting as the tree grew).
+PART_BYTES = 24 * 1024 * 1024
 
 
 def log(msg: str) -> None:
@@ -621,7 +623,7 @@ def export_packaged(draft, head, out: Path, meta: dict, int8: bool) -> int:
 
 def prepare(dest: Path) -> None:
     """Write what the GPU run needs into ``dest/part1``, ``dest/part2``...: GSM8K rows with chat prompts,
-    the pure-Python ``gguf`` package as a zip, and the SmolLM2 GGUF cut into pieces of <= 32 MiB."""
+    the pure-Python ``gguf`` package as a zip, and the SmolLM2 GGUF cut into pieces of <= 24 MiB."""
     import importlib.util
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
