@@ -176,8 +176,10 @@ def test_the_allocation_follows_the_runners_request_order(manager_cls) -> None:
 
 
 def test_a_paused_varlen_step_gets_the_layout_the_allocation_would_build(manager_cls) -> None:
-    """A paused step's placeholder drafts are verified by none: its layout is built on the host in one copy,
-    and it must equal what the device allocation builds for a budget of 0 (prompt chunks included)."""
+    """A paused step's placeholder drafts are verified by none: it keeps the query starts the runner copied
+    from the host (upstream's compact_batch: the non-draft counts for a budget of 0) and sets one logit row
+    per request, which must equal what the device allocation builds for a budget of 0 (prompt chunks
+    included)."""
     per_req = {"r0": 1 + K, "r1": 9 + K, "r2": 1 + K}  # r1 carries a prompt chunk of 9 tokens
     drafts = {x: [0] * K for x in per_req}
     layouts = []
@@ -186,7 +188,9 @@ def test_a_paused_varlen_step_gets_the_layout_the_allocation_would_build(manager
         _record(m, [[0.0] * K] * 3)  # no survival: the allocation's budget is 0 too
         m._drafts_real = real
         assert m.get_num_tokens(per_req, drafts) == 11 and m._batch_budget[2] == 0
-        m.query_start_loc.fill_(-1)
+        m.query_start_loc.fill_(11)  # what prepare_inputs copies from the host before the allocation
+        m.query_start_loc[:4] = torch.tensor([0, 1, 10, 11], dtype=torch.int32)
+        m._cu_num_logits.fill_(-1)
         cu, qsl, told, admitted = m.reallocate_drafts(list(per_req), torch.arange(3))
         layouts.append((cu.tolist(), qsl.tolist(), told, admitted))
         assert m._verify_pending[3] is real

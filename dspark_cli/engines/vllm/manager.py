@@ -317,9 +317,7 @@ def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -
                     owed = upkeep.fit(owed)
                     # A batch that verifies no drafts (every query token committed) whose rows fit the
                     # speculator's expanded buffers: one pass, rows run on through each query.
-                    whole = (int(batch.num_draft_tokens or 0) == 0
-                             and int(owed.sum()) + int(batch.num_tokens) <= m._catchup_buffers.capacity
-                             and int(owed.sum()) + int(batch.num_tokens) + r
+                    whole = (int(batch.num_draft_tokens or 0) == 0 and int(owed.sum()) + int(batch.num_tokens) + r
                              <= int(spec.max_num_tokens) + int(spec.max_num_reqs))
                     rows = catchup_batch(batch, m.req_states.all_token_ids.gpu, owed, m._catchup_buffers,
                                          whole_query=whole)
@@ -472,8 +470,7 @@ def build_manager_class(base: type) -> type:
             device = self.req_states.device
             max_reqs = self.req_states.max_num_reqs
             self._sched_gpu = torch.zeros(max_reqs, dtype=torch.int32, device=device)
-            # A paused varlen step's layout (_paused_layout): host query starts, one logit row per request.
-            self._paused_qsl = np.zeros(self.query_start_loc.shape[0], dtype=np.int32)
+            # A paused varlen step's logit rows (_paused_layout): one per request.
             self._paused_cu_num_logits = (torch.arange(max_reqs + 1, dtype=self._cu_num_logits.dtype, device=device)
                                           * self.num_bonus_tokens)
             self._raw_slots = torch.ones(max_reqs, k, dtype=torch.float32, device=device)
@@ -643,11 +640,11 @@ def build_manager_class(base: type) -> type:
             batch_budget, self._batch_budget = self._batch_budget, None
             assert batch_budget is not None
             r = idx_mapping.shape[0]
-            sched, nondraft = batch_budget.in_order(req_ids)
             budget = batch_budget.budget
-            total = int(sched.sum())
             if budget == 0 and not self._drafts_real and self.mode == "varlen":
-                return self._paused_layout(req_ids, r, idx_mapping, nondraft)
+                return self._paused_layout(req_ids, r, idx_mapping)
+            sched, nondraft = batch_budget.in_order(req_ids)
+            total = int(sched.sum())
             sched_gpu = self._sched_gpu[:r]
             async_tensor_h2d(sched, out=sched_gpu)
             caps = self._batch_draft_capacity[:r]
@@ -687,20 +684,15 @@ def build_manager_class(base: type) -> type:
                 admitted = AdmittedDraftCounts(admitted_cpu, self._admitted_drafts_event)
             return self._cu_num_logits[: r + 1], self.query_start_loc, budget, admitted
 
-        def _paused_layout(self, req_ids: list[str], r: int, idx_mapping: torch.Tensor,
-                           nondraft: np.ndarray) -> tuple[Any, Any, int, Any]:
-            """A paused varlen step's layout, built on the host: its placeholder drafts are verified by none, so
-            query starts are the non-draft tokens' running sum and every request has one logit row. One copy
-            to the device instead of the allocation's dozen launches and two copies (0.38 ms of host time
-            per paused step on the H200, docs/PERFORMANCE.md section 16, where a paused step's host time is
-            what low loads cannot hide)."""
+        def _paused_layout(self, req_ids: list[str], r: int, idx_mapping: torch.Tensor) -> tuple[Any, Any, int, Any]:
+            """A paused varlen step's layout: its placeholder drafts are verified by none, so every request has
+            one logit row, and its query starts are the ones the runner copied from the host just before this
+            call (upstream's ``compact_batch`` gives a budget of 0 the exact non-draft counts). One device copy
+            instead of the allocation's dozen launches and two copies (0.38 ms of host time per paused step on
+            the H200, docs/PERFORMANCE.md section 16, where a paused step's host time is what low loads cannot
+            hide)."""
             self._batch_draft_capacity[:r].zero_()  # read by nothing on a paused step; kept true regardless
             self._verify_pending = (list(req_ids), r, idx_mapping, False)
-            qsl = self._paused_qsl
-            qsl[0] = 0
-            np.cumsum(nondraft, out=qsl[1 : r + 1])
-            qsl[r + 1 :] = qsl[r]
-            async_tensor_h2d(qsl, out=self.query_start_loc)
             self._cu_num_logits[: r + 1].copy_(self._paused_cu_num_logits[: r + 1])
             return self._cu_num_logits[: r + 1], self.query_start_loc, 0, None
 

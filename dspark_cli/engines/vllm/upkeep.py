@@ -107,10 +107,6 @@ class CatchupBuffers:
     positions: torch.Tensor  # [max_tokens] int64
     query_start_loc: torch.Tensor  # [max_reqs + 1] int32
 
-    @property
-    def capacity(self) -> int:
-        return int(self.input_ids.shape[0])
-
     @classmethod
     def allocate(cls, max_tokens: int, max_reqs: int, device: torch.device) -> CatchupBuffers:
         return cls(torch.zeros(max_tokens, dtype=torch.int32, device=device),
@@ -135,19 +131,18 @@ def catchup_rows(all_token_ids: torch.Tensor, idx_mapping: torch.Tensor, starts:
     total = int(qsl_np[-1])
     if total > buffers.input_ids.shape[0]:
         raise ValueError(f"catch-up batch of {total} tokens exceeds its {buffers.input_ids.shape[0]}-token buffer")
+    # Every index but the rows' start positions is known here: one host-to-device copy carries the token ->
+    # row map, each token's offset from its row's first query position, and the rows' query starts.
+    row_of = np.repeat(np.arange(r, dtype=np.int64), rows)
+    back = np.arange(total, dtype=np.int64) - qsl_np[:-1][row_of] - owed.astype(np.int64)[row_of]
+    host = torch.from_numpy(np.concatenate([row_of, back, qsl_np.astype(np.int64)]))
     device = starts.device
-    pin = device.type == "cuda"
-    host = torch.from_numpy(np.concatenate([rows, owed.astype(np.int64)]))
-    host = host.pin_memory() if pin else host
-    both = host.to(device, non_blocking=True)
-    rows_d, owed_d = both[:r], both[r:]
-    qsl = buffers.query_start_loc[: r + 1]
-    qsl.copy_(torch.from_numpy(qsl_np).pin_memory() if pin else torch.from_numpy(qsl_np), non_blocking=True)
-    row_of = torch.repeat_interleave(torch.arange(r, device=device), rows_d, output_size=total)
-    offset = torch.arange(total, device=device) - qsl[:-1].to(torch.int64)[row_of]
+    both = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    row_of_d = both[:total]
+    buffers.query_start_loc[: r + 1].copy_(both[2 * total:])
     pos = buffers.positions[:total]
-    torch.add(starts.to(torch.int64)[row_of] - owed_d[row_of], offset, out=pos)
-    buffers.input_ids[:total].copy_(all_token_ids[idx_mapping.to(torch.int64)[row_of], pos])
+    torch.add(starts.to(torch.int64)[row_of_d], both[total: 2 * total], out=pos)
+    buffers.input_ids[:total].copy_(all_token_ids[idx_mapping.to(torch.int64)[row_of_d], pos])
     return qsl_np, total
 
 
