@@ -178,10 +178,10 @@ def test_long_catch_up_gaps_are_fed_in_graph_rounds_and_draft_like_one_pass(pair
         inner = runner.draft_fwd.run
 
         def spy(ids, positions, req, pad, qstart, bt, max_query_len, max_kv_len,  # type: ignore[no-untyped-def]
-                seen=eager_rows, inner=inner):
+                captured=False, seen=eager_rows, inner=inner):
             if max_query_len > k + 1:
                 seen.append(max_query_len)
-            return inner(ids, positions, req, pad, qstart, bt, max_query_len, max_kv_len)
+            return inner(ids, positions, req, pad, qstart, bt, max_query_len, max_kv_len, captured)
 
         runner.draft_fwd.run = spy  # type: ignore[method-assign]
         graphs = runner._catchup_graphs

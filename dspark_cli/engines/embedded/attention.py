@@ -10,8 +10,8 @@ the CPU path: it gathers each row's KV blocks into a dense ``[rows, L]`` key gri
 into a ``[rows, Q]`` grid and runs one batched SDPA with a causal-by-position mask. All shapes depend
 only on ``(T, rows, Q, L)``, which the host chooses (for CUDA graphs: the padded size, the row capacity,
 ``K + 1`` and the maximum model length), so it is capturable. It spends attention compute on the grid
-rather than on the ragged tokens; a Triton or FlashInfer kernel can replace it by implementing
-:class:`AttentionBackend` with the same inputs.
+rather than on the ragged tokens; the Triton kernel (``triton_attention``) and FlashInfer
+(``flashinfer_attention``) replace it on CUDA by implementing :class:`AttentionBackend` with the same inputs.
 
 Padding tokens write their K/V to the scratch slot (slot 0 of the reserved block 0) and are placed on
 the scratch row, the last row of the grid; their outputs are garbage and never read.
@@ -29,7 +29,7 @@ from torch import Tensor
 from dspark_cli.engines.embedded.block_manager import SCRATCH_BLOCK
 from dspark_cli.errors import DsparkError
 
-__all__ = ["AttentionBackend", "AttentionInputs", "TorchPagedAttention", "build_attention_inputs", "get_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionInputs", "TorchPagedAttention", "build_attention_inputs", "get_backend"]
 
 SCRATCH_SLOT = SCRATCH_BLOCK  # slot 0 lies in the scratch block (block_size * 0 + 0)
 
@@ -48,6 +48,9 @@ class AttentionInputs:
     max_query_len: int  # host: grid columns Q
     max_kv_len: int  # host: keys gathered per row L (a multiple of block_size)
     block_size: int
+    # host: a forward of a captured graph family -- its shapes are fixed per graph and at most max_query_len
+    # rows per request, so a backend may plan its work once per shape (FlashInfer) rather than per call.
+    captured: bool = False
 
 
 def build_attention_inputs(
@@ -59,6 +62,7 @@ def build_attention_inputs(
     block_size: int,
     max_query_len: int,
     max_kv_len: int,
+    captured: bool = False,
 ) -> AttentionInputs:
     """Derive slots and grid coordinates on the device; no host sync, fixed shapes.
 
@@ -99,6 +103,7 @@ def build_attention_inputs(
         max_query_len=max_query_len,
         max_kv_len=max_kv_len,
         block_size=block_size,
+        captured=captured,
     )
 
 
@@ -196,15 +201,42 @@ def _triton_usable(device: torch.device) -> bool:
     return device.type == "cpu" or triton_available()
 
 
-def get_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
-    """The attention implementation: "auto" = the Triton kernel on CUDA when triton is importable, else torch."""
+BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+
+def get_backend(name: str = "auto", device: torch.device | None = None,
+                dtype: torch.dtype | None = None, head_dims: tuple[int, ...] = ()) -> AttentionBackend:
+    """The attention implementation. "auto" on CUDA: FlashInfer when the pinned version is installed, the
+    dtype is 16-bit and every model's head dim (``head_dims``) is one its kernels are built for, else the
+    Triton kernel when triton is importable; else torch."""
+    from dspark_cli.engines.embedded.flashinfer_attention import FLASHINFER_HEAD_DIMS, flashinfer_status
+
     device = device or torch.device("cpu")
+    fi_dims = all(d in FLASHINFER_HEAD_DIMS for d in head_dims)
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
+        name = "torch"
+        if device.type == "cuda":
+            half = dtype in (None, torch.float16, torch.bfloat16)
+            if half and fi_dims and flashinfer_status() is None:
+                name = "flashinfer"
+            elif _triton_usable(device):
+                name = "triton"
     if name == "torch":
         return TorchPagedAttention()
     if name == "triton":
         if not _triton_usable(device):
             raise DsparkError("attention backend 'triton' needs triton installed on a CUDA machine; use torch")
         return TritonPagedAttention()
-    raise DsparkError(f"unknown attention backend {name!r}; use auto, torch or triton")
+    if name == "flashinfer":
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+            raise DsparkError(f"attention backend 'flashinfer' runs float16/bfloat16 models, not {dtype}; "
+                              "use --dtype bfloat16 or the triton backend")
+        if not fi_dims:
+            # FlashInfer's dispatch has no warp layout for other head dims: it fails at the first forward.
+            bad = sorted(set(head_dims) - set(FLASHINFER_HEAD_DIMS))
+            raise DsparkError(f"attention backend 'flashinfer' runs head dims {FLASHINFER_HEAD_DIMS}, not {bad}; "
+                              "use the triton backend")
+        from dspark_cli.engines.embedded.flashinfer_attention import FlashInferPagedAttention
+
+        return FlashInferPagedAttention(device)
+    raise DsparkError(f"unknown attention backend {name!r}; use {', '.join(BACKENDS)}")

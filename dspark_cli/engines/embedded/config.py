@@ -61,7 +61,8 @@ class EngineConfig:
     max_capture_size: int | None = None
     # Captured verify sizes (CUDA graphs); None = powers of two up to the largest, plus the largest.
     capture_sizes: tuple[int, ...] | None = None
-    # "auto" = the Triton paged-attention kernel on CUDA when triton is importable, else the torch path.
+    # "auto" = on CUDA, FlashInfer (the pinned flashinfer-python, 16-bit models) or else the Triton kernel;
+    # the torch path on CPU. "torch", "triton" or "flashinfer" force one (attention.get_backend).
     attention_backend: str = "auto"
     # While requests decode, newcomers wait up to this many times the recent prefill steps' time to share
     # one prefill step (scheduler.py); 0 (the default) prefills each arrival at once.
@@ -87,6 +88,9 @@ class EngineConfig:
             raise DsparkError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
         if self.dtype not in ("auto", *_DTYPES):
             raise DsparkError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.attention_backend not in ("auto", "torch", "triton", "flashinfer"):
+            raise DsparkError(f"unknown attention backend {self.attention_backend!r}; "
+                              "use auto, torch, triton or flashinfer")
         if self.capacity.mode not in ("none", "mask", "varlen"):
             raise DsparkError(f"unknown capacity mode {self.capacity.mode!r}; use none, mask or varlen")
         synthetic = self.synthetic

@@ -54,7 +54,7 @@ from dspark_cli.engines.embedded.drafter import (
     ForwardFn,
     load_confidence_head,
 )
-from dspark_cli.engines.embedded.model import LlamaForCausalLM, load_llama, read_safetensors
+from dspark_cli.engines.embedded.model import LlamaForCausalLM, load_llama, read_llama_args, read_safetensors
 from dspark_cli.engines.embedded.sequence import Sequence
 from dspark_cli.engines.embedded.shapes import random_init_spec
 from dspark_cli.engines.embedded.synthetic import SyntheticDrafter
@@ -122,11 +122,11 @@ class _Forward:
 
     def run(
         self, ids: Tensor, positions: Tensor, req_index: Tensor, is_padding: Tensor, query_start_pos: Tensor,
-        block_tables: Tensor, max_query_len: int, max_kv_len: int,
+        block_tables: Tensor, max_query_len: int, max_kv_len: int, captured: bool = False,
     ) -> Tensor:
         inputs = build_attention_inputs(
             positions, req_index, is_padding, query_start_pos, block_tables, self.block_size, max_query_len,
-            max_kv_len,
+            max_kv_len, captured,
         )
         return self.model(ids, positions, self.kv, inputs)
 
@@ -172,7 +172,7 @@ class _GraphedForward:
         rows = self._rows(size)
         hidden = self.fwd.run(
             self.ids[:size], self.positions[:size], self.req_index[:size], self.is_padding[:size],
-            self.query_start_pos[:rows], self.block_tables[:rows], self.qlen, self.kv_len,
+            self.query_start_pos[:rows], self.block_tables[:rows], self.qlen, self.kv_len, captured=True,
         )
         return self.out[:size].copy_(hidden)
 
@@ -302,7 +302,7 @@ class _DraftLoopGraphs:
                 break
             pos = pos0 + j
             qstart = torch.where(pad, 0, pos)
-            h = self.fwd.run(tok, pos, req, pad, qstart, tables, 1, self.kv_len)
+            h = self.fwd.run(tok, pos, req, pad, qstart, tables, 1, self.kv_len, captured=True)
         self.tokens_out[:size].copy_(torch.stack(tokens, dim=1))
         self.conf_out[:size].copy_(torch.stack(confs, dim=1))
         if self.probs_out is not None:
@@ -361,7 +361,8 @@ class ModelRunner:
         # Positions a request may touch: its max length plus the K-token lookahead of a verify step.
         self.max_positions = config.max_model_len + self.num_spec + 1
         self.max_blocks_per_seq = -(-self.max_positions // self.block_size)
-        self.backend: AttentionBackend = get_backend(config.attention_backend, device)
+        head_dims = tuple(read_llama_args(path).head_dim for path in (target_path, draft_path if self.num_spec > 0 else None) if path is not None)
+        self.backend: AttentionBackend = get_backend(config.attention_backend, device, dtype, head_dims)
 
         self.target = load_llama(target_path, self.backend, self.max_positions, dtype, device)
         self.vocab_size = self.target.args.vocab_size

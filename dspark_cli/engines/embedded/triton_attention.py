@@ -5,12 +5,12 @@ request), verify (1 + admitted drafts per request, ragged because the capacity m
 number of drafts for each request) and drafting. All of them attend from a few new query rows to a long,
 paged KV history.
 
-Why not FlashInfer (what vLLM and SGLang use): its batch attention plans the work split from the per-request
-query lengths *on the host* (``plan()`` takes host ``qo_indptr``/``kv_indptr``), while our varlen verify batch
-gets its per-request split on the device -- the allocation runs there so that a step needs no host sync. Using
-FlashInfer would put one device-to-host sync back into every verify step. vLLM 0.33 hits the same wall: it
-lets FlashInfer replay such batches (``supports_device_cpu_query_lens_mismatch``) only with its trtllm-gen
-kernels on SM100, not on Hopper. So this module provides the kernel itself::
+Beside FlashInfer. FlashInfer (what vLLM and SGLang use) plans its batch work from per-request query lengths
+*on the host*, while our varlen verify batch gets its per-request split on the device; the FlashInfer backend
+(``flashinfer_attention``) gets around that by planning each captured shape once with a schedule that holds for
+any split. This kernel needs no plan at all and is the backend where FlashInfer is not installed, for float32
+models (FlashInfer's kernels take 16-bit inputs), and the reference the FlashInfer backend is timed against
+(``benchmarks/attention_backends.py``). Its interface::
 
     paged_attention_varlen(
         q,                 # [T, H, D] queries of the flattened ragged batch (bf16 / fp16 / fp32)
