@@ -183,6 +183,10 @@ def serve(
         None, "--scheduler-delay-factor",
         help="Embedded engine: while requests decode, newcomers wait up to this many times a prefill step's "
              "time to share one prefill step (default 0: each arrival is prefilled at once)."),
+    attention_backend: str | None = typer.Option(
+        None, "--attention-backend",
+        help="Embedded engine: auto (default: FlashInfer on CUDA when flashinfer-python is installed, else the "
+             "Triton kernel; torch on CPU), torch, triton or flashinfer."),
     host: str | None = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: int | None = typer.Option(None, "--port", help="Port (default 8000)."),
     device: str | None = typer.Option(None, "--device", help="auto (default), cpu or cuda."),
@@ -208,7 +212,7 @@ def serve(
         "confidence_threshold": confidence_threshold, "sps_curve": sps_curve, "sps_overhead_ms": sps_overhead_ms,
         "sts": sts, "online_sts": online_sts, "budget_frac": budget_frac, "min_predicted_gain": min_predicted_gain,
         "record_traces": record_traces, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-        "scheduler_delay_factor": scheduler_delay_factor, "host": host, "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
+        "scheduler_delay_factor": scheduler_delay_factor, "attention_backend": attention_backend, "host": host, "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
     }
     settings = build_settings(flags, speculative_config)
     extra = [a for a in ctx.args if a != "--"]
@@ -216,6 +220,9 @@ def serve(
         if settings.scheduler_delay_factor is not None:
             raise DsparkError("--scheduler-delay-factor is an embedded-engine setting; vLLM 0.33 mixes prefills "
                               "into decode steps itself (chunked prefill)")
+        if settings.attention_backend is not None:
+            raise DsparkError("--attention-backend is an embedded-engine setting; vLLM picks its own "
+                              "(pass vLLM's --attention-backend after --)")
         if importlib.util.find_spec("dspark_cli.engines.vllm.launcher") is None:
             raise DsparkError("--engine vllm is not available in this build (no vLLM launcher); use --engine embedded")
         from dspark_cli.engines.vllm.launcher import run_vllm_serve

@@ -30,6 +30,7 @@ ENGINES = ("embedded", "vllm")
 CAPACITY_MODES = ("none", "mask", "varlen")
 POLICIES = ("argmax", "paper", "threshold")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")  # embedded engine (attention.BACKENDS)
 
 # Every dspark_* key the seed's prototype (and this toolkit) understands. Anything else that starts with
 # "dspark_" is almost certainly a typo, and silently ignoring it would run a different experiment than the
@@ -88,6 +89,7 @@ class ServeSettings:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     scheduler_delay_factor: float | None = None  # embedded engine only (EngineConfig)
+    attention_backend: str | None = None  # embedded engine only (EngineConfig)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     device: str = "auto"
@@ -321,6 +323,8 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
             out[name] = _as_int(where, value, minimum=1)
         elif name == "scheduler_delay_factor":
             out[name] = _as_float(where, value, lo=0.0)
+        elif name == "attention_backend":
+            out[name] = _as_choice(where, value, ATTENTION_BACKENDS)
         elif name == "host":
             out[name] = _as_str(where, value)
         elif name == "port":
@@ -508,7 +512,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             "sps_curve": curve_path, "sts": sts_path, "online_sts": s.online_sts,
             "record_traces": s.record_traces, "device": s.device,
         }
-        for name in ("max_num_seqs", "max_model_len", "seed", "scheduler_delay_factor"):
+        for name in ("max_num_seqs", "max_model_len", "seed", "scheduler_delay_factor", "attention_backend"):
             if getattr(s, name) is not None:
                 kwargs[name] = getattr(s, name)
         cfg = EngineConfig(**kwargs)

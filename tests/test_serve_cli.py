@@ -45,6 +45,8 @@ def test_bad_flag_is_one_line_error_and_exit_1() -> None:
         (["-k", "-1"], "--num-speculative-tokens"),
         (["--scheduler-delay-factor", "-1"], "--scheduler-delay-factor"),
         (["--engine", "vllm", "--scheduler-delay-factor", "2"], "embedded-engine setting"),
+        (["--attention-backend", "flash"], "--attention-backend"),
+        (["--engine", "vllm", "--attention-backend", "triton"], "embedded-engine setting"),
     ],
 )
 def test_errors_raise_dspark_error(args: list[str], match: str) -> None:

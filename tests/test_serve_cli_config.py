@@ -120,6 +120,7 @@ def test_unknown_key_error_lists_known_keys() -> None:
         ({"min_predicted_gain": -0.1}, "--min-predicted-gain"),
         ({"max_num_seqs": 0}, "--max-num-seqs"),
         ({"scheduler_delay_factor": -0.5}, "--scheduler-delay-factor"),
+        ({"attention_backend": "flash"}, "--attention-backend"),
         ({"device": "tpu"}, "--device"),
         ({"sts": "/nonexistent/sts.json"}, "--sts"),
         ({"capacity_policy": "threshold", "capacity_mode": "varlen"}, "needs --confidence-threshold"),
@@ -175,6 +176,15 @@ def test_scheduler_delay_factor_reaches_the_engine_config() -> None:
     launch = prepare_embedded(build_settings({}))
     launch.cleanup()
     assert launch.engine_config.scheduler_delay_factor == 0.0  # the engine's default: no hold
+
+
+def test_attention_backend_reaches_the_engine_config() -> None:
+    launch = prepare_embedded(build_settings(_flags(attention_backend="triton")))
+    launch.cleanup()
+    assert launch.engine_config.attention_backend == "triton"
+    launch = prepare_embedded(build_settings({}))
+    launch.cleanup()
+    assert launch.engine_config.attention_backend == "auto"
 
 
 def test_prepare_embedded_writes_inline_curve_with_overhead(tmp_path: Path) -> None:
