@@ -9,7 +9,8 @@
 #         fiwarm (build FlashInfer's kernel modules for the SmolLM2 and Llama-3-8B head shapes: JIT, minutes),
 #         backends (attention_backends.py: FlashInfer against the Triton kernel, checked, per layer),
 #         serve (issue 7's serving proof: SmolLM2-135M + its draft, nospec / none / varlen at c=1,16,64,256,
-#                GSM8K prompts, greedy; BACKEND=auto|triton|flashinfer; needs the SmolLM2 parts in /tmp/smol).
+#                GSM8K prompts, greedy; BACKEND=auto|triton|flashinfer, CONFIGS=..., C1=0 skips c=1; needs the
+#                SmolLM2 parts in /tmp/smol).
 # The host has torch + triton but no orjson: bring its wheel (.whl/) and it is installed into /tmp/dspark-site (apart from the vLLM set in /tmp/site).
 # FlashInfer (62 MB) travels in pieces: `split -b 20m` its wheel into .carry/fi/partN/, carry each, `cat` them into
 # /tmp/fistage/<wheel name> on the host; every stage installs what lies there (with .whl's apache-tvm-ffi), and
@@ -83,9 +84,11 @@ PY
       dspark bench --serve --configs "${CONFIGS:-nospec,none,varlen}" --sps-curve "$CURVE" --serve-args "$SA" \
         -c 16,64,256 --waves 4 --max-tokens 128 --dataset /tmp/smol/gsm8k.jsonl -o "$SERVE_OUT/bench" 2>&1 \
         | tee "$SERVE_OUT/bench.log" || status=1
-      dspark bench --serve --configs "${CONFIGS:-nospec,none,varlen}" --sps-curve "$CURVE" --serve-args "$SA" \
-        -c 1 -n 16 --max-tokens 128 --dataset /tmp/smol/gsm8k.jsonl -o "$SERVE_OUT/bench_c1" 2>&1 \
-        | tee "$SERVE_OUT/bench_c1.log" || status=1 ;;
+      if [[ ${C1:-1} != 0 ]]; then  # C1=0: a repeat of the c=16-256 cells alone
+        dspark bench --serve --configs "${CONFIGS:-nospec,none,varlen}" --sps-curve "$CURVE" --serve-args "$SA" \
+          -c 1 -n 16 --max-tokens 128 --dataset /tmp/smol/gsm8k.jsonl -o "$SERVE_OUT/bench_c1" 2>&1 \
+          | tee "$SERVE_OUT/bench_c1.log" || status=1
+      fi ;;
     profile)
       K=${K:-7} MAX_NUM_SEQS=${MAX_NUM_SEQS:-256} SMOLLM2=${SMOLLM2:-random:smollm2-135m} \
         bash benchmarks/profile_sps_gpu.sh "$OUT/profile_sps" 2>&1 | tee "$OUT/profile_sps.log" || status=1 ;;
