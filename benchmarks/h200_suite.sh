@@ -13,8 +13,8 @@
 #                SmolLM2 parts in /tmp/smol).
 # The host has torch + triton but no orjson: bring its wheel (.whl/) and it is installed into /tmp/dspark-site (apart from the vLLM set in /tmp/site).
 # FlashInfer (62 MB) travels in pieces: `split -b 20m` its wheel into .carry/fi/partN/, carry each, `cat` them into
-# /tmp/fistage/<wheel name> on the host; every stage installs what lies there (with .whl's apache-tvm-ffi), and
-# the kernel modules benchmarks/flashinfer_aot.py built ahead of time from /tmp/fiaot (else FlashInfer JIT-builds).
+# /tmp/fistage/<wheel name> on the host; every stage installs what lies there (with .whl's apache-tvm-ffi).
+# FlashInfer JIT-builds its kernel module per head dim on first use (~37 s each on the host, cached for its life).
 set -uo pipefail
 OUT=${1:?usage: h200_suite.sh OUT_DIR STAGE...}
 shift
@@ -24,10 +24,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 if compgen -G "/tmp/fistage/*.whl" >/dev/null && [[ ! -d /tmp/dspark-site/flashinfer ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site /tmp/fistage/*.whl >/dev/null 2>&1
-fi
-# Modules built ahead of time (benchmarks/flashinfer_aot.py) load without FlashInfer's JIT build.
-if [[ -d /tmp/fiaot && -d /tmp/dspark-site/flashinfer ]]; then
-  mkdir -p /tmp/dspark-site/flashinfer/data/aot && cp -r /tmp/fiaot/. /tmp/dspark-site/flashinfer/data/aot/
 fi
 export PYTHONPATH=/tmp/dspark-site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
 export DSPARK_CACHE_DIR=${DSPARK_CACHE_DIR:-/tmp/dcache}
