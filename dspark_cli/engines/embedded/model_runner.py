@@ -430,7 +430,8 @@ class ModelRunner:
                 compiled += self.backend.warm_up(args.num_heads, args.head_dim, k_cache, v_cache,
                                                  self.max_blocks_per_seq)
         if compiled:
-            log.info("attention kernels ready: %d variants in %.1f s", compiled, time.perf_counter() - start)
+            log.info("attention kernels ready (%s): %d variants in %.1f s", self.backend.name, compiled,
+                     time.perf_counter() - start)
 
     def emulate_graphs(self) -> None:
         """Route decode-time forwards through the graph families' static buffers without capturing
