@@ -23,6 +23,7 @@ from dspark_cli.core.capacity import (
     CapacityManager,
     SaturationPolicy,
     StepTimeCalibration,
+    StepTimer,
     allocate,
     choose_budget,
     prefix_survival,
@@ -841,6 +842,19 @@ def _timed_closed_loop(pol: SaturationPolicy, generations: int, paused_ms: float
                 pol.record_step_ms(False, paused_ms)
                 paused += paused_ms
     return paused, spent, drafted_after
+
+
+def test_a_step_left_out_of_the_calibration_still_counts_for_the_probe_tax() -> None:
+    policy = SaturationPolicy(patience=2, resume_every=4)
+    seen: list[tuple[bool, float]] = []
+    policy.record_step_ms = lambda drafting, ms: seen.append((drafting, ms))  # type: ignore[method-assign]
+    timer = StepTimer(policy, time_probes=True)
+    timer.record(True, 16, 40.0, 10.0, calibrate=False)  # e.g. a step that also caught a paused draft up
+    timer.record(False, 16, 30.0, 10.0, calibrate=False)
+    assert seen == [(True, 40.0), (False, 30.0)] and timer.step_times.quotients() == {}
+    timer.record(True, 16, 20.0, 10.0)
+    timer.record(False, 16, 10.0, 10.0)
+    assert timer.step_times.quotients() == {StepTimeCalibration.load_bucket(16): pytest.approx(2.0)}
 
 
 def test_probe_tax_bounds_the_time_probes_take_in_closed_loop_drains() -> None:

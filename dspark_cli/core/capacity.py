@@ -502,9 +502,9 @@ class StepTimer:
     the quotient has a plain measurement to compare against (one plain step in 65 costs a paying
     configuration well under 1%). The embedded engine's probe steps are not drafting's cost (a probe catches
     the draft up over the whole pause) and are left out of the calibration; ``time_probes`` keeps them, where
-    a probe's steps are the only drafting measurements a pause leaves (the vLLM manager; since its paused
-    ``draft_model`` draft catches up too, docs/PERFORMANCE.md section 16, its probes carry part of a
-    catch-up, which leaves that choice open).
+    a probe's steps are the only drafting measurements a pause leaves (the vLLM manager, which leaves out
+    instead the steps that carried its paused ``draft_model`` draft's catch-up, docs/PERFORMANCE.md section
+    16: ``record(calibrate=False)``).
 
     What a "plain" step is depends on the engine, and that is the point: the embedded engine's paused step
     is plain decoding, while vLLM's paused ``draft_model`` step still costs more (on the H200's Llama-3-8B
@@ -530,9 +530,14 @@ class StepTimer:
             return False
         return drafting
 
-    def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float) -> None:
-        """A step's measured wall time and what the curve charged for it."""
+    def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float,
+               calibrate: bool = True) -> None:
+        """A step's measured wall time and what the curve charged for it. ``calibrate=False``: the step did
+        work that is neither drafting's nor a paused step's cost (a draft catching up over a pause); it counts
+        for the probe tax only."""
         self.saturation.record_step_ms(drafting, measured_ms)
+        if not calibrate:
+            return
         if drafting:
             if self.probe_step and not self.time_probes:
                 return

@@ -452,7 +452,8 @@ def build_manager_class(base: type) -> type:
             # costs against a paused one, which in vLLM is not plain decoding (core.capacity.StepTimer).
             self.timer = StepTimer(self.saturation, time_probes=True)
             self._clock = time.perf_counter
-            self._last_begin: tuple[float, bool, int] | None = None  # (time, drafting, requests) of the last
+            # The last drafting decision: (time, drafting, requests, draft catch-ups paid before it).
+            self._last_begin: tuple[float, bool, int, int] | None = None
             self._step_decision: BudgetDecision | None = None  # priced the batch now running (get_num_tokens)
             # What the policy did, in the server log every REPORT_EVERY_S (vLLM's /metrics are vLLM's own).
             self._decisions = {True: 0, False: 0}
@@ -803,7 +804,8 @@ def build_manager_class(base: type) -> type:
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
                 self._decisions[drafting] += 1
                 if self._timed:
-                    self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs))
+                    self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs),
+                                        self._catchups_paid())
                     self._maybe_report(now)
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
@@ -841,12 +843,19 @@ def build_manager_class(base: type) -> type:
             decision drafted, else as plain decoding of that batch's non-draft tokens. Skipped: a drafting
             interval whose batch got no budget decision (vLLM scheduled it no drafts), and an interval past
             ``STEP_TIME_CLAMP`` times its price (the server idled between requests).
+
+            An interval in which the paused draft caught up (the probe that resumes drafting, a paused step
+            before a prompt chunk, or one past the pending budget) still counts for the probe tax, but not for
+            what a drafting step costs against a paused one: its catch-up pass writes the K/V of every step
+            of the pause, and charged to one step it made a lone probe at high load -- a probe there is one
+            step -- look as dear as drafting plus a prefill of up to ``draft_catchup_tokens`` tokens
+            (docs/PERFORMANCE.md section 16: both rise probes at 256 requests failed).
             """
             last, self._last_begin = self._last_begin, None
             decision, self._step_decision = self._step_decision, None
             if last is None or self.curve is None:
                 return
-            start, drafted, r = last
+            start, drafted, r, catchups = last
             measured = (self._clock() - start) * 1e3
             if drafted:
                 if decision is None:
@@ -856,7 +865,10 @@ def build_manager_class(base: type) -> type:
                 tokens = int(batch.num_tokens) - int(batch.num_draft_tokens or 0)
                 priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs), drafting=False))
             if priced > 0 and measured <= STEP_TIME_CLAMP * priced:
-                self.timer.record(drafted, r, measured, priced)
+                self.timer.record(drafted, r, measured, priced, calibrate=self._catchups_paid() == catchups)
+
+        def _catchups_paid(self) -> int:
+            return 0 if self._upkeep is None else self._upkeep.catchups
 
         def calibrate_in_graph(self, conf: torch.Tensor) -> torch.Tensor:
             """The draft model's confidences -> STS-calibrated, inside the captured draft graph.
