@@ -41,18 +41,11 @@ CASES = [
 PAGE = 16
 
 
-def _pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 def build(model: str, reqs: int, rows: int, ctx: int, layers: int, gen: torch.Generator) -> dict[str, Any]:
     heads, kv_heads, dim = MODELS[model]
     q_lens = (torch.randint(1, -rows + 1, (reqs,), generator=gen).tolist() if rows < 0 else [rows] * reqs)
     ctx_lens = torch.randint(ctx // 2, ctx + 1, (reqs,), generator=gen).tolist() if rows < 0 else [ctx] * reqs
-    tokens = _pow2(sum(q_lens))
+    tokens = 1 << (sum(q_lens) - 1).bit_length()  # the engine's padded (power-of-two) captured size
     width = -(-(ctx + 8) // PAGE)
     pages = [-(-(c + n) // PAGE) for c, n in zip(ctx_lens, q_lens, strict=True)]
     num_blocks = sum(pages) + 1

@@ -185,8 +185,9 @@ def serve(
              "time to share one prefill step (default 0: each arrival is prefilled at once)."),
     attention_backend: str | None = typer.Option(
         None, "--attention-backend",
-        help="Embedded engine: auto (default: FlashInfer on CUDA when flashinfer-python is installed, else the "
-             "Triton kernel; torch on CPU), torch, triton or flashinfer."),
+        help="Embedded engine: auto (default: FlashInfer on CUDA when flashinfer-python is installed and the "
+             "model is 16-bit with head dim 64, 128 or 256, else the Triton kernel; torch on CPU), torch, "
+             "triton or flashinfer."),
     host: str | None = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: int | None = typer.Option(None, "--port", help="Port (default 8000)."),
     device: str | None = typer.Option(None, "--device", help="auto (default), cpu or cuda."),
@@ -212,7 +213,8 @@ def serve(
         "confidence_threshold": confidence_threshold, "sps_curve": sps_curve, "sps_overhead_ms": sps_overhead_ms,
         "sts": sts, "online_sts": online_sts, "budget_frac": budget_frac, "min_predicted_gain": min_predicted_gain,
         "record_traces": record_traces, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-        "scheduler_delay_factor": scheduler_delay_factor, "attention_backend": attention_backend, "host": host, "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
+        "scheduler_delay_factor": scheduler_delay_factor, "attention_backend": attention_backend, "host": host,
+        "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
     }
     settings = build_settings(flags, speculative_config)
     extra = [a for a in ctx.args if a != "--"]

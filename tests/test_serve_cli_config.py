@@ -179,6 +179,10 @@ def test_scheduler_delay_factor_reaches_the_engine_config() -> None:
 
 
 def test_attention_backend_reaches_the_engine_config() -> None:
+    from dspark_cli.engines.embedded.attention import BACKENDS
+    from dspark_cli.serve_config import ATTENTION_BACKENDS
+
+    assert ATTENTION_BACKENDS == BACKENDS  # the CLI's list (kept free of torch imports) is the engine's
     launch = prepare_embedded(build_settings(_flags(attention_backend="triton")))
     launch.cleanup()
     assert launch.engine_config.attention_backend == "triton"

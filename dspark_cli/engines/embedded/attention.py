@@ -29,7 +29,8 @@ from torch import Tensor
 from dspark_cli.engines.embedded.block_manager import SCRATCH_BLOCK
 from dspark_cli.errors import DsparkError
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionInputs", "TorchPagedAttention", "build_attention_inputs", "get_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionInputs", "TorchPagedAttention", "build_attention_inputs",
+           "get_backend"]
 
 SCRATCH_SLOT = SCRATCH_BLOCK  # slot 0 lies in the scratch block (block_size * 0 + 0)
 

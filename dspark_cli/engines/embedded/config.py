@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dspark_cli.core.capacity import CapacityConfig
+from dspark_cli.engines.embedded.attention import BACKENDS
 from dspark_cli.errors import DsparkError
 
 if TYPE_CHECKING:
@@ -88,9 +89,8 @@ class EngineConfig:
             raise DsparkError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
         if self.dtype not in ("auto", *_DTYPES):
             raise DsparkError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
-        if self.attention_backend not in ("auto", "torch", "triton", "flashinfer"):
-            raise DsparkError(f"unknown attention backend {self.attention_backend!r}; "
-                              "use auto, torch, triton or flashinfer")
+        if self.attention_backend not in BACKENDS:
+            raise DsparkError(f"unknown attention backend {self.attention_backend!r}; use {', '.join(BACKENDS)}")
         if self.capacity.mode not in ("none", "mask", "varlen"):
             raise DsparkError(f"unknown capacity mode {self.capacity.mode!r}; use none, mask or varlen")
         synthetic = self.synthetic

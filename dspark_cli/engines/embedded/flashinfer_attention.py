@@ -61,6 +61,7 @@ __all__ = [
     "fixed_plan",
     "flashinfer_status",
     "paged_kv_csr",
+    "tallest_tile",
 ]
 
 FLASHINFER_VERSION = "0.7.2.post1"  # the flashinfer-python vLLM 0.33.0 pins
@@ -140,6 +141,11 @@ def flashinfer_status() -> str | None:
     return None
 
 
+def tallest_tile(head_dim: int) -> int:
+    """The most packed rows one FlashInfer query tile holds for ``head_dim`` (FA2DetermineCtaTileQ)."""
+    return MAX_TILE_ROWS if head_dim < 256 else 64
+
+
 def cta_tile_q(packed_rows: int, head_dim: int) -> int:
     """FlashInfer's query-tile height for ``packed_rows`` (FA2DetermineCtaTileQ: 2-byte KV, SM80+, head_dim < 512)."""
     if packed_rows > 64 and head_dim < 256:
@@ -169,7 +175,7 @@ def fixed_plan(num_tokens: int, num_rows: int, max_query_len: int, group: int, h
         raise ValueError(f"bad shape: {num_tokens} tokens over {num_rows} requests, "
                          f"{max_query_len} rows per request, group {group}")
     need = max_query_len * group
-    largest = MAX_TILE_ROWS if head_dim < 256 else 64
+    largest = tallest_tile(head_dim)
     if need > largest:
         raise ValueError(f"{max_query_len} query rows x {group} heads per KV head exceed FlashInfer's "
                          f"tallest tile ({largest} packed rows)")
@@ -284,7 +290,7 @@ class FlashInferPagedAttention:
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         group = num_heads // kv_heads
-        if inputs.captured and inputs.max_query_len * group <= (MAX_TILE_ROWS if head_dim < 256 else 64):
+        if inputs.captured and inputs.max_query_len * group <= tallest_tile(head_dim):
             planned = self._planned_for(q, k_cache, inputs, scale)
             planned.qo_indptr.copy_(inputs.query_start_loc)
             paged_kv_csr(inputs.seq_lens, inputs.block_tables[:-1], inputs.block_size, planned.kv_indptr,

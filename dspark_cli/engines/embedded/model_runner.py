@@ -361,7 +361,8 @@ class ModelRunner:
         # Positions a request may touch: its max length plus the K-token lookahead of a verify step.
         self.max_positions = config.max_model_len + self.num_spec + 1
         self.max_blocks_per_seq = -(-self.max_positions // self.block_size)
-        head_dims = tuple(read_llama_args(path).head_dim for path in (target_path, draft_path if self.num_spec > 0 else None) if path is not None)
+        models = (target_path, draft_path) if self.num_spec > 0 else (target_path,)
+        head_dims = tuple(read_llama_args(path).head_dim for path in models)
         self.backend: AttentionBackend = get_backend(config.attention_backend, device, dtype, head_dims)
 
         self.target = load_llama(target_path, self.backend, self.max_positions, dtype, device)
