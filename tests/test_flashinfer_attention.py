@@ -155,10 +155,10 @@ def test_csr_page_table_equals_a_plain_construction(page: int, data: st.DataObje
 
 def test_auto_is_the_torch_path_on_cpu_and_flashinfer_refuses_cpu() -> None:
     assert get_backend("auto", torch.device("cpu")).name == "torch"
-    with pytest.raises(DsparkError, match="flashinfer"):
-        get_backend("flashinfer", torch.device("cpu"))
+    with pytest.raises(DsparkError, match="flashinfer' needs a CUDA device"):
+        get_backend("flashinfer", torch.device("cpu"), torch.float32)  # the device is named first
     with pytest.raises(DsparkError, match="float16/bfloat16"):
-        get_backend("flashinfer", torch.device("cpu"), torch.float32)
+        get_backend("flashinfer", torch.device("cuda"), torch.float32)  # refused before any CUDA call
 
 
 def test_flashinfer_refuses_head_dims_its_kernels_lack() -> None:

@@ -229,9 +229,11 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
             raise DsparkError("attention backend 'triton' needs triton installed on a CUDA machine; use torch")
         return TritonPagedAttention()
     if name == "flashinfer":
+        if device.type != "cuda":
+            raise DsparkError("attention backend 'flashinfer' needs a CUDA device; use torch on CPU")
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
             raise DsparkError(f"attention backend 'flashinfer' runs float16/bfloat16 models, not {dtype}; "
-                              "use --dtype bfloat16 or the triton backend")
+                              "use a 16-bit dtype or the triton backend")
         if not fi_dims:
             # FlashInfer's dispatch has no warp layout for other head dims: it fails at the first forward.
             bad = sorted(set(head_dims) - set(FLASHINFER_HEAD_DIMS))
