@@ -527,6 +527,62 @@ def test_step_time_calibration_judges_each_load_by_its_own_bucket() -> None:
     assert cal.relative_draft_cost(128) == pytest.approx(1.9 / 4.0)
 
 
+def test_a_load_never_drafted_at_is_judged_by_its_plain_steps_excess() -> None:
+    """vLLM on the H200 (Llama-3-8B shape, docs/PERFORMANCE.md section 18): served plain steps at 256 requests
+    took 36.0 ms against a 22.99 ms price, so ~13 ms per step is work the curve does not see, and a drafting
+    step (priced 62.42 ms) carries it too. Drafting was measured only at 16 requests, host-bound at 2.6x its
+    price relative to plain steps; borrowed at 256, every rise probe failed where drafting paid by 21%."""
+    cal = StepTimeCalibration()
+    for _ in range(50):
+        cal.record(True, 16, measured_ms=2.6 * 18.52, priced_ms=18.52)
+        cal.record(False, 16, measured_ms=6.71, priced_ms=6.71)
+        cal.record(False, 256, measured_ms=36.0, priced_ms=22.99)
+    q_plain = 36.0 / 22.99
+    prior = (62.42 + (q_plain - 1.0) * 22.99) / 62.42 / q_plain
+    assert cal.relative_draft_cost(256, 62.42, 22.99) == pytest.approx(prior)
+    assert prior == pytest.approx(0.772, abs=1e-3)
+    assert cal.relative_draft_cost(256) == pytest.approx(2.6)  # without prices: the nearest bucket, as before
+    # Verify-all's acceptance (2.933 per request) at that price beats plain decoding at the prior, not borrowed.
+    policy = SaturationPolicy(patience=1, resume_every=4)
+    decision = BudgetDecision(budget=7 * 256, theta_best=2.0, theta_all=2.0, theta_no_draft=256 / 22.99,
+                              step_ms=62.42, total_drafts=7 * 256, plain_ms=22.99)
+    realized = (256 * 2.933 / (62.42 * prior)) / decision.theta_no_draft
+    assert realized > 1.3 and (256 * 2.933 / (62.42 * 2.6)) / decision.theta_no_draft < 0.6
+    timer = StepTimer(policy)
+    timer.step_times = cal
+    assert timer.cost_scale(256, decision) == pytest.approx(prior)
+    # Once drafting at 256 is measured, its own quotient decides; a plain-only excess below the price works too.
+    for _ in range(50):
+        cal.record(True, 256, measured_ms=87.2, priced_ms=62.42)
+    assert cal.relative_draft_cost(256, 62.42, 22.99) == pytest.approx((87.2 / 62.42) / q_plain)
+    fast = StepTimeCalibration()
+    fast.record(False, 64, measured_ms=8.96, priced_ms=9.8)
+    assert fast.relative_draft_cost(64, 32.24, 9.8) == pytest.approx((32.24 - 0.84) / 32.24 / (8.96 / 9.8))
+
+
+def test_probe_steps_never_enter_the_calibration() -> None:
+    """A probe's step is not what drafting costs once it runs (the catch-up over the pause, first use at a
+    load): on vLLM probes measured about twice the steady quotient at 16, 64 and 256 requests."""
+    policy = SaturationPolicy(patience=1, resume_every=2)
+    timer = StepTimer(policy)
+    decision = _decision(budget=4, best=0.5, nodraft=1.0)  # drafting loses: pause after one step
+    assert timer.begin_step(8)
+    policy.observe(decision, num_running=8)
+    timer.record(True, 8, 20.0, 10.0)
+    assert not policy.drafting_enabled
+    probes = 0
+    for _ in range(64):
+        if timer.begin_step(8):
+            probes += 1
+            assert timer.probe_step
+            timer.record(True, 8, 80.0, 10.0)  # judged below; its time must not calibrate
+            policy.observe(decision, num_running=8)
+        else:
+            timer.record(False, 8, 10.0, 10.0)
+    assert probes > 0
+    assert timer.step_times.ratio(True, 8) == pytest.approx(2.0)  # the one non-probe drafting step only
+
+
 def test_heavy_load_calibration_does_not_make_drafting_at_light_load_look_cheap() -> None:
     """After a heavy phase had filled one all-loads window, the H200 real-setup cells at 16 requests drafted
     every step at a loss (PERFORMANCE section 12): with windows per load the light load pauses within
@@ -848,7 +904,7 @@ def test_a_step_left_out_of_the_calibration_still_counts_for_the_probe_tax() -> 
     policy = SaturationPolicy(patience=2, resume_every=4)
     seen: list[tuple[bool, float]] = []
     policy.record_step_ms = lambda drafting, ms: seen.append((drafting, ms))  # type: ignore[method-assign]
-    timer = StepTimer(policy, time_probes=True)
+    timer = StepTimer(policy)
     timer.record(True, 16, 40.0, 10.0, calibrate=False)  # e.g. a step that also caught a paused draft up
     timer.record(False, 16, 30.0, 10.0, calibrate=False)
     assert seen == [(True, 40.0), (False, 30.0)] and timer.step_times.quotients() == {}

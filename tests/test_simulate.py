@@ -240,7 +240,7 @@ def test_a_mispriced_manager_recovers_through_measured_step_times(monkeypatch: p
     calibrated = sim.simulate_concurrency(data, true, r, opts).results
     import dspark_cli.core.capacity as cap
 
-    monkeypatch.setattr(cap.StepTimeCalibration, "relative_draft_cost", lambda self, num_reqs: 1.0)
+    monkeypatch.setattr(cap.StepTimeCalibration, "relative_draft_cost", lambda self, *args: 1.0)
     trusting = sim.simulate_concurrency(data, true, r, opts).results
     nospec = calibrated["nospec"].tok_s
     assert trusting["manager"].tok_s < 0.9 * nospec  # believing its curve, it keeps drafting at a loss

@@ -236,6 +236,7 @@ class BudgetDecision:
     theta_no_draft: float  # Θ without the draft pass at all (plain decoding)
     step_ms: float  # predicted step cost at the chosen budget
     total_drafts: int  # drafts available this step
+    plain_ms: float = 0.0  # predicted cost of the same step decoded plainly (0: not priced)
 
     @property
     def pays(self) -> bool:
@@ -302,6 +303,7 @@ def choose_budget(
         theta_no_draft=theta_no_draft,
         step_ms=float(cost[budget]),
         total_drafts=total,
+        plain_ms=no_draft_cost,
     )
 
 
@@ -431,11 +433,20 @@ class StepTimeCalibration:
     so a single 256-request step outweighs all it held before. One window over all loads therefore judged a
     light load after a heavy phase mostly by the heavy load's quotient. On an H200 (SmolLM2-135M, section 12
     of docs/PERFORMANCE.md) that coincided with drafting at 16 requests every step at about 0.6x the
-    throughput of plain decoding. A load is judged by its own bucket, or else by the nearest bucket that has both kinds of steps.
+    throughput of plain decoding. A load is judged by its own bucket.
+
+    A load whose bucket has plain steps but no drafting ones -- a pause at a load drafting never ran at, the
+    case of every probe there -- is judged by what its plain steps show: the time they take beyond their price
+    is taken to be per step (server and scheduler work, streaming), so a drafting step there is priced at its
+    curve price plus that excess. Not another load's quotient: where the draft pass is host-bound (at light
+    load) drafting steps cost 2-3x their price relative to plain ones, and at heavy load, where the GPU is the
+    bottleneck, less than 1x; borrowed across that range, a light load's quotient made every probe at 256
+    requests fail where drafting paid (docs/PERFORMANCE.md section 18). Only a bucket with neither kind borrows
+    the nearest bucket's quotient.
 
     Request-weighted windows of ``STEP_TIME_MEMORY`` request-steps; a sample's ratio is clamped to
-    ``[1/STEP_TIME_CLAMP, STEP_TIME_CLAMP]`` so one compile stall cannot swing a window. With no bucket
-    holding both kinds the scale is 1 (the curve's own judgment).
+    ``[1/STEP_TIME_CLAMP, STEP_TIME_CLAMP]`` so one compile stall cannot swing a window. With nothing measured
+    the scale is 1 (the curve's own judgment).
     """
 
     def __init__(self, memory: int = STEP_TIME_MEMORY) -> None:
@@ -481,14 +492,22 @@ class StepTimeCalibration:
                 out[b] = min(max(window.value / plain.value, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
         return out
 
-    def relative_draft_cost(self, num_reqs: int) -> float:
+    def relative_draft_cost(self, num_reqs: int, drafting_ms: float = 0.0, plain_ms: float = 0.0) -> float:
         """How much more (> 1) or less a drafting step of ``num_reqs`` requests really costs, relative to
-        plain decoding, than priced: its load bucket's quotient, else the nearest bucket's with both (ties
-        go to the lower load), else 1."""
+        plain decoding, than priced: its load bucket's quotient; else, given the step's priced drafting and
+        plain times and plain steps measured at its load, the per-step excess prior (class docstring); else
+        the nearest bucket's quotient (ties go to the lower load); else 1."""
         quotients = self.quotients()
+        own = self.load_bucket(num_reqs)
+        if own in quotients:
+            return quotients[own]
+        plain = self.ratio(False, num_reqs)
+        if plain is not None and drafting_ms > 0 and plain_ms > 0:
+            excess = (plain - 1.0) * plain_ms
+            measured = max(drafting_ms + excess, drafting_ms / STEP_TIME_CLAMP)
+            return min(max(measured / drafting_ms / plain, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
         if not quotients:
             return 1.0
-        own = self.load_bucket(num_reqs)
         return quotients[min(quotients, key=lambda b: (abs(b - own), b))]
 
 
@@ -500,11 +519,13 @@ class StepTimer:
     drafting step cost when the policy judges its outcome (:meth:`cost_scale`). While drafting stays on,
     :meth:`begin_step` turns one step in ``PLAIN_SAMPLE_EVERY`` timed drafting steps into a plain one, so
     the quotient has a plain measurement to compare against (one plain step in 65 costs a paying
-    configuration well under 1%). The embedded engine's probe steps are not drafting's cost (a probe catches
-    the draft up over the whole pause) and are left out of the calibration; ``time_probes`` keeps them, where
-    a probe's steps are the only drafting measurements a pause leaves (the vLLM manager, which leaves out
-    instead the steps that carried its paused ``draft_model`` draft's catch-up, docs/PERFORMANCE.md section
-    16: ``record(calibrate=False)``).
+    configuration well under 1%). Probe steps are left out of the calibration: they are not what drafting
+    costs once it runs. A probe catches the draft up over the whole pause, and on vLLM (Llama-3-8B shape,
+    H200, docs/PERFORMANCE.md section 18) the quotients that probes measured were about twice what steady
+    drafting cost against paused steps at 16, 64 and 256 requests, so every probe failed, including those at
+    256 where drafting paid by 21%. A pause therefore judges its probes by the plain steps' excess at their
+    load (:meth:`StepTimeCalibration.relative_draft_cost`). Steps that carried other work than their own
+    (vLLM's paused ``draft_model`` draft catching up) are recorded with ``calibrate=False``.
 
     What a "plain" step is depends on the engine, and that is the point: the embedded engine's paused step
     is plain decoding, while vLLM's paused ``draft_model`` step still costs more (on the H200's Llama-3-8B
@@ -513,9 +534,8 @@ class StepTimer:
     drafting against what pausing really costs there, not against the curve's price of plain decoding.
     """
 
-    def __init__(self, saturation: SaturationPolicy, time_probes: bool = False) -> None:
+    def __init__(self, saturation: SaturationPolicy) -> None:
         self.saturation = saturation
-        self.time_probes = time_probes
         self.step_times = StepTimeCalibration()
         self._drafting_since_plain = 0  # timed drafting steps since the last timed plain step
         self.probe_step = False  # the step begun last drafts as a saturation probe
@@ -539,16 +559,19 @@ class StepTimer:
         if not calibrate:
             return
         if drafting:
-            if self.probe_step and not self.time_probes:
+            if self.probe_step:
                 return
             self._drafting_since_plain += 1
         else:
             self._drafting_since_plain = 0
         self.step_times.record(drafting, num_reqs, measured_ms, priced_ms)
 
-    def cost_scale(self, num_running: int) -> float:
-        """What to pass :meth:`SaturationPolicy.observe_outcome` for a step of ``num_running`` requests."""
-        return self.step_times.relative_draft_cost(num_running)
+    def cost_scale(self, num_running: int, decision: BudgetDecision | None = None) -> float:
+        """What to pass :meth:`SaturationPolicy.observe_outcome` for a step of ``num_running`` requests priced
+        by ``decision`` (its drafting and plain prices inform a load whose drafting was never measured)."""
+        if decision is None:
+            return self.step_times.relative_draft_cost(num_running)
+        return self.step_times.relative_draft_cost(num_running, decision.step_ms, decision.plain_ms)
 
 
 @dataclass
@@ -1076,7 +1099,7 @@ class CapacityManager:
         if self.cfg.mode == "none":
             return self.last_decision.pays
         return self.saturation.observe_outcome(self.last_decision, emitted_tokens, self._pending_running,
-                                               self.timer.cost_scale(self._pending_running))
+                                               self.timer.cost_scale(self._pending_running, self.last_decision))
 
     @property
     def realized_gain(self) -> float | None:

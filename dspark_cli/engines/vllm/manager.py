@@ -450,7 +450,7 @@ def build_manager_class(base: type) -> type:
             self.saturation = SaturationPolicy.from_config(self.cfg)  # its probe tax reads the step timing
             # Step times (host clock between drafting decisions): the probe tax, and what a drafting step
             # costs against a paused one, which in vLLM is not plain decoding (core.capacity.StepTimer).
-            self.timer = StepTimer(self.saturation, time_probes=True)
+            self.timer = StepTimer(self.saturation)
             self._clock = time.perf_counter
             # The last drafting decision: (time, drafting, requests, draft catch-ups paid before it).
             self._last_begin: tuple[float, bool, int, int] | None = None
@@ -908,7 +908,8 @@ def build_manager_class(base: type) -> type:
             if self._outcome_event is not None:
                 self._outcome_event.synchronize()
             decision, r = pending
-            self.saturation.observe_outcome(decision, int(self._outcome_host.item()), r, self.timer.cost_scale(r))
+            self.saturation.observe_outcome(decision, int(self._outcome_host.item()), r,
+                                            self.timer.cost_scale(r, decision))
 
         def observe(self, num_sampled: torch.Tensor) -> None:
             """Outcomes of this step's verification (device), before propose overwrites the drafts."""
