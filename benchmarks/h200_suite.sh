@@ -8,6 +8,7 @@
 #         profile (profile-sps curves: SmolLM2-135M shape and Llama-3-8B shape, K=7, 256 requests),
 #         fiwarm (build FlashInfer's kernel modules for the SmolLM2 and Llama-3-8B head shapes: JIT, minutes),
 #         backends (attention_backends.py: FlashInfer against the Triton kernel, checked, per layer),
+#         prefill (prefill_graphs.py: prefills through the ragged graph families against eager ones; SHAPES=...),
 #         serve (issue 7's serving proof: SmolLM2-135M + its draft, nospec / none / varlen at c=1,16,64,256,
 #                GSM8K prompts, greedy; BACKEND=auto|triton|flashinfer, CONFIGS=..., C1=0 skips c=1; needs the
 #                SmolLM2 parts in /tmp/smol).
@@ -64,6 +65,10 @@ for heads, kv_heads, dim in ((9, 3, 64), (32, 8, 128)):
     print(f"flashinfer kernels for H={heads} KVH={kv_heads} D={dim}: {time.perf_counter() - t0:.1f} s", flush=True)
 PY
       ;;
+    prefill)  # prefill_graphs.py: ragged CUDA-graph prefills against eager ones (SHAPES="smollm2-135m llama-3-8b")
+      # shellcheck disable=SC2046
+      python3 benchmarks/prefill_graphs.py --out "$OUT/prefill_graphs" $(printf -- '--shape %s ' ${SHAPES:-smollm2-135m}) \
+        2>&1 | tee "$OUT/prefill_graphs.log" || status=1 ;;
     backends)
       python3 benchmarks/attention_backends.py --out "$OUT/attention_backends" 2>&1 | tee "$OUT/attention_backends.log" \
         || status=1 ;;

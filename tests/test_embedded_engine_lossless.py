@@ -159,3 +159,23 @@ def test_greedy_identical_with_the_kernel_attention_backend(
         engine.runner.emulate_graphs()
     assert engine.runner.backend.name == "triton"
     assert engine.generate(prompts(6), GREEDY) == reference
+
+
+def test_prefills_replay_the_ragged_graph_families(pair: TinyPair, reference: list[list[int]]) -> None:
+    """Prompts of several lengths prefill through the target's ragged family and the draft's (the CUDA-graph
+    replay plumbing for any split of a padded token count, run eagerly on CPU); outputs stay the same."""
+    from dspark_cli.engines.embedded.model_runner import ragged_capture_sizes
+
+    assert ragged_capture_sizes(100) == [16, 24, 32, 48, 64, 96, 100]
+    assert ragged_capture_sizes(2048)[-3:] == [1024, 1536, 2048]
+    engine = make_engine(pair, capacity=_capacity("varlen"), sps_curve=str(pair.curve))
+    runner = engine.runner
+    runner.emulate_graphs()
+    assert runner._prefill_graphs is not None and runner._draft_ragged_graphs is not None
+    served: dict[str, list[int]] = {"target": [], "draft": []}
+    for name, family in (("target", runner._prefill_graphs), ("draft", runner._draft_ragged_graphs)):
+        body = family._body
+        family._body = lambda size, body=body, seen=served[name]: (seen.append(size), body(size))[1]  # type: ignore[method-assign]
+    assert engine.generate(prompts(6), GREEDY) == reference
+    # One prefill of six prompts of 6-8 tokens (42 tokens: the 48 bucket), target and draft alike.
+    assert served == {"target": [48], "draft": [48]}

@@ -154,17 +154,22 @@ def test_graph_outputs_survive_replays_of_every_other_graph(pair: TinyPair) -> N
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_long_catch_up_gaps_are_fed_in_graph_rounds_and_draft_like_one_pass(pair: TinyPair, device: str) -> None:
-    """After paused steps a request can be many tokens ahead of its draft: the gap is fed in rounds the
-    catch-up graphs hold (never an eager pass of a shape no graph has), and the drafts come out as from the
-    single pass."""
+    """After paused steps a request can be many tokens ahead of its draft: the gap is fed as one replay of the
+    draft's ragged family, or -- without it -- in rounds the catch-up graphs hold (never an eager pass of a
+    shape no graph has), and the drafts come out as from the single eager pass."""
     k = 3
     results = []
-    for rounds in (True, False):
+    for way in ("ragged", "rounds", "eager"):
+        rounds = way != "eager"
         engine = make_engine(pair, draft=str(pair.draft_head), num_speculative_tokens=k, max_model_len=128,
                              device=device, dtype="float32")
         runner = engine.runner
         if device == "cpu":
             runner.emulate_graphs()  # CUDA captures real graphs
+        ragged = runner._draft_ragged_graphs
+        assert ragged is not None and runner._catchup_graphs is not None
+        if way != "ragged":  # as with the torch backend: no ragged family behind the catch-up graphs
+            runner._draft_ragged_graphs = None
         for rid, prompt in zip("ab", prompts(2), strict=True):
             engine.add_request(rid, prompt, GREEDY)
         engine.step()  # prefill: the draft has fed every prompt token
@@ -179,23 +184,31 @@ def test_long_catch_up_gaps_are_fed_in_graph_rounds_and_draft_like_one_pass(pair
 
         def spy(ids, positions, req, pad, qstart, bt, max_query_len, max_kv_len,  # type: ignore[no-untyped-def]
                 captured=False, seen=eager_rows, inner=inner):
-            if max_query_len > k + 1:
+            if max_query_len > k + 1 and not captured:  # an eager pass (emulated graph bodies are captured)
                 seen.append(max_query_len)
             return inner(ids, positions, req, pad, qstart, bt, max_query_len, max_kv_len, captured)
 
         runner.draft_fwd.run = spy  # type: ignore[method-assign]
+        if way != "ragged":
+            runner._catchup_graphs.fallback = spy
         graphs = runner._catchup_graphs
-        if not rounds:
+        if way == "eager":
             runner._catchup_graphs = None  # the single catch-up pass (eager for this shape)
+        fed: list[int] = []
+        if way == "ragged":  # count the ragged family's runs (a CUDA replay runs no Python of the model)
+            run = ragged.run
+            runner._catchup_graphs.fallback = lambda *a, run=run, fed=fed: (fed.append(a[0].shape[0]), run(*a))[1]
         out = runner.propose(seqs, tables, None, None)
         runner._catchup_graphs = graphs
         results.append((out.tokens.clone(), out.confidence.clone()))
-        assert bool(eager_rows) is not rounds  # the rounds never fall back to an eager pass
-        if rounds:  # the rounds left the last K + 1 tokens of each request to the proposal's own catch-up
+        assert bool(eager_rows) is not rounds  # neither the ragged replay nor the rounds fall back to eager
+        assert bool(fed) is (way == "ragged")
+        if way == "rounds":  # the rounds left the last K + 1 tokens of each request to the proposal's own catch-up
             assert [s.num_tokens - s.num_draft_computed for s in seqs] == [k + 1, k + 1]
-    (tok_r, conf_r), (tok_1, conf_1) = results
-    assert torch.equal(tok_r, tok_1)
+    (tok_g, conf_g), (tok_r, conf_r), (tok_1, conf_1) = results
+    assert torch.equal(tok_r, tok_1) and torch.equal(tok_g, tok_1)
     torch.testing.assert_close(conf_r, conf_1)
+    torch.testing.assert_close(conf_g, conf_1)
 
 
 def test_sampling_batches_bypass_the_greedy_loop_and_stay_seeded(pair: TinyPair) -> None:

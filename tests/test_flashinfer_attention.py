@@ -239,6 +239,35 @@ def _reference(b: dict[str, torch.Tensor], cache: tuple[torch.Tensor, torch.Tens
 SHAPES = {"smollm2": (9, 3, 64), "llama3": (32, 8, 128)}
 
 
+def _replay_against_the_reference(backend: fa.FlashInferPagedAttention, batches: list[dict[str, torch.Tensor]],
+                                  cache: tuple[torch.Tensor, torch.Tensor], heads: tuple[int, int, int], page: int,
+                                  width: int, max_query_len: int, reference_query_len: int) -> None:
+    """Capture one forward of ``batches[0]``'s shape (``max_query_len`` rows per request at most), replay it
+    with every batch's tensors in turn, and compare each replay's live rows with the torch reference."""
+    static = {name: t.clone() for name, t in batches[0].items()}
+    out = torch.empty_like(static["q"])
+
+    def body() -> None:
+        inputs = _inputs(static, page, max_query_len, width, captured=True)
+        out.copy_(backend.forward(static["q"], static["k"], static["v"], *cache, inputs, heads[2] ** -0.5))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        body()  # plans once, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph):
+        body()
+    for b in batches[1:] + batches[:1]:
+        for name, t in b.items():
+            static[name].copy_(t)
+        graph.replay()
+        ref = _reference(b, cache, page, width, reference_query_len)
+        live = ~b["pad"]
+        torch.testing.assert_close(out[live].float(), ref[live].float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -278,28 +307,7 @@ def test_one_plan_replays_changing_ragged_batches(shape: str, tokens: int, rows:
     for i, q_lens in enumerate(layouts):
         ctx = torch.randint(0, (width - 1) * page - k1, (len(q_lens),), generator=gen).tolist()
         batches.append(ragged(q_lens, ctx, tokens, rows, heads, cache, width, seed=10 + i))
-    static = {name: t.clone() for name, t in batches[0].items()}
-    out = torch.empty_like(static["q"])
-
-    def body() -> None:
-        inputs = _inputs(static, page, k1, width, captured=True)
-        out.copy_(backend.forward(static["q"], static["k"], static["v"], *cache, inputs, heads[2] ** -0.5))
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.inference_mode():
-        body()  # plans once, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph):
-        body()
-    for b in batches[1:] + batches[:1]:
-        for name, t in b.items():
-            static[name].copy_(t)
-        graph.replay()
-        ref = _reference(b, cache, page, width, k1)
-        live = ~b["pad"]
-        torch.testing.assert_close(out[live].float(), ref[live].float(), atol=2e-2, rtol=2e-2)
+    _replay_against_the_reference(backend, batches, cache, heads, page, width, k1, k1)
 
 
 @pytest.mark.gpu
@@ -345,3 +353,56 @@ def test_engine_verify_graph_matches_the_reference_backend() -> None:
             for attn in layers:
                 attn.backend = saved
     torch.testing.assert_close(graphed.float(), eager.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_captured_forward_of_whole_prompts_replays_any_split(shape: str) -> None:
+    """The model runner's ragged (prefill) graphs: a captured shape whose requests may hold more rows than one
+    FlashInfer tile runs the Triton kernel, so one graph replays prompts of any lengths, as the reference."""
+    heads = SHAPES[shape]
+    page, width, tokens, rows = 16, 40, 320, 16
+    max_rows = width * page
+    assert max_rows * (heads[0] // heads[1]) > fa.tallest_tile(heads[2])
+    cache = tuple(torch.randn(rows * width + 1, page, heads[1], heads[2], dtype=torch.bfloat16, device="cuda")
+                  for _ in range(2))
+    backend = fa.FlashInferPagedAttention(torch.device("cuda"))
+    gen = torch.Generator().manual_seed(1)
+    layouts = [[300, 1, 19], [128, 128, 64], [1] * rows, [317], [40] * 8]
+    batches = []
+    for i, q_lens in enumerate(layouts):
+        ctx = torch.randint(0, 2 * page, (len(q_lens),), generator=gen).tolist()
+        batches.append(ragged(q_lens, ctx, tokens, rows, heads, cache, width, seed=20 + i))
+    _replay_against_the_reference(backend, batches, cache, heads, page, width, max_rows, tokens)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_engine_prefill_graphs_match_the_eager_prefill() -> None:
+    """The runner's captured ragged family against FlashInfer's eager per-call plan, on the same prompts of
+    unequal lengths (SmolLM2's attention shape, random weights, two layers)."""
+    from dspark_cli.engines.embedded.engine import LLMEngine
+    from dspark_cli.engines.embedded.sequence import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model="random:smollm2-135m:layers=2", draft="random:small", num_speculative_tokens=7,
+                                    device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=512,
+                                    attention_backend="flashinfer"))
+    runner = engine.runner
+    assert runner._prefill_graphs is not None and runner._draft_ragged_graphs is not None
+    for i, n in enumerate((40, 300, 9, 77)):
+        engine.add_request(f"r{i}", list(range(3, 3 + n)), SamplingParams(temperature=0.0, max_tokens=4))
+    engine.step()  # the prefill, through the graphs
+    seqs = list(engine.scheduler.running)
+    assert runner._prefill_graphs.pick(sum(s.num_tokens for s in seqs), max(s.num_tokens for s in seqs)) is not None
+
+    def prefill_again() -> torch.Tensor:
+        for seq in seqs:
+            seq.num_computed_tokens = 0  # rewrites the same K/V
+        with torch.inference_mode():
+            return runner.prefill(seqs, draft=True).float().clone()
+
+    graphed = prefill_again()
+    runner._prefill_fn = runner.target_fwd.run
+    eager = prefill_again()
+    torch.testing.assert_close(graphed, eager, atol=5e-2, rtol=5e-2)

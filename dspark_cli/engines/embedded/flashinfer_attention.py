@@ -30,8 +30,11 @@ them:
 So each captured shape (tokens, rows, most rows per request, heads, dtypes, page size, scale) gets one wrapper,
 planned once with a dummy layout, and every forward -- captured or not -- writes this batch's ``qo_indptr``,
 the CSR page table and ``o_indptr`` into that wrapper's fixed buffers with a few device kernels
-(:func:`paged_kv_csr`). Forwards that break (2) -- prefills, whose rows per request are whole prompts, and any
-eager forward -- plan per call from host copies of the lengths (one sync, which an eager prefill has anyway).
+(:func:`paged_kv_csr`). Eager forwards that break (2) -- a prefill too long for the ragged graphs, whose rows
+per request are whole prompts -- plan per call from host copies of the lengths (one sync, which an eager
+prefill has anyway). Captured forwards that break (2) -- the model runner's ragged (prefill) graphs, whose
+requests may hold any number of rows -- run the Triton kernel (``triton_attention``), which needs no plan and
+holds any split of a captured shape's rows.
 
 This leans on FlashInfer internals (the planner's tile rule, the plan-info vector's order, two wrapper
 attributes), so the backend is pinned to the FlashInfer that vLLM 0.33 pins (:data:`FLASHINFER_VERSION`) and
@@ -290,7 +293,9 @@ class FlashInferPagedAttention:
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         group = num_heads // kv_heads
-        if inputs.captured and inputs.max_query_len * group <= tallest_tile(head_dim):
+        if inputs.captured and inputs.max_query_len * group > tallest_tile(head_dim):
+            return self._ragged_captured(inputs, scale)
+        if inputs.captured:
             planned = self._planned_for(q, k_cache, inputs, scale)
             planned.qo_indptr.copy_(inputs.query_start_loc)
             paged_kv_csr(inputs.seq_lens, inputs.block_tables[:-1], inputs.block_size, planned.kv_indptr,
@@ -304,6 +309,20 @@ class FlashInferPagedAttention:
 
             return run_planned
         return self._plan_eager(q, k_cache, inputs, scale)
+
+    @staticmethod
+    def _ragged_captured(inputs: AttentionInputs, scale: float) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """A captured forward with more rows per request than one tile holds (the ragged prefill graphs): the
+        Triton kernel, whose launch reads shapes only, so one graph replays any split of its rows."""
+        from dspark_cli.engines.embedded.triton_attention import paged_attention_varlen
+
+        tables = inputs.block_tables[:-1].to(torch.int32)  # drop the scratch row: padding is past qsl[R]
+
+        def run_ragged(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+            return paged_attention_varlen(q, k_cache, v_cache, tables, inputs.seq_lens, inputs.query_start_loc,
+                                          scale)
+
+        return run_ragged
 
     def _planned_for(self, q: Tensor, k_cache: Tensor, inputs: AttentionInputs, scale: float) -> _Planned:
         num_tokens, num_heads, head_dim = q.shape

@@ -4,7 +4,7 @@ The runner owns everything that touches the device except the core's decisions: 
 draft, sizes and allocates both KV pools, turns scheduled sequences into batch tensors, and runs three
 kinds of forward:
 
-* **prefill** -- eager, whole prompts, target and draft (the draft's KV must cover the prompt too);
+* **prefill** -- whole prompts, target and draft (the draft's KV must cover the prompt too);
 * **verify** -- the target over a core :class:`~dspark_cli.core.layout.VerifyLayout`, returning logits
   for every row (rows are padding or verified; the rejection sampler picks);
 * **draft** -- the drafter's catch-up pass and its K - 1 one-token steps.
@@ -16,6 +16,16 @@ way, the draft step per request count, and -- for all-greedy batches -- the *who
 two replays instead of ~25 launches per draft token. Replays copy the step's tensors into static buffers
 with ``copy_``; nothing reads device values on the host, so the only host knowledge a replay needs is
 the padded size -- the budget the capacity manager chose. CPU runs everything eagerly.
+
+Prefills and long draft catch-ups (a probe's, over a whole saturation pause) are ragged too, with any number
+of rows per request: with a kernel attention backend (Triton, FlashInfer) each model also gets a *ragged*
+family per padded token count (:func:`ragged_capture_sizes`, up to the prefill token limit or
+``RAGGED_MAX_TOKENS``) that holds any split of its tokens into requests; the K + 1 families hand it what they
+cannot hold, and what it cannot hold runs eagerly. Why: an eager forward is launch-bound on a small model --
+on an H200 an eager SmolLM2-135M prefill of 16 prompts took 32 ms, 6.5 ms as a replay (docs/PERFORMANCE.md
+section 19) -- and every prefill step stalls every decoding request; with speculation, staggered finishes
+bring 4-5x as many prefill steps as plain decoding does (section 17). Not with the torch backend: its dense
+``[rows, max_model_len]`` grid per captured size would not fit.
 
 All graph families share one memory pool, and they replay in a different order than they were captured
 (catch-up, draft loop, verify each step; captured verify first). A graph captured later may be handed, for
@@ -112,6 +122,27 @@ def capture_sizes_for(max_size: int) -> list[int]:
     return sizes
 
 
+RAGGED_MIN_TOKENS = 16
+# The largest ragged graph: past a few thousand tokens a prefill's compute outweighs its launches, and every
+# size adds a capture (and its activations to the shared pool) at start-up.
+RAGGED_MAX_TOKENS = 8192
+
+
+def ragged_capture_sizes(max_size: int) -> list[int]:
+    """Token counts of the ragged (prefill) families: powers of two from ``RAGGED_MIN_TOKENS`` and 1.5x each,
+    up to ``max_size``, plus ``max_size`` itself. Finer than powers of two because a prefill's compute grows
+    with its padded size: the padding stays under a third of the batch."""
+    sizes: list[int] = []
+    size = RAGGED_MIN_TOKENS
+    while size < max_size:
+        sizes.append(size)
+        if size * 3 // 2 < max_size:
+            sizes.append(size * 3 // 2)
+        size *= 2
+    sizes.append(max_size)
+    return sizes
+
+
 @dataclass
 class _Forward:
     """One model plus its KV pool: ``run`` is an eager forward returning final-normed hidden states."""
@@ -144,6 +175,8 @@ class _GraphedForward:
         device: torch.device, pool: object | None,
     ) -> None:
         self.fwd = fwd
+        # What runs a batch no captured size holds: the model's eager forward, or another family.
+        self.fallback: ForwardFn = fwd.run
         self.sizes = sorted(sizes)
         self.max_rows = max_rows
         self.qlen = max_query_len
@@ -209,7 +242,7 @@ class _GraphedForward:
         num_reqs = query_start_pos.shape[0]
         size = self.pick(num_tokens, max_query_len)
         if size is None:
-            return self.fwd.run(
+            return self.fallback(
                 ids, positions, req_index, is_padding, query_start_pos, block_tables, max_query_len, max_kv_len
             )
         rows = self._rows(size)
@@ -399,6 +432,9 @@ class ModelRunner:
         self._verify_graphs: _GraphedForward | None = None
         self._catchup_graphs: _GraphedForward | None = None
         self._step_graphs: _GraphedForward | None = None
+        self._prefill_graphs: _GraphedForward | None = None  # ragged: the target's prefills
+        self._draft_ragged_graphs: _GraphedForward | None = None  # ragged: draft prefills, long catch-ups
+        self._prefill_fn: ForwardFn = self.target_fwd.run
         self._loop_graphs: _DraftLoopGraphs | None = None
         self._sampling_loop_graphs: _DraftLoopGraphs | None = None
         verify_fn = self.target_fwd.run
@@ -526,11 +562,36 @@ class ModelRunner:
                 self.device, pool,
             )
             self._step_graphs.capture(emulate)
+            pool = self._step_graphs.pool
             catchup_fn = self._catchup_graphs.run
             step_fn = self._step_graphs.run
+        if emulate or self.backend.name != "torch":
+            self._capture_ragged_graphs(pool, emulate)
         if not emulate:
             log.info("captured CUDA graphs for verify sizes %s", self.capture_sizes)
         return self._verify_graphs.run, catchup_fn, step_fn
+
+    def _capture_ragged_graphs(self, pool: object | None, emulate: bool) -> None:
+        """The ragged families (module docstring): the target's prefills, and the draft's prefills and long
+        catch-ups behind its K + 1 catch-up family."""
+        cfg = self.config
+        sizes = ragged_capture_sizes(min(cfg.batched_token_limit, RAGGED_MAX_TOKENS))
+        start = time.perf_counter()
+        self._prefill_graphs = _GraphedForward(
+            self.target_fwd, sizes, cfg.max_num_seqs, self.max_positions, self.max_blocks_per_seq, self.device, pool
+        )
+        self._prefill_graphs.capture(emulate)
+        self._prefill_fn = self._prefill_graphs.run
+        if self.draft_fwd is not None and self._catchup_graphs is not None:
+            self._draft_ragged_graphs = _GraphedForward(
+                self.draft_fwd, sizes, cfg.max_num_seqs, self.max_positions, self.max_blocks_per_seq, self.device,
+                self._prefill_graphs.pool,
+            )
+            self._draft_ragged_graphs.capture(emulate)
+            self._catchup_graphs.fallback = self._draft_ragged_graphs.run
+        if not emulate:
+            log.info("captured ragged (prefill) graphs for %d token counts up to %d in %.1f s", len(sizes), sizes[-1],
+                     time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------------------ batches
 
@@ -606,7 +667,7 @@ class ModelRunner:
         t_last = self._to_device(torch.tensor(last, dtype=torch.int64))
         tables = self.block_tables(seqs)
         no_pad = torch.zeros_like(t_ids, dtype=torch.bool)
-        hidden = self.target_fwd.run(t_ids, t_pos, t_req, no_pad, t_start, tables, max_q, kv_len)
+        hidden = self._prefill_fn(t_ids, t_pos, t_req, no_pad, t_start, tables, max_q, kv_len)
         if self.drafter is not None and draft:
             self.drafter.prefill(t_ids, t_pos, t_req, t_start, tables, max_q, kv_len)
         return self.target.compute_logits(hidden[t_last])
@@ -669,15 +730,26 @@ class ModelRunner:
     ) -> DraftOutput:
         """K drafts per sequence; the catch-up feeds ``token_ids[num_draft_computed:]`` first."""
         assert self.drafter is not None
-        if self._catchup_graphs is not None:
+        if self._catchup_graphs is not None and not self._ragged_holds_catch_up(seqs):
             self._feed_long_gaps(seqs, tables)
         return self.drafter.propose(self._catchup_inputs(seqs, tables, temperature, uniforms), self.num_spec)
+
+    def _ragged_holds_catch_up(self, seqs: list[Sequence]) -> bool:
+        """Whether the draft's ragged family replays this proposal's whole catch-up as one pass (then no rounds:
+        one replay of up to the prefill token limit beats a replay per ``K + 1`` tokens of the longest gap)."""
+        family = self._draft_ragged_graphs
+        if family is None:
+            return False
+        total = sum(s.num_tokens - s.num_draft_computed for s in seqs)
+        return family.pick(total, 1) is not None
 
     def _feed_long_gaps(self, seqs: list[Sequence], tables: Tensor) -> None:
         """Bring every request within ``K + 1`` unfed tokens of its end, in rounds the catch-up graphs replay.
 
+        Where the ragged family holds the whole catch-up, it is one replay instead (:meth:`propose`); these
+        rounds serve catch-ups past its largest size, and engines without it (the torch backend).
         After drafting was paused a request may be G tokens ahead of its draft. One catch-up pass over those
-        gaps is a batch no captured graph holds (up to G query rows per request), so it ran eagerly: a
+        gaps is a batch no K + 1 graph holds (up to G query rows per request), so it ran eagerly: a
         launch per kernel of the draft model, and -- a shape of its own each time -- new attention-kernel
         compiles in the middle of serving. Instead, each round feeds up to ``K + 1`` tokens of every request
         still more than ``K + 1`` behind (never its last ``K + 1``, which the proposal's own catch-up feeds
