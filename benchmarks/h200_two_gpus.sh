@@ -99,6 +99,8 @@ queue_stalls() {
 # whether a caught-up draft drafts as well), with a concurrent smoke per config; should a config fail to
 # serve, the matrix keeps the draft's K/V current. Section 16's sitting ran nospec, varlen, varlen-current:
 # both of ours accepted no draft (so outputs matched trivially), which varlen-verify now rules in or out.
+# REAL_SMOKE=after: the same check after both groups, where a sitting short of device time loses it, not
+# the matrix.
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
   stage "install vLLM" bash /tmp/stage/install.sh
@@ -112,16 +114,20 @@ queue_vllm() {
       cp benchmarks/results/vllm_h200/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"; }
   fi
   if [[ ${REAL_SMOKE:-0} == 1 ]]; then
-    stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
-    OVERLAP=4 GPU_UTIL=0.2 CONFIGS=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle,varlen-cycle-current} \
-      stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
-    rc=$?
-    [[ $rc == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
+    real_smoke
+    [[ $? == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
   fi
   OVERLAP=4 GPU_UTIL=0.22 CONFIGS=${VLLM_GROUP1:-nospec,all,upstream,varlen} \
     stage "scaled, group 1" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
   OVERLAP=4 GPU_UTIL=0.22 CONFIGS=${VLLM_GROUP2:-mask,varlen-nosat,varlen-nosts,varlen-startup} \
     stage "scaled, group 2" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
+  [[ ${REAL_SMOKE:-0} == after ]] && real_smoke
+}
+
+real_smoke() {  # issue 6 item 4: greedy lossless with real weights, verification forced on (see queue_vllm)
+  stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
+  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle,varlen-cycle-current} \
+    stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
 }
 
 # One GPU, issue 6's item 4 and the low-load anatomy: the greedy lossless check on the SmolLM2 shape (dummy
@@ -175,7 +181,7 @@ case $ACTION in
       # GPU q, its own model cache (two processes building the same cache entry would race)
       gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
-        "$(declare -f stage queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
+        "$(declare -f stage real_smoke queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
       echo $! >"$ROOT/queue$q.pid"
       echo "queue $q started (pid $!)"
