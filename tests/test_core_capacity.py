@@ -733,6 +733,52 @@ def test_drafting_that_pays_only_at_high_load_resumes_when_the_load_rises() -> N
     assert last.describe().startswith("rise probe at 256 requests paid: realized ")
 
 
+def test_served_vllm_cells_resume_drafting_at_256_and_stay_paused_at_16_and_64() -> None:
+    """docs/PERFORMANCE.md section 18 replayed on the core: the H200 curve of the Llama-3-8B shape, the synthetic
+    sampler's acceptance, and each load's served step times -- paused steps 6.79 / 8.96 / 36.02 ms at 16 / 64 /
+    256 requests, drafting steps their price plus 4.7 / 5.4 / 24.8 ms (verify-all's cells), probe steps twice
+    that. Drafting loses at 16 and 64 and pays 1.21x at 256. The rise probe at 256 finds no drafting timed
+    there; judged by that load's plain-step excess it resumes, where the nearest load's quotient failed it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    curve = SpsCurve.load(root / "benchmarks/results/vllm_h200/scaled-2026-12-01/profile-scaled/sps_curve.json")
+    k = 7
+    rates = torch.tensor([0.8, 0.7, 0.6, 0.5, 0.35, 0.2, 0.08])  # the synthetic sampler's conditional acceptance
+    survival = np.concatenate([[0.0], np.cumsum(np.cumprod(rates.numpy()))])  # accepted drafts given n admitted
+    paused_ms = {16: 6.79, 64: 8.96, 256: 36.02}
+    # What a served drafting step took beyond its price, per step (verify-all's cells: 23.24 / 37.66 / 87.17 ms
+    # against 18.52 / 32.24 / 62.42 priced): the eager draft pass's launches and the server's per-step work.
+    drafting_extra_ms = {16: 23.24 - 18.52, 64: 37.66 - 32.24, 256: 87.17 - 62.42}
+    cfg = CapacityConfig(mode="varlen", policy="argmax", saturation_patience=8, resume_every=16)
+    mgr = CapacityManager(cfg, curve, k, 256, "cpu")
+    drafted: dict[int, int] = {16: 0, 64: 0, 256: 0}
+    for load, steps in ((16, 400), (64, 400), (256, 300)):
+        for r in [load] * steps + [load // 2, load // 4, 1]:
+            plain = paused_ms.get(r, float(curve.step_cost_ms(r, r, drafting=False)))
+            if not mgr.begin_step(r):
+                mgr.record_step_time(False, r, plain)
+                continue
+            probe = mgr.timer.probe_step
+            slots = np.arange(r)
+            mgr.record_confidences(torch.from_numpy(slots), rates.expand(r, k))
+            decision = mgr.plan(slots, np.full(r, k), r, r, defer_saturation=True)
+            # The expected tokens: each request's admitted drafts (the budget spread evenly) survive as sampled.
+            admitted = np.full(r, decision.budget // r) + (np.arange(r) < decision.budget % r)
+            mgr.record_outcome(r + int(round(float(survival[admitted].sum()))))
+            measured = decision.step_ms + drafting_extra_ms.get(r, 5.0)
+            mgr.record_step_time(True, r, measured * (2.0 if probe else 1.0))
+            drafted[r] = drafted.get(r, 0) + 1
+    # At 256 the rise probe waits for the probe tax (the low loads' probes spent it), then drafting resumes
+    # for the rest of the cell; at 16 the drafting steps are the first ones (before the first pause) and the
+    # backed-off timer probes, at 64 one failed rise probe.
+    assert drafted[256] >= 200, drafted
+    assert drafted[16] < 100 and drafted[64] < 10, drafted
+    c = mgr.saturation.counters
+    assert c.probes["rise", "paid"] == 1 and c.probes["rise", "failed"] == 1
+    assert c.last_probe is not None and c.last_probe.num_running == 256 and c.last_probe.cost_scale < 0.8
+
+
 def test_the_last_probe_verdict_says_why_a_probe_failed() -> None:
     pol = SaturationPolicy(patience=1, resume_every=1)
     pol.begin_step(32)
