@@ -10,6 +10,7 @@
 #   QUEUE=vllm bash benchmarks/h200_two_gpus.sh start ROOT    # one GPU: issue 6 on vLLM 0.33 (queue_vllm)
 #   QUEUE=vllm-anatomy bash benchmarks/h200_two_gpus.sh start ROOT  # one GPU: issue 6's step anatomy + re-run
 #   QUEUE=vllm-lossless bash benchmarks/h200_two_gpus.sh start ROOT # one GPU: greedy lossless, dummy and real
+#   QUEUE=embedded bash benchmarks/h200_two_gpus.sh start ROOT      # one GPU: issue 8 after the prefill graphs
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -158,10 +159,27 @@ queue_vllm_anatomy() {
     stage "scaled, group 1" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
 }
 
+# One GPU, issue 8 after section 19 (prefill graphs): the GPU tests (the engine-step test changed after that
+# sitting), the prefill timing, then -- once /tmp/smol/ready exists -- the real matrix with 8-wave cells (its
+# cells' server counters give prefill steps and their time), and the serving cells with the Triton kernel
+# against `auto` (FlashInfer when staged in /tmp/fistage): with prefills as graphs, which decodes faster
+# served. ~25 min (estimate: GPU tests 4, real matrix 12, serving 2 x 4).
+queue_embedded() {
+  stage "GPU tests" bash benchmarks/h200_suite.sh "$ROOT/core" gputests
+  stage "prefill graphs" bash benchmarks/h200_suite.sh "$ROOT/core" prefill
+  stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
+  CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
+    stage "real matrix" bash benchmarks/h200_matrix.sh "$ROOT" real
+  for backend in triton auto; do
+    BACKEND=$backend CONFIGS=nospec,varlen C1=0 stage "serve ($backend)" bash benchmarks/h200_suite.sh "$ROOT/serve" serve
+  done
+}
+
 QUEUES=(0 1)
 [[ ${GPUS:-2} == 1 ]] && QUEUES=(_one)
 [[ ${QUEUE:-} == stalls ]] && QUEUES=(_stalls)
 [[ ${QUEUE:-} == vllm ]] && QUEUES=(_vllm)
+[[ ${QUEUE:-} == embedded ]] && QUEUES=(_embedded)
 [[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
 [[ ${QUEUE:-} == vllm-lossless ]] && QUEUES=(_vllm_lossless)
 
@@ -179,7 +197,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage real_smoke queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -187,7 +205,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless; do
+    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"
