@@ -503,8 +503,7 @@ class StepTimeCalibration:
             return quotients[own]
         plain = self.ratio(False, num_reqs)
         if plain is not None and drafting_ms > 0 and plain_ms > 0:
-            excess = (plain - 1.0) * plain_ms
-            measured = max(drafting_ms + excess, drafting_ms / STEP_TIME_CLAMP)
+            measured = drafting_ms + (plain - 1.0) * plain_ms  # its price plus the plain steps' excess
             return min(max(measured / drafting_ms / plain, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
         if not quotients:
             return 1.0
@@ -566,11 +565,9 @@ class StepTimer:
             self._drafting_since_plain = 0
         self.step_times.record(drafting, num_reqs, measured_ms, priced_ms)
 
-    def cost_scale(self, num_running: int, decision: BudgetDecision | None = None) -> float:
+    def cost_scale(self, num_running: int, decision: BudgetDecision) -> float:
         """What to pass :meth:`SaturationPolicy.observe_outcome` for a step of ``num_running`` requests priced
         by ``decision`` (its drafting and plain prices inform a load whose drafting was never measured)."""
-        if decision is None:
-            return self.step_times.relative_draft_cost(num_running)
         return self.step_times.relative_draft_cost(num_running, decision.step_ms, decision.plain_ms)
 
 

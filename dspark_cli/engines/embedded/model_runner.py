@@ -730,24 +730,13 @@ class ModelRunner:
     ) -> DraftOutput:
         """K drafts per sequence; the catch-up feeds ``token_ids[num_draft_computed:]`` first."""
         assert self.drafter is not None
-        if self._catchup_graphs is not None and not self._ragged_holds_catch_up(seqs):
+        if self._catchup_graphs is not None:
             self._feed_long_gaps(seqs, tables)
         return self.drafter.propose(self._catchup_inputs(seqs, tables, temperature, uniforms), self.num_spec)
-
-    def _ragged_holds_catch_up(self, seqs: list[Sequence]) -> bool:
-        """Whether the draft's ragged family replays this proposal's whole catch-up as one pass (then no rounds:
-        one replay of up to the prefill token limit beats a replay per ``K + 1`` tokens of the longest gap)."""
-        family = self._draft_ragged_graphs
-        if family is None:
-            return False
-        total = sum(s.num_tokens - s.num_draft_computed for s in seqs)
-        return family.pick(total, 1) is not None
 
     def _feed_long_gaps(self, seqs: list[Sequence], tables: Tensor) -> None:
         """Bring every request within ``K + 1`` unfed tokens of its end, in rounds the catch-up graphs replay.
 
-        Where the ragged family holds the whole catch-up, it is one replay instead (:meth:`propose`); these
-        rounds serve catch-ups past its largest size, and engines without it (the torch backend).
         After drafting was paused a request may be G tokens ahead of its draft. One catch-up pass over those
         gaps is a batch no K + 1 graph holds (up to G query rows per request), so it ran eagerly: a
         launch per kernel of the draft model, and -- a shape of its own each time -- new attention-kernel
@@ -755,9 +744,18 @@ class ModelRunner:
         still more than ``K + 1`` behind (never its last ``K + 1``, which the proposal's own catch-up feeds
         so that its outputs give draft 1), as a replay of the catch-up graph. The draft's KV and frontier
         (``num_draft_computed``) end where the single pass would have left them.
+
+        No rounds where the draft's ragged family holds the whole catch-up: the proposal's own catch-up is
+        then one replay of it, which beats a replay per ``K + 1`` tokens of the longest gap. The rounds serve
+        catch-ups past its largest size, and engines without it (the torch backend).
         """
         q = self.num_spec + 1
         pending = np.fromiter((s.num_tokens - s.num_draft_computed for s in seqs), dtype=np.int64, count=len(seqs))
+        if pending.max(initial=0) <= q:
+            return
+        ragged = self._draft_ragged_graphs
+        if ragged is not None and ragged.pick(int(pending.sum()), 1) is not None:
+            return
         fwd = self._catchup_graphs
         assert fwd is not None
         while pending.max(initial=0) > q:
