@@ -22,6 +22,8 @@ step costs, and losslessness must hold for any weights.
     python benchmarks/embedded_engine.py --out benchmarks/results/embedded_engine   # CUDA: everything
     python benchmarks/embedded_engine.py --quick --out /tmp/embedded                  # CPU smoke run
     python benchmarks/embedded_engine.py --shape llama-3-8b --out OUT                # scheduling overhead, 8B
+    python benchmarks/embedded_engine.py --steps-only --temperature 1 --configs nospec,mask,varlen \
+        --concurrency 16,64,128,256 --out OUT       # paused steps beside plain ones, engine alone
 """
 
 from __future__ import annotations
@@ -197,9 +199,14 @@ def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, promp
     )
 
 
+STEP_CONFIGS = ("nospec", "none", "mask", "varlen")
+
+
 def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "smollm2",
-               max_model_len: int = 1024, temperature: float = 0.0) -> dict[str, Any]:
-    """Per-phase breakdown of decode steps: nospec / none / varlen at a low and a high concurrency.
+               max_model_len: int = 1024, temperature: float = 0.0, configs: tuple[str, ...] | None = None,
+               concurrencies: list[int] | None = None) -> dict[str, Any]:
+    """Per-phase breakdown of decode steps: nospec / none / varlen (``configs``: any of ``STEP_CONFIGS``) at a
+    low and a high concurrency (``concurrencies``).
 
     The shapes are the served configuration's (SmolLM2-135M target, a 4-layer draft of the same width,
     K = 7, max_num_seqs = 256); weights are random (acceptance ~0), which changes how many steps a request
@@ -221,14 +228,17 @@ def time_steps(root: Path, device: str, quick: bool, out: Path, shape: str = "sm
         curve_path.write_text(SHAPES[shape][2].read_text())  # the profiled curve of exactly this shape (H200)
     else:
         SpsCurve.from_points([(1, 1.0), (8, 1.1), (64, 2.0), (512, 6.0)], [(1, 0.5), (256, 1.0)], 0.2).save(curve_path)
-    configs = [
-        ("nospec", dict(num_speculative_tokens=0)),
-        ("none", dict(num_speculative_tokens=k, draft=draft)),
-        ("varlen", dict(num_speculative_tokens=k, draft=draft, sps_curve=str(curve_path),
-                        capacity=CapacityConfig(mode="varlen"))),
-    ]
+    if concurrencies:
+        concs = concurrencies
+    overrides_of = {
+        "nospec": dict(num_speculative_tokens=0),
+        "none": dict(num_speculative_tokens=k, draft=draft),
+        **{mode: dict(num_speculative_tokens=k, draft=draft, sps_curve=str(curve_path),
+                      capacity=CapacityConfig(mode=mode)) for mode in ("mask", "varlen")},
+    }
     rows = []
-    for name, overrides in configs:
+    for name in configs or ("nospec", "none", "varlen"):
+        overrides = overrides_of[name]
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**common, **overrides))
         build_s = time.perf_counter() - t0
@@ -311,7 +321,24 @@ def main() -> None:
                     help="engines' max_model_len (block-table width and KV pool size follow it)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of the timed requests (> 0: seeded sampling, as dspark bench sends)")
+    ap.add_argument("--configs", default="nospec,none,varlen",
+                    help=f"comma list of the step breakdown's configs ({', '.join(STEP_CONFIGS)}); mask and varlen "
+                         "pause where the random draft loses, so their paused steps sit beside nospec's")
+    ap.add_argument("--concurrency", default=None,
+                    help="comma list of concurrencies for the step breakdown (default 16,256; --quick 2,8)")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="skip the lossless and host-sync checks: the step breakdown alone")
     args = ap.parse_args()
+    configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    unknown = sorted(set(configs) - set(STEP_CONFIGS))
+    if unknown or not configs:
+        ap.error(f"--configs: unknown {', '.join(unknown) or 'empty list'}; use {', '.join(STEP_CONFIGS)}")
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",")] if args.concurrency else None
+    except ValueError:
+        ap.error(f"--concurrency: expected a comma list of integers, got {args.concurrency!r}")
+    if concurrencies is not None and min(concurrencies) < 1:
+        ap.error("--concurrency: every value must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report: dict[str, Any] = {
@@ -320,11 +347,12 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="dspark-embedded-bench-") as tmp:
         root = Path(tmp)
-        report["lossless"] = check_lossless(root, device, args.quick)
-        if device == "cuda":
-            report["syncs"] = check_syncs(root, device)
+        if not args.steps_only:
+            report["lossless"] = check_lossless(root, device, args.quick)
+            if device == "cuda":
+                report["syncs"] = check_syncs(root, device)
         report["steps"] = time_steps(root, device, args.quick, args.out, args.shape, args.max_model_len,
-                                     args.temperature)
+                                     args.temperature, configs, concurrencies)
     (args.out / "embedded_engine.json").write_text(json.dumps(report, indent=2))
 
     from rich.console import Console
@@ -332,13 +360,14 @@ def main() -> None:
 
 
     console = Console(width=190)
-    t = Table(title=f"lossless greedy on {report['device']}: {'OK' if report['lossless']['ok'] else 'FAILED'}")
-    for col in ("mode", "graphs", "identical", "drafted", "verified", "accepted"):
-        t.add_column(col)
-    for r in report["lossless"]["cases"]:
-        t.add_row(r["mode"], str(r["cuda_graphs"]), str(r["identical"]), str(r["drafted"]), str(r["verified"]),
-                  str(r["accepted"]))
-    console.print(t)
+    if "lossless" in report:
+        t = Table(title=f"lossless greedy on {report['device']}: {'OK' if report['lossless']['ok'] else 'FAILED'}")
+        for col in ("mode", "graphs", "identical", "drafted", "verified", "accepted"):
+            t.add_column(col)
+        for r in report["lossless"]["cases"]:
+            t.add_row(r["mode"], str(r["cuda_graphs"]), str(r["identical"]), str(r["drafted"]), str(r["verified"]),
+                      str(r["accepted"]))
+        console.print(t)
     if "syncs" in report:
         s = report["syncs"]
         console.print(f"host syncs per decode step: {s['syncs_per_step']:.1f} at {s['sync_sites']}")

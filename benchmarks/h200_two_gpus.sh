@@ -10,7 +10,8 @@
 #   QUEUE=vllm bash benchmarks/h200_two_gpus.sh start ROOT    # one GPU: issue 6 on vLLM 0.33 (queue_vllm)
 #   QUEUE=vllm-anatomy bash benchmarks/h200_two_gpus.sh start ROOT  # one GPU: issue 6's step anatomy + re-run
 #   QUEUE=vllm-lossless bash benchmarks/h200_two_gpus.sh start ROOT # one GPU: greedy lossless, dummy and real
-#   QUEUE=embedded bash benchmarks/h200_two_gpus.sh start ROOT      # one GPU: issue 8 after the prefill graphs
+#   QUEUE=embedded bash benchmarks/h200_two_gpus.sh start ROOT      # one GPU: issue 8, both matrices after the prefill graphs
+#   QUEUE=paused bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8, paused steps against plain ones
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -160,18 +161,40 @@ queue_vllm_anatomy() {
 }
 
 # One GPU, issue 8 after section 19 (prefill graphs): the GPU tests (the engine-step test changed after that
-# sitting), the prefill timing, then -- once /tmp/smol/ready exists -- the real matrix with 8-wave cells (its
-# cells' server counters give prefill steps and their time), and the serving cells with the Triton kernel
-# against `auto` (FlashInfer when staged in /tmp/fistage): with prefills as graphs, which decodes faster
-# served. ~25 min (estimate: GPU tests 4, real matrix 12, serving 2 x 4).
+# sitting), then -- once /tmp/smol/ready exists -- the real matrix with 8-wave cells (its cells' server counters
+# give prefill steps and their time), then the scaled matrix at section 11's cell length (3 waves x 256 tokens),
+# both with the code of every policy change since section 11. PREFILL=1 adds the prefill timing first;
+# SERVE_BACKENDS="triton auto" adds the serving cells per attention backend last (FlashInfer staged in
+# /tmp/fistage). ~25 min (2026-12-02: GPU tests 3, real matrix 11, scaled matrix 11).
 queue_embedded() {
   stage "GPU tests" bash benchmarks/h200_suite.sh "$ROOT/core" gputests
-  stage "prefill graphs" bash benchmarks/h200_suite.sh "$ROOT/core" prefill
+  [[ ${PREFILL:-0} == 1 ]] && stage "prefill graphs" bash benchmarks/h200_suite.sh "$ROOT/core" prefill
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
   CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
     stage "real matrix" bash benchmarks/h200_matrix.sh "$ROOT" real
-  for backend in triton auto; do
+  WAVES=${SCALED_WAVES:-3} TOK=${SCALED_TOK:-256} stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
+  for backend in ${SERVE_BACKENDS:-}; do
     BACKEND=$backend CONFIGS=nospec,varlen C1=0 stage "serve ($backend)" bash benchmarks/h200_suite.sh "$ROOT/serve" serve
+  done
+}
+
+# One GPU, issue 8 after section 20: are paused steps dearer than plain ones, and why? (section 20: served on
+# SmolLM2 at T=1, varlen's paused steps took 1.11-1.55x no speculation's, mask's 0.93-1.13x, on one code path.)
+# First the engine alone (no server): nospec / mask / varlen at the served loads, T=1, seeded, phase by phase;
+# then -- once /tmp/smol/ready exists -- the served cells twice in opposite config orders (varlen, nospec, mask
+# and mask, nospec, varlen) on section 20's curve: a mode effect repeats in both, an order or server effect
+# does not. ~14 min (estimate: engine alone 3, each served pass 5).
+queue_paused() {
+  stage "steps at T=1, engine alone" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/embedded_engine.py \
+    --steps-only --temperature 1 --configs nospec,mask,varlen --concurrency 16,64,128,256 --out "$ROOT/steps_t1"
+  stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
+  local pass=1
+  for order in varlen,nospec,mask mask,nospec,varlen; do
+    mkdir -p "$ROOT/pass$pass/real"
+    cp benchmarks/results/h200/embedded_matrix/2026-12-02/real/sps_curve.json "$ROOT/pass$pass/real/"
+    CONFIGS=$order CONC=${REAL_CONC:-64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
+      stage "served pass $pass ($order)" bash benchmarks/h200_matrix.sh "$ROOT/pass$pass" real
+    pass=$((pass + 1))
   done
 }
 
@@ -180,6 +203,7 @@ QUEUES=(0 1)
 [[ ${QUEUE:-} == stalls ]] && QUEUES=(_stalls)
 [[ ${QUEUE:-} == vllm ]] && QUEUES=(_vllm)
 [[ ${QUEUE:-} == embedded ]] && QUEUES=(_embedded)
+[[ ${QUEUE:-} == paused ]] && QUEUES=(_paused)
 [[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
 [[ ${QUEUE:-} == vllm-lossless ]] && QUEUES=(_vllm_lossless)
 
@@ -197,7 +221,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage real_smoke queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -205,7 +229,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded; do
+    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"
