@@ -400,12 +400,15 @@ def bench(
             if exc.log_tail:
                 err_console.print(exc.log_tail, markup=False, highlight=False, style="dim")
             raise
-    names = [k.name for k in spec.configs]
     measured = cells
-    if base_url is not None:
-        # Servers benched one at a time into one folder make one table: every config measured there with
-        # this same workload joins it, in the order the servers were benched.
-        cells, names, concs = mx.same_workload_cells(results_dir, workload, label, concs, cells)
+    # Runs into one folder make one table: every config measured there with this same workload and model
+    # joins it -- servers benched one at a time with --base-url (in the order they were benched), or a --serve
+    # matrix extended with other --configs (the folder's other configs first, then --configs in its order).
+    models = {(c.get("server") or {}).get("model") for c in cells}
+    cells, names, concs = mx.same_workload_cells(
+        results_dir, workload, [k.name for k in spec.configs], concs, cells,
+        model=models.pop() if len(models) == 1 else None, keep_label_order=serve,
+    )
     per_cell = f"{waves} x concurrency" if waves is not None else f"{num_prompts}"
     title = f"dspark bench ({dataset}, {per_cell} prompts x {max_tokens} tokens, temperature {temperature:g})"
     json_path, md_path = report.write_summary(results_dir, cells, names, concs, title)

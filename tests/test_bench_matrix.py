@@ -182,11 +182,40 @@ def test_servers_benched_one_by_one_into_one_folder_make_one_table(tmp_path: Pat
     cell("upstream", 16, "2026-01-01T00:00:04", {"num_prompts": 8, "max_tokens": 32})  # other lengths
     cell("varlen", 64, "2026-01-01T00:00:05")
     mine = cell("varlen", 16, "2026-01-01T00:00:06")  # this run: varlen again, at 16 only
-    cells, names, concs = same_workload_cells(tmp_path, work, "varlen", [16], [mine])
+    cells, names, concs = same_workload_cells(tmp_path, work, ["varlen"], [16], [mine])
     assert names == ["zeta", "all", "varlen"] and concs == [16, 64]
     assert sorted((c["config"], c["concurrency"]) for c in cells) == [
         ("all", 16), ("all", 64), ("varlen", 16), ("varlen", 64), ("zeta", 16)]
     assert len(load_cells(tmp_path)) == 6
+
+
+def test_a_serve_matrix_extended_with_other_configs_keeps_one_table_of_its_model(tmp_path: Path) -> None:
+    """``dspark bench --serve --configs nospec,none`` then ``--configs varlen+sts`` into one folder: the second
+    run's summary holds all three, in the order they were measured; cells another model served stay out."""
+    from dspark_cli.bench.matrix import same_workload_cells
+
+    work = {"num_prompts": 8, "max_tokens": 16}
+
+    def cell(config: str, c: int, at: str, model: str = "tiny") -> dict:
+        path = atomic_write_json(cell_path(tmp_path, config, c), {
+            "dspark_bench_cell": CELL_FORMAT, "config": config, "concurrency": c, "metrics": {},
+            "workload": work, "started_at": at, "server": {"mode": "serve", "model": model}})
+        return load_cell(path)
+
+    cell("nospec", 16, "2026-01-01T00:00:01")
+    cell("none", 16, "2026-01-01T00:00:02")
+    cell("mask", 16, "2026-01-01T00:00:03", model="smollm2-135m")  # another --serve-args model
+    mine = [cell("varlen+sts", 16, "2026-01-01T00:00:04"), cell("varlen+sts", 64, "2026-01-01T00:00:05")]
+    cells, names, concs = same_workload_cells(tmp_path, work, ["varlen+sts"], [16, 64], mine, model="tiny")
+    assert names == ["nospec", "none", "varlen+sts"] and concs == [16, 64]
+    assert len(cells) == 4
+    _, names, _ = same_workload_cells(tmp_path, work, ["varlen+sts"], [16, 64], mine)  # no model given: all join
+    assert names == ["nospec", "none", "mask", "varlen+sts"]
+    # --serve --configs varlen+sts,nospec: this run's configs in its order, after the folder's others
+    again = cell("nospec", 64, "2026-01-01T00:00:06")
+    _, names, _ = same_workload_cells(tmp_path, work, ["varlen+sts", "nospec"], [64], [*mine, again], model="tiny",
+                                      keep_label_order=True)
+    assert names == ["none", "varlen+sts", "nospec"]
 
 
 def _recorded_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg: BenchConfig,

@@ -142,24 +142,33 @@ def load_cells(results_dir: Path) -> list[dict[str, Any]]:
 
 
 def same_workload_cells(
-    results_dir: Path, workload: dict[str, Any], label: str, concurrencies: list[int], cells: list[dict[str, Any]]
+    results_dir: Path, workload: dict[str, Any], labels: Sequence[str], concurrencies: list[int],
+    cells: list[dict[str, Any]], model: str | None = None, keep_label_order: bool = False,
 ) -> tuple[list[dict[str, Any]], list[str], list[int]]:
-    """Every finished cell in ``results_dir`` measured with ``workload``, for one table across servers.
+    """Every finished cell in ``results_dir`` measured with ``workload``, for one table across runs.
 
-    ``cells`` are this run's (config ``label``); the folder's other cells join them, including ``label``'s own
-    cells at other concurrencies. Configs are ordered by when their first cell started (so earlier servers
-    keep their columns) and the concurrencies are the union. A cell with another workload (other prompts,
-    lengths or sampling) is left out: its numbers do not compare.
+    ``cells`` are this run's (its configs are ``labels``); the folder's other cells join them, including this
+    run's configs' cells at other concurrencies. Configs are ordered by when their first cell started (so
+    earlier runs keep their columns); with ``keep_label_order`` this run's configs follow the others in the
+    order given (a ``--serve`` matrix's ``--configs``). The concurrencies are the union. A cell with another workload (other
+    prompts, lengths or sampling) is left out: its numbers do not compare; so is, given ``model``, a cell
+    served with another model (``dspark bench --serve`` runs of other ``--serve-args`` into one folder).
     """
-    mine = {(label, int(c["concurrency"])) for c in cells}
-    others = [c for c in load_cells(results_dir)
-              if c.get("workload") == workload and (c.get("config"), int(c["concurrency"])) not in mine]
-    merged = others + list(cells)
+    mine = {(str(c["config"]), int(c["concurrency"])) for c in cells}
+
+    def joins(c: dict[str, Any]) -> bool:
+        if c.get("workload") != workload or (c.get("config"), int(c["concurrency"])) in mine:
+            return False
+        return model is None or (c.get("server") or {}).get("model") == model
+
+    merged = [c for c in load_cells(results_dir) if joins(c)] + list(cells)
     first: dict[str, str] = {}
     for c in merged:
         name, at = c["config"], str(c.get("started_at") or "")
         first[name] = min(first.get(name, at), at)
     names = sorted(first, key=first.__getitem__)
+    if keep_label_order:
+        names = [n for n in names if n not in labels] + [n for n in labels if n in first]
     concs = sorted(set(concurrencies) | {int(c["concurrency"]) for c in merged})
     return merged, names, concs
 
