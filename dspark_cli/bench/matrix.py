@@ -150,9 +150,9 @@ def same_workload_cells(
     ``cells`` are this run's (its configs are ``labels``); the folder's other cells join them, including this
     run's configs' cells at other concurrencies. Configs are ordered by when their first cell started (so
     earlier runs keep their columns); with ``keep_label_order`` this run's configs follow the others in the
-    order given (a ``--serve`` matrix's ``--configs``). The concurrencies are the union. A cell with another workload (other
-    prompts, lengths or sampling) is left out: its numbers do not compare; so is, given ``model``, a cell
-    served with another model (``dspark bench --serve`` runs of other ``--serve-args`` into one folder).
+    order given (a ``--serve`` matrix's ``--configs``). The concurrencies are the union. A cell with another
+    workload (other prompts, lengths or sampling) is left out: its numbers do not compare; so is, given
+    ``model``, a cell another model served (``--serve`` runs of other ``--serve-args`` into one folder).
     """
     mine = {(str(c["config"]), int(c["concurrency"])) for c in cells}
 
