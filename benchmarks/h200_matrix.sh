@@ -11,7 +11,7 @@
 # --prepare .carry/smol` cuts it into .carry/smol/part1..4; carry each part in its own call and copy it
 # to /tmp/smol (`mkdir -p /tmp/smol && cp .carry/smol/partN/* /tmp/smol/`). Wheels the host lacks (orjson,
 # gguf) travel in .whl. Env: CONC (16,32,64,128,256), WAVES (4), TOK (256), CONFIGS, MAX_NUM_SEQS (256),
-# DEVICE (cuda), SCALED_MODEL (random:llama-3-8b; a smaller shape checks the plumbing on a CPU),
+# DEVICE (cuda), SERVE_EXTRA (flags every server gets besides these, e.g. "--phase-timing host"), SCALED_MODEL (random:llama-3-8b; a smaller shape checks the plumbing on a CPU),
 # GSM8K_LIMIT (all 1319 questions), GSM8K_MAX_TOKENS (256).
 set -uo pipefail
 OUT=${1:?usage: h200_matrix.sh OUT scaled|real|gsm8k}
@@ -53,7 +53,7 @@ case $SETUP in
     DATA=(--dataset /tmp/smol/gsm8k.jsonl) ;;
   *) echo "unknown setup $SETUP (scaled|real|gsm8k)" >&2; exit 2 ;;
 esac
-SERVE="--model $MODEL --draft $DRAFT -k $K --max-num-seqs $MAX_NUM_SEQS --device $DEVICE"
+SERVE="--model $MODEL --draft $DRAFT -k $K --max-num-seqs $MAX_NUM_SEQS --device $DEVICE${SERVE_EXTRA:+ $SERVE_EXTRA}"
 CURVE=$OUT/$SETUP/sps_curve.json
 [[ $SETUP == gsm8k ]] && CURVE=$OUT/real/sps_curve.json
 t0=$SECONDS

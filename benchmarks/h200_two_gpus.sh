@@ -192,7 +192,9 @@ queue_paused() {
   for order in varlen,nospec,mask mask,nospec,varlen; do
     mkdir -p "$ROOT/pass$pass/real"
     cp benchmarks/results/h200/embedded_matrix/2026-12-02/real/sps_curve.json "$ROOT/pass$pass/real/"
+    # The servers time each step's phases (host clock): waiting on the device shows as phase "sync".
     CONFIGS=$order CONC=${REAL_CONC:-64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
+      SERVE_EXTRA="--phase-timing host" \
       stage "served pass $pass ($order)" bash benchmarks/h200_matrix.sh "$ROOT/pass$pass" real
     pass=$((pass + 1))
   done

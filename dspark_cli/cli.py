@@ -188,6 +188,11 @@ def serve(
         help="Embedded engine: auto (default: FlashInfer on CUDA when flashinfer-python is installed and the "
              "model is 16-bit with head dim 64, 128 or 256, else the Triton kernel; torch on CPU), torch, "
              "triton or flashinfer."),
+    phase_timing: str | None = typer.Option(
+        None, "--phase-timing",
+        help="Embedded engine: time every step's phases into dspark:step_phase_seconds_total -- host (host "
+             "clock; device time shows where the host waits, phase sync), gpu (CUDA events: each phase's span "
+             "of the device timeline) or device (a sync per phase: slows every step)."),
     host: str | None = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: int | None = typer.Option(None, "--port", help="Port (default 8000)."),
     device: str | None = typer.Option(None, "--device", help="auto (default), cpu or cuda."),
@@ -213,7 +218,8 @@ def serve(
         "confidence_threshold": confidence_threshold, "sps_curve": sps_curve, "sps_overhead_ms": sps_overhead_ms,
         "sts": sts, "online_sts": online_sts, "budget_frac": budget_frac, "min_predicted_gain": min_predicted_gain,
         "record_traces": record_traces, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-        "scheduler_delay_factor": scheduler_delay_factor, "attention_backend": attention_backend, "host": host,
+        "scheduler_delay_factor": scheduler_delay_factor, "attention_backend": attention_backend,
+        "phase_timing": phase_timing, "host": host,
         "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
     }
     settings = build_settings(flags, speculative_config)
@@ -225,6 +231,8 @@ def serve(
         if settings.attention_backend is not None:
             raise DsparkError("--attention-backend is an embedded-engine setting; vLLM picks its own "
                               "(pass vLLM's --attention-backend after --)")
+        if settings.phase_timing is not None:
+            raise DsparkError("--phase-timing is an embedded-engine setting; drop it with --engine vllm")
         if importlib.util.find_spec("dspark_cli.engines.vllm.launcher") is None:
             raise DsparkError("--engine vllm is not available in this build (no vLLM launcher); use --engine embedded")
         from dspark_cli.engines.vllm.launcher import run_vllm_serve

@@ -31,6 +31,7 @@ CAPACITY_MODES = ("none", "mask", "varlen")
 POLICIES = ("argmax", "paper", "threshold")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")  # embedded engine (attention.BACKENDS)
+PHASE_TIMINGS = ("host", "gpu", "device")  # embedded engine (EngineConfig.phase_timing)
 
 # Every dspark_* key the seed's prototype (and this toolkit) understands. Anything else that starts with
 # "dspark_" is almost certainly a typo, and silently ignoring it would run a different experiment than the
@@ -90,6 +91,7 @@ class ServeSettings:
     max_model_len: int | None = None
     scheduler_delay_factor: float | None = None  # embedded engine only (EngineConfig)
     attention_backend: str | None = None  # embedded engine only (EngineConfig)
+    phase_timing: str | None = None  # embedded engine only (EngineConfig)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     device: str = "auto"
@@ -325,6 +327,8 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
             out[name] = _as_float(where, value, lo=0.0)
         elif name == "attention_backend":
             out[name] = _as_choice(where, value, ATTENTION_BACKENDS)
+        elif name == "phase_timing":
+            out[name] = _as_choice(where, value, PHASE_TIMINGS)
         elif name == "host":
             out[name] = _as_str(where, value)
         elif name == "port":
@@ -512,7 +516,8 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             "sps_curve": curve_path, "sts": sts_path, "online_sts": s.online_sts,
             "record_traces": s.record_traces, "device": s.device,
         }
-        for name in ("max_num_seqs", "max_model_len", "seed", "scheduler_delay_factor", "attention_backend"):
+        for name in ("max_num_seqs", "max_model_len", "seed", "scheduler_delay_factor", "attention_backend",
+                     "phase_timing"):
             if getattr(s, name) is not None:
                 kwargs[name] = getattr(s, name)
         cfg = EngineConfig(**kwargs)
@@ -542,6 +547,8 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         ]
         if s.record_traces:
             banner.insert(6, ("traces", s.record_traces))
+        if s.phase_timing:
+            banner.append(("phase timing", f"{s.phase_timing} (dspark:step_phase_seconds_total)"))
         launch = EmbeddedLaunch(cfg, options, banner, tmp)
         return launch
     finally:

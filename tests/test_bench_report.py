@@ -118,3 +118,26 @@ def test_server_steps_by_kind_get_their_own_table() -> None:
     md = to_markdown(t)
     assert "| 16 | nospec 5.00 x 1016 | paused 5.40 x 1000, prefill 25.00 x 16 |" in md.splitlines()
     assert "Server steps" not in to_markdown(build_table([cell("none", 1, 100)], ["none"], [1]))
+
+
+def test_server_step_phases_compare_each_cells_main_decode_kind() -> None:
+    paused = cell("mask", 16, 2400)
+    paused["server_counters"] = {
+        "steps{kind=paused}": 1000.0, "step_seconds{kind=paused}": 6.0,
+        "steps{kind=probe}": 2.0, "step_seconds{kind=probe}": 0.05,
+        # Alphabetical, as a scrape returns them; the table puts them in the order the step runs them.
+        "step_phase_seconds{kind=paused,phase=emit}": 1.5, "step_phase_seconds{kind=paused,phase=prepare}": 0.5,
+        "step_phase_seconds{kind=paused,phase=sync}": 4.0,
+        "step_phase_seconds{kind=probe,phase=draft}": 0.02, "step_phase_seconds{kind=any,phase=schedule}": 0.3,
+    }
+    plain = cell("nospec", 16, 2600)
+    plain["server_counters"] = {"steps{kind=nospec}": 500.0, "step_seconds{kind=nospec}": 2.5,
+                                "step_phase_seconds{kind=nospec,phase=sync}": 1.0,
+                                "step_phase_seconds{kind=nospec,phase=prepare}": 0.25}
+    got = numbers(paused, None).phases
+    assert list(got["paused"]) == ["prepare", "sync", "emit"]
+    assert got["paused"]["sync"] == pytest.approx(4.0) and got["probe"]["draft"] == pytest.approx(10.0)
+    assert "any" not in got  # the scheduler's share has no steps of its own to divide by
+    md = to_markdown(build_table([plain, paused], ["nospec", "mask"], [16]))
+    assert "| 16 | nospec: prepare 0.50 / sync 2.00 | paused: prepare 0.50 / sync 4.00 / emit 1.50 |" in md.splitlines()
+    assert "Decode-step phases" not in to_markdown(build_table([cell("none", 1, 100)], ["none"], [1]))

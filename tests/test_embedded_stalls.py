@@ -304,5 +304,34 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
     assert counters["steps{kind=paused}"] == stats.num_paused_steps
     assert counters["saturation_probes{trigger=timer,verdict=failed}"] == sat.probes["timer", "failed"]
     engine.close()
+    assert "dspark:step_phase_seconds_total" not in text  # phase timing is off by default
     # An engine without a capacity manager has no policy to report: no saturation series at all.
     assert "dspark:saturation_" not in render_metrics(MetricsSnapshot(), "tiny", 0)
+
+
+def test_phase_timing_from_the_config_is_exported_by_step_kind_and_phase(pair: TinyPair, tmp_path: Path) -> None:
+    """``dspark serve --phase-timing host``: the engine splits every step into its phases and the metrics
+    carry them per (kind, phase), so a served benchmark can tell host work from waiting on the device."""
+    from dspark_cli.core.capacity import CapacityConfig
+
+    curve = tmp_path / "expensive_draft.json"
+    SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 500.0), (8, 500.0)], 0.1).save(curve)
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(curve), phase_timing="host",
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2))
+    engine.generate(prompts(4), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    stats = engine.stats
+    assert stats.steps["paused"] > 0 and stats.steps["prefill"] > 0
+    text = render_metrics(MetricsSnapshot.from_stats(stats), "tiny", engine.num_spec)
+    counters = dspark_counters(parse_prometheus(text))
+    engine.close()
+    paused = {key: v for key, v in counters.items() if key.startswith("step_phase_seconds{kind=paused,")}
+    assert set(paused) == {f"step_phase_seconds{{kind=paused,phase={ph}}}"
+                           for ph in ("prepare", "layout", "verify", "reject", "sync", "emit")}
+    # The phases of a kind add up to (a little less than) its steps' wall time: one clock, nothing twice.
+    assert 0.5 * stats.step_ms["paused"] / 1e3 < sum(paused.values()) <= stats.step_ms["paused"] / 1e3
+    assert counters["step_phase_seconds{kind=prefill,phase=forward}"] > 0
+    assert counters["step_phase_seconds{kind=any,phase=schedule}"] > 0
+    from dspark_cli.bench.report import step_phases
+
+    means = step_phases(counters)
+    assert list(means["paused"]) == ["prepare", "layout", "verify", "reject", "sync", "emit"]

@@ -47,6 +47,8 @@ def test_bad_flag_is_one_line_error_and_exit_1() -> None:
         (["--engine", "vllm", "--scheduler-delay-factor", "2"], "embedded-engine setting"),
         (["--attention-backend", "flash"], "--attention-backend"),
         (["--engine", "vllm", "--attention-backend", "triton"], "embedded-engine setting"),
+        (["--phase-timing", "wall"], "--phase-timing"),
+        (["--engine", "vllm", "--phase-timing", "host"], "embedded-engine setting"),
     ],
 )
 def test_errors_raise_dspark_error(args: list[str], match: str) -> None:

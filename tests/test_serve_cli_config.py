@@ -121,6 +121,7 @@ def test_unknown_key_error_lists_known_keys() -> None:
         ({"max_num_seqs": 0}, "--max-num-seqs"),
         ({"scheduler_delay_factor": -0.5}, "--scheduler-delay-factor"),
         ({"attention_backend": "flash"}, "--attention-backend"),
+        ({"phase_timing": "cpu"}, "--phase-timing"),
         ({"device": "tpu"}, "--device"),
         ({"sts": "/nonexistent/sts.json"}, "--sts"),
         ({"capacity_policy": "threshold", "capacity_mode": "varlen"}, "needs --confidence-threshold"),
@@ -189,6 +190,23 @@ def test_attention_backend_reaches_the_engine_config() -> None:
     launch = prepare_embedded(build_settings({}))
     launch.cleanup()
     assert launch.engine_config.attention_backend == "auto"
+
+
+def test_phase_timing_reaches_the_engine_config_and_the_banner() -> None:
+    from dspark_cli.engines.embedded.config import PHASE_TIMINGS, EngineConfig
+    from dspark_cli.serve_config import PHASE_TIMINGS as SERVE_PHASE_TIMINGS
+
+    assert SERVE_PHASE_TIMINGS == PHASE_TIMINGS  # the CLI's list (kept free of torch imports) is the engine's
+    launch = prepare_embedded(build_settings(_flags(phase_timing="gpu")))
+    launch.cleanup()
+    assert launch.engine_config.phase_timing == "gpu"
+    assert ("phase timing", "gpu (dspark:step_phase_seconds_total)") in launch.banner
+    launch = prepare_embedded(build_settings({}))
+    launch.cleanup()
+    assert launch.engine_config.phase_timing is None
+    assert all(key != "phase timing" for key, _ in launch.banner)
+    with pytest.raises(DsparkError, match="unknown phase timing 'wall'"):
+        EngineConfig(phase_timing="wall").validate()
 
 
 def test_prepare_embedded_writes_inline_curve_with_overhead(tmp_path: Path) -> None:

@@ -58,6 +58,8 @@ class CellNumbers:
     full_gc_s: float | None = None
     # The server's steps over the cell by kind (prefill, spec, probe, paused, nospec): count and mean ms.
     steps: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # With the server's phase timing on (dspark serve --phase-timing): kind -> phase -> mean ms per step.
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -95,6 +97,7 @@ def numbers(cell: dict[str, Any], base: dict[str, Any] | None) -> CellNumbers:
         serving_compile_s=counters.get(SERVING_COMPILE_S),
         full_gc_s=counters.get(FULL_GC_S),
         steps=step_kinds(counters),
+        phases=step_phases(counters),
     )
 
 
@@ -111,6 +114,26 @@ def step_kinds(counters: dict[str, Any]) -> dict[str, tuple[int, float]]:
             seconds = float(counters.get(f"step_seconds{{kind={m.group(1)}}}", 0.0))
             out[m.group(1)] = (int(n), seconds * 1e3 / float(n))
     return out
+
+
+_PHASE_KEY = re.compile(r"^step_phase_seconds\{kind=(\w+),phase=(\w+)\}$")
+DECODE_KINDS = ("nospec", "paused", "spec")  # the kinds whose phases the summary compares
+# The phases of the engine's steps (engines/embedded/engine.py marks them) in the order a step runs them.
+PHASE_ORDER = ("prepare", "draft", "plan", "layout", "forward", "verify", "reject", "sync", "emit")
+
+
+def step_phases(counters: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``{kind: {phase: mean ms per step}}`` from a cell's ``step_phase_seconds{kind=K,phase=P}`` counters
+    over its ``steps{kind=K}``, phases in the order the step runs them; empty without phase timing."""
+    out: dict[str, dict[str, float]] = {}
+    for key, seconds in counters.items():
+        m = _PHASE_KEY.match(key)
+        n = float(counters.get(f"steps{{kind={m.group(1)}}}", 0.0)) if m else 0.0
+        if m and n > 0:
+            out.setdefault(m.group(1), {})[m.group(2)] = float(seconds) * 1e3 / n
+    rank = {ph: i for i, ph in enumerate(PHASE_ORDER)}
+    return {kind: dict(sorted(ph.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
+            for kind, ph in out.items()}
 
 
 def format_tok_s(v: float) -> str:
@@ -188,6 +211,13 @@ def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
         lines.append("| " + " | ".join(hdr) + " |")
         lines.append("|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|")
         lines += ["| " + " | ".join(row) + " |" for row in steps]
+    phases = phase_rows(table)
+    if phases:
+        lines += ["", "Decode-step phases (the server's --phase-timing): each cell's most frequent decode kind, "
+                  "mean ms per step by phase in the order the step runs them", ""]
+        lines.append("| " + " | ".join(hdr) + " |")
+        lines.append("|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in phases]
     stalls = stall_notes(table)
     if stalls:
         lines += ["", "Kernel compiles while serving (a start-up warm-up missed them; the cell waited):", ""]
@@ -206,6 +236,26 @@ def step_rows(table: ComparisonTable) -> list[list[str]]:
             n = table.cells.get((k, c))
             row.append(", ".join(f"{kind} {ms:.2f} x {count}" for kind, (count, ms) in n.steps.items())
                        if n is not None and n.steps else MISSING)
+        rows.append(row)
+    return rows
+
+
+def phase_rows(table: ComparisonTable) -> list[list[str]]:
+    """Rows of "kind: phase ms / phase ms ..." for each cell's most frequent decode kind, where any cell's
+    server timed phases; else none."""
+    if not any(n.phases for n in table.cells.values()):
+        return []
+    rows = []
+    for c in table.concurrencies:
+        row = [str(c)]
+        for k in table.configs:
+            n = table.cells.get((k, c))
+            kinds = [kind for kind in DECODE_KINDS if n is not None and kind in n.phases and kind in n.steps]
+            if not kinds:
+                row.append(MISSING)
+                continue
+            kind = max(kinds, key=lambda kd: n.steps[kd][0])
+            row.append(f"{kind}: " + " / ".join(f"{ph} {ms:.2f}" for ph, ms in n.phases[kind].items()))
         rows.append(row)
     return rows
 

@@ -19,7 +19,9 @@ from dspark_cli.errors import DsparkError
 if TYPE_CHECKING:
     from dspark_cli.engines.embedded.synthetic import SyntheticSpec
 
-__all__ = ["EngineConfig", "resolve_device", "resolve_dtype"]
+__all__ = ["PHASE_TIMINGS", "EngineConfig", "resolve_device", "resolve_dtype"]
+
+PHASE_TIMINGS = ("host", "gpu", "device")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -68,6 +70,11 @@ class EngineConfig:
     # While requests decode, newcomers wait up to this many times the recent prefill steps' time to share
     # one prefill step (scheduler.py); 0 (the default) prefills each arrival at once.
     scheduler_delay_factor: float = 0.0
+    # Each step's time split into its phases (EngineStats.phase_ms, exported as step_phase_seconds): None
+    # (off), "host" (host clock, no added sync: device time shows where the host waits for it, phase "sync"),
+    # "gpu" (a CUDA event per phase, no sync: each phase's span of the device timeline) or "device" (a sync
+    # per phase: every phase owns its device time, and the step is slower than a real one).
+    phase_timing: str | None = None
 
     def validate(self) -> None:
         """Reject impossible settings with one-line messages before anything is loaded."""
@@ -91,6 +98,8 @@ class EngineConfig:
             raise DsparkError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.attention_backend not in BACKENDS:
             raise DsparkError(f"unknown attention backend {self.attention_backend!r}; use {', '.join(BACKENDS)}")
+        if self.phase_timing is not None and self.phase_timing not in PHASE_TIMINGS:
+            raise DsparkError(f"unknown phase timing {self.phase_timing!r}; use {', '.join(PHASE_TIMINGS)}")
         if self.capacity.mode not in ("none", "mask", "varlen"):
             raise DsparkError(f"unknown capacity mode {self.capacity.mode!r}; use none, mask or varlen")
         synthetic = self.synthetic

@@ -233,9 +233,9 @@ class LLMEngine:
         self._slot_of: dict[str, int] = {}
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        # Debug breakdown of each step into phases (EngineStats.phase_ms): None (off), "host" (no added
-        # syncs; device time surfaces in the "sync" phase) or "device" (a sync per phase, CUDA only).
-        self.phase_timing: str | None = None
+        # Breakdown of each step into phases (EngineStats.phase_ms; EngineConfig.phase_timing says the modes).
+        # An attribute as well, so a benchmark can switch it off for its warm-up and on for what it times.
+        self.phase_timing: str | None = config.phase_timing
         self._full_cache: dict[int, Tensor] = {}
         self._empty_cache: dict[int, Tensor] = {}
 

@@ -53,6 +53,9 @@ class MetricsSnapshot:
     saturation_probes: Mapping[tuple[str, str], int] = field(default_factory=dict)
     step_s: Mapping[str, float] = field(default_factory=dict)  # step kind -> cumulative wall time (s)
     steps_by_kind: Mapping[str, int] = field(default_factory=dict)
+    # With phase timing on (EngineConfig.phase_timing): (step kind, phase) -> cumulative seconds; the
+    # scheduler's share of every step is kind "any", phase "schedule".
+    phase_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
     @classmethod
     def from_stats(cls, stats: object) -> MetricsSnapshot:
@@ -78,6 +81,7 @@ class MetricsSnapshot:
             realized_gain=_optional_float(getattr(stats, "realized_gain", None)),
             step_s={str(k): float(v) / 1e3 for k, v in dict(getattr(stats, "step_ms", {}) or {}).items()},
             steps_by_kind={str(k): int(v) for k, v in dict(getattr(stats, "steps", {}) or {}).items()},
+            phase_s=_phase_fields(getattr(stats, "phase_ms", None)),
             **_saturation_fields(getattr(stats, "saturation", None)),
         )
 
@@ -95,6 +99,14 @@ def _stall_fields(stalls: object) -> dict[str, object]:
         "full_gcs": int(getattr(stalls, "full_gcs", 0)),
         "full_gc_s": float(getattr(stalls, "full_gc_ms", 0.0)) / 1e3,
     }
+
+
+def _phase_fields(phase_ms: object) -> dict[tuple[str, str], float]:
+    out = {}
+    for key, ms in dict(phase_ms or {}).items():  # type: ignore[call-overload]
+        kind, _, phase = str(key).rpartition(".")
+        out[kind or "any", phase] = float(ms) / 1e3
+    return out
 
 
 def _saturation_fields(counters: object) -> dict[str, object]:
@@ -187,6 +199,11 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
         _family(lines, "dspark:step_seconds_total", "counter",
                 "Engine step wall time by kind; over dspark:steps_total, a kind's mean step.",
                 [({**base, "kind": k}, snap.step_s.get(k, 0.0)) for k in kinds])
+    if snap.phase_s:
+        _family(lines, "dspark:step_phase_seconds_total", "counter",
+                "Engine step wall time by kind and phase (dspark serve --phase-timing); over dspark:steps_total, "
+                "a phase's mean share of a step.",
+                [({**base, "kind": k, "phase": p}, v) for (k, p), v in sorted(snap.phase_s.items())])
     if snap.saturation:
         _family(lines, "dspark:saturation_pauses_total", "counter",
                 "Times the saturation policy paused drafting.", [(base, snap.saturation.get("pauses", 0))])
