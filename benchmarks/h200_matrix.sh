@@ -11,7 +11,8 @@
 # --prepare .carry/smol` cuts it into .carry/smol/part1..4; carry each part in its own call and copy it
 # to /tmp/smol (`mkdir -p /tmp/smol && cp .carry/smol/partN/* /tmp/smol/`). Wheels the host lacks (orjson,
 # gguf) travel in .whl. Env: CONC (16,32,64,128,256), WAVES (4), TOK (256), CONFIGS, MAX_NUM_SEQS (256),
-# DEVICE (cuda), SERVE_EXTRA (flags every server gets besides these, e.g. "--phase-timing host"), SCALED_MODEL (random:llama-3-8b; a smaller shape checks the plumbing on a CPU),
+# DEVICE (cuda), SERVE_EXTRA (flags every server gets besides these, e.g. "--phase-timing host"), BENCH_EXTRA
+# (flags for dspark bench, e.g. "--interleave": every config's server up at once, cells by concurrency), SCALED_MODEL (random:llama-3-8b; a smaller shape checks the plumbing on a CPU),
 # GSM8K_LIMIT (all 1319 questions), GSM8K_MAX_TOKENS (256).
 set -uo pipefail
 OUT=${1:?usage: h200_matrix.sh OUT scaled|real|gsm8k}
@@ -86,5 +87,6 @@ if [[ $SETUP == gsm8k ]]; then
 fi
 
 dspark bench --serve --configs "$CONFIGS" --sps-curve "$CURVE" --serve-args "$SERVE" -c "$CONC" --waves "$WAVES" \
-  --max-tokens "$TOK" --temperature 1 "${DATA[@]}" -o "$OUT/$SETUP/bench" 2>&1 | tee "$OUT/$SETUP/bench.log"
+  --max-tokens "$TOK" --temperature 1 "${DATA[@]}" ${BENCH_EXTRA:+$BENCH_EXTRA} -o "$OUT/$SETUP/bench" 2>&1 \
+  | tee "$OUT/$SETUP/bench.log"
 echo "bench: $((SECONDS - t0)) s" | tee -a "$OUT/$SETUP/stages.txt"

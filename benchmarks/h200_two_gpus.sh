@@ -12,6 +12,7 @@
 #   QUEUE=vllm-lossless bash benchmarks/h200_two_gpus.sh start ROOT # one GPU: greedy lossless, dummy and real
 #   QUEUE=embedded bash benchmarks/h200_two_gpus.sh start ROOT      # one GPU: issue 8, both matrices after the prefill graphs
 #   QUEUE=paused bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8, paused steps against plain ones
+#   QUEUE=interleaved bash benchmarks/h200_two_gpus.sh start ROOT   # one GPU: issue 8's real matrix, servers interleaved
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -184,6 +185,35 @@ queue_embedded() {
 # then -- once /tmp/smol/ready exists -- the served cells twice in opposite config orders (varlen, nospec, mask
 # and mask, nospec, varlen) on section 20's curve: a mode effect repeats in both, an order or server effect
 # does not. ~14 min (estimate: engine alone 3, each served pass 5).
+# One GPU, issue 8's real matrix with every config's server up at once (dspark bench --interleave: cells by
+# concurrency, each one's configs rotated), after section 21 found a drift over sequentially served configs.
+# A sampler logs the host's mean CPU clock and its busiest processes every 10 s; the engine alone runs nospec
+# and varlen at 256 requests in both orders before the matrix and once more after it (is the drift the host's,
+# or the processes'?). The curve is section 20's (same host kind, same shapes): no profile in the sitting.
+queue_interleaved() {
+  setsid bash -c 'while true; do
+      echo "$(date +%T) mhz $(awk "/MHz/ {s+=\$4; n++} END {printf \"%.0f\", s/n}" /proc/cpuinfo)" \
+        "load $(cut -d" " -f1 /proc/loadavg)"
+      ps -eo pcpu,rss,etimes,args --sort=-pcpu | head -6 | cut -c1-150
+      sleep 10
+    done' >"$ROOT/host_sampler.log" 2>&1 </dev/null &
+  local sampler=$!
+  for order in nospec,varlen varlen,nospec; do
+    stage "engine alone at 256 ($order)" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/embedded_engine.py \
+      --steps-only --temperature 1 --configs $order --concurrency 256 --out "$ROOT/engine_${order/,/_}"
+  done
+  stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
+  mkdir -p "$ROOT/real"
+  cp benchmarks/results/h200/embedded_matrix/2026-12-02/real/sps_curve.json "$ROOT/real/"
+  CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
+    SERVE_EXTRA="--phase-timing host" BENCH_EXTRA="--interleave" \
+    stage "real matrix, interleaved" bash benchmarks/h200_matrix.sh "$ROOT" real
+  stage "engine alone at 256 (nospec,varlen), after" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 \
+    benchmarks/embedded_engine.py --steps-only --temperature 1 --configs nospec,varlen --concurrency 256 \
+    --out "$ROOT/engine_after"
+  kill "$sampler" 2>/dev/null || true
+}
+
 queue_paused() {
   stage "steps at T=1, engine alone" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/embedded_engine.py \
     --steps-only --temperature 1 --configs nospec,mask,varlen --concurrency 16,64,128,256 --out "$ROOT/steps_t1"
@@ -206,6 +236,7 @@ QUEUES=(0 1)
 [[ ${QUEUE:-} == vllm ]] && QUEUES=(_vllm)
 [[ ${QUEUE:-} == embedded ]] && QUEUES=(_embedded)
 [[ ${QUEUE:-} == paused ]] && QUEUES=(_paused)
+[[ ${QUEUE:-} == interleaved ]] && QUEUES=(_interleaved)
 [[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
 [[ ${QUEUE:-} == vllm-lossless ]] && QUEUES=(_vllm_lossless)
 
@@ -223,7 +254,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage real_smoke queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -231,7 +262,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused; do
+    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused _interleaved; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"

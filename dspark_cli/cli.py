@@ -307,6 +307,11 @@ def bench(
     server_timeout: float = typer.Option(600.0, "--server-timeout", help="Seconds to wait for /health."),
     host: str = typer.Option("127.0.0.1", "--host", help="With --serve: where servers listen."),
     port: int = typer.Option(None, "--port", help="With --serve: fixed port (default: a free one)."),
+    interleave: bool = typer.Option(
+        False, "--interleave",
+        help="With --serve: start every config's server first and measure concurrency by concurrency, each "
+             "one's configs in a rotated order, so host drift over the run does not land between columns "
+             "(the servers share the device's memory, so they must fit it together)."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds per request."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write throughput.png and pareto.png."),
     simulate: bool = typer.Option(False, "--simulate", help="Replay verification traces instead of serving."),
@@ -358,6 +363,8 @@ def bench(
         return
     if serve == (base_url is not None):
         raise DsparkError("pass exactly one of --serve (start a server per config) or --base-url URL")
+    if interleave and not serve:
+        raise DsparkError("--interleave starts the configs' servers itself; it needs --serve")
     if endpoint not in ("chat", "completions"):
         raise DsparkError(f"--endpoint must be chat or completions, got {endpoint!r}")
     if max_tokens < 1:
@@ -386,7 +393,8 @@ def bench(
     spec = mx.MatrixSpec(configs=cfgs, concurrencies=concs, prompts=prompts, load=load, results_dir=results_dir,
                          workload=workload, serve=serve, serve_args=common, host=host, port=port,
                          server_timeout_s=server_timeout, force=force, warmup_prompts=warmup_prompts,
-                         warmup_shapes=warmup_shapes, sts_warmup_prompts=sts_warmup_prompts, waves=waves)
+                         warmup_shapes=warmup_shapes, sts_warmup_prompts=sts_warmup_prompts, waves=waves,
+                         interleave=interleave)
     total = len(cfgs) * len(concs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:

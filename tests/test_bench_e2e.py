@@ -174,3 +174,31 @@ def test_base_url_runs_into_one_folder_share_one_table(tmp_path: Path) -> None:
     assert summary["configs"] == ["first", "second"] and summary["baseline"] == "first"
     assert all(v is not None for v in summary["rows"][0]["cells"].values())
     assert "| c | first | second |" in (results / "summary.md").read_text()
+
+
+def test_interleaved_matrix_keeps_every_server_up_and_rotates_each_concurrencys_configs(tmp_path: Path) -> None:
+    """``--interleave``: both servers start first and stay up; cells go concurrency by concurrency, the second
+    concurrency's configs rotated (varlen first), and each cell records its slot in that order."""
+    results = tmp_path / "res"
+    run = subprocess.run(_bench(results, "nospec,varlen", "--sps-curve", "auto", "--interleave"),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    cells = {p.stem: read_json(p) for p in (results / "cells").iterdir()}
+    assert set(cells) == {"nospec__c1", "nospec__c2", "varlen__c1", "varlen__c2"}
+    slots = {name: cell["server"]["slot"] for name, cell in cells.items()}
+    assert slots == {"nospec__c1": 0, "varlen__c1": 1, "varlen__c2": 2, "nospec__c2": 3}
+    # Both servers were up for every cell: each cell started after both had warmed up, and neither
+    # server stopped before the last cell finished.
+    out = " ".join(run.stdout.split())  # rich wraps long lines
+    assert out.index("varlen: starting server") < out.index("interleaved: 2 servers up") < out.index(
+        "nospec: server stopped")
+    assert all(cell["server"]["interleaved"] == ["nospec", "varlen"] for cell in cells.values())
+    for cell in cells.values():
+        assert cell["metrics"]["completed"] == 3 and cell["server_counters"]["engine_steps"] > 0
+    ports = {cell["server"]["base_url"] for cell in cells.values()}
+    assert len(ports) == 2 and not any(_server_alive(url.rsplit(":", 1)[1]) for url in ports)
+    md = (results / "summary.md").read_text()
+    assert "| c | No spec | Varlen + SPS |" in md
+    refused = subprocess.run(_bench(tmp_path / "other", "nospec", "--interleave", "--port", "8123"),
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "drop --port" in refused.stderr

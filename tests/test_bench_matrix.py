@@ -20,6 +20,7 @@ from dspark_cli.bench.matrix import (
     ServerStartError,
     _free_port,
     cell_path,
+    interleaved_order,
     load_cell,
     parse_concurrencies,
     parse_configs,
@@ -251,3 +252,16 @@ def test_warmup_sends_one_short_wave_at_every_concurrency_a_server_is_measured_a
     # the single short pass of before, and none at all
     assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none"), warmup_shapes=False) == [(4, 4, 16)]
     assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none"), warmup_prompts=0) == []
+
+
+def test_interleaved_order_goes_by_concurrency_and_moves_every_config_through_the_slots() -> None:
+    names = ["nospec", "none", "mask"]
+    order = interleaved_order(names, [16, 64, 256])
+    assert order == [("nospec", 16), ("none", 16), ("mask", 16), ("none", 64), ("mask", 64), ("nospec", 64),
+                     ("mask", 256), ("nospec", 256), ("none", 256)]
+    # As many concurrencies as configs: each config is measured once in each position of its concurrency.
+    for name in names:
+        positions = [[k for k, _ in order[i * 3:(i + 1) * 3]].index(name) for i in range(3)]
+        assert sorted(positions) == [0, 1, 2]
+    assert sorted(order) == sorted((k, c) for k in names for c in (16, 64, 256))  # every cell once
+    assert interleaved_order([], [1, 2]) == []

@@ -19,6 +19,7 @@ other engine flag comes from ``--serve-args`` and is identical across columns:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
 import os
 import re
@@ -197,6 +198,9 @@ class MatrixSpec:
     sts_warmup_max_tokens: int | None = None  # None: max_tokens // 4
     serve_command: tuple[str, ...] = SERVE_COMMAND
     waves: int | None = None  # requests per cell = waves x concurrency (else every prompt)
+    # With serve: every config's server runs from the start, and cells go concurrency by concurrency, each
+    # concurrency's configs in an order rotated by one (run_matrix says why).
+    interleave: bool = False
 
     def cell_prompts(self, concurrency: int) -> list[Prompt]:
         """The prompts of one cell: identical for every config at a concurrency (equal work per cell).
@@ -409,6 +413,18 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
 
     With ``spec.serve`` a server is started per config that still has pending cells; otherwise ``base_url``
     is measured as the single config ``label``.
+
+    ``spec.interleave``: the servers of all configs with pending cells start first (one after the other, each
+    warmed up) and stay up; then every concurrency is measured for all configs before the next, the first
+    config of each concurrency one further down the list than the last's. Why: on a host-bound server the
+    host drifts over a matrix -- on an H200 host (SmolLM2-135M, docs/PERFORMANCE.md section 21) each of three
+    configs served one after the other ran 1-13% below the one before it at every load, whichever config went
+    first -- and one config per server in turn puts that drift between the columns. Interleaved, the cells of
+    one concurrency run within a few minutes of each other, and the rotation moves every config through the
+    slots. Idle servers take no host time (the engine thread blocks while it has no requests), but they hold
+    their device memory: each server's KV pool comes out of what the ones started before it left (the
+    embedded engine takes at most what ``--max-num-seqs`` full-length requests need), so the configs must fit
+    the device together.
     """
     hooks = hooks or Hooks()
     spec.results_dir.mkdir(parents=True, exist_ok=True)
@@ -429,6 +445,9 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
     if in_main:
         signal.signal(signal.SIGTERM, _term)  # so a killed bench still stops its servers
     try:
+        if spec.serve and spec.interleave:
+            _run_interleaved(spec, todo, hooks)
+            todo = []
         for cfg in spec.configs:
             cells = [c for k, c in todo if k.name == cfg.name]
             if not cells:
@@ -458,15 +477,52 @@ def _is_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _run_served_config(spec: MatrixSpec, cfg: BenchConfig, concurrencies: list[int], hooks: Hooks) -> None:
+def interleaved_order(configs: Sequence[str], concurrencies: Sequence[int]) -> list[tuple[str, int]]:
+    """The cells of an interleaved matrix in the order they are measured: concurrency by concurrency, the
+    i-th concurrency's configs rotated left by i (with as many concurrencies as configs, each config
+    takes each slot once)."""
+    n = len(configs)
+    return [(configs[(i + j) % n], c) for i, c in enumerate(concurrencies) for j in range(n)] if n else []
+
+
+def _run_interleaved(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hooks: Hooks) -> None:
+    if spec.port is not None:
+        raise DsparkError("--interleave runs every config's server at once, each on a free port; drop --port")
+    by_name = {cfg.name: cfg for cfg in spec.configs}
+    pending = {(cfg.name, c) for cfg, c in todo}
+    names = [cfg.name for cfg in spec.configs if any(k == cfg.name for k, _ in pending)]
+    servers: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            cfg = by_name[name]
+            concs = [c for c in spec.concurrencies if (name, c) in pending]
+            base_url, server, process = _served_process(spec, cfg, hooks)
+            stack.callback(hooks.log, f"{name}: server stopped")  # after the process exits (LIFO)
+            stack.enter_context(process)
+            asyncio.run(_warmup(spec, cfg, base_url, hooks, concs))
+            servers[name] = {**server, "interleaved": names}
+        hooks.log(f"interleaved: {len(names)} servers up; cells go by concurrency, each one's configs rotated by one")
+        for slot, (name, c) in enumerate(k for k in interleaved_order(names, spec.concurrencies) if k in pending):
+            cfg, server = by_name[name], servers[name]
+            hooks.cell_started(name, c, len(spec.cell_prompts(c)))
+            cell = asyncio.run(_measure(spec, cfg, c, server["base_url"], {**server, "slot": slot}, hooks))
+            _write_cell(spec, cell, hooks)
+
+
+def _served_process(spec: MatrixSpec, cfg: BenchConfig, hooks: Hooks) -> tuple[str, dict[str, Any], ServerProcess]:
+    """A config's server (not started yet: enter it), its URL and what its cells record about it."""
     port = spec.port or _free_port(spec.host)
     base_url = f"http://{spec.host}:{port}"
     args = [*spec.serve_args, *cfg.serve_args, "--host", spec.host, "--port", str(port)]
-    command = [*spec.serve_command, *args]
     log_path = spec.results_dir / "logs" / f"{safe_name(cfg.name)}.log"
     hooks.log(f"{cfg.name}: starting server ({' '.join(args)})")
     server = {"mode": "serve", "base_url": base_url, "serve_args": args, "log": str(log_path)}
-    with ServerProcess(command, log_path, base_url, spec.server_timeout_s):
+    return base_url, server, ServerProcess([*spec.serve_command, *args], log_path, base_url, spec.server_timeout_s)
+
+
+def _run_served_config(spec: MatrixSpec, cfg: BenchConfig, concurrencies: list[int], hooks: Hooks) -> None:
+    base_url, server, process = _served_process(spec, cfg, hooks)
+    with process:
         asyncio.run(_warmup(spec, cfg, base_url, hooks, concurrencies))
         for c in concurrencies:
             hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
