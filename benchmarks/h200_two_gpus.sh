@@ -189,7 +189,8 @@ queue_embedded() {
 # concurrency, each one's configs rotated), after section 21 found a drift over sequentially served configs.
 # A sampler logs the host's mean CPU clock and its busiest processes every 10 s; the engine alone runs nospec
 # and varlen at 256 requests in both orders before the matrix and once more after it (is the drift the host's,
-# or the processes'?). The curve is section 20's (same host kind, same shapes): no profile in the sitting.
+# or the processes'?; PROBES=0 skips them). The curve is section 20's (same host kind, same shapes): no profile
+# in the sitting. REAL_CONFIGS and REAL_CONC pick a part of the matrix (a second pass).
 queue_interleaved() {
   setsid bash -c 'while true; do
       echo "$(date +%T) mhz $(awk "/MHz/ {s+=\$4; n++} END {printf \"%.0f\", s/n}" /proc/cpuinfo)" \
@@ -198,7 +199,9 @@ queue_interleaved() {
       sleep 10
     done' >"$ROOT/host_sampler.log" 2>&1 </dev/null &
   local sampler=$!
+  local order
   for order in nospec,varlen varlen,nospec; do
+    [[ ${PROBES:-1} == 1 ]] || break
     stage "engine alone at 256 ($order)" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/embedded_engine.py \
       --steps-only --temperature 1 --configs $order --concurrency 256 --out "$ROOT/engine_${order/,/_}"
   done
@@ -206,9 +209,10 @@ queue_interleaved() {
   mkdir -p "$ROOT/real"
   cp benchmarks/results/h200/embedded_matrix/2026-12-02/real/sps_curve.json "$ROOT/real/"
   CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
+    CONFIGS=${REAL_CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts} \
     SERVE_EXTRA="--phase-timing host" BENCH_EXTRA="--interleave" \
     stage "real matrix, interleaved" bash benchmarks/h200_matrix.sh "$ROOT" real
-  stage "engine alone at 256 (nospec,varlen), after" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 \
+  [[ ${PROBES:-1} == 1 ]] && stage "engine alone at 256 (nospec,varlen), after" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 \
     benchmarks/embedded_engine.py --steps-only --temperature 1 --configs nospec,varlen --concurrency 256 \
     --out "$ROOT/engine_after"
   kill "$sampler" 2>/dev/null || true

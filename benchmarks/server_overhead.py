@@ -43,7 +43,7 @@ class NullEngine:
     """The engine interface the server uses, without a model: ``step`` sleeps ``step_ms`` and then emits the
     next token of a fixed text for every running request (up to ``max_num_seqs``; the rest wait)."""
 
-    def __init__(self, tokenizer_path: str, step_ms: float, max_num_seqs: int) -> None:
+    def __init__(self, tokenizer_path: str, step_ms: float, max_num_seqs: int, host_ms: float = 0.0) -> None:
         from transformers import AutoTokenizer
 
         from dspark_cli.engines.embedded.engine import EngineStats
@@ -51,6 +51,7 @@ class NullEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.text_ids = self.tokenizer(TEXT * 8, add_special_tokens=False)["input_ids"]
         self.step_s = step_ms / 1e3
+        self.host_s = host_ms / 1e3
         self.max_num_seqs = max_num_seqs
         self.num_spec = 0
         self.vocab_size = len(self.tokenizer)
@@ -74,7 +75,11 @@ class NullEngine:
         return bool(self._reqs)
 
     def step(self) -> list[RequestOutput]:
+        # A real step holds the interpreter lock for its host work (inputs before the device runs, sampling
+        # and emission after) and releases it while it waits on the device; half the host work on each side.
+        _hold(self.host_s / 2)
         time.sleep(self.step_s)
+        _hold(self.host_s / 2)
         self.stats.num_steps += 1
         outs = []
         for rid in list(self._reqs)[: self.max_num_seqs]:
@@ -94,10 +99,22 @@ class NullEngine:
         pass
 
 
-def _serve(port: int, tokenizer_path: str, step_ms: float, max_num_seqs: int) -> None:
+def _hold(seconds: float) -> None:
+    """Busy Python for ``seconds`` (holding the interpreter lock but at its switch checks, like host work)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _serve(port: int, tokenizer_path: str, step_ms: float, max_num_seqs: int, host_ms: float,
+           switch_interval_ms: float | None) -> None:
+    import sys
+
     from dspark_cli.engines.embedded.server import ServerOptions, run_server
 
-    run_server(lambda: NullEngine(tokenizer_path, step_ms, max_num_seqs),
+    if switch_interval_ms is not None:
+        sys.setswitchinterval(switch_interval_ms / 1e3)
+    run_server(lambda: NullEngine(tokenizer_path, step_ms, max_num_seqs, host_ms),
                ServerOptions("127.0.0.1", port, "null", (), 0))
 
 
@@ -136,6 +153,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-c", "--concurrency", default="16,64,256", help="comma list of requests in flight")
     ap.add_argument("--step-ms", type=float, default=5.0, help="the null engine's step time (an H200 decode step)")
+    ap.add_argument("--host-ms", type=float, default=0.0,
+                    help="host work per step the null engine does holding the interpreter lock (an H200 step: ~2)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="the server's interpreter switch interval (sys.setswitchinterval; default Python's 5 ms)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--waves", type=int, default=2, help="requests per cell = waves x concurrency")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the cached SmolLM2-135M)")
@@ -149,7 +170,8 @@ def main() -> None:
     concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
     port = _free_port()
     ctx = mp.get_context("spawn")
-    server = ctx.Process(target=_serve, args=(port, args.tokenizer, args.step_ms, max(concs)), daemon=True)
+    server = ctx.Process(target=_serve, args=(port, args.tokenizer, args.step_ms, max(concs), args.host_ms,
+                                                    args.switch_interval_ms), daemon=True)
     server.start()
     rows = []
     try:
