@@ -188,6 +188,10 @@ def serve(
         help="Embedded engine: auto (default: FlashInfer on CUDA when flashinfer-python is installed and the "
              "model is 16-bit with head dim 64, 128 or 256, else the Triton kernel; torch on CPU), torch, "
              "triton or flashinfer."),
+    mixed_prefill: bool | None = typer.Option(
+        None, "--mixed-prefill/--no-mixed-prefill",
+        help="Embedded engine: on steps that do not draft (no speculation, or drafting paused), prefill "
+             "newcomers in the running requests' decode step instead of a step of their own (default on)."),
     phase_timing: str | None = typer.Option(
         None, "--phase-timing",
         help="Embedded engine: time every step's phases into dspark:step_phase_seconds_total -- host (host "
@@ -219,7 +223,7 @@ def serve(
         "sts": sts, "online_sts": online_sts, "budget_frac": budget_frac, "min_predicted_gain": min_predicted_gain,
         "record_traces": record_traces, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
         "scheduler_delay_factor": scheduler_delay_factor, "attention_backend": attention_backend,
-        "phase_timing": phase_timing, "host": host,
+        "phase_timing": phase_timing, "mixed_prefill": mixed_prefill, "host": host,
         "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
     }
     settings = build_settings(flags, speculative_config)
@@ -231,6 +235,9 @@ def serve(
         if settings.attention_backend is not None:
             raise DsparkError("--attention-backend is an embedded-engine setting; vLLM picks its own "
                               "(pass vLLM's --attention-backend after --)")
+        if settings.mixed_prefill is not None:
+            raise DsparkError("--mixed-prefill is an embedded-engine setting; vLLM mixes prefills into decode "
+                              "steps itself (chunked prefill)")
         if settings.phase_timing is not None:
             raise DsparkError("--phase-timing is an embedded-engine setting; drop it with --engine vllm")
         if importlib.util.find_spec("dspark_cli.engines.vllm.launcher") is None:

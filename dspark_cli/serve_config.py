@@ -92,6 +92,7 @@ class ServeSettings:
     scheduler_delay_factor: float | None = None  # embedded engine only (EngineConfig)
     attention_backend: str | None = None  # embedded engine only (EngineConfig)
     phase_timing: str | None = None  # embedded engine only (EngineConfig)
+    mixed_prefill: bool | None = None  # embedded engine only (EngineConfig; None: its default, on)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     device: str = "auto"
@@ -329,6 +330,8 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
             out[name] = _as_choice(where, value, ATTENTION_BACKENDS)
         elif name == "phase_timing":
             out[name] = _as_choice(where, value, PHASE_TIMINGS)
+        elif name == "mixed_prefill":
+            out[name] = _as_bool(where, value)
         elif name == "host":
             out[name] = _as_str(where, value)
         elif name == "port":
@@ -517,7 +520,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             "record_traces": s.record_traces, "device": s.device,
         }
         for name in ("max_num_seqs", "max_model_len", "seed", "scheduler_delay_factor", "attention_backend",
-                     "phase_timing"):
+                     "phase_timing", "mixed_prefill"):
             if getattr(s, name) is not None:
                 kwargs[name] = getattr(s, name)
         cfg = EngineConfig(**kwargs)
@@ -547,6 +550,8 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         ]
         if s.record_traces:
             banner.insert(6, ("traces", s.record_traces))
+        if s.mixed_prefill is False:
+            banner.append(("prefills", "alone (--no-mixed-prefill)"))
         if s.phase_timing:
             banner.append(("phase timing", f"{s.phase_timing} (dspark:step_phase_seconds_total)"))
         launch = EmbeddedLaunch(cfg, options, banner, tmp)

@@ -355,6 +355,138 @@ def test_the_prefill_hold_is_bounded_and_never_holds_a_full_batch_or_an_idle_eng
         EngineConfig(scheduler_delay_factor=-1.0).validate()
 
 
+def test_a_mixed_prefill_carries_the_running_requests_within_the_token_limit_and_never_preempts() -> None:
+    from dspark_cli.engines.embedded.block_manager import BlockManager
+    from dspark_cli.engines.embedded.scheduler import Scheduler
+    from dspark_cli.engines.embedded.sequence import Sequence
+
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=7, lookahead=0)
+    a, b = Sequence("a", [5] * 3, SamplingParams(), 0), Sequence("b", [6] * 3, SamplingParams(), 1)
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule(mixed=True).decode == []  # nobody runs yet: a prefill alone
+    c, d = Sequence("c", [7] * 3, SamplingParams(), 2), Sequence("d", [8] * 3, SamplingParams(), 3)
+    sched.add(c)
+    sched.add(d)
+    batch = sched.schedule(mixed=True)
+    # a and b's two tokens share the 7-token limit: c (3 tokens) fits beside them, d (3 more) waits.
+    assert batch.is_prefill and batch.seqs == [c] and batch.decode == [a, b]
+    assert list(sched.waiting) == [d]
+    assert sched.schedule().decode == []  # not asked to mix: d's prefill runs alone
+    # A pool too short for every running request's next token: no ride-along (the decode step preempts).
+    tight = Scheduler(BlockManager(3, 4), max_num_seqs=4, max_num_batched_tokens=64, lookahead=0)
+    old = Sequence("old", [5] * 4, SamplingParams(), 0)
+    tight.add(old)
+    tight.schedule()
+    old.token_ids.append(9)  # its first output: the next token needs a second block
+    old.num_computed_tokens = 4
+    tight.add(Sequence("new", [6] * 4, SamplingParams(), 1))
+    batch = tight.schedule(mixed=True)
+    assert batch.is_prefill and batch.decode == []
+
+
+def _staggered(engine: LLMEngine, ps: list[list[int]], params: list[SamplingParams],
+               finished_at: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """r0 starts alone; one newcomer arrives after each step (closed-loop successors arriving apart).
+    ``finished_at`` gets the step each request finished in."""
+    engine.add_request("r0", ps[0], params[0])
+    outs: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished and finished_at is not None:
+                finished_at[o.request_id] = engine.stats.num_steps
+
+    for i in range(1, len(ps)):
+        step()
+        engine.add_request(f"r{i}", ps[i], params[i])
+    while engine.has_unfinished_requests():
+        step()
+    return outs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_newcomers_ride_along_in_the_running_requests_decode_step_and_outputs_do_not_change(
+    tiny_pair: TinyPair, temperature: float
+) -> None:
+    """Mixed prefill (no speculation): a newcomer's prefill decodes one token for every running request in
+    the same forward. Outputs are those of prefill steps of their own (greedy, and seeded sampling: each
+    request's random stream advances once per token either way); every newcomer after the first rode along,
+    and the running requests lost no step to it."""
+    ps = prompts(4)
+    params = [SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=100 + i) for i in range(4)]
+    mixed = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=4)
+    alone = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=4, mixed_prefill=False)
+    done_mixed: dict[str, int] = {}
+    done_alone: dict[str, int] = {}
+    got, want = _staggered(mixed, ps, params, done_mixed), _staggered(alone, ps, params, done_alone)
+    assert got == want and all(len(toks) == 12 for toks in got.values())
+    assert mixed.stats.steps["mixed"] == 3 and mixed.stats.steps["prefill"] == 1  # r0's prefill had nobody to carry
+    assert alone.stats.steps["mixed"] == 0 and alone.stats.steps["prefill"] == 4
+    assert mixed.stats.num_prefill_steps == alone.stats.num_prefill_steps == 4
+    # r0 got a token in every step instead of waiting out three prefills (r1 two, r2 one); the last arrival,
+    # r3, finishes 12 steps after its own, either way.
+    assert done_mixed == {"r0": 12, "r1": 13, "r2": 14, "r3": 15}
+    assert done_alone == {"r0": 15, "r1": 15, "r2": 15, "r3": 15}
+    assert mixed.stats.generation_tokens == alone.stats.generation_tokens == 48
+    assert mixed.stats.prompt_tokens == alone.stats.prompt_tokens == sum(len(p) for p in ps)
+
+
+def test_newcomers_ride_along_while_drafting_is_paused_and_the_draft_catches_up_on_resume(
+    tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    """With drafting paused a prefill mixes too (target only); a drafting step -- a probe -- feeds the draft
+    the newcomers' whole prompts in its catch-up. While drafting runs, prefills stay steps of their own.
+    Greedy outputs are plain decoding's."""
+    curve = tmp_path / "expensive_draft.json"  # drafting never pays: pauses after one step, probes every 2
+    SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 500.0), (8, 500.0)], 0.1).save(curve)
+    ps = prompts(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)] * 6
+    engine = make_engine(tiny_pair, sps_curve=str(curve), max_num_seqs=6,
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2, probe_tax=1.0))
+    kinds: list[tuple[str, bool]] = []  # (step kind, drafting enabled before the step)
+    real_step = engine.step
+    skipped: set[str] = set()  # admitted in a mixed step, the draft not fed their prompt
+    caught_up: set[str] = set()  # ... and fed it, and more, by a later drafting step's catch-up
+
+    def step():  # type: ignore[no-untyped-def]
+        enabled = engine.capacity.drafting_enabled
+        out = real_step()
+        kind = engine.stalls.step_kind
+        kinds.append((kind, enabled))
+        for seq in engine.scheduler.running:
+            if kind == "mixed" and seq.num_draft_computed < seq.num_prompt_tokens:
+                skipped.add(seq.request_id)
+            if kind in ("probe", "spec") and seq.request_id in skipped and seq.num_draft_computed > seq.num_prompt_tokens:
+                caught_up.add(seq.request_id)
+        return out
+
+    engine.step = step  # type: ignore[method-assign]
+    outs: dict[str, list[int]] = {}
+
+    def run_step() -> None:
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    engine.add_request("r0", ps[0], params[0])
+    while engine.capacity.drafting_enabled:  # one drafting step that does not pay pauses drafting
+        run_step()
+    for i in range(1, len(ps)):  # then one newcomer per step
+        engine.add_request(f"r{i}", ps[i], params[i])
+        run_step()
+    while engine.has_unfinished_requests():
+        run_step()
+    got = outs
+    assert engine.stats.steps["mixed"] > 0 and engine.stats.steps["probe"] > 0
+    assert all(not enabled for kind, enabled in kinds if kind == "mixed")  # only paused steps mix
+    assert skipped and caught_up
+    # After r0's, a prefill step of its own ran only while drafting was on (someone was always running).
+    assert all(enabled for i, (kind, enabled) in enumerate(kinds) if kind == "prefill" and i > 0)
+    reference = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=6)
+    assert got == dict(zip([f"r{i}" for i in range(6)], reference.generate(ps, params[0]), strict=True))
+
+
 def test_prompts_admitted_while_drafting_is_paused_skip_the_draft_and_outputs_stay_lossless(
     tiny_pair: TinyPair, tmp_path: Path
 ) -> None:

@@ -312,3 +312,48 @@ def test_graph_capture_runs_with_garbage_freed_first_and_the_collector_off() -> 
     with pytest.raises(RuntimeError), no_collection_during_capture():
         raise RuntimeError("capture failed")
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+def test_mixed_prefills_decode_the_running_requests_in_the_prefill_forward(
+    pair: TinyPair, never_pays: Path, device: str
+) -> None:
+    """A mixed step runs the prefill forward over newcomers and one-token decode rows (on CUDA: the ragged
+    prefill graphs, with decode rows reading their cached KV); with no speculation and with drafting paused,
+    greedy outputs are those of prefill steps of their own (float32)."""
+    from test_embedded_engine import _staggered
+
+    ps = prompts(5)
+    params = [GREEDY] * 5
+
+    def run(**overrides: object) -> tuple[dict[str, list[int]], dict[str, int]]:
+        engine = make_engine(pair, max_num_seqs=8, device=device, dtype="float32", **overrides)
+        outs = _staggered(engine, ps, params)
+        return outs, engine.stats.steps
+
+    want, alone = run(num_speculative_tokens=0, mixed_prefill=False)
+    got, mixed = run(num_speculative_tokens=0)
+    assert alone["mixed"] == 0 and mixed["mixed"] == 4
+    assert got == want
+    # Drafting paused (a draft pass that never pays): newcomers that arrive once it has paused ride along in
+    # paused steps too.
+    engine = make_engine(pair, max_num_seqs=8, device=device, dtype="float32", draft=str(pair.draft_head),
+                         sps_curve=str(never_pays),
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=50))
+    outs: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    engine.add_request("r0", ps[0], GREEDY)
+    while engine.capacity.drafting_enabled:
+        step()
+    for i in range(1, 5):
+        engine.add_request(f"r{i}", ps[i], GREEDY)
+        step()
+    while engine.has_unfinished_requests():
+        step()
+    assert engine.stats.steps["mixed"] == 4 and engine.stats.steps["paused"] > 0
+    reference = make_engine(pair, num_speculative_tokens=0, device=device, dtype="float32").generate(ps, GREEDY)
+    assert outs == {f"r{i}": toks for i, toks in enumerate(reference)}

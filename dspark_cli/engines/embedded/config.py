@@ -75,6 +75,9 @@ class EngineConfig:
     # "gpu" (a CUDA event per phase, no sync: each phase's span of the device timeline) or "device" (a sync
     # per phase: every phase owns its device time, and the step is slower than a real one).
     phase_timing: str | None = None
+    # On steps that would not draft (K = 0, or drafting paused), a prefill also decodes one token for every
+    # running request in its forward, so newcomers stall nobody (scheduler.py, LLMEngine._mixed_step).
+    mixed_prefill: bool = True
 
     def validate(self) -> None:
         """Reject impossible settings with one-line messages before anything is loaded."""

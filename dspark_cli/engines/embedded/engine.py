@@ -63,9 +63,10 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
 
 
-# Step kinds: a prompt prefill; a drafting decode step; one probing a saturation pause; a decode step with
-# drafting paused; a decode step of an engine without speculation.
-STEP_KINDS: tuple[str, ...] = ("prefill", "spec", "probe", "paused", "nospec")
+# Step kinds: a prompt prefill; a prefill that also decodes one token for every running request (mixed); a
+# drafting decode step; one probing a saturation pause; a decode step with drafting paused; a decode step of
+# an engine without speculation.
+STEP_KINDS: tuple[str, ...] = ("prefill", "mixed", "spec", "probe", "paused", "nospec")
 
 
 @dataclass
@@ -334,7 +335,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(mixed=self._plain_steps())
         if self.phase_timing is not None:
             self.stats.phase_ms["schedule"] = self.stats.phase_ms.get("schedule", 0.0) + (time.perf_counter() - t0) * 1e3
         self.stats.num_steps += 1
@@ -347,7 +348,9 @@ class LLMEngine:
             self._refresh_counts()
             return []
         start = time.perf_counter()
-        if batch.is_prefill:
+        if batch.is_prefill and batch.decode:
+            outputs = self._mixed_step(batch.seqs, batch.decode)
+        elif batch.is_prefill:
             outputs = self._prefill_step(batch.seqs)
         else:
             outputs = self._decode_step(batch.seqs)
@@ -363,18 +366,18 @@ class LLMEngine:
         self._refresh_counts()
         return outputs
 
-    def _prefill_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        self.stats.num_prefill_steps += 1
-        self.stalls.step_kind = "prefill"
-        clock = self._clock("prefill")
-        # While drafting is paused the draft skips the prompt too: the next probe's catch-up feeds it with
-        # the tokens generated since, and a request that finishes first never pays for it. A prefill step
-        # then costs what it costs without speculation (on an H200 the draft's prefill added ~6 ms to ~20).
-        draft = self.capacity is None or self.capacity.drafting_enabled
-        starts = [seq.num_computed_tokens for seq in seqs]
-        logits = self.runner.prefill(seqs, draft=draft)
-        clock.mark("forward")
-        for seq, start in zip(seqs, starts, strict=True):
+    def _plain_steps(self) -> bool:
+        """Whether the next decode step decodes one token per request without drafting (no speculation, or
+        the saturation policy has drafting paused): then a prefill may carry the running requests along
+        (EngineConfig.mixed_prefill)."""
+        if not self.config.mixed_prefill:
+            return False
+        return self.num_spec == 0 or (self.capacity is not None and not self.capacity.drafting_enabled)
+
+    def _admit(self, seqs: list[Sequence], draft: bool) -> None:
+        """Bookkeeping of prefilled newcomers: prompt counts, KV frontiers, capacity slots."""
+        for seq in seqs:
+            start = seq.num_computed_tokens
             if seq.num_preemptions == 0:
                 self.stats.prompt_tokens += seq.num_prompt_tokens
             seq.num_computed_tokens = seq.num_tokens
@@ -383,6 +386,47 @@ class LLMEngine:
             self._slot_of[seq.request_id] = slot
             if self.capacity is not None:
                 self.capacity.add_request(slot)
+
+    def _prefill_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        self.stats.num_prefill_steps += 1
+        self.stalls.step_kind = "prefill"
+        clock = self._clock("prefill")
+        # While drafting is paused the draft skips the prompt too: the next probe's catch-up feeds it with
+        # the tokens generated since, and a request that finishes first never pays for it. A prefill step
+        # then costs what it costs without speculation (on an H200 the draft's prefill added ~6 ms to ~20).
+        draft = self.capacity is None or self.capacity.drafting_enabled
+        logits = self.runner.prefill(seqs, draft=draft)
+        clock.mark("forward")
+        self._admit(seqs, draft)
+        temperature, top_p = self._sampling_tensors(seqs)
+        u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
+        tokens = sample(logits, temperature, top_p, u).tolist()
+        clock.mark("sync")
+        outputs = [self._emit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=True)]
+        clock.mark("emit")
+        return outputs
+
+    def _mixed_step(self, new: list[Sequence], decoding: list[Sequence]) -> list[RequestOutput]:
+        """Prefill ``new`` and decode one token for each of ``decoding`` in one target forward (plain steps).
+
+        Why: a prefill step stalls every decoding request, and where steps are host-bound it costs about a
+        decode step whatever its size (on an H200, SmolLM2-135M served at 128 requests: 7.9 ms against 8.5 ms
+        for a decode step, docs/PERFORMANCE.md section 21). Closed-loop load makes many of them wherever
+        requests finish apart -- after any drafting, whose accepted lengths differ per request, the successors
+        of one wave arrive over many steps, each with its own prefill (mask + SPS at 128 requests ran 370
+        prefill steps of a 1,024-request cell, no speculation 106). Riding along, the running requests lose
+        no step to a prefill. A decoding request is a one-token prefill (its last token has no KV yet), so the
+        ragged prefill forward takes both; only plain steps mix, because a drafting step's draft and verify
+        passes are shaped for decode rows (and the draft would need the newcomers' prompts too)."""
+        self.stats.num_prefill_steps += 1
+        self.stalls.step_kind = "mixed"
+        clock = self._clock("mixed")
+        seqs = decoding + new
+        logits = self.runner.prefill(seqs, draft=False)  # drafting is off: the draft catches up when it resumes
+        clock.mark("forward")
+        self._admit(new, draft=False)
+        for seq in decoding:
+            seq.num_computed_tokens = seq.num_tokens
         temperature, top_p = self._sampling_tensors(seqs)
         u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
         tokens = sample(logits, temperature, top_p, u).tolist()

@@ -2,7 +2,9 @@
 
 A step is either a **prefill** of newly admitted requests (their whole prompt, or prompt + generated
 tokens after a preemption) or a **decode** step of every running request. Prefill wins when something is
-waiting and fits, like nano-vllm: it adds requests to the batch as early as possible. Optionally, while
+waiting and fits, like nano-vllm: it adds requests to the batch as early as possible. A prefill may be
+**mixed** (``schedule(mixed=True)``): the running requests ride along and decode one token each in the same
+forward, so newcomers stall nobody (the engine asks for it on steps that would not draft). Optionally, while
 requests are decoding, newcomers wait up to ``prefill_delay_ms`` (the engine sets it to
 ``scheduler_delay_factor`` x the median of recent prefill steps' times, like vLLM's V0 scheduler delay)
 unless a full batch of them is waiting. Why: prefills are not chunked into decode steps, so every prefill
@@ -37,6 +39,9 @@ class ScheduledBatch:
     seqs: list[Sequence]
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
+    # A prefill batch scheduled with ``schedule(mixed=True)``: the running requests that decode one token in
+    # the same forward (empty when there are none, or the pool could not give every one its lookahead).
+    decode: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -61,11 +66,28 @@ class Scheduler:
     def _prefill_tokens(self, seq: Sequence) -> int:
         return seq.num_tokens
 
-    def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
+    def schedule(self, mixed: bool = False) -> ScheduledBatch | None:
+        """The next step's batch. ``mixed``: a prefill batch also carries the requests already running, to
+        decode one token each in the prefill's forward (the engine asks for it when the step would not draft)."""
+        # Mixed, the running requests' tokens share the step's token limit (and the ragged graphs' sizes).
+        budget = self.max_num_batched_tokens - (len(self.running) if mixed else 0)
+        batch = self._schedule_prefill(max(1, budget))
         if batch is not None:
+            if mixed:
+                batch.decode = self._decode_alongside(batch.seqs)
             return batch
         return self._schedule_decode()
+
+    def _decode_alongside(self, admitted: list[Sequence]) -> list[Sequence]:
+        """The running requests other than ``admitted``, oldest first, each with its decode lookahead in the
+        pool -- or none at all where the pool is short: then the prefill runs alone and the decode step after
+        it preempts as usual (a mixed step never preempts)."""
+        new = {id(seq) for seq in admitted}
+        decoding = sorted((seq for seq in self.running if id(seq) not in new), key=lambda s: s.arrival)
+        for seq in decoding:
+            if not self.blocks.ensure(seq, seq.num_tokens + self.lookahead):
+                return []
+        return decoding
 
     def holds_prefill(self, now: float | None = None) -> bool:
         """Whether the waiting requests wait one more step: requests are decoding, fewer newcomers wait than
@@ -78,7 +100,7 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         return (now - self.waiting[0].arrival_time) * 1e3 < self.prefill_delay_ms
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _schedule_prefill(self, max_tokens: int) -> ScheduledBatch | None:
         if self.holds_prefill():
             return None
         scheduled: list[Sequence] = []
@@ -86,7 +108,7 @@ class Scheduler:
         while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._prefill_tokens(seq)
-            if scheduled and tokens + n > self.max_num_batched_tokens:
+            if scheduled and tokens + n > max_tokens:
                 break
             # Admit only with room for the first decode step too, else it would be preempted at once.
             need = self.blocks.blocks_needed(seq, n + self.lookahead)
