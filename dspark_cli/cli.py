@@ -191,7 +191,7 @@ def serve(
     mixed_prefill: bool | None = typer.Option(
         None, "--mixed-prefill/--no-mixed-prefill",
         help="Embedded engine: on steps that do not draft (no speculation, or drafting paused), prefill "
-             "newcomers in the running requests' decode step instead of a step of their own (default on)."),
+             "newcomers in the running requests' decode step instead of a step of their own (default off)."),
     phase_timing: str | None = typer.Option(
         None, "--phase-timing",
         help="Embedded engine: time every step's phases into dspark:step_phase_seconds_total -- host (host "

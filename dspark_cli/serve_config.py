@@ -92,7 +92,7 @@ class ServeSettings:
     scheduler_delay_factor: float | None = None  # embedded engine only (EngineConfig)
     attention_backend: str | None = None  # embedded engine only (EngineConfig)
     phase_timing: str | None = None  # embedded engine only (EngineConfig)
-    mixed_prefill: bool | None = None  # embedded engine only (EngineConfig; None: its default, on)
+    mixed_prefill: bool | None = None  # embedded engine only (EngineConfig; None: its default, off)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     device: str = "auto"
@@ -550,8 +550,8 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         ]
         if s.record_traces:
             banner.insert(6, ("traces", s.record_traces))
-        if s.mixed_prefill is False:
-            banner.append(("prefills", "alone (--no-mixed-prefill)"))
+        if s.mixed_prefill:
+            banner.append(("prefills", "mixed into plain decode steps"))
         if s.phase_timing:
             banner.append(("phase timing", f"{s.phase_timing} (dspark:step_phase_seconds_total)"))
         launch = EmbeddedLaunch(cfg, options, banner, tmp)

@@ -416,8 +416,8 @@ def test_newcomers_ride_along_in_the_running_requests_decode_step_and_outputs_do
     and the running requests lost no step to it."""
     ps = prompts(4)
     params = [SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=100 + i) for i in range(4)]
-    mixed = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=4)
-    alone = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=4, mixed_prefill=False)
+    mixed = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=4, mixed_prefill=True)
+    alone = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=4)  # the default: off
     done_mixed: dict[str, int] = {}
     done_alone: dict[str, int] = {}
     got, want = _staggered(mixed, ps, params, done_mixed), _staggered(alone, ps, params, done_alone)
@@ -443,7 +443,7 @@ def test_newcomers_ride_along_while_drafting_is_paused_and_the_draft_catches_up_
     SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 500.0), (8, 500.0)], 0.1).save(curve)
     ps = prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)] * 6
-    engine = make_engine(tiny_pair, sps_curve=str(curve), max_num_seqs=6,
+    engine = make_engine(tiny_pair, sps_curve=str(curve), max_num_seqs=6, mixed_prefill=True,
                          capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2, probe_tax=1.0))
     kinds: list[tuple[str, bool]] = []  # (step kind, drafting enabled before the step)
     real_step = engine.step

@@ -331,14 +331,14 @@ def test_mixed_prefills_decode_the_running_requests_in_the_prefill_forward(
         outs = _staggered(engine, ps, params)
         return outs, engine.stats.steps
 
-    want, alone = run(num_speculative_tokens=0, mixed_prefill=False)
-    got, mixed = run(num_speculative_tokens=0)
+    want, alone = run(num_speculative_tokens=0)  # the default: prefills alone
+    got, mixed = run(num_speculative_tokens=0, mixed_prefill=True)
     assert alone["mixed"] == 0 and mixed["mixed"] == 4
     assert got == want
     # Drafting paused (a draft pass that never pays): newcomers that arrive once it has paused ride along in
     # paused steps too.
     engine = make_engine(pair, max_num_seqs=8, device=device, dtype="float32", draft=str(pair.draft_head),
-                         sps_curve=str(never_pays),
+                         sps_curve=str(never_pays), mixed_prefill=True,
                          capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=50))
     outs: dict[str, list[int]] = {}
 

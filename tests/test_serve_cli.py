@@ -49,6 +49,7 @@ def test_bad_flag_is_one_line_error_and_exit_1() -> None:
         (["--engine", "vllm", "--attention-backend", "triton"], "embedded-engine setting"),
         (["--phase-timing", "wall"], "--phase-timing"),
         (["--engine", "vllm", "--phase-timing", "host"], "embedded-engine setting"),
+        (["--engine", "vllm", "--mixed-prefill"], "embedded-engine setting"),
     ],
 )
 def test_errors_raise_dspark_error(args: list[str], match: str) -> None:

@@ -76,8 +76,9 @@ class EngineConfig:
     # per phase: every phase owns its device time, and the step is slower than a real one).
     phase_timing: str | None = None
     # On steps that would not draft (K = 0, or drafting paused), a prefill also decodes one token for every
-    # running request in its forward, so newcomers stall nobody (scheduler.py, LLMEngine._mixed_step).
-    mixed_prefill: bool = True
+    # running request in its forward, so newcomers stall nobody (scheduler.py, LLMEngine._mixed_step). Off by
+    # default until an H200 run has timed it against prefill steps of their own (docs/PERFORMANCE.md section 21).
+    mixed_prefill: bool = False
 
     def validate(self) -> None:
         """Reject impossible settings with one-line messages before anything is loaded."""
