@@ -13,6 +13,7 @@
 #   QUEUE=embedded bash benchmarks/h200_two_gpus.sh start ROOT      # one GPU: issue 8, both matrices after the prefill graphs
 #   QUEUE=paused bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8, paused steps against plain ones
 #   QUEUE=interleaved bash benchmarks/h200_two_gpus.sh start ROOT   # one GPU: issue 8's real matrix, servers interleaved
+#   QUEUE=mixed bash benchmarks/h200_two_gpus.sh start ROOT         # one GPU: mixed prefills, GPU test + interleaved A/B
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -218,6 +219,15 @@ queue_interleaved() {
   kill "$sampler" 2>/dev/null || true
 }
 
+# One GPU: mixed prefills (--mixed-prefill) proven and timed. The GPU test first (CUDA graphs: the ragged prefill
+# family with decode rows reading their cached KV, outputs against prefills alone), then the real matrix
+# interleaved with each config beside its +mixed twin, so the A/B is within one run.
+queue_mixed() {
+  stage "GPU test: mixed prefills" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_embedded_engine_step.py -k mixed_prefills -rs 2>&1 | tail -6 | tee "$ROOT/mixed_gpu_test.log"
+  PROBES=0 REAL_CONFIGS=${REAL_CONFIGS:-nospec,nospec+mixed,mask,mask+mixed,varlen+sts,varlen+sts+mixed} queue_interleaved
+}
+
 queue_paused() {
   stage "steps at T=1, engine alone" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/embedded_engine.py \
     --steps-only --temperature 1 --configs nospec,mask,varlen --concurrency 16,64,128,256 --out "$ROOT/steps_t1"
@@ -241,6 +251,7 @@ QUEUES=(0 1)
 [[ ${QUEUE:-} == embedded ]] && QUEUES=(_embedded)
 [[ ${QUEUE:-} == paused ]] && QUEUES=(_paused)
 [[ ${QUEUE:-} == interleaved ]] && QUEUES=(_interleaved)
+[[ ${QUEUE:-} == mixed ]] && QUEUES=(_mixed)
 [[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
 [[ ${QUEUE:-} == vllm-lossless ]] && QUEUES=(_vllm_lossless)
 
@@ -258,15 +269,15 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
-        "$(declare -f stage real_smoke queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
+        "$(declare -f stage real_smoke queue_interleaved queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
       echo $! >"$ROOT/queue$q.pid"
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused _interleaved; do
+    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused _interleaved _mixed; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"

@@ -37,9 +37,20 @@ def test_config_names_map_to_serve_flags() -> None:
     assert cfgs["mask"].serve_args == ("--capacity-mode", "mask", "--sps-curve", "curve.json")
     assert cfgs["varlen+sts"].serve_args == ("--capacity-mode", "varlen", "--sps-curve", "curve.json", "--online-sts")
     assert cfgs["varlen+sts"].sts and not cfgs["mask"].sts
+    # "+mixed", last, on any config: the same server with mixed prefills, for an A/B within one run.
+    mixed = {c.name: c for c in parse_configs("nospec+mixed,varlen+sts+mixed", "curve.json")}
+    assert mixed["nospec+mixed"].serve_args == ("-k", "0", "--mixed-prefill")
+    assert mixed["varlen+sts+mixed"].serve_args == ("--capacity-mode", "varlen", "--sps-curve", "curve.json",
+                                                    "--online-sts", "--mixed-prefill")
+    assert mixed["varlen+sts+mixed"].sts
+    from dspark_cli.bench.report import header
+
+    assert header("nospec+mixed") == "No spec + mixed prefill"
+    assert header("varlen+sts+mixed") == "Varlen + SPS + STS + mixed prefill"
 
 
-@pytest.mark.parametrize("spec", ["", "mask+foo", "fast", "none,none", "nospec+sts"])
+@pytest.mark.parametrize("spec", ["", "mask+foo", "fast", "none,none", "nospec+sts", "mixed", "nospec+mixed+sts",
+                                  "varlen+mixed+mixed"])
 def test_bad_config_lists(spec: str) -> None:
     with pytest.raises(DsparkError):
         parse_configs(spec, "auto")

@@ -14,6 +14,7 @@ other engine flag comes from ``--serve-args`` and is identical across columns:
     mask         --capacity-mode mask   --sps-curve C
     varlen       --capacity-mode varlen --sps-curve C
     <mode>+sts   ... --online-sts             (online STS; gets a warm-up pass first so it has calibrated)
+    <any>+mixed  ... --mixed-prefill          (embedded engine: prefills ride in plain decode steps)
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from dspark_cli.fileio import atomic_write_json, read_json
 
 CELL_FORMAT = 1
 CAPACITY_MODES = ("none", "mask", "varlen")
+MIXED_SUFFIX = "+mixed"
 SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "dspark_cli.cli", "serve")
 
 
@@ -83,13 +85,16 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
     curve_in_common = "--sps-curve" in common_args
     out: list[BenchConfig] = []
     for name in names:
-        if name == "nospec":
-            out.append(BenchConfig(name, ("-k", "0")))
+        # "+mixed" (any config, last): the server mixes prefills into plain decode steps (--mixed-prefill).
+        base, mixed = (name[: -len(MIXED_SUFFIX)], True) if name.endswith(MIXED_SUFFIX) else (name, False)
+        extra = ("--mixed-prefill",) if mixed else ()
+        if base == "nospec":
+            out.append(BenchConfig(name, ("-k", "0", *extra)))
             continue
-        mode, plus, suffix = name.partition("+")
+        mode, plus, suffix = base.partition("+")
         if mode not in CAPACITY_MODES or (plus and suffix != "sts"):
             raise DsparkError(f"unknown config {name!r}: use nospec, none, mask, varlen, optionally +sts "
-                              "(e.g. varlen+sts)")
+                              "(e.g. varlen+sts), then optionally +mixed (e.g. nospec+mixed, varlen+sts+mixed)")
         args: list[str] = ["--capacity-mode", mode]
         if mode != "none":
             if sps_curve is None and not curve_in_common:
@@ -98,7 +103,7 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
                 args += ["--sps-curve", sps_curve]
         if plus:
             args.append("--online-sts")
-        out.append(BenchConfig(name, tuple(args), sts=bool(plus)))
+        out.append(BenchConfig(name, (*args, *extra), sts=bool(plus)))
     return out
 
 

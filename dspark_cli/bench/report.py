@@ -73,6 +73,8 @@ def baseline_of(configs: Sequence[str]) -> str | None:
 
 
 def header(config: str) -> str:
+    if config.endswith("+mixed") and config not in PRETTY:
+        return f"{header(config[: -len('+mixed')])} + mixed prefill"
     return PRETTY.get(config, config)
 
 
