@@ -423,7 +423,7 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
     warmed up) and stay up; then every concurrency is measured for all configs before the next, the first
     config of each concurrency one further down the list than the last's. Why: on a host-bound server the
     host drifts over a matrix -- on an H200 host (SmolLM2-135M, docs/PERFORMANCE.md section 21) each of three
-    configs served one after the other ran 1-13% below the one before it at every load, whichever config went
+    configs served one after the other ran 0.8-13% below the one before it at every load, whichever config went
     first -- and one config per server in turn puts that drift between the columns. Interleaved, the cells of
     one concurrency run within a few minutes of each other, and the rotation moves every config through the
     slots. Idle servers take no host time (the engine thread blocks while it has no requests), but they hold
