@@ -398,6 +398,10 @@ class LLMEngine:
         logits = self.runner.prefill(seqs, draft=draft)
         clock.mark("forward")
         self._admit(seqs, draft)
+        return self._sample_and_emit(seqs, logits, clock)
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: Tensor, clock: _PhaseClock | _NoClock) -> list[RequestOutput]:
+        """One token per sequence from its last-row ``logits`` (its own seeded stream at T > 0), emitted."""
         temperature, top_p = self._sampling_tensors(seqs)
         u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
         tokens = sample(logits, temperature, top_p, u).tolist()
@@ -427,13 +431,7 @@ class LLMEngine:
         self._admit(new, draft=False)
         for seq in decoding:
             seq.num_computed_tokens = seq.num_tokens
-        temperature, top_p = self._sampling_tensors(seqs)
-        u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
-        tokens = sample(logits, temperature, top_p, u).tolist()
-        clock.mark("sync")
-        outputs = [self._emit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=True)]
-        clock.mark("emit")
-        return outputs
+        return self._sample_and_emit(seqs, logits, clock)
 
     def _decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         # The step's wall time (its one sync included) calibrates the curve's price of drafting against
