@@ -188,17 +188,12 @@ queue_embedded() {
 # does not. ~14 min (estimate: engine alone 3, each served pass 5).
 # One GPU, issue 8's real matrix with every config's server up at once (dspark bench --interleave: cells by
 # concurrency, each one's configs rotated), after section 21 found a drift over sequentially served configs.
-# A sampler logs the host's mean CPU clock and its busiest processes every 10 s; the engine alone runs nospec
+# A sampler (benchmarks/host_sampler.py) logs the load and the processes busiest in each 10 s; the engine alone runs nospec
 # and varlen at 256 requests in both orders before the matrix and once more after it (is the drift the host's,
 # or the processes'?; PROBES=0 skips them). The curve is section 20's (same host kind, same shapes): no profile
 # in the sitting. REAL_CONFIGS and REAL_CONC pick a part of the matrix (a second pass).
 queue_interleaved() {
-  setsid bash -c 'while true; do
-      echo "$(date +%T) mhz $(awk "/MHz/ {s+=\$4; n++} END {printf \"%.0f\", s/n}" /proc/cpuinfo)" \
-        "load $(cut -d" " -f1 /proc/loadavg)"
-      ps -eo pcpu,rss,etimes,args --sort=-pcpu | head -6 | cut -c1-150
-      sleep 10
-    done' >"$ROOT/host_sampler.log" 2>&1 </dev/null &
+  setsid python3 benchmarks/host_sampler.py --every 10 --top 8 >"$ROOT/host_sampler.log" 2>&1 </dev/null &
   local sampler=$!
   local order
   for order in nospec,varlen varlen,nospec; do

@@ -1,0 +1,63 @@
+"""Which processes keep the host's CPUs busy, interval by interval (a served benchmark's background witness).
+
+`ps`'s %CPU is a process's share over its whole life, so it cannot tell a server that is idle now from one that
+was busy a minute ago. This reads ``/proc/PID/stat`` every ``--every`` seconds and prints, per interval, the
+load average and the processes that used the most CPU *in that interval* (percent of one core), with their
+command lines -- e.g. whether idle servers of an interleaved matrix (``dspark bench --interleave``) take host
+time from the one being measured. Linux only; runs until killed.
+
+    python3 benchmarks/host_sampler.py --every 10 --top 6 > host_sampler.log &
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+
+def cpu_ticks() -> dict[int, tuple[int, str]]:
+    """``{pid: (user + system ticks, command line)}`` of every process readable now."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = " ".join((entry / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+        except OSError:
+            continue  # the process ended between the listing and the read
+        out[int(entry.name)] = (int(fields[11]) + int(fields[12]), cmd or f"[{entry.name}]")
+    return out
+
+
+def busiest(before: dict[int, tuple[int, str]], after: dict[int, tuple[int, str]], seconds: float,
+            top: int) -> list[tuple[float, int, str]]:
+    """``(percent of one core, pid, command)`` of the ``top`` processes that used the most CPU between two
+    readings (processes that started in between count from zero)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    used = [(100.0 * (ticks - before.get(pid, (0, ""))[0]) / hz / seconds, pid, cmd)
+            for pid, (ticks, cmd) in after.items()]
+    return sorted((u for u in used if u[0] > 0), reverse=True)[:top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--every", type=float, default=10.0, help="seconds per interval")
+    ap.add_argument("--top", type=int, default=6, help="processes listed per interval")
+    ap.add_argument("--width", type=int, default=150, help="characters of each command line")
+    args = ap.parse_args()
+    before, t0 = cpu_ticks(), time.monotonic()
+    while True:
+        time.sleep(args.every)
+        after, t1 = cpu_ticks(), time.monotonic()
+        load = Path("/proc/loadavg").read_text().split()[0]
+        print(f"{time.strftime('%H:%M:%S')} load {load}", flush=True)
+        for pct, pid, cmd in busiest(before, after, t1 - t0, args.top):
+            print(f"  {pct:6.1f}% {pid:>7} {cmd[: args.width]}", flush=True)
+        before, t0 = after, t1
+
+
+if __name__ == "__main__":
+    main()
