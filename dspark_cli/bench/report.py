@@ -13,7 +13,7 @@ length.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,24 +202,17 @@ def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
                  f"(Δ% output tok/s vs {header(table.baseline) if table.baseline else 'n/a'})")
     lines.append("")
     hdr = table.headers()
-    lines.append("| " + " | ".join(hdr) + " |")
-    lines.append("|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|")
-    for row in table.rows():
-        lines.append("| " + " | ".join(row) + " |")
+    lines += _markdown_table(hdr, table.rows())
     steps = step_rows(table)
     if steps:
         lines += ["", "Server steps over each cell: kind mean ms x steps (the engine's own clock; a client's "
                   "inter-token latency adds streaming and queueing)", ""]
-        lines.append("| " + " | ".join(hdr) + " |")
-        lines.append("|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|")
-        lines += ["| " + " | ".join(row) + " |" for row in steps]
+        lines += _markdown_table(hdr, steps)
     phases = phase_rows(table)
     if phases:
         lines += ["", "Decode-step phases (the server's --phase-timing): each cell's most frequent decode kind, "
                   "mean ms per step by phase in the order the step runs them", ""]
-        lines.append("| " + " | ".join(hdr) + " |")
-        lines.append("|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|")
-        lines += ["| " + " | ".join(row) + " |" for row in phases]
+        lines += _markdown_table(hdr, phases)
     stalls = stall_notes(table)
     if stalls:
         lines += ["", "Kernel compiles while serving (a start-up warm-up missed them; the cell waited):", ""]
@@ -227,19 +220,31 @@ def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def step_rows(table: ComparisonTable) -> list[list[str]]:
-    """Rows of "kind ms x n" per cell, where any cell's server counted its steps by kind; else none."""
-    if not any(n.steps for n in table.cells.values()):
-        return []
+def _markdown_table(hdr: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines: the concurrency column right-aligned, the config columns left."""
+    return ["| " + " | ".join(hdr) + " |", "|" + "|".join("---:" if i == 0 else "---" for i in range(len(hdr))) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _per_cell_rows(table: ComparisonTable, text: Callable[[CellNumbers], str | None]) -> list[list[str]]:
+    """One row per concurrency, one column per config: ``text`` of each cell (None or no cell: MISSING)."""
     rows = []
     for c in table.concurrencies:
         row = [str(c)]
         for k in table.configs:
             n = table.cells.get((k, c))
-            row.append(", ".join(f"{kind} {ms:.2f} x {count}" for kind, (count, ms) in n.steps.items())
-                       if n is not None and n.steps else MISSING)
+            t = text(n) if n is not None else None
+            row.append(t if t is not None else MISSING)
         rows.append(row)
     return rows
+
+
+def step_rows(table: ComparisonTable) -> list[list[str]]:
+    """Rows of "kind ms x n" per cell, where any cell's server counted its steps by kind; else none."""
+    if not any(n.steps for n in table.cells.values()):
+        return []
+    return _per_cell_rows(table, lambda n: ", ".join(f"{kind} {ms:.2f} x {count}"
+                                                     for kind, (count, ms) in n.steps.items()) or None)
 
 
 def phase_rows(table: ComparisonTable) -> list[list[str]]:
@@ -247,19 +252,15 @@ def phase_rows(table: ComparisonTable) -> list[list[str]]:
     server timed phases; else none."""
     if not any(n.phases for n in table.cells.values()):
         return []
-    rows = []
-    for c in table.concurrencies:
-        row = [str(c)]
-        for k in table.configs:
-            n = table.cells.get((k, c))
-            kinds = [kind for kind in DECODE_KINDS if n is not None and kind in n.phases and kind in n.steps]
-            if not kinds:
-                row.append(MISSING)
-                continue
-            kind = max(kinds, key=lambda kd: n.steps[kd][0])
-            row.append(f"{kind}: " + " / ".join(f"{ph} {ms:.2f}" for ph, ms in n.phases[kind].items()))
-        rows.append(row)
-    return rows
+
+    def text(n: CellNumbers) -> str | None:
+        kinds = [kind for kind in DECODE_KINDS if kind in n.phases and kind in n.steps]
+        if not kinds:
+            return None
+        kind = max(kinds, key=lambda kd: n.steps[kd][0])
+        return f"{kind}: " + " / ".join(f"{ph} {ms:.2f}" for ph, ms in n.phases[kind].items())
+
+    return _per_cell_rows(table, text)
 
 
 def stall_notes(table: ComparisonTable) -> list[str]:

@@ -40,7 +40,7 @@ from dspark_cli.core.sps import SpsCurve
 from dspark_cli.core.sts import OnlineSTS, apply_temperatures, load_sts
 from dspark_cli.core.traces import TraceWriter
 from dspark_cli.engines.embedded.block_manager import BlockManager
-from dspark_cli.engines.embedded.config import EngineConfig, resolve_device, resolve_dtype
+from dspark_cli.engines.embedded.config import PHASE_TIMINGS, EngineConfig, resolve_device, resolve_dtype
 from dspark_cli.engines.embedded.model import read_llama_args
 from dspark_cli.engines.embedded.model_runner import ModelRunner
 from dspark_cli.engines.embedded.scheduler import Scheduler
@@ -326,8 +326,8 @@ class LLMEngine:
     def _clock(self, kind: str) -> _PhaseClock | _NoClock:
         if self.phase_timing is None:
             return _NO_CLOCK
-        if self.phase_timing not in ("host", "device", "gpu"):
-            raise DsparkError(f"phase_timing must be None, 'host', 'device' or 'gpu', got {self.phase_timing!r}")
+        if self.phase_timing not in PHASE_TIMINGS:
+            raise DsparkError(f"phase_timing must be None or one of {', '.join(PHASE_TIMINGS)}, got {self.phase_timing!r}")
         cuda = self.device.type == "cuda"
         sync = self.device if self.phase_timing == "device" and cuda else None
         return _PhaseClock(self.stats, kind, sync, events=self.phase_timing == "gpu" and cuda)
