@@ -14,6 +14,7 @@
 #   QUEUE=paused bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8, paused steps against plain ones
 #   QUEUE=interleaved bash benchmarks/h200_two_gpus.sh start ROOT   # one GPU: issue 8's real matrix, servers interleaved
 #   QUEUE=mixed bash benchmarks/h200_two_gpus.sh start ROOT         # one GPU: mixed prefills, GPU test + interleaved A/B
+#   QUEUE=rounds bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8's real matrix in paired rounds (+ mixed twins)
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -206,7 +207,7 @@ queue_interleaved() {
   cp benchmarks/results/h200/embedded_matrix/2026-12-02/real/sps_curve.json "$ROOT/real/"
   CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
     CONFIGS=${REAL_CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts} \
-    SERVE_EXTRA="--phase-timing host" BENCH_EXTRA="--interleave" \
+    SERVE_EXTRA="--phase-timing host" BENCH_EXTRA="--interleave${ROUNDS:+ --rounds $ROUNDS}" \
     stage "real matrix, interleaved" bash benchmarks/h200_matrix.sh "$ROOT" real
   [[ ${PROBES:-1} == 1 ]] && stage "engine alone at 256 (nospec,varlen), after" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 \
     benchmarks/embedded_engine.py --steps-only --temperature 1 --configs nospec,varlen --concurrency 256 \
@@ -221,6 +222,25 @@ queue_mixed() {
   stage "GPU test: mixed prefills" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 -m pytest -q -p no:cacheprovider \
     tests/test_embedded_engine_step.py -k mixed_prefills -rs 2>&1 | tail -6 | tee "$ROOT/mixed_gpu_test.log"
   PROBES=0 REAL_CONFIGS=${REAL_CONFIGS:-nospec,nospec+mixed,mask,mask+mixed,varlen+sts,varlen+sts+mixed} queue_interleaved
+}
+
+# One GPU, issue 8's real bar after section 21 (single interleaved cells moved by up to 40% between minutes):
+# the mixed-prefill GPU test, then the whole real matrix interleaved in paired rounds (dspark bench --rounds:
+# every config's round r before any config's round r + 1, 4 rounds of 2 waves), the summary's paired table
+# giving each config's median per-round ratio against no speculation. The mixed twins (nospec+mixed,
+# varlen+sts+mixed) join only if their GPU test passed: a mixed server failing mid-run would stop the matrix.
+queue_rounds() {
+  local configs=${REAL_CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts}
+  stage "GPU test: mixed prefills" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_embedded_engine_step.py -k mixed_prefills -rs >"$ROOT/mixed_gpu_test.log" 2>&1
+  local rc=$?
+  tail -6 "$ROOT/mixed_gpu_test.log"
+  if [[ $rc == 0 ]] && grep -q "2 passed" "$ROOT/mixed_gpu_test.log"; then  # the cpu and the cuda case
+    configs=${configs},${MIXED_CONFIGS:-nospec+mixed,varlen+sts+mixed}
+  else
+    echo "mixed prefills: GPU test exit $rc, or its cuda case did not pass: the +mixed configs stay out"
+  fi
+  PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONFIGS=$configs queue_interleaved
 }
 
 queue_paused() {
@@ -247,6 +267,7 @@ QUEUES=(0 1)
 [[ ${QUEUE:-} == paused ]] && QUEUES=(_paused)
 [[ ${QUEUE:-} == interleaved ]] && QUEUES=(_interleaved)
 [[ ${QUEUE:-} == mixed ]] && QUEUES=(_mixed)
+[[ ${QUEUE:-} == rounds ]] && QUEUES=(_rounds)
 [[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
 [[ ${QUEUE:-} == vllm-lossless ]] && QUEUES=(_vllm_lossless)
 
@@ -264,7 +285,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed || $q == _rounds ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage real_smoke queue_interleaved queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -272,7 +293,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused _interleaved _mixed; do
+    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused _interleaved _mixed _rounds; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"

@@ -319,6 +319,10 @@ def bench(
         help="With --serve: start every config's server first and measure concurrency by concurrency, each "
              "one's configs in a rotated order, so host drift over the run does not land between columns "
              "(the servers share the device's memory, so they must fit it together)."),
+    rounds: int = typer.Option(
+        1, "--rounds",
+        help="With --interleave: send each cell in N rounds, every config's round r before any config's round "
+             "r+1, and report the median of the configs' round-by-round tok/s ratios (needs N waves or more)."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds per request."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write throughput.png and pareto.png."),
     simulate: bool = typer.Option(False, "--simulate", help="Replay verification traces instead of serving."),
@@ -395,13 +399,17 @@ def bench(
                 "temperature": temperature, "seed": seed, "endpoint": endpoint}
     if waves is not None:
         workload["waves"] = waves
+    if rounds != 1:
+        # A round restarts the closed loop (its first wave's prefills come together): other work than one pass.
+        workload["rounds"] = rounds
     load = LoadConfig(base_url=base_url or "", endpoint=endpoint, model=model, max_tokens=max_tokens,  # type: ignore[arg-type]
                       temperature=temperature, seed=seed, ignore_eos=ignore_eos, request_timeout_s=request_timeout)
     spec = mx.MatrixSpec(configs=cfgs, concurrencies=concs, prompts=prompts, load=load, results_dir=results_dir,
                          workload=workload, serve=serve, serve_args=common, host=host, port=port,
                          server_timeout_s=server_timeout, force=force, warmup_prompts=warmup_prompts,
                          warmup_shapes=warmup_shapes, sts_warmup_prompts=sts_warmup_prompts, waves=waves,
-                         interleave=interleave)
+                         interleave=interleave, rounds=rounds)
+    mx.check_rounds(spec)
     total = len(cfgs) * len(concs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
@@ -435,7 +443,10 @@ def bench(
     per_cell = f"{waves} x concurrency" if waves is not None else f"{num_prompts}"
     title = f"dspark bench ({dataset}, {per_cell} prompts x {max_tokens} tokens, temperature {temperature:g})"
     json_path, md_path = report.write_summary(results_dir, cells, names, concs, title)
-    console.print(report.to_rich(report.build_table(cells, names, concs), title))
+    table = report.build_table(cells, names, concs)
+    console.print(report.to_rich(table, title))
+    for reference in report.paired_references(table):
+        console.print(report.paired_rich(table, reference))
     failed = sum(int(c["metrics"].get("failed") or 0) for c in measured)
     if failed:
         err_console.print(f"warning: {failed} requests failed; see 'errors' in the cell JSONs")

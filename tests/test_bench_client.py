@@ -155,6 +155,24 @@ def test_closed_loop_keeps_exactly_concurrency_in_flight() -> None:
     assert [r.index for r in results] == list(range(12))
 
 
+def test_a_cell_sent_in_parts_sends_the_requests_it_would_send_whole() -> None:
+    """``first_index``: the later part of a cell keeps its requests' seeds and indices."""
+    server = ScriptedServer([1])
+
+    async def go() -> list[RequestResult]:
+        runner, url = await _serve(server)
+        try:
+            results, _, _ = await run_load([Prompt(text="a"), Prompt(text="b")],
+                                           LoadConfig(base_url=url, seed=10), first_index=4)
+            return results
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(go())
+    assert [r.index for r in results] == [4, 5]
+    assert [b["seed"] for b in server.bodies] == [14, 15]
+
+
 def test_http_errors_are_recorded_as_failures() -> None:
     server = ScriptedServer([1], status=400)
     results, wall, _ = _run(server, [Prompt(text="x")] * 2, concurrency=2)

@@ -202,3 +202,35 @@ def test_interleaved_matrix_keeps_every_server_up_and_rotates_each_concurrencys_
     refused = subprocess.run(_bench(tmp_path / "other", "nospec", "--interleave", "--port", "8123"),
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "drop --port" in refused.stderr
+
+
+def test_rounds_pair_the_configs_round_by_round_and_report_the_median_ratio(tmp_path: Path) -> None:
+    """``--interleave --rounds 2``: each cell goes in two rounds, every config's first round before any second
+    round; a cell holds both rounds' numbers and its concurrency's group, and the summary pairs the rounds."""
+    results = tmp_path / "res"
+    cmd = [*DSPARK, "bench", "--serve", "--configs", "nospec,none", "--serve-args", SERVE_ARGS, "-c", "1,2",
+           "--waves", "2", "--max-tokens", "6", "--warmup-prompts", "1", "--results-dir", str(results),
+           "--server-timeout", "300", "--no-plots", "--interleave", "--rounds", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    cells = {p.stem: read_json(p) for p in (results / "cells").iterdir()}
+    assert set(cells) == {"nospec__c1", "none__c1", "nospec__c2", "none__c2"}
+    slots = {name: [r["slot"] for r in cell["rounds"]] for name, cell in cells.items()}
+    assert slots == {"nospec__c1": [0, 3], "none__c1": [1, 2], "nospec__c2": [4, 7], "none__c2": [5, 6]}
+    for cell in cells.values():
+        c = cell["concurrency"]
+        assert [r["requests"] for r in cell["rounds"]] == [c, c]
+        assert cell["metrics"]["completed"] == 2 * c and cell["metrics"]["total_output_tokens"] == 12 * c
+        assert cell["metrics"]["duration_s"] == pytest.approx(sum(r["duration_s"] for r in cell["rounds"]))
+        assert cell["round_group"] == cells[f"nospec__c{c}"]["round_group"] != cells[
+            f"nospec__c{3 - c}"]["round_group"]
+        assert cell["workload"]["rounds"] == 2
+        # the server counters span both rounds: every output token was stepped
+        assert cell["server_counters"]["engine_steps"] > 0
+    summary = read_json(results / "summary.json")
+    assert set(summary["paired"]) == {"nospec", "none"}
+    assert summary["paired"]["none"][1]["cells"]["nospec"]["rounds"] == 2
+    assert "Paired rounds against No spec" in (results / "summary.md").read_text()
+    assert "Paired rounds against" in " ".join(run.stdout.split())
+    refused = subprocess.run([*cmd[:-1], "3"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "fewer than 3 rounds of 1; use --waves 3" in refused.stderr

@@ -20,11 +20,14 @@ from dspark_cli.bench.matrix import (
     ServerStartError,
     _free_port,
     cell_path,
+    check_rounds,
     interleaved_order,
+    interleaved_rounds,
     load_cell,
     parse_concurrencies,
     parse_configs,
     pending_cells,
+    round_slices,
 )
 from dspark_cli.errors import DsparkError
 from dspark_cli.fileio import atomic_write_json
@@ -276,3 +279,43 @@ def test_interleaved_order_goes_by_concurrency_and_moves_every_config_through_th
         assert sorted(positions) == [0, 1, 2]
     assert sorted(order) == sorted((k, c) for k in names for c in (16, 64, 256))  # every cell once
     assert interleaved_order([], [1, 2]) == []
+
+
+def test_rounds_go_concurrency_by_concurrency_and_move_every_config_through_the_slots_of_each_round() -> None:
+    names = ["nospec", "none", "mask"]
+    order = interleaved_rounds(names, [16, 64], 3)
+    assert order[:6] == [("nospec", 16, 0), ("none", 16, 0), ("mask", 16, 0),
+                         ("none", 16, 1), ("mask", 16, 1), ("nospec", 16, 1)]
+    # every config's round r is measured before any config's round r + 1
+    for c in (16, 64):
+        seen = [r for _, cc, r in order if cc == c]
+        assert seen == sorted(seen) and len(seen) == 9
+    # over as many rounds as configs, each config takes each slot of its round once
+    for name in names:
+        assert sorted([k for k, cc, r in order if cc == 16 and r == rr].index(name) for rr in range(3)) == [0, 1, 2]
+    assert all(c == 16 for _, c, _ in order[:9]) and sorted(order) == sorted(
+        (k, c, r) for k in names for c in (16, 64) for r in range(3))
+    # one round a cell is the plain interleaved order
+    assert [(k, c) for k, c, _ in interleaved_rounds(names, [16, 64, 256], 1)] == interleaved_order(names, [16, 64, 256])
+
+
+def test_round_slices_cover_every_request_once_in_near_equal_contiguous_parts() -> None:
+    assert round_slices(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert round_slices(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert round_slices(5, 1) == [(0, 5)]
+
+
+def test_rounds_need_interleave_and_at_least_a_wave_per_round(tmp_path: Path) -> None:
+    spec = MatrixSpec(configs=[BenchConfig("nospec")], concurrencies=[2, 4], prompts=[Prompt(text="x")] * 12,
+                      load=LoadConfig(base_url=""), results_dir=tmp_path, workload={}, serve=True, waves=3,
+                      rounds=3)
+    with pytest.raises(DsparkError, match="needs --serve --interleave"):
+        check_rounds(spec)
+    spec.interleave = True
+    check_rounds(spec)  # 3 waves: one per round at every concurrency
+    spec.rounds = 4
+    with pytest.raises(DsparkError, match="c=2 sends 6 requests, fewer than 4 rounds of 2; use --waves 4"):
+        check_rounds(spec)
+    spec.rounds = 0
+    with pytest.raises(DsparkError, match="--rounds must be >= 1"):
+        check_rounds(spec)

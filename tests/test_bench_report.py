@@ -13,6 +13,9 @@ from dspark_cli.bench.report import (
     format_cell,
     format_delta,
     numbers,
+    paired_delta,
+    paired_references,
+    paired_rows,
     to_markdown,
     write_summary,
 )
@@ -141,3 +144,41 @@ def test_server_step_phases_compare_each_cells_main_decode_kind() -> None:
     md = to_markdown(build_table([plain, paused], ["nospec", "mask"], [16]))
     assert "| 16 | nospec: prepare 0.50 / sync 2.00 | paused: prepare 0.50 / sync 4.00 / emit 1.50 |" in md.splitlines()
     assert "Decode-step phases" not in to_markdown(build_table([cell("none", 1, 100)], ["none"], [1]))
+
+
+def _rounds(config: str, c: int, per_round: list[float], group: str | None = "g1") -> dict[str, Any]:
+    out = cell(config, c, sum(per_round) / len(per_round))
+    out["rounds"] = [{"round": r, "output_tok_s": v} for r, v in reversed(list(enumerate(per_round)))]
+    out["round_group"] = group
+    return out
+
+
+def test_paired_rounds_compare_each_round_with_the_references_same_round(tmp_path: Path) -> None:
+    """A drifting host moves both configs' rounds alike: the per-round ratio sees through it where the cells'
+    totals do not (here the host halves its speed after two rounds, and ours ran more of the fast ones)."""
+    cells = [_rounds("nospec", 16, [100.0, 100.0, 50.0, 50.0]), _rounds("varlen", 16, [98.0, 99.0, 49.0, 50.0]),
+             _rounds("none", 16, [80.0, 80.0, 40.0, 40.0]),
+             # another run's cell: its rounds ran apart from the references', so they do not pair
+             _rounds("mask", 16, [200.0, 200.0, 200.0, 200.0], group="other"),
+             cell("nospec", 64, 500.0), cell("varlen", 64, 490.0)]
+    table = build_table(cells, ["nospec", "none", "varlen", "mask"], [16, 64])
+    assert table.baseline == "none"
+    assert paired_references(table) == ["nospec", "none"]
+    d = paired_delta(table.cells[("varlen", 16)], table.cells[("nospec", 16)])
+    assert d is not None and d.rounds == 4
+    assert d.median_pct == pytest.approx(-1.5) and d.min_pct == pytest.approx(-2.0) and d.max_pct == pytest.approx(0.0)
+    assert paired_delta(table.cells[("mask", 16)], table.cells[("nospec", 16)]) is None
+    rows = paired_rows(table, "nospec")
+    assert rows == [["16", "—", "-20.0% (-20.0..-20.0)", "-1.5% (-2.0..+0.0)", "—"], ["64", "—", "—", "—", "—"]]
+    md = to_markdown(table)
+    assert "Paired rounds against No spec: median Δ% of each round's output tok/s against its same round " \
+           "(min..max over 4 rounds)" in md
+    assert "| 16 | — | -20.0% (-20.0..-20.0) | -1.5% (-2.0..+0.0) | — |" in md
+    json_path, _ = write_summary(tmp_path, cells, ["nospec", "none", "varlen", "mask"], [16, 64])
+    paired = read_json(json_path)["paired"]
+    assert set(paired) == {"nospec", "none"}
+    assert paired["nospec"][0]["cells"]["varlen"]["median_pct"] == pytest.approx(-1.5)
+    assert paired["none"][0]["cells"]["nospec"]["median_pct"] == pytest.approx(25.0)
+    # without rounds there is no paired table
+    plain = build_table([cell("nospec", 16, 1.0), cell("none", 16, 1.0)])
+    assert paired_references(plain) == [] and "Paired rounds" not in to_markdown(plain)

@@ -243,8 +243,12 @@ async def run_load(
     cfg: LoadConfig,
     on_done: Callable[[RequestResult], None] | None = None,
     session: aiohttp.ClientSession | None = None,
+    first_index: int = 0,
 ) -> tuple[list[RequestResult], float, str]:
-    """Run every prompt once with ``cfg.concurrency`` requests in flight; returns (results, wall s, model)."""
+    """Run every prompt once with ``cfg.concurrency`` requests in flight; returns (results, wall s, model).
+
+    Prompt ``i`` is request ``first_index + i`` (its seed and result index), so a cell sent in parts sends
+    exactly the requests it would send whole."""
     if cfg.concurrency < 1:
         raise DsparkError(f"concurrency must be >= 1, got {cfg.concurrency}")
     own = session is None
@@ -258,7 +262,8 @@ async def run_load(
         async def worker() -> None:
             # Closed loop: a worker sends its next request only when the previous one has finished.
             for i in next_index:
-                r = await stream_request(sess, url, build_payload(prompts[i], cfg, model, i), i)
+                index = first_index + i
+                r = await stream_request(sess, url, build_payload(prompts[i], cfg, model, index), index)
                 results[i] = r
                 if on_done is not None:
                     on_done(r)

@@ -40,6 +40,7 @@ from dspark_cli import __version__
 from dspark_cli.bench.client import (
     LoadConfig,
     RequestResult,
+    ServerCounters,
     aggregate,
     fetch_counters,
     make_session,
@@ -206,6 +207,9 @@ class MatrixSpec:
     # With serve: every config's server runs from the start, and cells go concurrency by concurrency, each
     # concurrency's configs in an order rotated by one (run_matrix says why).
     interleave: bool = False
+    # With interleave: each cell's requests go in this many rounds, every config's round r before any config's
+    # round r + 1 (each round's configs rotated by one more), so configs are compared round by round.
+    rounds: int = 1
 
     def cell_prompts(self, concurrency: int) -> list[Prompt]:
         """The prompts of one cell: identical for every config at a concurrency (equal work per cell).
@@ -216,6 +220,26 @@ class MatrixSpec:
         if self.waves is None:
             return list(self.prompts)
         return list(self.prompts[: self.waves * concurrency])
+
+
+def round_slices(num_requests: int, rounds: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each round's requests: contiguous, as equal as whole requests allow."""
+    bounds = [num_requests * r // rounds for r in range(rounds + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def check_rounds(spec: MatrixSpec) -> None:
+    """Every round must keep ``concurrency`` requests in flight: a round of fewer requests than that measures
+    a lower load than its cell's name says."""
+    if spec.rounds < 1:
+        raise DsparkError(f"--rounds must be >= 1, got {spec.rounds}")
+    if spec.rounds > 1 and not spec.interleave:
+        raise DsparkError("--rounds pairs the configs' servers round by round; it needs --serve --interleave")
+    for c in spec.concurrencies:
+        n = len(spec.cell_prompts(c))
+        if spec.rounds > 1 and n < spec.rounds * c:
+            raise DsparkError(f"--rounds {spec.rounds}: a cell at c={c} sends {n} requests, fewer than "
+                              f"{spec.rounds} rounds of {c}; use --waves {spec.rounds} or more, or fewer rounds")
 
 
 def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
@@ -349,6 +373,14 @@ async def _measure(spec: MatrixSpec, cfg: BenchConfig, c: int, base_url: str, se
         before = await fetch_counters(session, base_url)
         results, wall, model = await run_load(spec.cell_prompts(c), load, hooks.request_done, session)
         after = await fetch_counters(session, base_url)
+    return _cell_record(spec, cfg, c, results, wall, before, after, {**server, "model": model}, started)
+
+
+def _cell_record(spec: MatrixSpec, cfg: BenchConfig, c: int, results: Sequence[RequestResult], wall: float,
+                 before: ServerCounters, after: ServerCounters, server: dict[str, Any],
+                 started: str) -> dict[str, Any]:
+    """A cell's JSON: client metrics over ``results`` in ``wall`` seconds, the server's counters between the
+    two scrapes."""
     stats = counter_delta(before.spec, after.spec)
     return {
         "dspark_bench_cell": CELL_FORMAT,
@@ -361,7 +393,7 @@ async def _measure(spec: MatrixSpec, cfg: BenchConfig, c: int, base_url: str, se
         # ... and its gauges at the end of the cell (the saturation policy's evidence: cost scales, gain).
         "server_gauges": after.gauges,
         "workload": spec.workload,
-        "server": {**server, "model": model},
+        "server": server,
         "started_at": started,
         "finished_at": _now(),
         "dspark_version": __version__,
@@ -430,6 +462,12 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
     their device memory: each server's KV pool comes out of what the ones started before it left (the
     embedded engine takes at most what ``--max-num-seqs`` full-length requests need), so the configs must fit
     the device together.
+
+    ``spec.rounds`` > 1 goes finer: each cell's requests are cut into rounds, and every config's round r runs
+    before any config's round r + 1. A cell of ~10 s on that host moved by up to 40% between minutes (section
+    21), more than the 3% a comparison must resolve; rounds of a few seconds put each config's round within
+    seconds of every other config's same round, so the ratio of two configs' rounds sees little drift, and
+    the summary reports the median of those ratios beside the cells' totals.
     """
     hooks = hooks or Hooks()
     spec.results_dir.mkdir(parents=True, exist_ok=True)
@@ -437,6 +475,7 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
         if base_url is None:
             raise DsparkError("pass --base-url URL of a running server, or --serve to start one per config")
         spec.configs = [BenchConfig(label)]
+    check_rounds(spec)
     todo = pending_cells(spec)
     total = len(spec.configs) * len(spec.concurrencies)
     if len(todo) < total:
@@ -486,8 +525,17 @@ def interleaved_order(configs: Sequence[str], concurrencies: Sequence[int]) -> l
     """The cells of an interleaved matrix in the order they are measured: concurrency by concurrency, the
     i-th concurrency's configs rotated left by i (with as many concurrencies as configs, each config
     takes each slot once)."""
+    return [(k, c) for k, c, _ in interleaved_rounds(configs, concurrencies, 1)]
+
+
+def interleaved_rounds(configs: Sequence[str], concurrencies: Sequence[int],
+                       rounds: int) -> list[tuple[str, int, int]]:
+    """``(config, concurrency, round)`` in the order an interleaved matrix of ``rounds`` rounds per cell
+    measures them: concurrency by concurrency, round by round, each round's configs rotated left by one more
+    than the round before (over as many rounds as configs, each config takes each slot once)."""
     n = len(configs)
-    return [(configs[(i + j) % n], c) for i, c in enumerate(concurrencies) for j in range(n)] if n else []
+    return [(configs[(i * rounds + r + j) % n], c, r)
+            for i, c in enumerate(concurrencies) for r in range(rounds) for j in range(n)] if n else []
 
 
 def _run_interleaved(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hooks: Hooks) -> None:
@@ -506,12 +554,81 @@ def _run_interleaved(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hook
             stack.enter_context(process)
             asyncio.run(_warmup(spec, cfg, base_url, hooks, concs))
             servers[name] = {**server, "interleaved": names}
+        if spec.rounds > 1:
+            hooks.log(f"interleaved: {len(names)} servers up; cells go by concurrency in {spec.rounds} rounds, "
+                      "each round's configs rotated by one")
+            _run_rounds(spec, [k for k in interleaved_rounds(names, spec.concurrencies, spec.rounds)
+                               if k[:2] in pending], by_name, servers, hooks)
+            return
         hooks.log(f"interleaved: {len(names)} servers up; cells go by concurrency, each one's configs rotated by one")
         for slot, (name, c) in enumerate(k for k in interleaved_order(names, spec.concurrencies) if k in pending):
             cfg, server = by_name[name], servers[name]
             hooks.cell_started(name, c, len(spec.cell_prompts(c)))
             cell = asyncio.run(_measure(spec, cfg, c, server["base_url"], {**server, "slot": slot}, hooks))
             _write_cell(spec, cell, hooks)
+
+
+@dataclass
+class _RoundsCell:
+    """A cell measured in rounds, while its concurrency's rounds go on: what it has gathered so far."""
+
+    before: ServerCounters
+    started: str
+    results: list[RequestResult] = field(default_factory=list)
+    wall: float = 0.0
+    model: str = ""
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _run_rounds(spec: MatrixSpec, order: list[tuple[str, int, int]], by_name: dict[str, BenchConfig],
+                servers: dict[str, dict[str, Any]], hooks: Hooks) -> None:
+    """Measure ``order`` (from interleaved_rounds); a cell is written after its last round.
+
+    A cell's tok/s is its requests' tokens over the sum of its rounds' walls; its server counters span its
+    first round's start to its last round's end, which is exact because a server between two of its rounds
+    has no requests and takes no steps. Each round's own numbers stay in the cell (``rounds``), and the
+    cells of one concurrency share a ``round_group``: the summary pairs their rounds by index. An interrupted
+    cell loses its rounds so far (a resumed run measures it again, whole)."""
+    open_cells: dict[tuple[str, int], _RoundsCell] = {}
+    groups: dict[int, str] = {}
+    for slot, (name, c, r) in enumerate(order):
+        cfg, server = by_name[name], servers[name]
+        prompts = spec.cell_prompts(c)
+        lo, hi = round_slices(len(prompts), spec.rounds)[r]
+        groups.setdefault(c, f"c{c}@{_now()}")
+        hooks.cell_started(f"{name} round {r + 1}/{spec.rounds}", c, hi - lo)
+        cell = asyncio.run(_measure_round(spec, cfg, c, r, slot, server, prompts[lo:hi], lo, open_cells, hooks))
+        if cell is not None:
+            cell["round_group"] = groups[c]
+            _write_cell(spec, cell, hooks)
+            del open_cells[(name, c)]
+
+
+async def _measure_round(spec: MatrixSpec, cfg: BenchConfig, c: int, r: int, slot: int, server: dict[str, Any],
+                         prompts: list[Prompt], first_index: int, open_cells: dict[tuple[str, int], _RoundsCell],
+                         hooks: Hooks) -> dict[str, Any] | None:
+    """One round of one cell into ``open_cells``; the finished cell after its last round, else None."""
+    load = replace(spec.load, base_url=server["base_url"], concurrency=c)
+    async with make_session(load) as session:
+        key = (cfg.name, c)
+        if key not in open_cells:
+            open_cells[key] = _RoundsCell(await fetch_counters(session, load.base_url), _now())
+        acc = open_cells[key]
+        started = _now()
+        results, wall, acc.model = await run_load(prompts, load, hooks.request_done, session, first_index=first_index)
+        acc.results += results
+        acc.wall += wall
+        tokens = sum(res.output_tokens for res in results if res.success)
+        acc.rounds.append({"round": r, "slot": slot, "requests": len(prompts), "duration_s": wall,
+                           "output_tokens": tokens, "output_tok_s": tokens / wall if wall > 0 else 0.0,
+                           "started_at": started})
+        if r < spec.rounds - 1:
+            return None
+        after = await fetch_counters(session, load.base_url)
+    cell = _cell_record(spec, cfg, c, acc.results, acc.wall, acc.before, after,
+                        {**server, "model": acc.model, "slot": acc.rounds[0]["slot"]}, acc.started)
+    cell["rounds"] = acc.rounds
+    return cell
 
 
 def _served_process(spec: MatrixSpec, cfg: BenchConfig, hooks: Hooks) -> tuple[str, dict[str, Any], ServerProcess]:

@@ -60,6 +60,10 @@ class CellNumbers:
     steps: dict[str, tuple[int, float]] = field(default_factory=dict)
     # With the server's phase timing on (dspark serve --phase-timing): kind -> phase -> mean ms per step.
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    # A cell measured in rounds (dspark bench --rounds): each round's output tok/s, and the group whose cells'
+    # rounds ran interleaved (only those pair up).
+    rounds: tuple[float, ...] = ()
+    round_group: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -100,6 +104,8 @@ def numbers(cell: dict[str, Any], base: dict[str, Any] | None) -> CellNumbers:
         full_gc_s=counters.get(FULL_GC_S),
         steps=step_kinds(counters),
         phases=step_phases(counters),
+        rounds=tuple(float(r["output_tok_s"]) for r in sorted(cell.get("rounds") or [], key=lambda r: r["round"])),
+        round_group=cell.get("round_group"),
     )
 
 
@@ -208,6 +214,9 @@ def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
         lines += ["", "Server steps over each cell: kind mean ms x steps (the engine's own clock; a client's "
                   "inter-token latency adds streaming and queueing)", ""]
         lines += _markdown_table(hdr, steps)
+    for reference in paired_references(table):
+        lines += ["", _paired_title(table, reference), ""]
+        lines += _markdown_table(hdr, paired_rows(table, reference))
     phases = phase_rows(table)
     if phases:
         lines += ["", "Decode-step phases (the server's --phase-timing): each cell's most frequent decode kind, "
@@ -263,6 +272,71 @@ def phase_rows(table: ComparisonTable) -> list[list[str]]:
     return _per_cell_rows(table, text)
 
 
+@dataclass(frozen=True)
+class PairedDelta:
+    """A config against a reference over rounds run interleaved: Δ% of each round's tok/s against the
+    reference's same round, summarised by the median (what a drifting host moves least) and the range."""
+
+    median_pct: float
+    min_pct: float
+    max_pct: float
+    rounds: int
+
+    def text(self) -> str:
+        return f"{format_delta(self.median_pct)} ({self.min_pct:+.1f}..{self.max_pct:+.1f})"
+
+
+def paired_delta(n: CellNumbers, ref: CellNumbers) -> PairedDelta | None:
+    """None unless both cells ran the same number of rounds in one interleaved group."""
+    if not n.rounds or n.round_group is None or n.round_group != ref.round_group or len(n.rounds) != len(ref.rounds):
+        return None
+    pct = sorted((a / b - 1.0) * 100.0 for a, b in zip(n.rounds, ref.rounds, strict=True) if b > 0)
+    if not pct:
+        return None
+    mid = len(pct) // 2
+    median = pct[mid] if len(pct) % 2 else (pct[mid - 1] + pct[mid]) / 2.0
+    return PairedDelta(median, pct[0], pct[-1], len(pct))
+
+
+def paired_references(table: ComparisonTable) -> list[str]:
+    """The columns paired deltas are taken against: no speculation and the table's baseline, where their
+    cells ran in rounds."""
+    refs = [r for r in dict.fromkeys(("nospec", table.baseline)) if r is not None and r in table.configs]
+    return [r for r in refs if any(n.rounds for (k, _), n in table.cells.items() if k == r)]
+
+
+def paired_table(table: ComparisonTable, reference: str) -> dict[tuple[str, int], PairedDelta]:
+    out = {}
+    for (k, c), n in table.cells.items():
+        ref = table.cells.get((reference, c))
+        if k != reference and ref is not None:
+            d = paired_delta(n, ref)
+            if d is not None:
+                out[(k, c)] = d
+    return out
+
+
+def _paired_title(table: ComparisonTable, reference: str) -> str:
+    n = max((d.rounds for d in paired_table(table, reference).values()), default=0)
+    return (f"Paired rounds against {header(reference)}: median Δ% of each round's output tok/s against its same "
+            f"round (min..max over {n} rounds)")
+
+
+def paired_rows(table: ComparisonTable, reference: str) -> list[list[str]]:
+    deltas = paired_table(table, reference)
+    return [[str(c), *(deltas[(k, c)].text() if (k, c) in deltas else MISSING for k in table.configs)]
+            for c in table.concurrencies]
+
+
+def paired_rich(table: ComparisonTable, reference: str) -> Table:
+    t = Table(title=_paired_title(table, reference))
+    for i, h in enumerate(table.headers()):
+        t.add_column(h, justify="right" if i == 0 else "left", overflow="fold")
+    for row in paired_rows(table, reference):
+        t.add_row(*row)
+    return t
+
+
 def stall_notes(table: ComparisonTable) -> list[str]:
     """One line per cell whose server compiled a kernel during the cell, with the time it cost."""
     notes = []
@@ -305,6 +379,12 @@ def write_summary(results_dir: Path, cells: Sequence[dict[str, Any]], configs: S
                        for k in table.configs}}
             for c in table.concurrencies
         ],
+        "paired": {
+            ref: [{"concurrency": c,
+                   "cells": {k: d.__dict__ for (k, cc), d in paired_table(table, ref).items() if cc == c}}
+                  for c in table.concurrencies]
+            for ref in paired_references(table)
+        },
         "markdown": md,
     }
     return (atomic_write_json(results_dir / "summary.json", summary),
