@@ -50,10 +50,18 @@ def test_config_names_map_to_serve_flags() -> None:
 
     assert header("nospec+mixed") == "No spec + mixed prefill"
     assert header("varlen+sts+mixed") == "Varlen + SPS + STS + mixed prefill"
+    # "#N", very last: a replica on a server of its own (an A/A column), named apart in files and tables.
+    replicas = {c.name: c for c in parse_configs("nospec,nospec#2,varlen+sts+mixed#3", "curve.json")}
+    assert replicas["nospec#2"].serve_args == replicas["nospec"].serve_args
+    assert replicas["varlen+sts+mixed#3"].serve_args == mixed["varlen+sts+mixed"].serve_args
+    assert replicas["varlen+sts+mixed#3"].sts
+    assert cell_path(Path("r"), "nospec#2", 16) != cell_path(Path("r"), "nospec", 16)
+    assert header("nospec#2") == "No spec #2" and header("varlen+sts+mixed#3") == "Varlen + SPS + STS + mixed prefill #3"
 
 
 @pytest.mark.parametrize("spec", ["", "mask+foo", "fast", "none,none", "nospec+sts", "mixed", "nospec+mixed+sts",
-                                  "varlen+mixed+mixed"])
+                                  "varlen+mixed+mixed", "nospec#1", "nospec#x", "#2", "nospec#2#3",
+                                  "nospec#2,nospec#2"])
 def test_bad_config_lists(spec: str) -> None:
     with pytest.raises(DsparkError):
         parse_configs(spec, "auto")

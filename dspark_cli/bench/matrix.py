@@ -15,6 +15,8 @@ other engine flag comes from ``--serve-args`` and is identical across columns:
     varlen       --capacity-mode varlen --sps-curve C
     <mode>+sts   ... --online-sts             (online STS; gets a warm-up pass first so it has calibrated)
     <any>+mixed  ... --mixed-prefill          (embedded engine: prefills ride in plain decode steps)
+    <any>#N      the same flags, a server of its own (an A/A column: e.g. nospec,nospec#2 measures how much
+                 two servers of one config differ, the floor under any comparison between columns)
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
     curve_in_common = "--sps-curve" in common_args
     out: list[BenchConfig] = []
     for name in names:
+        # "#N" (any config, very last): a replica, the same flags on a server of its own.
+        flags_of, hash_, replica = name.rpartition("#")
+        if hash_ and not (replica.isdigit() and int(replica) >= 2 and flags_of and "#" not in flags_of):
+            raise DsparkError(f"config {name!r}: a replica is named CONFIG#N with N >= 2 (e.g. nospec#2)")
+        if hash_:
+            (base_cfg,) = parse_configs(flags_of, sps_curve, common_args)
+            out.append(replace(base_cfg, name=name))
+            continue
         # "+mixed" (any config, last): the server mixes prefills into plain decode steps (--mixed-prefill).
         base, mixed = (name[: -len(MIXED_SUFFIX)], True) if name.endswith(MIXED_SUFFIX) else (name, False)
         extra = ("--mixed-prefill",) if mixed else ()
@@ -95,7 +105,8 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
         mode, plus, suffix = base.partition("+")
         if mode not in CAPACITY_MODES or (plus and suffix != "sts"):
             raise DsparkError(f"unknown config {name!r}: use nospec, none, mask, varlen, optionally +sts "
-                              "(e.g. varlen+sts), then optionally +mixed (e.g. nospec+mixed, varlen+sts+mixed)")
+                              "(e.g. varlen+sts), then optionally +mixed (e.g. nospec+mixed, varlen+sts+mixed), "
+                              "then optionally #N for a replica (e.g. nospec#2)")
         args: list[str] = ["--capacity-mode", mode]
         if mode != "none":
             if sps_curve is None and not curve_in_common:

@@ -77,6 +77,9 @@ def baseline_of(configs: Sequence[str]) -> str | None:
 
 
 def header(config: str) -> str:
+    base, hash_, replica = config.rpartition("#")
+    if hash_ and base and replica.isdigit():
+        return f"{header(base)} #{replica}"
     if config.endswith("+mixed") and config not in PRETTY:
         return f"{header(config[: -len('+mixed')])} + mixed prefill"
     return PRETTY.get(config, config)
