@@ -357,3 +357,26 @@ def test_mixed_prefills_decode_the_running_requests_in_the_prefill_forward(
     assert engine.stats.steps["mixed"] == 4 and engine.stats.steps["paused"] > 0
     reference = make_engine(pair, num_speculative_tokens=0, device=device, dtype="float32").generate(ps, GREEDY)
     assert outs == {f"r{i}": toks for i, toks in enumerate(reference)}
+
+
+def test_saturation_state_changes_are_logged_once_each_with_their_evidence(
+    pair: TinyPair, never_pays: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A served matrix's server log must say when drafting paused and resumed and why each probe was judged
+    as it was: one line per change, none on the steps in between."""
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(never_pays),
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=3))
+    for i, prompt in enumerate(prompts(4)):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    with caplog.at_level("INFO", logger="dspark.embedded"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("saturation:")]
+    c = engine.capacity.saturation.counters
+    judged = sum(n for (_, verdict), n in c.probes.items() if verdict != "unjudged")
+    assert c.pauses >= 1 and judged >= 1  # the curve never pays: a pause, then failing timer probes
+    assert sum("drafting paused at" in line for line in lines) == c.pauses
+    assert sum("drafting resumed" in line for line in lines) == c.resumes
+    probe_lines = [line for line in lines if " probe at " in line]
+    assert len(probe_lines) == judged and all("failed: realized" in line for line in probe_lines)
+    assert "drafting paused at 4 requests" in lines[0] and "realized gain" in lines[0]

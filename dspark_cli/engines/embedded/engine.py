@@ -254,6 +254,7 @@ class LLMEngine:
         self.traces: TraceWriter | None = TraceWriter(config.record_traces) if config.record_traces else None
         self.capacity: CapacityManager | None = None
         self.sps_curve: SpsCurve | None = None
+        self._saturation_seen = (0, 0, 0)  # pauses, resumes, judged probes: _log_saturation logs each change
         if self.num_spec > 0 and config.capacity.mode != "none":
             self.sps_curve = file_curve or self._profile_curve()
             self.capacity = CapacityManager(
@@ -450,6 +451,7 @@ class LLMEngine:
             if self.capacity is not None:
                 self.capacity.record_step_time(False, num_reqs, (time.perf_counter() - start) * 1e3)
                 self.stats.drafting_cost_scale = self.capacity.step_times.quotients()
+                self._log_saturation(num_reqs)  # a pause begin_step made (back at a ceiling's load)
             return outputs
         # Probes get their own kind in phase timing: their catch-up over the pause is not a drafting step's cost.
         clock = self._clock(self.stalls.step_kind)
@@ -519,6 +521,7 @@ class LLMEngine:
         if self.capacity is not None:
             # The saturation policy judges the step by what it produced (robust to a miscalibrated head).
             self.capacity.record_outcome(num_reqs + int(accepted_np.sum()))
+            self._log_saturation(num_reqs)
         if self.traces is not None:
             self.traces.write_batch(
                 conf_raw.cpu(), admitted_np, accepted_np,
@@ -549,6 +552,29 @@ class LLMEngine:
             self.stats.drafting_cost_scale = self.capacity.step_times.quotients()
             self.stats.realized_gain = self.capacity.realized_gain
         return outputs
+
+    def _log_saturation(self, num_reqs: int) -> None:
+        """One log line per change of the saturation policy's state (a pause, a resume, a probe's verdict): a
+        handful per minute of serving, and what a served matrix needs to tell a lucky probe's resume from a
+        right one (a load-rise probe that paid let mask + SPS draft 128 losing steps at 128 requests on an
+        H200, docs/PERFORMANCE.md section 22, and the counters alone could not say why)."""
+        assert self.capacity is not None
+        sat = self.capacity.saturation
+        c = sat.counters
+        seen = (c.pauses, c.resumes, sum(n for (_, verdict), n in c.probes.items() if verdict != "unjudged"))
+        if seen == self._saturation_seen:
+            return
+        pauses, resumes, probes = self._saturation_seen
+        self._saturation_seen = seen
+        gain = sat.realized_gain
+        state = (f"at {num_reqs} requests, {self.stats.num_decode_steps} decode steps in; realized gain "
+                 f"{'n/a' if gain is None else f'{gain:.2f}'}x plain decoding")
+        if seen[2] != probes and c.last_probe is not None:
+            log.info("saturation: %s", c.last_probe.describe())
+        if seen[0] != pauses:
+            log.info("saturation: drafting paused %s; next timer probe in %d paused steps", state, sat.probe_wait)
+        if seen[1] != resumes:
+            log.info("saturation: drafting resumed %s", state)
 
     def _plain_decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """One token per request (K == 0, or drafting paused by the saturation policy).
