@@ -107,15 +107,16 @@ def _hold(seconds: float) -> None:
 
 
 def _serve(port: int, tokenizer_path: str, step_ms: float, max_num_seqs: int, host_ms: float,
-           switch_interval_ms: float | None) -> None:
+           switch_interval_ms: float | None, engine_process: bool = False) -> None:
+    import functools
     import sys
 
     from dspark_cli.engines.embedded.server import ServerOptions, run_server
 
     if switch_interval_ms is not None:
         sys.setswitchinterval(switch_interval_ms / 1e3)
-    run_server(lambda: NullEngine(tokenizer_path, step_ms, max_num_seqs, host_ms),
-               ServerOptions("127.0.0.1", port, "null", (), 0))
+    run_server(functools.partial(NullEngine, tokenizer_path, step_ms, max_num_seqs, host_ms),
+               ServerOptions("127.0.0.1", port, "null", (), 0, engine_process=engine_process))
 
 
 def _cpu_s(pid: int) -> float:
@@ -157,6 +158,9 @@ def main() -> None:
                     help="host work per step the null engine does holding the interpreter lock (an H200 step: ~2)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="the server's interpreter switch interval (sys.setswitchinterval; default Python's 5 ms)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="run the null engine in a process of its own (dspark serve --engine-process); "
+                         "server CPU then leaves the engine process out")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--waves", type=int, default=2, help="requests per cell = waves x concurrency")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the cached SmolLM2-135M)")
@@ -171,7 +175,7 @@ def main() -> None:
     port = _free_port()
     ctx = mp.get_context("spawn")
     server = ctx.Process(target=_serve, args=(port, args.tokenizer, args.step_ms, max(concs), args.host_ms,
-                                                    args.switch_interval_ms), daemon=True)
+                                                    args.switch_interval_ms, args.engine_process))
     server.start()
     rows = []
     try:
@@ -198,7 +202,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.join(10)
-    table = Table(title=f"dspark serve in front of a null engine ({args.step_ms:g} ms steps, {args.endpoint})")
+    front = "engine process" if args.engine_process else "engine thread"
+    table = Table(title=f"dspark serve in front of a null engine ({args.step_ms:g} ms steps, {args.endpoint}, {front})")
     for col in ("c", "tok/s", "ideal tok/s", "ms / step", "server+client µs / token", "server CPU",
                 "client CPU", "failed"):
         table.add_column(col, justify="right")

@@ -192,6 +192,11 @@ def serve(
         None, "--mixed-prefill/--no-mixed-prefill",
         help="Embedded engine: on steps that do not draft (no speculation, or drafting paused), prefill "
              "newcomers in the running requests' decode step instead of a step of their own (default off)."),
+    engine_process: bool | None = typer.Option(
+        None, "--engine-process/--no-engine-process",
+        help="Embedded engine: run the engine in a process of its own instead of a thread of the server, so "
+             "the HTTP loop's per-token work does not hold up its steps through the interpreter lock (default "
+             "off)."),
     phase_timing: str | None = typer.Option(
         None, "--phase-timing",
         help="Embedded engine: time every step's phases into dspark:step_phase_seconds_total -- host (host "
@@ -223,7 +228,7 @@ def serve(
         "sts": sts, "online_sts": online_sts, "budget_frac": budget_frac, "min_predicted_gain": min_predicted_gain,
         "record_traces": record_traces, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
         "scheduler_delay_factor": scheduler_delay_factor, "attention_backend": attention_backend,
-        "phase_timing": phase_timing, "mixed_prefill": mixed_prefill, "host": host,
+        "phase_timing": phase_timing, "mixed_prefill": mixed_prefill, "engine_process": engine_process, "host": host,
         "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
     }
     settings = build_settings(flags, speculative_config)
@@ -240,6 +245,9 @@ def serve(
                               "steps itself (chunked prefill)")
         if settings.phase_timing is not None:
             raise DsparkError("--phase-timing is an embedded-engine setting; drop it with --engine vllm")
+        if settings.engine_process is not None:
+            raise DsparkError("--engine-process is an embedded-engine setting; vLLM runs its engine core in a "
+                              "process of its own already")
         if importlib.util.find_spec("dspark_cli.engines.vllm.launcher") is None:
             raise DsparkError("--engine vllm is not available in this build (no vLLM launcher); use --engine embedded")
         from dspark_cli.engines.vllm.launcher import run_vllm_serve
@@ -269,8 +277,9 @@ def serve(
     console.print(banner)
 
     def _ready(url: str) -> None:
+        front = "its own process" if launch.options.engine_process else "a thread of the server"
         console.print(f"[green]ready[/]: serving [bold]{launch.options.served_model_name}[/] at {url}/v1 "
-                      f"(metrics at {url}/metrics)", highlight=False, soft_wrap=True)
+                      f"(metrics at {url}/metrics; engine in {front})", highlight=False, soft_wrap=True)
 
     try:
         run_server(launch.engine_factory, launch.options, on_ready=_ready)

@@ -93,6 +93,7 @@ class ServeSettings:
     attention_backend: str | None = None  # embedded engine only (EngineConfig)
     phase_timing: str | None = None  # embedded engine only (EngineConfig)
     mixed_prefill: bool | None = None  # embedded engine only (EngineConfig; None: its default, off)
+    engine_process: bool | None = None  # embedded engine only (ServerOptions; None: off, a thread)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     device: str = "auto"
@@ -330,7 +331,7 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
             out[name] = _as_choice(where, value, ATTENTION_BACKENDS)
         elif name == "phase_timing":
             out[name] = _as_choice(where, value, PHASE_TIMINGS)
-        elif name == "mixed_prefill":
+        elif name in ("mixed_prefill", "engine_process"):
             out[name] = _as_bool(where, value)
         elif name == "host":
             out[name] = _as_str(where, value)
@@ -410,6 +411,7 @@ class EmbeddedLaunch:
     tmpdir: Path | None = None
 
     def engine_factory(self) -> Any:
+        # A bound method of plain data, so it pickles: --engine-process calls it in the engine process.
         from dspark_cli.engines.embedded.engine import LLMEngine
 
         return LLMEngine(self.engine_config)
@@ -527,7 +529,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         cfg.validate()
         served = s.served_model_name or s.model
         aliases = tuple(n for n in (s.model,) if n != served)
-        options = ServerOptions(s.host, s.port, served, aliases, k)
+        options = ServerOptions(s.host, s.port, served, aliases, k, engine_process=bool(s.engine_process))
         if capacity.mode == "none":
             mode_label = "none (verify every draft)"
         elif capacity.policy == "threshold":
@@ -552,6 +554,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             banner.insert(6, ("traces", s.record_traces))
         if s.mixed_prefill:
             banner.append(("prefills", "mixed into plain decode steps"))
+        banner.append(("engine front", "its own process" if s.engine_process else "a thread of the server"))
         if s.phase_timing:
             banner.append(("phase timing", f"{s.phase_timing} (dspark:step_phase_seconds_total)"))
         launch = EmbeddedLaunch(cfg, options, banner, tmp)

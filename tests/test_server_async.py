@@ -1,21 +1,32 @@
-"""The async front and the HTTP app around a scripted engine, for behaviour a real model cannot be made to
-show on demand: engine exceptions, load failures, refused requests, idleness. The end-to-end tests with the
-real engine live in test_server_e2e.py.
+"""The async fronts and the HTTP app around a scripted engine, for behaviour a real model cannot be made to
+show on demand: engine exceptions, load failures, refused requests, idleness. Tests taking the ``front``
+fixture run against both fronts: the engine on a thread (AsyncEngine) and in a process of its own
+(ProcessEngine; the scripted engine is built there from a picklable factory). The end-to-end tests with the
+real engine live in test_server_e2e.py and test_engine_process.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from dspark_cli.engines.embedded.async_engine import AsyncEngine, EngineDeadError, RequestRejectedError
-from dspark_cli.engines.embedded.server import ServerContext, create_app
+from dspark_cli.engines.embedded.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineFront,
+    RequestRejectedError,
+    error_type,
+)
+from dspark_cli.engines.embedded.server import ServerContext, create_app, engine_front
 
 
 @dataclass
@@ -116,18 +127,36 @@ class P:
     max_tokens: int = 3
 
 
-async def _collect(ae: AsyncEngine, rid: str, prompt: list[int], n: int) -> list[int]:
+@pytest.fixture(params=["thread", "process"])
+def front(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def make_front(front: str, factory: Callable[[], Any]) -> EngineFront:
+    return engine_front(factory, engine_process=front == "process")
+
+
+def scripted(**kwargs: Any) -> Callable[[], ScriptedEngine]:
+    """A factory that pickles, so the engine process can build the scripted engine itself."""
+    return functools.partial(ScriptedEngine, **kwargs)
+
+
+def assert_engine_process_gone(ae: EngineFront) -> None:
+    pid = getattr(ae, "pid", None)
+    if pid is not None:
+        assert not os.path.exists(f"/proc/{pid}"), f"engine process {pid} is still there"
+
+
+async def _collect(ae: EngineFront, rid: str, prompt: list[int], n: int) -> list[int]:
     toks: list[int] = []
     async for out in ae.generate(rid, prompt, P(n)):
         toks.extend(out.new_token_ids)
     return toks
 
 
-def test_generate_streams_and_every_engine_call_is_on_one_background_thread() -> None:
-    eng = ScriptedEngine(max_num_seqs=2)
-
-    async def main() -> None:
-        ae = AsyncEngine(lambda: eng)
+def test_generate_streams_and_every_engine_call_is_on_one_background_thread(front: str) -> None:
+    async def main() -> EngineFront:
+        ae = make_front(front, scripted(max_num_seqs=2))
         await ae.start()
         assert ae.healthy
         results = await asyncio.gather(*(_collect(ae, f"r{i}", [i], 4) for i in range(7)))
@@ -137,9 +166,13 @@ def test_generate_streams_and_every_engine_call_is_on_one_background_thread() ->
         assert ae.metrics().requests_finished == {"length": 7}
         await ae.shutdown()
         assert ae.state == "stopped"
+        assert_engine_process_gone(ae)
+        return ae
 
-    asyncio.run(main())
-    assert len(eng.threads) == 1 and threading.get_ident() not in eng.threads
+    ae = asyncio.run(main())
+    if isinstance(ae, AsyncEngine):
+        eng = ae.engine
+        assert len(eng.threads) == 1 and threading.get_ident() not in eng.threads
 
 
 def test_idle_engine_thread_blocks_instead_of_spinning() -> None:
@@ -157,11 +190,9 @@ def test_idle_engine_thread_blocks_instead_of_spinning() -> None:
     asyncio.run(main())
 
 
-def test_cancelled_consumer_aborts_its_request() -> None:
-    eng = ScriptedEngine(step_s=0.01)
-
+def test_cancelled_consumer_aborts_its_request(front: str) -> None:
     async def main() -> None:
-        ae = AsyncEngine(lambda: eng)
+        ae = make_front(front, scripted(step_s=0.01))
         await ae.start()
         task = asyncio.ensure_future(_collect(ae, "long", [1], 10_000))
         await asyncio.sleep(0.1)
@@ -169,10 +200,12 @@ def test_cancelled_consumer_aborts_its_request() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(100):
-            if eng.aborted:
+            if ae.metrics().requests_finished.get("abort"):
                 break
             await asyncio.sleep(0.01)
-        assert eng.aborted == ["long"] and not eng.reqs
+        assert ae.metrics().requests_finished == {"abort": 1}  # the engine dropped it (counted there)
+        if isinstance(ae, AsyncEngine):
+            assert ae.engine.aborted == ["long"] and not ae.engine.reqs
         assert ae.num_pending == 0
         # the engine keeps serving others
         assert await _collect(ae, "next", [2], 2) == [12, 13]
@@ -181,44 +214,46 @@ def test_cancelled_consumer_aborts_its_request() -> None:
     asyncio.run(main())
 
 
-def test_engine_exception_fails_pending_requests_and_marks_unhealthy() -> None:
-    eng = ScriptedEngine(fail_at_step=3, step_s=0.005)
-
+def test_engine_exception_fails_pending_requests_and_marks_unhealthy(front: str) -> None:
     async def main() -> None:
-        ae = AsyncEngine(lambda: eng)
+        ae = make_front(front, scripted(fail_at_step=3, step_s=0.005))
         await ae.start()
         results = await asyncio.wait_for(
             asyncio.gather(*(_collect(ae, f"r{i}", [i], 100) for i in range(3)), return_exceptions=True), 10)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert "simulated device fault" in str(results[0])
         assert not ae.healthy and ae.state == "failed"
+        assert ae.error is not None and error_type(ae.error) == "RuntimeError"
         with pytest.raises(EngineDeadError):
             await _collect(ae, "late", [1], 1)
         await ae.shutdown()
         assert ae.state == "failed"
+        assert_engine_process_gone(ae)
 
     asyncio.run(main())
 
 
-def test_load_failure_propagates_from_start() -> None:
-    def boom() -> Any:
-        raise FileNotFoundError("no such checkpoint")
+def _boom() -> Any:
+    raise FileNotFoundError("no such checkpoint")
 
+
+def test_load_failure_propagates_from_start(front: str) -> None:
     async def main() -> None:
-        ae = AsyncEngine(boom)
-        with pytest.raises(FileNotFoundError):
+        ae = make_front(front, _boom)
+        # The process front relays the error as its type name and message (the server reports either alike).
+        with pytest.raises(Exception, match="no such checkpoint") as info:
             await ae.start()
+        assert error_type(info.value) == "FileNotFoundError"
         assert ae.state == "failed" and not ae.healthy
         await ae.shutdown()
+        assert_engine_process_gone(ae)
 
     asyncio.run(main())
 
 
-def test_refused_request_fails_alone() -> None:
-    eng = ScriptedEngine()
-
+def test_refused_request_fails_alone(front: str) -> None:
     async def main() -> None:
-        ae = AsyncEngine(lambda: eng)
+        ae = make_front(front, scripted())
         await ae.start()
         bad = asyncio.ensure_future(_collect(ae, "bad", [], 2))
         good = asyncio.ensure_future(_collect(ae, "good", [3], 2))
@@ -231,17 +266,17 @@ def test_refused_request_fails_alone() -> None:
     asyncio.run(main())
 
 
-def test_shutdown_fails_requests_still_running() -> None:
-    eng = ScriptedEngine(step_s=0.01)
-
+def test_shutdown_fails_requests_still_running(front: str) -> None:
     async def main() -> None:
-        ae = AsyncEngine(lambda: eng)
+        ae = make_front(front, scripted(step_s=0.01))
         await ae.start()
         task = asyncio.ensure_future(_collect(ae, "long", [1], 10_000))
         await asyncio.sleep(0.05)
         await ae.shutdown()
         with pytest.raises(EngineDeadError, match="shutting down"):
             await asyncio.wait_for(task, 5)
+        assert ae.state == "stopped"
+        assert_engine_process_gone(ae)
 
     asyncio.run(main())
 
@@ -262,19 +297,17 @@ def tokenizer():  # type: ignore[no-untyped-def]
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
-async def _app_client(eng: ScriptedEngine) -> tuple[AsyncEngine, TestClient]:
-    ae = AsyncEngine(lambda: eng)
+async def _app_client(front: str, factory: Callable[[], Any]) -> tuple[EngineFront, TestClient]:
+    ae = make_front(front, factory)
     await ae.start()
     client = TestClient(TestServer(create_app(ServerContext(ae, "fake", ("fake-path",), 0))))
     await client.start_server()
     return ae, client
 
 
-def test_engine_fault_becomes_500_and_unhealthy(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    eng = ScriptedEngine(fail_at_step=2, tokenizer=tokenizer)
-
+def test_engine_fault_becomes_500_and_unhealthy(tokenizer, front: str) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
-        ae, client = await _app_client(eng)
+        ae, client = await _app_client(front, scripted(fail_at_step=2, tokenizer=tokenizer))
         try:
             assert (await client.get("/health")).status == 200
             r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5})
@@ -282,7 +315,9 @@ def test_engine_fault_becomes_500_and_unhealthy(tokenizer) -> None:  # type: ign
             body = await r.json()
             assert "simulated device fault" in body["error"]["message"]
             h = await client.get("/health")
-            assert h.status == 503 and (await h.json())["status"] == "failed"
+            health = await h.json()
+            assert h.status == 503 and health["status"] == "failed"
+            assert health["error"] == "RuntimeError: simulated device fault"
             r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5})
             assert r.status == 503
         finally:
@@ -292,11 +327,9 @@ def test_engine_fault_becomes_500_and_unhealthy(tokenizer) -> None:  # type: ign
     asyncio.run(main())
 
 
-def test_engine_fault_mid_stream_sends_an_error_event(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    eng = ScriptedEngine(fail_at_step=4, tokenizer=tokenizer)
-
+def test_engine_fault_mid_stream_sends_an_error_event(tokenizer, front: str) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
-        ae, client = await _app_client(eng)
+        ae, client = await _app_client(front, scripted(fail_at_step=4, tokenizer=tokenizer))
         try:
             r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 20, "stream": True})
             assert r.status == 200
@@ -309,11 +342,9 @@ def test_engine_fault_mid_stream_sends_an_error_event(tokenizer) -> None:  # typ
     asyncio.run(main())
 
 
-def test_model_alias_and_error_shapes(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    eng = ScriptedEngine(tokenizer=tokenizer)
-
+def test_model_alias_and_error_shapes(tokenizer, front: str) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
-        ae, client = await _app_client(eng)
+        ae, client = await _app_client(front, scripted(tokenizer=tokenizer))
         try:
             r = await client.post("/v1/completions", json={"model": "fake-path", "prompt": "ab", "max_tokens": 2})
             assert r.status == 200 and (await r.json())["model"] == "fake-path"
@@ -332,14 +363,12 @@ def test_model_alias_and_error_shapes(tokenizer) -> None:  # type: ignore[no-unt
     asyncio.run(main())
 
 
-def test_a_consumer_that_falls_behind_gets_the_waiting_steps_merged() -> None:
+def test_a_consumer_that_falls_behind_gets_the_waiting_steps_merged(front: str) -> None:
     """While a consumer is busy the engine keeps stepping; what waits in its queue arrives as one output
     carrying every waiting token, in order, the last one's finish state included. A consumer that keeps
     up gets one output per step."""
-    eng = ScriptedEngine(max_num_seqs=1, step_s=0.002)
-
     async def main() -> None:
-        ae = AsyncEngine(lambda: eng)
+        ae = make_front(front, scripted(max_num_seqs=1, step_s=0.002))
         await ae.start()
         prompt, n = [7], 40
         expected = [(7 + j) % 50 + 10 for j in range(n)]
@@ -359,11 +388,9 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_steps_merged() -> None:
     asyncio.run(main())
 
 
-def test_an_error_behind_waiting_tokens_comes_after_them() -> None:
-    eng = ScriptedEngine(max_num_seqs=1, fail_at_step=4)
-
+def test_an_error_behind_waiting_tokens_comes_after_them(front: str) -> None:
     async def main() -> None:
-        ae = AsyncEngine(lambda: eng)
+        ae = make_front(front, scripted(max_num_seqs=1, fail_at_step=4))
         await ae.start()
         toks: list[int] = []
         with pytest.raises(EngineDeadError):

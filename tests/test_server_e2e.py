@@ -113,8 +113,38 @@ class Server:
         return self.metrics()[key]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Linux /proc), to check that none outlives the server."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper does not count)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_server(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Server:
+    """`dspark serve` on the tiny pair (or a random one) with this module's limits, plus ``extra`` flags.
+
+    The server leads a session of its own, so ``stop_server`` can signal its whole process group as a
+    terminal's Ctrl-C does."""
     if TINY_TARGET.is_file():
         model, draft = "tiny", "auto"
     else:
@@ -123,33 +153,56 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "dspark_cli.cli", "serve", "--model", model, "--draft", draft, "-k", str(K),
            "--port", str(port), "--device", "cpu", "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "test-model"]
+           "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "test-model", *extra]
     with log.open("wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
-    srv = Server(f"http://127.0.0.1:{port}", "test-model", proc, log, model)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"},
+                                start_new_session=True)
+    return Server(f"http://127.0.0.1:{port}", "test-model", proc, log, model)
+
+
+def wait_healthy(srv: Server, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if srv.proc.poll() is not None:
+            pytest.fail(f"dspark serve exited with {srv.proc.returncode}:\n{srv.log.read_text()}")
+        try:
+            if srv.get("/health")[0] == 200:
+                return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"dspark serve did not become healthy:\n{srv.log.read_text()}")
+        time.sleep(0.3)
+
+
+def stop_server(srv: Server) -> set[int]:
+    """Ctrl-C to the server's process group; wait for it. Returns the processes it had started (all gone)."""
+    children = descendants(srv.proc.pid) if srv.proc.poll() is None else set()
+    if srv.proc.poll() is None:
+        os.killpg(srv.proc.pid, signal.SIGINT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"dspark serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if srv.get("/health")[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"dspark serve did not become healthy:\n{log.read_text()}")
-            time.sleep(0.3)
+        srv.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(process_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in children if process_alive(pid)]
+    assert not left, f"processes left behind by dspark serve: {left}"
+    return children
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory)
+    try:
+        wait_healthy(srv)
         yield srv
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, log.read_text()
-    assert "ready" in log.read_text()
+        stop_server(srv)
+    assert srv.proc.returncode == 0, srv.log.read_text()
+    assert "ready" in srv.log.read_text()
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

@@ -13,6 +13,9 @@ Design points:
   ``len(longest stop) - 1`` characters are held back so a stop string split across steps is never sent
   to the client; the text is cut before the earliest-starting stop string (whatever the step split) and
   the engine request aborted (its KV blocks freed).
+- The engine runs behind a front (``async_engine.py``): on a thread of this process, or with
+  ``--engine-process`` in a process of its own (``engine_process.py``), so that this loop's per-token work
+  and the engine's steps do not share one interpreter lock.
 - The handler is cancelled when its client disconnects (``handler_cancellation``), and leaving the
   ``generate`` iterator aborts the engine request, so a vanished client never keeps decoding.
 """
@@ -33,7 +36,14 @@ import orjson
 from aiohttp import web
 
 from dspark_cli import __version__
-from dspark_cli.engines.embedded.async_engine import AsyncEngine, EngineDeadError, RequestRejectedError
+from dspark_cli.engines.embedded.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineFront,
+    RequestRejectedError,
+    engine_max_model_len,
+    error_type,
+)
 from dspark_cli.engines.embedded.metrics import CONTENT_TYPE, render_metrics
 from dspark_cli.errors import DsparkError
 
@@ -230,7 +240,7 @@ def _is_num(v: Any) -> bool:
 class ServerContext:
     """What the handlers share: the engine front, names, and limits known once the engine has loaded."""
 
-    engine: AsyncEngine
+    engine: EngineFront
     served_model_name: str
     model_aliases: tuple[str, ...] = ()
     num_speculative_tokens: int = 0
@@ -247,11 +257,9 @@ class ServerContext:
 
     @property
     def max_model_len(self) -> int:
-        eng = self.engine.engine
-        for obj in (getattr(eng, "config", None), getattr(eng, "cfg", None), eng):
-            value = getattr(obj, "max_model_len", None) if obj is not None else None
-            if _is_int(value) and value > 0:
-                return value
+        value = engine_max_model_len(self.engine.engine)
+        if value is not None:
+            return value
         if self.max_model_len_override is not None:
             return self.max_model_len_override
         raise EngineDeadError("the engine does not report max_model_len")
@@ -619,7 +627,7 @@ def create_app(ctx: ServerContext) -> web.Application:
             return web.Response(status=200)
         err = ctx.engine.error
         return json_response({"status": ctx.engine.state,
-                              "error": f"{type(err).__name__}: {err}" if err is not None else None}, 503)
+                              "error": f"{error_type(err)}: {err}" if err is not None else None}, 503)
 
     async def metrics(request: web.Request) -> web.Response:
         text = render_metrics(ctx.engine.metrics(), ctx.served_model_name, ctx.k)
@@ -648,13 +656,25 @@ class ServerOptions:
     served_model_name: str
     model_aliases: tuple[str, ...] = ()
     num_speculative_tokens: int = 0
+    # Run the engine in a process of its own (engine_process.py says why) instead of on a thread of this one.
+    engine_process: bool = False
+
+
+def engine_front(engine_factory: Callable[[], Any], engine_process: bool) -> EngineFront:
+    """The front ``dspark serve`` runs the engine behind: a thread here, or a process of its own (the
+    factory must then pickle)."""
+    if engine_process:
+        from dspark_cli.engines.embedded.engine_process import ProcessEngine
+
+        return ProcessEngine(engine_factory)
+    return AsyncEngine(engine_factory)
 
 
 async def serve_async(engine_factory: Callable[[], Any], opts: ServerOptions,
                       on_ready: Callable[[str], None] | None = None,
                       stop_event: asyncio.Event | None = None) -> None:
     """Bind the port, load the engine (``/health`` is 503 meanwhile), serve until SIGINT/SIGTERM or stop."""
-    engine = AsyncEngine(engine_factory)
+    engine = engine_front(engine_factory, opts.engine_process)
     ctx = ServerContext(engine, opts.served_model_name, opts.model_aliases, opts.num_speculative_tokens)
     # shutdown_timeout: in-flight streams end as soon as the engine stops (they get an error event), so a
     # short grace period is enough and Ctrl-C never hangs for aiohttp's default minute.
@@ -681,11 +701,12 @@ async def serve_async(engine_factory: Callable[[], Any], opts: ServerOptions,
                 if isinstance(exc, DsparkError):
                     raise exc
                 first = (str(exc).strip().splitlines() or [""])[0]
-                raise DsparkError(f"the engine failed to load: {type(exc).__name__}: {first}") from exc
+                raise DsparkError(f"the engine failed to load: {error_type(exc)}: {first}") from exc
             port = opts.port
             sockets = [s for s in getattr(site._server, "sockets", None) or []]  # noqa: SLF001
             if sockets:
                 port = sockets[0].getsockname()[1]
+            log.info("engine loaded; it runs in %s", engine.runs_in())
             if on_ready is not None:
                 on_ready(f"http://{opts.host}:{port}")
             await stopper
