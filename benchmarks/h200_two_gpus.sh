@@ -15,6 +15,7 @@
 #   QUEUE=interleaved bash benchmarks/h200_two_gpus.sh start ROOT   # one GPU: issue 8's real matrix, servers interleaved
 #   QUEUE=mixed bash benchmarks/h200_two_gpus.sh start ROOT         # one GPU: mixed prefills, GPU test + interleaved A/B
 #   QUEUE=rounds bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8's real matrix in paired rounds (+ mixed twins)
+#   QUEUE=floor bash benchmarks/h200_two_gpus.sh start ROOT         # one GPU: the two-server floor (A/A) and the engine process
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -243,6 +244,23 @@ queue_rounds() {
   PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONFIGS=$configs queue_interleaved
 }
 
+# One GPU, after section 22: how much do two servers of one config differ (an A/A column, nospec#2), and what
+# does the engine in a process of its own (+proc: dspark serve --engine-process) give at low and high load?
+# The engine-process GPU test first; the +proc configs join only if it passed. Paired rounds as QUEUE=rounds.
+queue_floor() {
+  local configs=${REAL_CONFIGS:-nospec,nospec#2,mask+sts,varlen+sts}
+  stage "GPU test: engine process" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_engine_process.py -k cuda -rs >"$ROOT/engine_process_gpu_test.log" 2>&1
+  local rc=$?
+  tail -6 "$ROOT/engine_process_gpu_test.log"
+  if [[ $rc == 0 ]] && grep -q " passed" "$ROOT/engine_process_gpu_test.log"; then
+    configs=${configs},${PROC_CONFIGS:-nospec+proc,varlen+sts+proc}
+  else
+    echo "engine process: GPU test exit $rc, or no cuda case passed: the +proc configs stay out"
+  fi
+  PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONC=${REAL_CONC:-16,64,256} REAL_CONFIGS=$configs queue_interleaved
+}
+
 queue_paused() {
   stage "steps at T=1, engine alone" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/embedded_engine.py \
     --steps-only --temperature 1 --configs nospec,mask,varlen --concurrency 16,64,128,256 --out "$ROOT/steps_t1"
@@ -268,6 +286,7 @@ QUEUES=(0 1)
 [[ ${QUEUE:-} == interleaved ]] && QUEUES=(_interleaved)
 [[ ${QUEUE:-} == mixed ]] && QUEUES=(_mixed)
 [[ ${QUEUE:-} == rounds ]] && QUEUES=(_rounds)
+[[ ${QUEUE:-} == floor ]] && QUEUES=(_floor)
 [[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
 [[ ${QUEUE:-} == vllm-lossless ]] && QUEUES=(_vllm_lossless)
 
@@ -285,7 +304,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed || $q == _rounds ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed || $q == _rounds || $q == _floor ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage real_smoke queue_interleaved queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -293,7 +312,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused _interleaved _mixed _rounds; do
+    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused _interleaved _mixed _rounds _floor; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"

@@ -15,6 +15,7 @@ other engine flag comes from ``--serve-args`` and is identical across columns:
     varlen       --capacity-mode varlen --sps-curve C
     <mode>+sts   ... --online-sts             (online STS; gets a warm-up pass first so it has calibrated)
     <any>+mixed  ... --mixed-prefill          (embedded engine: prefills ride in plain decode steps)
+    <any>+proc   ... --engine-process         (embedded engine: the engine in a process of its own)
     <any>#N      the same flags, a server of its own (an A/A column: e.g. nospec,nospec#2 measures how much
                  two servers of one config differ, the floor under any comparison between columns)
 """
@@ -55,7 +56,8 @@ from dspark_cli.fileio import atomic_write_json, read_json
 
 CELL_FORMAT = 1
 CAPACITY_MODES = ("none", "mask", "varlen")
-MIXED_SUFFIX = "+mixed"
+# Serving suffixes, after the config (any order, each once): flags of the embedded engine's server.
+SERVING_SUFFIXES: dict[str, str] = {"+mixed": "--mixed-prefill", "+proc": "--engine-process"}
 SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "dspark_cli.cli", "serve")
 
 
@@ -96,16 +98,21 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
             (base_cfg,) = parse_configs(flags_of, sps_curve, common_args)
             out.append(replace(base_cfg, name=name))
             continue
-        # "+mixed" (any config, last): the server mixes prefills into plain decode steps (--mixed-prefill).
-        base, mixed = (name[: -len(MIXED_SUFFIX)], True) if name.endswith(MIXED_SUFFIX) else (name, False)
-        extra = ("--mixed-prefill",) if mixed else ()
+        # Serving suffixes (any config, last): "+mixed" mixes prefills into plain decode steps, "+proc" runs
+        # the engine in a process of its own.
+        base, extra = name, ()
+        while True:
+            suffix = next((sfx for sfx in SERVING_SUFFIXES if base.endswith(sfx)), None)
+            if suffix is None or SERVING_SUFFIXES[suffix] in extra:
+                break
+            base, extra = base[: -len(suffix)], (SERVING_SUFFIXES[suffix], *extra)
         if base == "nospec":
             out.append(BenchConfig(name, ("-k", "0", *extra)))
             continue
         mode, plus, suffix = base.partition("+")
         if mode not in CAPACITY_MODES or (plus and suffix != "sts"):
             raise DsparkError(f"unknown config {name!r}: use nospec, none, mask, varlen, optionally +sts "
-                              "(e.g. varlen+sts), then optionally +mixed (e.g. nospec+mixed, varlen+sts+mixed), "
+                              "(e.g. varlen+sts), then optionally +mixed and/or +proc (e.g. nospec+mixed, varlen+sts+proc), "
                               "then optionally #N for a replica (e.g. nospec#2)")
         args: list[str] = ["--capacity-mode", mode]
         if mode != "none":

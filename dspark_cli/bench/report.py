@@ -82,6 +82,8 @@ def header(config: str) -> str:
         return f"{header(base)} #{replica}"
     if config.endswith("+mixed") and config not in PRETTY:
         return f"{header(config[: -len('+mixed')])} + mixed prefill"
+    if config.endswith("+proc") and config not in PRETTY:
+        return f"{header(config[: -len('+proc')])} + engine process"
     return PRETTY.get(config, config)
 
 
