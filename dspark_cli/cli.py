@@ -195,8 +195,8 @@ def serve(
     engine_process: bool | None = typer.Option(
         None, "--engine-process/--no-engine-process",
         help="Embedded engine: run the engine in a process of its own instead of a thread of the server, so "
-             "the HTTP loop's per-token work does not hold up its steps through the interpreter lock (default "
-             "off)."),
+             "the HTTP loop's per-token work does not hold up its steps through the interpreter lock (default: "
+             "a process on CUDA, a thread on a CPU)."),
     phase_timing: str | None = typer.Option(
         None, "--phase-timing",
         help="Embedded engine: time every step's phases into dspark:step_phase_seconds_total -- host (host "

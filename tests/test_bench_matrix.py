@@ -56,6 +56,9 @@ def test_config_names_map_to_serve_flags() -> None:
     assert procs["mask+proc+mixed"].serve_args == ("--capacity-mode", "mask", "--sps-curve", "curve.json",
                                                    "--engine-process", "--mixed-prefill")
     assert header("nospec+proc") == "No spec + engine process"
+    (thread,) = parse_configs("nospec+mixed+thread")
+    assert thread.serve_args == ("-k", "0", "--mixed-prefill", "--no-engine-process")
+    assert header("nospec+thread") == "No spec + engine thread"
     # "#N", very last: a replica on a server of its own (an A/A column), named apart in files and tables.
     replicas = {c.name: c for c in parse_configs("nospec,nospec#2,varlen+sts+mixed#3", "curve.json")}
     assert replicas["nospec#2"].serve_args == replicas["nospec"].serve_args
@@ -67,7 +70,7 @@ def test_config_names_map_to_serve_flags() -> None:
 
 @pytest.mark.parametrize("spec", ["", "mask+foo", "fast", "none,none", "nospec+sts", "mixed", "nospec+mixed+sts",
                                   "varlen+mixed+mixed", "nospec#1", "nospec#x", "#2", "nospec#2#3",
-                                  "nospec#2,nospec#2", "nospec+proc+proc", "proc"])
+                                  "nospec#2,nospec#2", "nospec+proc+proc", "proc", "nospec+proc+thread"])
 def test_bad_config_lists(spec: str) -> None:
     with pytest.raises(DsparkError):
         parse_configs(spec, "auto")

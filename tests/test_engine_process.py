@@ -212,10 +212,23 @@ def test_engine_process_setting_reaches_the_server_options_and_the_banner() -> N
     launch.cleanup()
     assert launch.options.engine_process is True
     assert ("engine front", "its own process") in launch.banner
-    launch = prepare_embedded(build_settings({}))
+    launch = prepare_embedded(build_settings({"device": "cpu"}))
     launch.cleanup()
-    assert launch.options.engine_process is False  # the default: a thread of the server
+    assert launch.options.engine_process is False  # the default on a CPU: a thread of the server
     assert ("engine front", "a thread of the server") in launch.banner
+    launch = prepare_embedded(build_settings({"device": "cpu", "engine_process": True}))
+    launch.cleanup()
+    assert launch.options.engine_process is True  # asked for, on any device
+
+
+def test_the_default_engine_front_is_a_process_on_cuda_and_a_thread_on_a_cpu() -> None:
+    from dspark_cli.serve_config import default_engine_process
+
+    assert default_engine_process(build_settings({"device": "cpu"})) is False
+    assert default_engine_process(build_settings({"device": "cpu", "engine_process": True})) is True
+    assert default_engine_process(build_settings({"engine_process": False})) is False
+    auto = default_engine_process(build_settings({}))
+    assert auto is __import__("torch").cuda.is_available()
 
 
 def test_engine_process_with_vllm_is_refused_in_one_line() -> None:

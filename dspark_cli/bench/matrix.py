@@ -16,6 +16,7 @@ other engine flag comes from ``--serve-args`` and is identical across columns:
     <mode>+sts   ... --online-sts             (online STS; gets a warm-up pass first so it has calibrated)
     <any>+mixed  ... --mixed-prefill          (embedded engine: prefills ride in plain decode steps)
     <any>+proc   ... --engine-process         (embedded engine: the engine in a process of its own)
+    <any>+thread ... --no-engine-process      (embedded engine: the engine on a thread of the server)
     <any>#N      the same flags, a server of its own (an A/A column: e.g. nospec,nospec#2 measures how much
                  two servers of one config differ, the floor under any comparison between columns)
 """
@@ -57,7 +58,8 @@ from dspark_cli.fileio import atomic_write_json, read_json
 CELL_FORMAT = 1
 CAPACITY_MODES = ("none", "mask", "varlen")
 # Serving suffixes, after the config (any order, each once): flags of the embedded engine's server.
-SERVING_SUFFIXES: dict[str, str] = {"+mixed": "--mixed-prefill", "+proc": "--engine-process"}
+SERVING_SUFFIXES: dict[str, str] = {"+mixed": "--mixed-prefill", "+proc": "--engine-process",
+                                    "+thread": "--no-engine-process"}
 SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "dspark_cli.cli", "serve")
 
 
@@ -103,7 +105,8 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
         base, extra = name, ()
         while True:
             suffix = next((sfx for sfx in SERVING_SUFFIXES if base.endswith(sfx)), None)
-            if suffix is None or SERVING_SUFFIXES[suffix] in extra:
+            if suffix is None or SERVING_SUFFIXES[suffix] in extra or (
+                    suffix in ("+proc", "+thread") and {"--engine-process", "--no-engine-process"} & set(extra)):
                 break
             base, extra = base[: -len(suffix)], (SERVING_SUFFIXES[suffix], *extra)
         if base == "nospec":
@@ -112,7 +115,7 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
         mode, plus, suffix = base.partition("+")
         if mode not in CAPACITY_MODES or (plus and suffix != "sts"):
             raise DsparkError(f"unknown config {name!r}: use nospec, none, mask, varlen, optionally +sts "
-                              "(e.g. varlen+sts), then optionally +mixed and/or +proc (e.g. nospec+mixed, varlen+sts+proc), "
+                              "(e.g. varlen+sts), then optionally +mixed and +proc or +thread (e.g. nospec+mixed, varlen+sts+thread), "
                               "then optionally #N for a replica (e.g. nospec#2)")
         args: list[str] = ["--capacity-mode", mode]
         if mode != "none":

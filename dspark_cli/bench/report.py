@@ -84,6 +84,8 @@ def header(config: str) -> str:
         return f"{header(config[: -len('+mixed')])} + mixed prefill"
     if config.endswith("+proc") and config not in PRETTY:
         return f"{header(config[: -len('+proc')])} + engine process"
+    if config.endswith("+thread") and config not in PRETTY:
+        return f"{header(config[: -len('+thread')])} + engine thread"
     return PRETTY.get(config, config)
 
 
