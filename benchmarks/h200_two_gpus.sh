@@ -231,34 +231,34 @@ queue_mixed() {
 # giving each config's median per-round ratio against no speculation. The mixed twins (nospec+mixed,
 # varlen+sts+mixed) join only if their GPU test passed: a mixed server failing mid-run would stop the matrix.
 queue_rounds() {
-  local configs=${REAL_CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts}
-  stage "GPU test: mixed prefills" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_embedded_engine_step.py -k mixed_prefills -rs >"$ROOT/mixed_gpu_test.log" 2>&1
-  local rc=$?
-  tail -6 "$ROOT/mixed_gpu_test.log"
-  if [[ $rc == 0 ]] && grep -q "2 passed" "$ROOT/mixed_gpu_test.log"; then  # the cpu and the cuda case
-    configs=${configs},${MIXED_CONFIGS:-nospec+mixed,varlen+sts+mixed}
-  else
-    echo "mixed prefills: GPU test exit $rc, or its cuda case did not pass: the +mixed configs stay out"
-  fi
-  PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONFIGS=$configs queue_interleaved
+  gated_rounds "mixed prefills" "tests/test_embedded_engine_step.py -k mixed_prefills" "2 passed" \
+    "${MIXED_CONFIGS:-nospec+mixed,varlen+sts+mixed}" "${REAL_CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts}"
 }
 
 # One GPU, after section 22: how much do two servers of one config differ (an A/A column, nospec#2), and what
 # does the engine in a process of its own (+proc: dspark serve --engine-process) give at low and high load?
 # The engine-process GPU test first; the +proc configs join only if it passed. Paired rounds as QUEUE=rounds.
 queue_floor() {
-  local configs=${REAL_CONFIGS:-nospec,nospec#2,mask+sts,varlen+sts}
-  stage "GPU test: engine process" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_engine_process.py -k cuda -rs >"$ROOT/engine_process_gpu_test.log" 2>&1
+  REAL_CONC=${REAL_CONC:-16,64,256} gated_rounds "engine process" "tests/test_engine_process.py -k process_front_on_cuda" "1 passed" \
+    "${PROC_CONFIGS:-nospec+proc,varlen+sts+proc}" "${REAL_CONFIGS:-nospec,nospec#2,mask+sts,varlen+sts}"
+}
+
+# LABEL, TEST (pytest arguments), EXPECT (what its summary must say), TWINS, CONFIGS: run the GPU test, then the
+# real matrix interleaved in paired rounds over CONFIGS, with TWINS added only if the test passed as expected
+# (a server of a feature failing mid-run would stop the whole matrix).
+gated_rounds() {
+  local label=$1 test=$2 expect=$3 twins=$4 configs=$5 log="$ROOT/${1// /_}_gpu_test.log"
+  # shellcheck disable=SC2086
+  stage "GPU test: $label" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 -m pytest -q -p no:cacheprovider \
+    $test -rs >"$log" 2>&1
   local rc=$?
-  tail -6 "$ROOT/engine_process_gpu_test.log"
-  if [[ $rc == 0 ]] && grep -q " passed" "$ROOT/engine_process_gpu_test.log"; then
-    configs=${configs},${PROC_CONFIGS:-nospec+proc,varlen+sts+proc}
+  tail -6 "$log"
+  if [[ $rc == 0 ]] && grep -q "$expect" "$log"; then
+    configs=$configs,$twins
   else
-    echo "engine process: GPU test exit $rc, or no cuda case passed: the +proc configs stay out"
+    echo "$label: GPU test exit $rc, or its summary lacks '$expect': $twins stay out"
   fi
-  PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONC=${REAL_CONC:-16,64,256} REAL_CONFIGS=$configs queue_interleaved
+  PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONFIGS=$configs queue_interleaved
 }
 
 queue_paused() {
@@ -306,7 +306,7 @@ case $ACTION in
       # GPU q, its own model cache (two processes building the same cache entry would race)
       gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed || $q == _rounds || $q == _floor ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
-        "$(declare -f stage real_smoke queue_interleaved queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
+        "$(declare -f stage real_smoke queue_interleaved gated_rounds queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
       echo $! >"$ROOT/queue$q.pid"
       echo "queue $q started (pid $!)"

@@ -418,7 +418,7 @@ def bench(
                          server_timeout_s=server_timeout, force=force, warmup_prompts=warmup_prompts,
                          warmup_shapes=warmup_shapes, sts_warmup_prompts=sts_warmup_prompts, waves=waves,
                          interleave=interleave, rounds=rounds)
-    mx.check_rounds(spec)
+    mx.check_rounds(spec)  # before pending_cells reads the folder: a bad --rounds is the first thing to say
     total = len(cfgs) * len(concs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:

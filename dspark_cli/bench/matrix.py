@@ -57,9 +57,13 @@ from dspark_cli.fileio import atomic_write_json, read_json
 
 CELL_FORMAT = 1
 CAPACITY_MODES = ("none", "mask", "varlen")
-# Serving suffixes, after the config (any order, each once): flags of the embedded engine's server.
-SERVING_SUFFIXES: dict[str, str] = {"+mixed": "--mixed-prefill", "+proc": "--engine-process",
-                                    "+thread": "--no-engine-process"}
+# Serving suffixes, after the config (any order, each once): a flag of the embedded engine's server, and what
+# a table's column header says of it.
+SERVING_SUFFIXES: dict[str, tuple[str, str]] = {
+    "+mixed": ("--mixed-prefill", "mixed prefill"),
+    "+proc": ("--engine-process", "engine process"),
+    "+thread": ("--no-engine-process", "engine thread"),
+}
 SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "dspark_cli.cli", "serve")
 
 
@@ -100,15 +104,16 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
             (base_cfg,) = parse_configs(flags_of, sps_curve, common_args)
             out.append(replace(base_cfg, name=name))
             continue
-        # Serving suffixes (any config, last): "+mixed" mixes prefills into plain decode steps, "+proc" runs
-        # the engine in a process of its own.
+        # Serving suffixes (any config, last, each once): "+mixed" mixes prefills into plain decode steps,
+        # "+proc" / "+thread" put the engine in a process of its own / on a thread of the server.
         base, extra = name, ()
-        while True:
-            suffix = next((sfx for sfx in SERVING_SUFFIXES if base.endswith(sfx)), None)
-            if suffix is None or SERVING_SUFFIXES[suffix] in extra or (
-                    suffix in ("+proc", "+thread") and {"--engine-process", "--no-engine-process"} & set(extra)):
-                break
-            base, extra = base[: -len(suffix)], (SERVING_SUFFIXES[suffix], *extra)
+        while (suffix := next((sfx for sfx in SERVING_SUFFIXES if base.endswith(sfx)), None)) is not None:
+            flag = SERVING_SUFFIXES[suffix][0]
+            if flag in extra:
+                raise DsparkError(f"config {name!r} names {suffix} twice")
+            base, extra = base[: -len(suffix)], (flag, *extra)
+        if {"--engine-process", "--no-engine-process"} <= set(extra):
+            raise DsparkError(f"config {name!r}: +proc and +thread contradict each other; keep one")
         if base == "nospec":
             out.append(BenchConfig(name, ("-k", "0", *extra)))
             continue

@@ -21,6 +21,7 @@ from typing import Any
 from rich.table import Table
 
 from dspark_cli import __version__
+from dspark_cli.bench.matrix import SERVING_SUFFIXES
 from dspark_cli.fileio import atomic_write_json, atomic_write_text
 
 BASELINE = "none"
@@ -80,12 +81,9 @@ def header(config: str) -> str:
     base, hash_, replica = config.rpartition("#")
     if hash_ and base and replica.isdigit():
         return f"{header(base)} #{replica}"
-    if config.endswith("+mixed") and config not in PRETTY:
-        return f"{header(config[: -len('+mixed')])} + mixed prefill"
-    if config.endswith("+proc") and config not in PRETTY:
-        return f"{header(config[: -len('+proc')])} + engine process"
-    if config.endswith("+thread") and config not in PRETTY:
-        return f"{header(config[: -len('+thread')])} + engine thread"
+    for suffix, (_, words) in SERVING_SUFFIXES.items():
+        if config.endswith(suffix) and config not in PRETTY:
+            return f"{header(config[: -len(suffix)])} + {words}"
     return PRETTY.get(config, config)
 
 
@@ -222,8 +220,9 @@ def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
                   "inter-token latency adds streaming and queueing)", ""]
         lines += _markdown_table(hdr, steps)
     for reference in paired_references(table):
-        lines += ["", _paired_title(table, reference), ""]
-        lines += _markdown_table(hdr, paired_rows(table, reference))
+        deltas = paired_table(table, reference)
+        lines += ["", _paired_title(deltas, reference), ""]
+        lines += _markdown_table(hdr, _paired_rows(table, deltas))
     phases = phase_rows(table)
     if phases:
         lines += ["", "Decode-step phases (the server's --phase-timing): each cell's most frequent decode kind, "
@@ -323,23 +322,27 @@ def paired_table(table: ComparisonTable, reference: str) -> dict[tuple[str, int]
     return out
 
 
-def _paired_title(table: ComparisonTable, reference: str) -> str:
-    n = max((d.rounds for d in paired_table(table, reference).values()), default=0)
+def _paired_title(deltas: dict[tuple[str, int], PairedDelta], reference: str) -> str:
+    n = max((d.rounds for d in deltas.values()), default=0)
     return (f"Paired rounds against {header(reference)}: median Δ% of each round's output tok/s against its same "
             f"round (min..max over {n} rounds)")
 
 
-def paired_rows(table: ComparisonTable, reference: str) -> list[list[str]]:
-    deltas = paired_table(table, reference)
+def _paired_rows(table: ComparisonTable, deltas: dict[tuple[str, int], PairedDelta]) -> list[list[str]]:
     return [[str(c), *(deltas[(k, c)].text() if (k, c) in deltas else MISSING for k in table.configs)]
             for c in table.concurrencies]
 
 
+def paired_rows(table: ComparisonTable, reference: str) -> list[list[str]]:
+    return _paired_rows(table, paired_table(table, reference))
+
+
 def paired_rich(table: ComparisonTable, reference: str) -> Table:
-    t = Table(title=_paired_title(table, reference))
+    deltas = paired_table(table, reference)
+    t = Table(title=_paired_title(deltas, reference))
     for i, h in enumerate(table.headers()):
         t.add_column(h, justify="right" if i == 0 else "left", overflow="fold")
-    for row in paired_rows(table, reference):
+    for row in _paired_rows(table, deltas):
         t.add_row(*row)
     return t
 
@@ -387,10 +390,9 @@ def write_summary(results_dir: Path, cells: Sequence[dict[str, Any]], configs: S
             for c in table.concurrencies
         ],
         "paired": {
-            ref: [{"concurrency": c,
-                   "cells": {k: d.__dict__ for (k, cc), d in paired_table(table, ref).items() if cc == c}}
+            ref: [{"concurrency": c, "cells": {k: d.__dict__ for (k, cc), d in deltas.items() if cc == c}}
                   for c in table.concurrencies]
-            for ref in paired_references(table)
+            for ref, deltas in ((r, paired_table(table, r)) for r in paired_references(table))
         },
         "markdown": md,
     }
