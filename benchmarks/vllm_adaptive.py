@@ -12,7 +12,11 @@ for the plugin's own start-up line, so a silently inactive plugin fails the run 
 upstream twice. Budget: ~1.5 min per config (start-up with FULL_DECODE_ONLY and no torch.compile), < 8 min.
 ``--overlap-starts N`` starts N configs' servers on the one GPU in a staggered row (each once the previous
 one has sized its KV cache) and measures them one at a time once all of them are up, each with its
-``--gpu-memory-utilization`` share; the group is stopped together.
+``--gpu-memory-utilization`` share; the group is stopped together. ``--kv-cache-gib G`` gives every server a KV
+cache of G GiB (vLLM's ``--kv-cache-memory-bytes``: no memory profile sizes it from the device's free memory), so
+the group's servers start all at once instead of in a row: every config gets the same KV cache, and a group of
+four 8B-shaped servers is up in about the time of one start instead of four (~76 s each in a row,
+docs/PERFORMANCE.md section 18).
 
 The client is ``dspark bench --base-url`` (default): every server's cells land in ``OUT/bench``, whose
 summary is one table over all configs (random prompts of --input-len tokens, equal work per cell); its
@@ -311,6 +315,10 @@ def main() -> int:
                          "min to start, mostly graph capture, which overlaps; give each a --gpu-memory-utilization "
                          "share")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--kv-cache-gib", type=float, default=None, metavar="G",
+                    help="a KV cache of G GiB per server (vLLM --kv-cache-memory-bytes; no memory profile), and the "
+                         "--overlap-starts group's servers started together; --gpu-memory-utilization then only "
+                         "sets what vLLM checks is free when each server starts")
     ap.add_argument("--anatomy", action="store_true",
                     help="record where each served step's time goes (benchmarks/vllm_step_anatomy.py), per "
                          "concurrency, into OUT/anatomy")
@@ -343,6 +351,10 @@ def main() -> int:
               "--no-enable-flashinfer-autotune"]
     if args.load_format:
         engine += ["--load-format", args.load_format]
+    if args.kv_cache_gib is not None:
+        if args.kv_cache_gib <= 0:
+            ap.error("--kv-cache-gib must be > 0")
+        engine += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
     if args.anatomy:
         if args.lossless or args.client != "dspark":
             ap.error("--anatomy records dspark bench cells: drop --lossless / --client vllm")
@@ -434,7 +446,7 @@ def main() -> int:
         group: list[_Server] = []
         try:
             for i, name in enumerate(batch):
-                if group:
+                if group and args.kv_cache_gib is None:
                     # The next server starts once the previous one has sized and allocated its KV cache: vLLM
                     # sizes it from whole-device free memory, so two memory profiles at once mis-size each
                     # other (vLLM issue 55827), and memory freed during a profile aborts it.

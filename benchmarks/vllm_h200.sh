@@ -23,7 +23,8 @@
 # capture, most of a start, overlaps) and measures them one after another, every server of the group up:
 # with GPU_UTIL=0.22 (31 GB each: 16 GB of 8B weights, ~12 GB of KV) two groups of four cover issue 6's
 # eight configs, e.g. OVERLAP=4 GPU_UTIL=0.22 CONFIGS=nospec,all,upstream,varlen, then
-# CONFIGS=mask,varlen-nosat,varlen-nosts,varlen-startup. Not yet run on the H200.
+# CONFIGS=mask,varlen-nosat,varlen-nosts,varlen-startup (sections 14-18). KV_GIB=G gives every server a G GiB KV
+# cache (--kv-cache-gib: no memory profile), and the group's servers start all at once instead of in a row.
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
 # vLLM's synthetic rejection sampler with a V4-Flash-like decay (conditional 0.8 ... 0.08 along the block).
@@ -87,7 +88,8 @@ case "$STAGE" in
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
       --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" \
-      --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ${ANATOMY:+--anatomy} ;;
+      --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ${ANATOMY:+--anatomy} \
+      ${KV_GIB:+--kv-cache-gib "$KV_GIB"} ;;
   anatomy)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     CURVE=() && [[ -f $OUT/profile-scaled/sps_curve.json ]] && CURVE=(--sps-curve "$OUT/profile-scaled/sps_curve.json")
