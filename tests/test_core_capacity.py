@@ -18,9 +18,12 @@ from dspark_cli.core.capacity import (
     PROBE_BANK,
     PROBE_MARGIN,
     PROBE_TAX,
+    STEP_TIME_MEMORY,
+    STEP_TIME_STALE,
     BudgetDecision,
     CapacityConfig,
     CapacityManager,
+    RequestWeightedMean,
     SaturationPolicy,
     StepTimeCalibration,
     StepTimer,
@@ -581,6 +584,103 @@ def test_probe_steps_never_enter_the_calibration() -> None:
             timer.record(False, 8, 10.0, 10.0)
     assert probes > 0
     assert timer.step_times.ratio(True, 8) == pytest.approx(2.0)  # the one non-probe drafting step only
+
+
+# docs/PERFORMANCE.md section 22, mask + SPS (no STS) at 128 requests on an H200, temperature 1, k = 7: the curve
+# prices a drafting step at 11.88 ms (full batch, sampling draft) and a plain one at 4.07 ms; the cell's drafting
+# steps took 14.53 ms and its paused steps 5.57 ms for 1.644 tokens per request and step (~0.6x plain decoding).
+H200_128_DRAFT_MS, H200_128_PLAIN_MS = 11.88, 4.07
+
+
+def _h200_decision(num_reqs: int) -> BudgetDecision:
+    # Confidently wrong (no STS): every step is predicted to pay, so only the realized gain can pause drafting.
+    return BudgetDecision(budget=7 * num_reqs, theta_best=8 * num_reqs / H200_128_DRAFT_MS,
+                          theta_all=8 * num_reqs / H200_128_DRAFT_MS, theta_no_draft=num_reqs / H200_128_PLAIN_MS,
+                          step_ms=H200_128_DRAFT_MS, total_drafts=7 * num_reqs, plain_ms=H200_128_PLAIN_MS)
+
+
+def _h200_step(timer: StepTimer, num_reqs: int, tokens_per_req: float, draft_ratio: float, plain_ratio: float) -> bool:
+    """One engine step as the embedded engine runs it (begin, judge the outcome, report the time); whether it drafted."""
+    if not timer.begin_step(num_reqs):
+        timer.record(False, num_reqs, plain_ratio * H200_128_PLAIN_MS, H200_128_PLAIN_MS)
+        return False
+    decision = _h200_decision(num_reqs)
+    timer.saturation.observe_outcome(decision, round(num_reqs * tokens_per_req), num_reqs,
+                                     timer.cost_scale(num_reqs, decision))
+    timer.record(True, num_reqs, draft_ratio * H200_128_DRAFT_MS, H200_128_DRAFT_MS)
+    return True
+
+
+def test_a_resume_is_judged_against_plain_steps_of_now_not_of_the_warm_up() -> None:
+    """Section 22's 128-request cell replayed: the shape warm-up had timed the 128-255 bucket's plain steps at
+    2.74x their price (the 256-request cell's plain steps: 11.38 ms at a 4.16 ms price) and its drafting at its
+    price, a quotient of 0.37, as the cells' gauges showed until the 128-request cell. A rise probe paid there,
+    and drafting at 128 (14.53 ms, 1.22x its price, against paused steps 1.37x theirs) was compared with that
+    plain window for one plain sample per 64 steps: 128-132 drafting steps at ~0.6x plain decoding, where
+    patience 8 should have paused within about 10."""
+    pol = SaturationPolicy(patience=8, resume_every=16)
+    timer = StepTimer(pol)
+    for _ in range(10):  # the warm-up wave, in the 128-255 bucket
+        timer.record(True, 200, H200_128_DRAFT_MS, H200_128_DRAFT_MS)
+        timer.record(False, 200, 2.74 * H200_128_PLAIN_MS, H200_128_PLAIN_MS)
+    bucket = StepTimeCalibration.load_bucket(128)
+    assert timer.step_times.quotients()[bucket] == pytest.approx(1 / 2.74)
+    for _ in range(3000):  # cells at 16-64 requests: drafting pauses at 64 and stays paused
+        _h200_step(timer, 64, 1.6, 1.23, 1.57)
+    assert not pol.drafting_enabled and pol.top == 64
+    draft_ratio, plain_ratio = 14.53 / H200_128_DRAFT_MS, 5.57 / H200_128_PLAIN_MS
+    steps = [_h200_step(timer, 128, 1.644, draft_ratio, plain_ratio) for _ in range(300)]
+    assert pol.counters.probes["rise", "paid"] == 1  # judged at the warm-up's quotient: the probe still pays
+    # ... but its resume re-measures plain decoding at once, and patience pauses it.
+    assert not pol.drafting_enabled and pol.counters.pauses == 2
+    assert sum(steps) <= 2 * pol.patience
+    assert steps[:3] == [True, True, False]  # the probe, a drafting step, then a plain sample of this load
+    assert timer.step_times.quotients()[bucket] == pytest.approx(draft_ratio / plain_ratio)
+
+
+def test_steady_drafting_keeps_one_plain_sample_per_interval() -> None:
+    """At one load the plain window is fed every PLAIN_SAMPLE_EVERY + 1 steps, inside STEP_TIME_STALE: no extra
+    plain steps, and the plain samples keep averaging (a noisy one does not replace the window)."""
+    assert STEP_TIME_STALE > PLAIN_SAMPLE_EVERY + 1
+    pol = SaturationPolicy(patience=8, resume_every=16)
+    timer = StepTimer(pol)
+    timer.record(False, 16, 10.0, 10.0)
+    drafted = []
+    for i in range(4 * (PLAIN_SAMPLE_EVERY + 1)):
+        d = timer.begin_step(16)
+        drafted.append(d)
+        timer.record(d, 16, 10.0 if d else (20.0 if i == PLAIN_SAMPLE_EVERY else 10.0), 10.0)
+    assert drafted.count(False) == 4
+    assert 1.0 < timer.step_times.ratio(False, 16) < 2.0  # the 2x sample was blended, not taken alone
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.3, 3.5), min_size=1, max_size=30), st.integers(0, 3 * STEP_TIME_STALE),
+       st.floats(0.3, 3.5), st.integers(1, 256))
+def test_a_stale_window_restarts_and_a_fresh_one_blends(history: list[float], gap: int, now: float,
+                                                         num_reqs: int) -> None:
+    """Whatever a bucket measured before, a sample after more than STEP_TIME_STALE timed steps elsewhere is the
+    window's whole value; within it, the sample is blended as before (request-weighted)."""
+    cal = StepTimeCalibration()
+    for ratio in history:
+        cal.record(False, num_reqs, ratio * 4.0, 4.0)
+    before = cal.ratio(False, num_reqs)
+    other = 512 if num_reqs < 256 else 1  # another bucket keeps the clock going
+    for _ in range(gap):
+        cal.record(True, other, 8.0, 8.0)
+    assert cal.plain_is_stale(num_reqs) == (gap > STEP_TIME_STALE)
+    assert not cal.plain_is_stale(3 * other)  # never measured: not stale
+    cal.record(False, num_reqs, now * 4.0, 4.0)
+    after = cal.ratio(False, num_reqs)
+    assert after is not None and before is not None
+    if gap > STEP_TIME_STALE:
+        assert after == pytest.approx(now)
+    else:
+        expected = RequestWeightedMean(STEP_TIME_MEMORY)
+        for ratio in [*history, now]:
+            expected.add(ratio, num_reqs)
+        assert after == pytest.approx(expected.value)
+    assert not cal.plain_is_stale(num_reqs)
 
 
 def test_heavy_load_calibration_does_not_make_drafting_at_light_load_look_cheap() -> None:

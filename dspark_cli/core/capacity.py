@@ -51,6 +51,11 @@ REALIZED_MEMORY = 64
 STEP_TIME_MEMORY = 256
 STEP_TIME_CLAMP = 4.0
 PLAIN_SAMPLE_EVERY = 64
+# A window not fed for more than STEP_TIME_STALE timed steps (all loads and kinds) restarts with its next sample,
+# and a drafting step at a load whose plain window is that old takes a plain step to measure it: times from
+# another phase of serving (a warm-up, another wave's heavier steps in the same bucket) say nothing about now.
+# Twice the plain sampling interval, so steady drafting at one load keeps averaging its plain samples.
+STEP_TIME_STALE = 2 * PLAIN_SAMPLE_EVERY
 PROBE_REQUEST_STEPS = 16
 # ... or for PROBE_MAX_STEPS steps at low load, whichever comes first: a small model's step costs the same at
 # 2 requests as at 16, and a lucky verdict at low load only drafts until the batch refills.
@@ -447,6 +452,18 @@ class StepTimeCalibration:
     Request-weighted windows of ``STEP_TIME_MEMORY`` request-steps; a sample's ratio is clamped to
     ``[1/STEP_TIME_CLAMP, STEP_TIME_CLAMP]`` so one compile stall cannot swing a window. With nothing measured
     the scale is 1 (the curve's own judgment).
+
+    Why windows go stale (``STEP_TIME_STALE``): a window forgets only by its own samples, and a bucket's plain
+    window is fed by paused steps at its load, or by one plain step per ``PLAIN_SAMPLE_EVERY`` while drafting
+    runs there. Once drafting resumed at a load, its drafting window was fresh after a step or two while its
+    plain window still held what paused steps had measured long before. On an H200 (mask + SPS at 128 requests,
+    docs/PERFORMANCE.md section 22) the 128-255 bucket's quotient read 0.37 from the first cell on, set by the
+    shape warm-up (plain steps near 256 requests ran 2.7x their price, at 128 1.4x): drafting looked ~2.4x
+    cheaper than it was, each step paid on paper, and one plain sample per 64 steps, blended with that history,
+    took two samples to undo it -- 128-132 drafting steps at ~0.6x plain decoding. A window whose last sample
+    is more than ``STEP_TIME_STALE`` timed steps old therefore restarts with its next one, and
+    :meth:`plain_is_stale` tells :class:`StepTimer` to measure such a load's plain steps before trusting its
+    quotient.
     """
 
     def __init__(self, memory: int = STEP_TIME_MEMORY) -> None:
@@ -454,6 +471,8 @@ class StepTimeCalibration:
         self.memory = memory
         self._windows: dict[tuple[bool, int], RequestWeightedMean] = {}
         self.num_samples = {True: 0, False: 0}
+        self._clock = 0  # timed steps recorded, all loads and kinds
+        self._fed_at: dict[tuple[bool, int], int] = {}  # the clock at each window's latest sample
 
     @staticmethod
     def load_bucket(num_reqs: int) -> int:
@@ -472,10 +491,21 @@ class StepTimeCalibration:
         ratio = min(max(measured_ms / priced_ms, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
         key = (drafting, self.load_bucket(num_reqs))
         window = self._windows.get(key)
-        if window is None:
-            window = self._windows[key] = RequestWeightedMean(self.memory)
+        if window is None or self._age(key) > STEP_TIME_STALE:
+            window = self._windows[key] = RequestWeightedMean(self.memory)  # a stale history is dropped, not blended
+        self._clock += 1
+        self._fed_at[key] = self._clock
         window.add(ratio, num_reqs)
         self.num_samples[drafting] += 1
+
+    def _age(self, key: tuple[bool, int]) -> int:
+        return self._clock - self._fed_at.get(key, self._clock)
+
+    def plain_is_stale(self, num_reqs: int) -> bool:
+        """Whether ``num_reqs``'s load bucket has plain steps measured, but none in the last ``STEP_TIME_STALE``
+        timed steps (a bucket never measured is not stale: it has no history to mislead)."""
+        key = (False, self.load_bucket(num_reqs))
+        return key in self._windows and self._age(key) > STEP_TIME_STALE
 
     def ratio(self, drafting: bool, num_reqs: int) -> float | None:
         """Windowed measured / priced time of drafting (True) or plain (False) steps at ``num_reqs``'s load
@@ -541,11 +571,16 @@ class StepTimer:
 
     def begin_step(self, num_running: int) -> bool:
         """Whether this step drafts: the policy's verdict, or a plain sample once drafting has run
-        ``PLAIN_SAMPLE_EVERY`` timed steps (pointless where drafting never pauses: patience 0)."""
+        ``PLAIN_SAMPLE_EVERY`` timed steps, or at once (after one drafting step, so never two plain samples in a
+        row) where the load's plain window is stale (:meth:`StepTimeCalibration.plain_is_stale`): drafting just
+        resumed, or moved, to a load whose plain steps were last timed in another phase of serving, and its
+        quotient would compare fresh drafting steps with them for ``PLAIN_SAMPLE_EVERY`` steps. Pointless where
+        drafting never pauses (patience 0)."""
         drafting = self.saturation.begin_step(num_running)
         self.probe_step = drafting and self.saturation.probing
         if (drafting and not self.probe_step and self.saturation.patience > 0
-                and self._drafting_since_plain >= PLAIN_SAMPLE_EVERY):
+                and (self._drafting_since_plain >= PLAIN_SAMPLE_EVERY
+                     or (self._drafting_since_plain > 0 and self.step_times.plain_is_stale(num_running)))):
             return False
         return drafting
 
