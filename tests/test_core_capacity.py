@@ -735,6 +735,17 @@ def _timed_step(mgr: CapacityManager, drafted_ms_scale: float, emitted: int) -> 
     return True
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.floats(0.25, 4.0))
+def test_a_plain_step_is_priced_as_the_curve_prices_it_at_any_load(num_reqs: int, scale: float) -> None:
+    """record_step_time prices plain steps from a table built once (within the manager's slots) and from the
+    curve beyond them: either way the calibration sees measured over the curve's plain price."""
+    mgr = _timed_manager(patience=8)  # 8 slots: loads past 8 take the curve's own path
+    priced = float(mgr.curve.step_cost_ms(num_reqs, num_reqs, drafting=False))
+    mgr.record_step_time(False, num_reqs, scale * priced)
+    assert mgr.step_times.ratio(False, num_reqs) == pytest.approx(min(max(scale, 0.25), 4.0))
+
+
 def test_timed_engines_get_a_plain_measuring_step_and_its_price_judges_drafting() -> None:
     # Drafting steps take what the curve says, so they keep paying; every PLAIN_SAMPLE_EVERY timed drafting
     # steps one step is plain, to measure plain decoding.

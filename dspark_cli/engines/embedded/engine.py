@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark_cli.core.capacity import CapacityManager, SaturationCounters, warm_up_allocate
+from dspark_cli.core.capacity import CapacityManager, ProbeVerdict, SaturationCounters, warm_up_allocate
 from dspark_cli.core.layout import VerifyLayout, build_mask_layout, build_varlen_layout, warm_up_varlen_layout
 from dspark_cli.core.rejection import rejection_sample, sample, warm_up_rejection_sample
 from dspark_cli.core.sps import SpsCurve
@@ -254,7 +254,8 @@ class LLMEngine:
         self.traces: TraceWriter | None = TraceWriter(config.record_traces) if config.record_traces else None
         self.capacity: CapacityManager | None = None
         self.sps_curve: SpsCurve | None = None
-        self._saturation_seen = (0, 0, 0)  # pauses, resumes, judged probes: _log_saturation logs each change
+        # pauses, resumes, the last judged probe: _log_saturation logs each change
+        self._saturation_seen: tuple[int, int, ProbeVerdict | None] = (0, 0, None)
         if self.num_spec > 0 and config.capacity.mode != "none":
             self.sps_curve = file_curve or self._profile_curve()
             self.capacity = CapacityManager(
@@ -561,19 +562,19 @@ class LLMEngine:
         assert self.capacity is not None
         sat = self.capacity.saturation
         c = sat.counters
-        seen = (c.pauses, c.resumes, sum(n for (_, verdict), n in c.probes.items() if verdict != "unjudged"))
-        if seen == self._saturation_seen:
+        pauses, resumes, probe = self._saturation_seen
+        # Every step asks, so the check is two ints and an identity: a judged probe leaves a new last_probe.
+        if c.pauses == pauses and c.resumes == resumes and c.last_probe is probe:
             return
-        pauses, resumes, probes = self._saturation_seen
-        self._saturation_seen = seen
+        self._saturation_seen = (c.pauses, c.resumes, c.last_probe)
         gain = sat.realized_gain
         state = (f"at {num_reqs} requests, {self.stats.num_decode_steps} decode steps in; realized gain "
                  f"{'n/a' if gain is None else f'{gain:.2f}'}x plain decoding")
-        if seen[2] != probes and c.last_probe is not None:
+        if c.last_probe is not probe and c.last_probe is not None:
             log.info("saturation: %s", c.last_probe.describe())
-        if seen[0] != pauses:
+        if c.pauses != pauses:
             log.info("saturation: drafting paused %s; next timer probe in %d paused steps", state, sat.probe_wait)
-        if seen[1] != resumes:
+        if c.resumes != resumes:
             log.info("saturation: drafting resumed %s", state)
 
     def _plain_decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
