@@ -163,6 +163,7 @@ def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, promp
     s = engine.stats
     s.phase_ms.clear()
     s.phase_steps.clear()
+    step_ms, step_count = dict(s.step_ms), dict(s.steps)  # the engine's own clock per step kind, cumulative
     before = (s.num_decode_steps, s.num_draft_tokens, s.num_verified_draft_tokens, s.num_paused_steps,
               s.num_accepted_tokens, s.num_drafts)
     stalls = s.stalls.copy()
@@ -182,6 +183,12 @@ def _run_phases(engine: LLMEngine, conc: int, vocab: int, max_tokens: int, promp
         per = {ph: s.phase_ms.get(f"{kind}.{ph}", 0.0) / steps for ph in PHASES + ("forward",)}
         per = {ph: v for ph, v in per.items() if f"{kind}.{ph}" in s.phase_ms}
         kinds[kind] = dict(steps=steps, ms_per_step=per, total_ms_per_step=sum(per.values()))
+        n = s.steps.get(kind, 0) - step_count.get(kind, 0)
+        if n > 0:
+            # What the step costs around its phases: for a paused step the capacity manager's per-step
+            # bookkeeping (saturation decision, step timing, calibration), which a no-speculation step lacks.
+            step = (s.step_ms.get(kind, 0.0) - step_ms.get(kind, 0.0)) / n
+            kinds[kind].update(step_ms=step, outside_ms=step - kinds[kind]["total_ms_per_step"])
     drafts = s.num_drafts - before[5]
     return dict(
         concurrency=conc, mode=mode, tok_s=sum(len(o) for o in outs) / elapsed, wall_s=elapsed,
@@ -278,8 +285,8 @@ def _print_phases(console: Any, steps: dict[str, Any]) -> None:
     t = Table(title=f"decode step breakdown, ms per step ({steps['model']} + {steps['draft']}, K={steps['k']}, "
                     f"{steps['max_tokens']} tokens, T={steps.get('temperature', 0.0):g}; host = no added syncs, "
                     "device = sync per phase, gpu = CUDA events: each phase's span of the device timeline)")
-    for col in ("config", "c", "timing", "kind", "steps", *PHASES, "sum", "sched", "tok/s", "ms/step*", "paused",
-                "acc len", "stalls"):
+    for col in ("config", "c", "timing", "kind", "steps", *PHASES, "sum", "outside", "sched", "tok/s", "ms/step*",
+                "paused", "acc len", "stalls"):
         t.add_column(col, justify="right")
     for r in steps["phases"]:
         first = True
@@ -295,6 +302,7 @@ def _print_phases(console: Any, steps: dict[str, Any]) -> None:
             acc = r["acceptance_length"]
             t.add_row(r["config"] if first else "", str(r["concurrency"]) if first else "", r["mode"] if first else "",
                       kind, str(kd["steps"]), *cells, f"{kd['total_ms_per_step']:.2f}",
+                      f"{kd['outside_ms']:.3f}" if "outside_ms" in kd else "",
                       f"{r['schedule_ms_per_step']:.2f}" if first else "",
                       f"{r['tok_s']:.0f}" if first else "",
                       f"{1000 * r['wall_s'] / max(1, r['decode_steps']):.2f}" if first else "",
@@ -307,7 +315,8 @@ def _print_phases(console: Any, steps: dict[str, Any]) -> None:
                   "(block tables, H2D), draft (catch-up + K drafts; paused: the 1-token draft catch-up), plan "
                   "(capacity record/plan/allocate), layout, verify (target forward + logits), reject (rejection "
                   "sampler / sampling, STS), sync (the one D2H copy: waits for the device in host timing), emit "
-                  "(counters, traces, token emission); prefill rows: draft column = prefill forward. stalls = "
+                  "(counters, traces, token emission); outside = the engine's own step time less the phases' sum (a paused "
+                  "step's capacity bookkeeping); prefill rows: draft column = prefill forward. stalls = "
                   "kernel compiles while serving / their ms (by step kind), and ms of full garbage collections.")
 
 
