@@ -166,6 +166,31 @@ def test_step_cost_is_draft_plus_verify_plus_overhead(curve: SpsCurve) -> None:
     assert curve.steps_per_sec(4, 10, drafting=False) == pytest.approx(1000.0 / 12.0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 300), st.integers(0, 300), st.booleans(), st.booleans())
+def test_integer_step_prices_are_cached_and_equal_the_array_prices(num_reqs: int, tokens: int, drafting: bool,
+                                                                   sampling: bool) -> None:
+    """step_cost_ms looks integer arguments up after the first call (engines price every paused step so); the
+    cached price is the array path's, whatever the region (graph staircase, eager line, extrapolation)."""
+    c = SpsCurve.from_points(VERIFY, [(1, 2.0), (8, 3.0), (64, 6.0)], 1.0, (8, 16, 32, 64),
+                             draft_sampling_ms=[(1, 2.5), (64, 7.0)])
+    arrays = c.step_cost_ms(np.array([num_reqs]), np.array([tokens]), drafting, sampling)[0]
+    first = c.step_cost_ms(num_reqs, tokens, drafting, sampling)
+    again = c.step_cost_ms(np.int64(num_reqs), tokens, drafting, sampling)
+    assert isinstance(first, float) and first == again == pytest.approx(float(arrays))
+
+
+def test_the_step_price_cache_stays_bounded() -> None:
+    from dspark_cli.core.sps import STEP_COST_CACHE
+
+    c = SpsCurve.from_points(VERIFY)
+    for t in range(STEP_COST_CACHE + 10):
+        c.step_cost_ms(1, t, drafting=False)
+    assert len(c._step_costs) <= STEP_COST_CACHE
+    assert c.step_cost_ms(1, 3, drafting=False) == pytest.approx(float(c.step_cost_ms(np.array([1]), np.array([3]),
+                                                                                        drafting=False)[0]))
+
+
 def test_sampling_steps_are_priced_by_the_sampling_draft_curve(tmp_path: Path, curve: SpsCurve) -> None:
     # Without a sampling curve a sampling step costs what a greedy one does (files written before it existed).
     assert curve.draft_sampling_ms == ()

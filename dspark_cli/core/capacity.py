@@ -1023,11 +1023,6 @@ class CapacityManager:
         self.last_decision: BudgetDecision | None = None
         self._pending_running = 0
         self.timer = StepTimer(self.saturation)
-        # A plain step's price by request count, once: record_step_time prices every paused step, and the curve's
-        # numpy evaluation cost ~0.25 ms of host time per step there (embedded engine on a CPU, timed between a
-        # step's forward passes), which a paused step pays and a no-speculation step does not.
-        counts = np.arange(max_slots + 1)
-        self._plain_ms = [float(x) for x in np.asarray(curve.step_cost_ms(counts, counts, drafting=False))]
 
     # -- saturation
     @property
@@ -1063,8 +1058,7 @@ class CapacityManager:
             return
         if priced_ms is None:
             if not drafting:
-                priced_ms = (self._plain_ms[num_reqs] if 0 <= num_reqs < len(self._plain_ms)
-                             else float(self.curve.step_cost_ms(num_reqs, num_reqs, drafting=False)))
+                priced_ms = float(self.curve.step_cost_ms(num_reqs, num_reqs, drafting=False))  # cached per count
             elif self.last_decision is not None:
                 priced_ms = self.last_decision.step_ms
             else:

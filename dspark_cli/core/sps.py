@@ -41,6 +41,9 @@ MAX_DROP_FRACTION = 0.25
 MIN_COST_RATIO = 1.02
 # Floor on a verify cost so extrapolation can never produce zero or negative prices.
 MIN_VERIFY_MS = 1e-6
+# Integer step prices kept by a curve (SpsCurve.step_cost_ms): a batch's (requests, tokens) pairs recur, and
+# a bound keeps a long-lived server's cache small.
+STEP_COST_CACHE = 1 << 14
 
 _FIX_HINT = "re-profile with `dspark profile-sps` or fix the file"
 
@@ -216,6 +219,8 @@ class SpsCurve:
     _dy: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
     _sx: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
     _sy: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    # step_cost_ms of integer arguments, by (num_reqs, tokens, drafting, sampling): see step_cost_ms.
+    _step_costs: dict[tuple[int, int, bool, bool], float] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         source = "SpsCurve"
@@ -258,6 +263,7 @@ class SpsCurve:
         set_(self, "_stair_y", stair)
         set_(self, "_eager_x", ex)
         set_(self, "_eager_y", ey)
+        set_(self, "_step_costs", {})
         set_(self, "_dx", np.array([x for x, _ in draft], dtype=np.float64))
         set_(self, "_dy", np.array([y for _, y in draft], dtype=np.float64))
         set_(self, "_sx", np.array([x for x, _ in draft_sampling], dtype=np.float64))
@@ -410,7 +416,23 @@ class SpsCurve:
         return float(out) if scalar else out
 
     def step_cost_ms(self, num_reqs: Any, tokens: Any, drafting: bool = True, sampling: bool = False) -> Any:
-        """Whole-step cost: ``draft(num_reqs)`` (if drafting) + ``verify(tokens)`` + ``overhead_ms``."""
+        """Whole-step cost: ``draft(num_reqs)`` (if drafting) + ``verify(tokens)`` + ``overhead_ms``.
+
+        Integer arguments are priced once and then looked up: engines price every paused step this way, and the
+        numpy evaluation took ~0.25 ms of host time per step inside an engine's loop on a CPU (its code runs cold
+        between forward passes), where a no-speculation step pays nothing (docs/PERFORMANCE.md section 24).
+        """
+        if isinstance(num_reqs, (int, np.integer)) and isinstance(tokens, (int, np.integer)):
+            key = (int(num_reqs), int(tokens), bool(drafting), bool(sampling))
+            cost = self._step_costs.get(key)
+            if cost is None:
+                if len(self._step_costs) >= STEP_COST_CACHE:
+                    self._step_costs.clear()
+                cost = self._step_costs[key] = float(self._step_cost_ms(num_reqs, tokens, drafting, sampling))
+            return cost
+        return self._step_cost_ms(num_reqs, tokens, drafting, sampling)
+
+    def _step_cost_ms(self, num_reqs: Any, tokens: Any, drafting: bool, sampling: bool) -> Any:
         cost = self.verify_cost_ms(tokens) + self.overhead_ms
         if drafting:
             cost = cost + self.draft_cost_ms(num_reqs, sampling)
