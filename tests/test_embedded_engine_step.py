@@ -3,6 +3,8 @@ paused, the packed host transfers and the per-phase timing breakdown (all on CPU
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ from test_embedded_engine import TinyPair, make_engine, prompts
 from dspark_cli.core.capacity import CapacityConfig
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.engines.embedded.sequence import SamplingParams, Sequence
+
+SATURATION_LOG = Path(__file__).resolve().parents[1] / "benchmarks" / "saturation_log.py"
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -360,7 +364,7 @@ def test_mixed_prefills_decode_the_running_requests_in_the_prefill_forward(
 
 
 def test_saturation_state_changes_are_logged_once_each_with_their_evidence(
-    pair: TinyPair, never_pays: Path, caplog: pytest.LogCaptureFixture
+    pair: TinyPair, never_pays: Path, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     """A served matrix's server log must say when drafting paused and resumed and why each probe was judged
     as it was: one line per change, none on the steps in between."""
@@ -380,3 +384,13 @@ def test_saturation_state_changes_are_logged_once_each_with_their_evidence(
     probe_lines = [line for line in lines if " probe at " in line]
     assert len(probe_lines) == judged and all("failed: realized" in line for line in probe_lines)
     assert "drafting paused at 4 requests" in lines[0] and "realized gain" in lines[0]
+    # benchmarks/saturation_log.py reads these lines from served logs: it must parse every one of them
+    spec = importlib.util.spec_from_file_location("saturation_log", SATURATION_LOG)
+    reader = importlib.util.module_from_spec(spec)
+    sys.modules["saturation_log"] = reader  # its dataclass looks its module up there
+    spec.loader.exec_module(reader)
+    log_file = tmp_path / "varlen.log"
+    log_file.write_text("".join(f"INFO dspark.embedded: {line}\n" for line in lines))
+    parsed = reader.parse(log_file)
+    assert len(parsed) == judged and all(p.verdict == "failed" and p.cost_scale > 0 for p in parsed)
+    assert sum(bool(reader.STATE.search(line)) for line in lines) == c.pauses + c.resumes

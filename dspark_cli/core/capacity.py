@@ -1058,7 +1058,7 @@ class CapacityManager:
             return
         if priced_ms is None:
             if not drafting:
-                priced_ms = float(self.curve.step_cost_ms(num_reqs, num_reqs, drafting=False))  # cached per count
+                priced_ms = self.curve.step_cost_ms(num_reqs, num_reqs, drafting=False)  # a float, cached per count
             elif self.last_decision is not None:
                 priced_ms = self.last_decision.step_ms
             else:
