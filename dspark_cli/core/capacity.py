@@ -69,6 +69,9 @@ LOAD_RISE = 4 / 3
 # while paused is capped at PROBE_BANK probes' worth, so a long pause cannot fund a burst of probes.
 PROBE_TAX = 0.02
 PROBE_BANK = 4
+# A due probe waits (at most PROBE_MEASURE_WAIT paused steps) until a paused step at its load has been timed:
+# judged without one, a drafting step there is priced by another load's quotient (SaturationPolicy).
+PROBE_MEASURE_WAIT = 16
 PROBE_TRIGGERS: tuple[str, ...] = ("timer", "load", "rise")  # "load": the load fell; "rise": it rose
 PROBE_VERDICTS: tuple[str, ...] = ("paid", "failed", "unjudged")
 # A probe resumes drafting only if its realized gain clears plain decoding by this margin: a probe that
@@ -507,6 +510,15 @@ class StepTimeCalibration:
         key = (False, self.load_bucket(num_reqs))
         return key in self._windows and self._age(key) > STEP_TIME_STALE
 
+    def times_load(self, num_reqs: int) -> bool:
+        """Whether a drafting step at ``num_reqs`` would be judged by that load's own measurements: its bucket
+        has plain steps timed within ``STEP_TIME_STALE`` timed steps -- or nothing has been timed at all (the
+        curve judges alone; nothing would be borrowed)."""
+        if not (self.num_samples[True] or self.num_samples[False]):
+            return True
+        key = (False, self.load_bucket(num_reqs))
+        return key in self._windows and self._age(key) <= STEP_TIME_STALE
+
     def ratio(self, drafting: bool, num_reqs: int) -> float | None:
         """Windowed measured / priced time of drafting (True) or plain (False) steps at ``num_reqs``'s load
         bucket; None before a sample there."""
@@ -576,7 +588,7 @@ class StepTimer:
         resumed, or moved, to a load whose plain steps were last timed in another phase of serving, and its
         quotient would compare fresh drafting steps with them for ``PLAIN_SAMPLE_EVERY`` steps. Pointless where
         drafting never pauses (patience 0)."""
-        drafting = self.saturation.begin_step(num_running)
+        drafting = self.saturation.begin_step(num_running, self.step_times.times_load(num_running))
         self.probe_step = drafting and self.saturation.probing
         if (drafting and not self.probe_step and self.saturation.patience > 0
                 and (self._drafting_since_plain >= PLAIN_SAMPLE_EVERY
@@ -612,13 +624,15 @@ class SaturationCounters:
 
     ``probes`` holds every (trigger, verdict) pair from the start (``PROBE_TRIGGERS`` x ``PROBE_VERDICTS``), so
     a reader on another thread can copy it while the engine counts. ``deferred_probe_steps``: paused steps on
-    which a probe was due but the probe tax held it back.
+    which a probe was due but the probe tax held it back; ``unmeasured_probe_steps``: those on which it waited
+    for a paused step at its load to be timed.
     """
 
     pauses: int = 0
     resumes: int = 0
     probe_steps: int = 0
     deferred_probe_steps: int = 0
+    unmeasured_probe_steps: int = 0
     probes: dict[tuple[str, str], int] = field(
         default_factory=lambda: {(t, v): 0 for t in PROBE_TRIGGERS for v in PROBE_VERDICTS})
     last_probe: ProbeVerdict | None = None  # the evidence of the latest judged probe
@@ -678,7 +692,21 @@ class SaturationPolicy:
       the short steps of a small batch, and verification's cost per request falls as the batch grows. On the
       H200 (Llama-3-8B shape, docs/PERFORMANCE.md section 15) drafting lost at 16 and 64 requests and won by
       26% at 256, where the timer, backed off by the failures below, never probed in a 10-second cell. A
-      closed-loop refill probes at most once per new top.
+      closed-loop refill probes at most once per new top, so a pause runs at most log_{4/3} of its load range
+      of them (five from 64 requests to 256): the probe tax does not hold them back. It would, where it
+      matters most: the light loads' probes spend the allowance, and a 10-second cell at 256 requests saves
+      2% of ~40 ms paused steps back, about 0.8 ms a step -- a cell's length to repay one deficit of a few
+      probes (docs/PERFORMANCE.md section 25: drafting paid 1.3-1.5x at 256 and never resumed).
+
+    **A probe waits for its load to be timed** (engines that time their steps: ``begin_step(measured=...)``).
+    Its verdict prices a drafting step by the load's own measurements (:class:`StepTimeCalibration`); a load no
+    paused step was timed at borrows another load's quotient, and light loads' quotients (a host-bound draft
+    pass, 2-4x) fail every heavy-load probe. That is the first step at a new load, and every step of vLLM's
+    ramp to it: the scheduler admits a wave's prompts over several steps, each carrying a prompt chunk before
+    which the paused draft catches up, and such steps are not timed as paused ones. A rise probe fired there,
+    failed on a borrowed quotient, raised the top to its load, and the next one did the same, until the top
+    stood at the cell's steady load. So a due probe waits (``unmeasured_probe_steps``) until the engine has
+    timed a paused step at its load, at most ``PROBE_MEASURE_WAIT`` steps.
 
     Why a probe and not a plain resume: under closed-loop load (a benchmark's waves, a client pool) the batch
     drains and refills every generation; where drafting pays at no load (a slow draft, low acceptance at
@@ -727,6 +755,7 @@ class SaturationPolicy:
         self._ceiling_floor = 0
         self._paused_steps = 0
         self._probe_wait = resume_every
+        self._measure_wait = 0  # paused steps a due probe has waited for its load to be timed
         self._probing = False
         self._top = 0  # highest load at which drafting was found not to pay during this pause
         self._probe_trigger = "timer"  # what started the probe in progress (a PROBE_TRIGGERS name)
@@ -756,6 +785,11 @@ class SaturationPolicy:
         return self._probing
 
     @property
+    def probe_trigger(self) -> str:
+        """What started the probe in progress, or the last one (a ``PROBE_TRIGGERS`` name)."""
+        return self._probe_trigger
+
+    @property
     def floor(self) -> int:
         """The lowest load at which drafting was found not to pay in this pause (0 before any pause)."""
         return self._floor
@@ -770,9 +804,11 @@ class SaturationPolicy:
         """After a load probe resumed drafting: the load at which drafting pauses again at once."""
         return self._ceiling
 
-    def begin_step(self, num_running: int) -> bool:
-        """Whether this step drafts (always while enabled; resumes or probes while paused)."""
-        drafting = self._begin(num_running)
+    def begin_step(self, num_running: int, measured: bool = True) -> bool:
+        """Whether this step drafts (always while enabled; resumes or probes while paused). ``measured``:
+        whether a paused step at this load has been timed lately (:meth:`StepTimeCalibration.times_load`); a
+        due probe waits while it is False (class docstring). Engines that do not time their steps leave it."""
+        drafting = self._begin(num_running, measured)
         if not drafting:
             self._step_kind = "paused"
         elif self._probing:
@@ -782,7 +818,7 @@ class SaturationPolicy:
             self._step_kind = "probation" if self.on_probation else "drafting"
         return drafting
 
-    def _begin(self, num_running: int) -> bool:
+    def _begin(self, num_running: int, measured: bool) -> bool:
         if not self._paused:
             if self._ceiling is not None and num_running >= self._ceiling:
                 floor = self._ceiling_floor
@@ -807,9 +843,14 @@ class SaturationPolicy:
             trigger = "timer"
         else:
             return False
-        if self._allowance_ms < 0:
+        if not measured and self._measure_wait < PROBE_MEASURE_WAIT:
+            self._measure_wait += 1  # this paused step times the load, and the probe is judged by it
+            self.counters.unmeasured_probe_steps += 1
+            return False
+        if self._allowance_ms < 0 and trigger != "rise":
             self.counters.deferred_probe_steps += 1  # due, but probing has spent its share of paused time
             return False
+        self._measure_wait = 0
         self._probe_trigger = trigger
         self._probing = True
         self._probe_running = num_running

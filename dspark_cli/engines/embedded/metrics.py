@@ -114,7 +114,8 @@ def _saturation_fields(counters: object) -> dict[str, object]:
         return {}
     return {
         "saturation": {name: int(getattr(counters, name, 0))
-                       for name in ("pauses", "resumes", "probe_steps", "deferred_probe_steps")},
+                       for name in ("pauses", "resumes", "probe_steps", "deferred_probe_steps",
+                                    "unmeasured_probe_steps")},
         "saturation_probes": {(str(t), str(v)): int(n) for (t, v), n in dict(getattr(counters, "probes", {})).items()},
     }
 
@@ -215,8 +216,11 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
         _family(lines, "dspark:saturation_deferred_probe_steps_total", "counter",
                 "Paused steps on which a probe was due but the probe tax held it back.",
                 [(base, snap.saturation.get("deferred_probe_steps", 0))])
+        _family(lines, "dspark:saturation_unmeasured_probe_steps_total", "counter",
+                "Paused steps on which a probe was due but waited for a paused step at its load to be timed.",
+                [(base, snap.saturation.get("unmeasured_probe_steps", 0))])
         _family(lines, "dspark:saturation_probes_total", "counter",
-                "Saturation probes by what started them (timer, load fall) and their verdict.",
+                "Saturation probes by what started them (timer, load fall, load rise) and their verdict.",
                 [({**base, "trigger": t, "verdict": v}, n) for (t, v), n in sorted(snap.saturation_probes.items())])
     _family(lines, "dspark:kv_blocks_free", "gauge", "Free KV-cache blocks.", [(base, snap.kv_blocks_free)])
     # What stalls steps beyond their own work (stalls.py): any compile in phase "serving" is a gap in the
