@@ -1,9 +1,11 @@
-"""Tabulate the ``saturation:`` lines of embedded-engine server logs: every probe verdict and what followed it.
+"""Tabulate the ``saturation:`` lines of server logs: every probe verdict and what followed it.
 
-Each server log of a served matrix (``dspark bench``'s ``logs/*.log``) carries one line per pause, resume and
-probe verdict (``LLMEngine._log_saturation``). This prints, per probe: its trigger, load, realized gain (after
-the probe margin), the cost scale it was judged at and the verdict; for a probe that paid, the drafting steps
-until the next pause (decode steps between the resume line and the pause line) and that pause's realized gain.
+Each embedded-engine server log of a served matrix (``dspark bench``'s ``logs/*.log``) carries one line per
+pause, resume and probe verdict (``LLMEngine._log_saturation``); a vLLM server's log with the dspark plugin
+carries one line per probe verdict (and its periodic summary, which this skips). This prints, per probe: its
+trigger, load, realized gain (after the probe margin), the cost scale it was judged at and the verdict; for a
+probe that paid in an embedded-engine log, the drafting steps until the next pause (decode steps between the
+resume line and the pause line) and that pause's realized gain.
 
     python3 benchmarks/saturation_log.py benchmarks/results/h200/embedded_matrix/2026-12-03-floor/real/bench/logs/*.log
 """

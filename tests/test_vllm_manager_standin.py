@@ -10,8 +10,10 @@ online STS -- are the real code on real CPU tensors.
 from __future__ import annotations
 
 import logging
+import runpy
 import sys
 import types
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -358,9 +360,18 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
         timed = run(True)
     assert untimed[-20:].count(K) < 5  # priced by the curve alone: paused, failed probes only
     assert timed[-20:] == [K] * 20  # measured: drafting resumed and stays on
-    # the server log says so (every 10 s of serving; here 0.6 s, and 60 steps of 15-30 ms make one line)
+    # the server log says so (every 10 s of serving; here 0.6 s, and 60 steps of 15-30 ms make one line) ...
     lines = [r.getMessage() for r in caplog.records if "dspark: saturation:" in r.getMessage()]
-    assert len(lines) == 1 and "pauses 1, resumes 1" in lines[0] and "2-3: 0.33" in lines[0]
+    summary = [x for x in lines if "decisions" in x]
+    assert len(summary) == 1 and "pauses 1, resumes 1" in summary[0] and "2-3: 0.33" in summary[0]
+    assert "due probes held 0 steps by the probe tax, 0 to time their load" in summary[0]
+    # ... and every probe's verdict as it is judged, in the words benchmarks/saturation_log.py reads
+    verdicts = [x for x in lines if "decisions" not in x]
+    assert verdicts and all(" probe at 3 requests " in x and "probe allowance" in x for x in verdicts)
+    assert "paid: realized" in verdicts[-1]
+    reader = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "saturation_log.py"))
+    assert all(reader["PROBE"].search(x) for x in verdicts)
+    assert not any(reader["PROBE"].search(x) for x in summary)  # its "last probe" is not a new verdict
 
 
 def test_a_draft_catch_up_is_not_charged_to_drafting(manager_cls) -> None:

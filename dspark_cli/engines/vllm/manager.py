@@ -829,9 +829,11 @@ def build_manager_class(base: type) -> type:
                       + (f", {u.truncated} truncated" if u.truncated else ""))
             last = "none" if c.last_probe is None else c.last_probe.describe()
             logger.info("dspark: saturation: drafting %d / paused %d decisions; pauses %d, resumes %d, probes [%s]; "
+                        "due probes held %d steps by the probe tax, %d to time their load; "
                         "last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V while "
                         "paused: %s", self._decisions[True], self._decisions[False], c.pauses, c.resumes,
-                        probes or "none", last, quotients or "not measured yet", upkeep)
+                        probes or "none", c.deferred_probe_steps, c.unmeasured_probe_steps, last,
+                        quotients or "not measured yet", upkeep)
 
         def _time_last_step(self, batch: Any) -> None:
             """Time the interval since the last drafting decision and charge it to that decision.
@@ -908,8 +910,15 @@ def build_manager_class(base: type) -> type:
             if self._outcome_event is not None:
                 self._outcome_event.synchronize()
             decision, r = pending
+            seen = self.saturation.counters.last_probe
             self.saturation.observe_outcome(decision, int(self._outcome_host.item()), r,
                                             self.timer.cost_scale(r, decision))
+            probe = self.saturation.counters.last_probe
+            if probe is not seen and probe is not None:
+                # Every verdict, as it is judged: a short cell at high load can end before the periodic line,
+                # and its probes were what a sitting needed to see (docs/PERFORMANCE.md section 25).
+                logger.info("dspark: saturation: %s; probe allowance %.0f ms", probe.describe(),
+                            self.saturation.probe_allowance_ms)
 
         def observe(self, num_sampled: torch.Tensor) -> None:
             """Outcomes of this step's verification (device), before propose overwrites the drafts."""
