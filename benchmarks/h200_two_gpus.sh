@@ -96,8 +96,10 @@ queue_stalls() {
 
 # One GPU, issue 6 (vLLM 0.33 on the Llama-3-8B shape): waits for the staged wheels (/tmp/stage/ready, once
 # every group of ../shared/tools/vllm-h200/stage.py is copied in), installs them, profiles the scaled curve,
-# then the eight configs in two groups of four servers started in a staggered row (ANATOMY=1: with the served
-# step anatomy): ~22 min after staging (2026-12-01: install 1, profile 3, groups 10 and 8).
+# then issue 6's configs in three groups of servers started together (vllm_group), each with a no-speculation
+# server to pair with, in 2 paired rounds (ANATOMY=1 VLLM_ROUNDS=1: one pass with the served step anatomy): install 1, groups ~7, ~7
+# and ~5 min (section 25: a group of four, one pass of 512 requests per cell, took 7 min with the servers
+# started together).
 # REUSE_CURVE=1: the curve `dspark profile-sps` measured in section 14's sitting (same machine kind) instead of
 # profiling again (saves 3 min). REAL_SMOKE=1: first the greedy lossless check with real weights (issue 6 item
 # 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec and forced-verification configs
@@ -124,26 +126,32 @@ queue_vllm() {
     [[ $? == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
   fi
   vllm_group "scaled, group 1" "${VLLM_GROUP1:-nospec,all,upstream,varlen}"
-  vllm_group "scaled, group 2" "${VLLM_GROUP2:-mask,varlen-nosat,varlen-nosts,varlen-startup}"
+  vllm_group "scaled, group 2" "${VLLM_GROUP2:-nospec#2,mask,varlen-nosat,varlen-nosts}"
   [[ ${REAL_SMOKE:-0} == after ]] && real_smoke
+  # The curve-source ablation last: what a short sitting loses first.
+  vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,varlen-startup}"
 }
 
-# LABEL CONFIGS: one group of four 8B-shaped vLLM servers. KV_GIB (default 11: 87k tokens of a draft_model
+# LABEL CONFIGS: one group of up to four 8B-shaped vLLM servers. KV_GIB (default 11: 87k tokens of a draft_model
 # server's KV, where a cell of 256 requests needs ~68k) gives each a fixed KV cache, so the four start together,
-# not in a row (~4 min less per group: section 18's row took 356 s to bring four up). Not yet run on the H200:
-# should a config fail with them started together, its servers are started again in a row (KV_GIB= does
-# only that), and its finished cells are kept.
+# not in a row (section 25: the first of four ready in 106-166 s, where section 18's row took 356 s to bring four
+# up). Should a config fail with them started together, its servers are started again in a row (KV_GIB= does
+# only that), and its finished cells are kept. VLLM_ROUNDS (default 2) measures the group in paired rounds of
+# half the prompts each (vllm_adaptive.py --rounds): every group carries a no-speculation server (nospec#N) to
+# pair with, since one cell per config read two servers of the same paused steps 10 points apart (section 25).
 vllm_group() {
   local kv=${KV_GIB-11}
-  OVERLAP=4 GPU_UTIL=0.22 CONFIGS=$2 KV_GIB=$kv stage "$1" bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled && return
+  [[ -n $2 ]] || return 0
+  OVERLAP=4 GPU_UTIL=0.22 CONFIGS=$2 KV_GIB=$kv VLLM_ROUNDS=${VLLM_ROUNDS-2} stage "$1" \
+    bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled && return
   [[ -n $kv ]] || return 1
   local failed
   failed=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['results']
 print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x)))" "$ROOT/vllm/scaled/results.json") || return 1
   [[ -n $failed ]] || return 1
   echo "$1: $failed failed with the servers started together; again in a row"
-  OVERLAP=4 GPU_UTIL=0.22 CONFIGS=$failed KV_GIB= stage "$1, in a row ($failed)" bash benchmarks/vllm_h200.sh \
-    "$ROOT/vllm" scaled
+  OVERLAP=4 GPU_UTIL=0.22 CONFIGS=$failed KV_GIB= VLLM_ROUNDS=${VLLM_ROUNDS-2} stage "$1, in a row ($failed)" \
+    bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled
 }
 
 real_smoke() {  # issue 6 item 4: greedy lossless with real weights, verification forced on (see queue_vllm)

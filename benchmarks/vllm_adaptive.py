@@ -28,6 +28,15 @@ with --dspark), and ablations of ours: varlen-nosat (no saturation policy), varl
 varlen-startup (vLLM's start-up profile instead of the --dspark sps_curve), varlen-current (the draft's
 K/V kept current on every paused step instead of caught up: engines/vllm/upkeep.py).
 
+``--rounds N`` measures each group in N paired rounds: every server of the group gets 1/N of the prompts per
+round (fresh random prompts each round), the group's configs in a rotated order each round, so that what drifts
+over a group's minutes lands on every config alike; ``paired.md`` then gives, per concurrency, each config's
+median and range over the rounds of its tok/s against the reference config (``--pair-with``, default nospec) of
+the same group and round. One cell per config was not enough on a GPU shared by four resident servers: two
+servers running the same paused steps read 10 points apart at 16 requests (docs/PERFORMANCE.md section 25). A
+config may be named twice as ``name#tag`` (``nospec#2``: the same server config, a second server), so that every
+group carries its own reference, and an A/A pair shows the floor.
+
 ``--anatomy`` loads the step anatomy of ``benchmarks/vllm_step_anatomy.py`` into every server (its worker
 extension, called over vLLM's development endpoint ``/collective_rpc``) and benches one concurrency at a
 time, recording each: where a served step's time goes, by kind, with the share of steps that carried a
@@ -260,15 +269,69 @@ def _write_anatomy_tables(out: Path) -> None:
         + f"\nShare of steps that carried a prefill chunk: {shares}\n")
 
 
-def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str, str],
-                  log_suffix: str = "") -> list[dict]:
-    """``dspark bench --base-url`` against this config's server; its cells (and the joint table) in OUT/bench."""
-    out = args.out / "bench"
+def bench_command(args: argparse.Namespace, name: str, port: int, round_: int = 0) -> tuple[list[str], Path]:
+    """The ``dspark bench --base-url`` command for one config's server, and the folder its cells land in: OUT/bench,
+    or with ``--rounds`` OUT/bench/round<r> (1-based), 1/rounds of the prompts, seeded apart per round."""
+    out, num_prompts, seed = args.out / "bench", args.num_prompts, 0
+    if args.rounds > 1:
+        out, num_prompts, seed = out / f"round{round_ + 1}", args.num_prompts // args.rounds, 100_003 * round_
     cmd = [sys.executable, "-m", "dspark_cli.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
-           "--label", name, "-c", args.concurrency, "-n", str(args.num_prompts), "--dataset", "random",
+           "--label", name, "-c", args.concurrency, "-n", str(num_prompts), "--dataset", "random",
            "--input-len", str(args.input_len), "--tokenizer", args.model, "--max-tokens", str(args.output_len),
            "--ignore-eos", "--temperature", str(args.temperature), "--endpoint", "completions",
-           "--model", args.model, "--results-dir", str(out), "--no-plots"]
+           "--model", args.model, "--results-dir", str(out), "--no-plots", "--seed", str(seed)]
+    return cmd, out
+
+
+def paired_rounds(rows: list[dict], reference: str) -> list[dict]:
+    """Per (group, config, concurrency): the config's tok/s over the reference's of the same group and round,
+    median and range over the rounds it shares with the reference. A group's reference is the config named
+    ``reference``, else its first ``reference#tag`` (a group without one is left out, as are failed rows).
+    Sorted by concurrency, then group, then config as measured."""
+    ok = [r for r in rows if "error" not in r]
+    names: dict[int, list[str]] = {}
+    for r in ok:
+        names.setdefault(r["group"], [])
+        if r["config"] not in names[r["group"]]:
+            names[r["group"]].append(r["config"])
+    refs = {}
+    for g, cfgs in names.items():
+        tagged = [c for c in cfgs if c.split("#", 1)[0] == reference]
+        if tagged:
+            refs[g] = reference if reference in cfgs else tagged[0]
+    base = {(r["group"], r["round"], r["concurrency"]): r["output_tok_s"] for r in ok
+            if refs.get(r["group"]) == r["config"]}
+    ratios: dict[tuple[int, str, int], list[float]] = {}
+    for r in ok:
+        ref = base.get((r["group"], r["round"], r["concurrency"]))
+        if ref and r["config"] != refs[r["group"]]:
+            ratios.setdefault((r["group"], r["config"], r["concurrency"]), []).append(r["output_tok_s"] / ref - 1)
+    out = [{"group": g, "config": cfg, "reference": refs[g], "concurrency": c, "rounds": len(v),
+            "median": float(np.median(v)), "min": min(v), "max": max(v)} for (g, cfg, c), v in ratios.items()]
+    return sorted(out, key=lambda x: (x["concurrency"], x["group"]))
+
+
+def paired_table(paired: list[dict], reference: str) -> str:
+    """``paired_rounds`` as a markdown table: median Δ (range) per config and concurrency."""
+    configs = list(dict.fromkeys(x["config"] for x in paired))
+    by = {(x["config"], x["concurrency"]): x for x in paired}
+    lines = [f"Median Δ of output tok/s against {reference}, same group and round (range over the rounds):", "",
+             "| c | " + " | ".join(configs) + " |", "|---:|" + "---|" * len(configs)]
+    for c in sorted({x["concurrency"] for x in paired}):
+        cells = [by.get((cfg, c)) for cfg in configs]
+        lines.append(f"| {c} | " + " | ".join(
+            "-" if x is None else f"{100 * x['median']:+.1f}% ({100 * x['min']:+.1f}..{100 * x['max']:+.1f})"
+            for x in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str, str],
+                  log_suffix: str = "", round_: int = 0) -> list[dict]:
+    """``dspark bench --base-url`` against this config's server; its cells (and the joint table) in OUT/bench
+    (with ``--rounds``, OUT/bench/round<r>)."""
+    cmd, out = bench_command(args, name, port, round_)
+    if args.rounds > 1:
+        log_suffix += f"-round{round_ + 1}"
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     (args.out / f"bench-{name}{log_suffix}.log").write_text(run.stdout + run.stderr)
     if run.returncode != 0:
@@ -281,7 +344,8 @@ def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str,
             raise RuntimeError(f"dspark bench wrote no cell for {name} c={c}")
         n = numbers(cell, None)
         rows.append({"config": name, "concurrency": c, "output_tok_s": n.output_tok_s, "mean_itl_ms": n.mean_itl_ms,
-                     "acceptance_length": n.acceptance_length, "completed": cell["metrics"].get("completed")})
+                     "acceptance_length": n.acceptance_length, "completed": cell["metrics"].get("completed"),
+                     "round": round_})
     return rows
 
 
@@ -319,6 +383,11 @@ def main() -> int:
                     help="a KV cache of G GiB per server (vLLM --kv-cache-memory-bytes; no memory profile), and the "
                          "--overlap-starts group's servers started together; --gpu-memory-utilization then only "
                          "sets what vLLM checks is free when each server starts")
+    ap.add_argument("--rounds", type=int, default=1, metavar="N",
+                    help="measure each group in N paired rounds of 1/N of the prompts (paired.md: Δ against "
+                         "--pair-with per group and round)")
+    ap.add_argument("--pair-with", default="nospec", metavar="CONFIG",
+                    help="with --rounds: the config each group's others are paired with")
     ap.add_argument("--anatomy", action="store_true",
                     help="record where each served step's time goes (benchmarks/vllm_step_anatomy.py), per "
                          "concurrency, into OUT/anatomy")
@@ -388,7 +457,7 @@ def main() -> int:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
         # nothing about its padding path: a budget cap makes it prune.
         specs["mask"] = {**specs["mask"], "dspark_budget_frac": 0.5}
-    unknown = [n for n in args.configs.split(",") if n not in specs]
+    unknown = [n for n in args.configs.split(",") if n.split("#", 1)[0] not in specs]
     if unknown:
         ap.error(f"unknown configs {unknown}; choose from {sorted(specs)}")
     if args.overlap_starts < 1:
@@ -401,11 +470,15 @@ def main() -> int:
     served: dict[str, dict] = {}  # lossless: per config, acceptance, the concurrent smoke, the upkeep line
     if args.lossless and args.synthetic_rates:
         ap.error("--lossless checks real verification: drop --synthetic-rates")
+    if args.rounds < 1 or args.num_prompts % args.rounds:
+        ap.error(f"--rounds must be >= 1 and divide --num-prompts ({args.num_prompts})")
+    if args.rounds > 1 and (args.lossless or args.anatomy or args.client != "dspark"):
+        ap.error("--rounds pairs dspark bench cells: drop --lossless / --anatomy / --client vllm")
     t_start = time.time()
 
     def start(name: str) -> _Server:
         port = _free_port()
-        spec = specs[name]
+        spec = specs[name.split("#", 1)[0]]
         spec_args = [] if spec is None else ["--speculative-config", json.dumps(spec)]
         cmd = plan_vllm_serve([*engine, "--port", str(port), *spec_args]).command(vllm)
         log_path = args.out / f"serve-{name}.log"
@@ -414,7 +487,7 @@ def main() -> int:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return _Server(name, port, proc, log_path)
 
-    def measure(srv: _Server) -> None:
+    def check_ready(srv: _Server) -> None:
         _wait_ready(srv.port, srv.proc, args.startup_timeout)
         log_text = srv.log_path.read_text(errors="replace")
         active = ACTIVE_LINE in log_text
@@ -423,6 +496,9 @@ def main() -> int:
             raise RuntimeError(f"plugin {'inactive' if ours_expected else 'active'} for {srv.name}")
         kv = [line.strip() for line in log_text.splitlines() if KV_LINE in line]
         print(f"[{time.time() - t_start:5.0f}s]   {srv.name} ready; {kv[-1] if kv else 'no KV line'}", flush=True)
+
+    def measure(srv: _Server) -> None:
+        check_ready(srv)
         if args.lossless:
             outputs[srv.name] = _greedy_outputs(srv.port, args.model, args.lossless)
             info: dict = {"acceptance": _acceptance(srv.port)}  # of the sequential greedy requests
@@ -439,6 +515,36 @@ def main() -> int:
             results.extend(_dspark_bench(args, srv.name, srv.port, env))
         else:
             results.extend(_vllm_bench(args, vllm, srv, env, t_start))
+
+    def measure_rounds(group: list[_Server], group_id: int) -> None:
+        """Every ready server of the group, round by round, the order rotated each round; then paired.md."""
+        ready = []
+        for srv in group:
+            try:
+                check_ready(srv)
+                ready.append(srv)
+            except RuntimeError as exc:
+                results.append({"config": srv.name, "error": str(exc)})
+                print(f"  {srv.name} FAILED: {exc} (log: {srv.log_path})", flush=True)
+        rows: list[dict] = []
+        for r in range(args.rounds):
+            shift = r % max(1, len(ready))
+            for srv in ready[shift:] + ready[:shift]:
+                try:
+                    rows.extend({**row, "group": group_id} for row in _dspark_bench(args, srv.name, srv.port, env,
+                                                                                    round_=r))
+                except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                    rows.append({"config": srv.name, "round": r, "group": group_id, "error": str(exc)})
+                    print(f"  {srv.name} round {r + 1} FAILED: {exc} (log: {srv.log_path})", flush=True)
+        results.extend(rows)
+        paired = paired_rounds(rows, args.pair_with)
+        if paired:
+            table = paired_table(paired, args.pair_with)
+            print(table, flush=True)
+            # Appended: each group of a sitting is its own invocation of this script, into the same OUT.
+            with (args.out / "paired.md").open("a") as f:
+                f.write(f"\n{time.strftime('%Y-%m-%d %H:%M')}: {', '.join(s.name for s in group)}, "
+                        f"{args.rounds} rounds\n\n{table}")
 
     names = args.configs.split(",")
     for first in range(0, len(names), args.overlap_starts):
@@ -461,7 +567,9 @@ def main() -> int:
                     _wait_ready(srv.port, srv.proc, args.startup_timeout)
                 except RuntimeError:
                     pass  # its measurement below reports it
-            for srv in group:
+            if args.rounds > 1:
+                measure_rounds(group, first)
+            for srv in group if args.rounds == 1 else []:
                 try:
                     measure(srv)
                 except (RuntimeError, subprocess.SubprocessError, OSError) as exc:

@@ -25,6 +25,8 @@
 # eight configs, e.g. OVERLAP=4 GPU_UTIL=0.22 CONFIGS=nospec,all,upstream,varlen, then
 # CONFIGS=mask,varlen-nosat,varlen-nosts,varlen-startup (sections 14-18). KV_GIB=G gives every server a G GiB KV
 # cache (--kv-cache-gib: no memory profile), and the group's servers start all at once instead of in a row.
+# VLLM_ROUNDS=N measures each group in N paired rounds (--rounds; OUT/scaled/paired.md), each group with its own
+# no-speculation server to pair with (CONFIGS=nospec#2,mask,...).
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
 # vLLM's synthetic rejection sampler with a V4-Flash-like decay (conditional 0.8 ... 0.08 along the block).
@@ -89,7 +91,7 @@ case "$STAGE" in
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
       --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" \
       --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ${ANATOMY:+--anatomy} \
-      ${KV_GIB:+--kv-cache-gib "$KV_GIB"} ;;
+      ${KV_GIB:+--kv-cache-gib "$KV_GIB"} ${VLLM_ROUNDS:+--rounds "$VLLM_ROUNDS"} ;;
   anatomy)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     CURVE=() && [[ -f $OUT/profile-scaled/sps_curve.json ]] && CURVE=(--sps-curve "$OUT/profile-scaled/sps_curve.json")

@@ -1,0 +1,139 @@
+"""benchmarks/vllm_adaptive.py's paired rounds: the bench commands each round sends, and the paired table.
+
+The H200 sitting of docs/PERFORMANCE.md section 25 read two servers with the same paused steps 10 points apart at
+16 requests, one cell each: issue 6's 3% bar needs each group measured in rounds, paired with a reference server
+of the same group and round. vLLM itself is not needed for any of this.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_adaptive.py"
+_spec = importlib.util.spec_from_file_location("vllm_adaptive_rounds", SCRIPT)
+adaptive = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = adaptive  # its dataclasses resolve their module by name
+_spec.loader.exec_module(adaptive)
+
+
+def _args(tmp_path: Path, rounds: int) -> SimpleNamespace:
+    return SimpleNamespace(out=tmp_path, rounds=rounds, num_prompts=512, concurrency="16,64,256", input_len=128,
+                           model="/models/target", output_len=128, temperature=0.0)
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_each_round_benches_its_share_of_fresh_prompts_into_its_own_folder(tmp_path: Path) -> None:
+    cmd, out = adaptive.bench_command(_args(tmp_path, 1), "varlen", 8000)
+    assert out == tmp_path / "bench" and _flag(cmd, "-n") == "512" and _flag(cmd, "--seed") == "0"
+    assert _flag(cmd, "--base-url") == "http://127.0.0.1:8000" and _flag(cmd, "--label") == "varlen"
+    seen = set()
+    for r in range(2):
+        cmd, out = adaptive.bench_command(_args(tmp_path, 2), "nospec#2", 8001, round_=r)
+        assert out == tmp_path / "bench" / f"round{r + 1}" and _flag(cmd, "-n") == "256"
+        assert _flag(cmd, "--results-dir") == str(out) and _flag(cmd, "--label") == "nospec#2"
+        seen.add(_flag(cmd, "--seed"))
+    assert len(seen) == 2  # fresh random prompts each round: no prefix-cache hits on a round's repeat
+
+
+def _row(group: int, config: str, r: int, c: int, tok_s: float) -> dict:
+    return {"group": group, "config": config, "round": r, "concurrency": c, "output_tok_s": tok_s}
+
+
+def test_configs_are_paired_with_their_own_groups_reference_round_by_round() -> None:
+    rows = [
+        # group 0: the reference by its own name, a config 10% / 20% / 0% over it in three rounds
+        _row(0, "nospec", 0, 16, 100.0), _row(0, "varlen", 0, 16, 110.0),
+        _row(0, "nospec", 1, 16, 50.0), _row(0, "varlen", 1, 16, 60.0),  # the whole round ran slower: still +20%
+        _row(0, "nospec", 2, 16, 100.0), _row(0, "varlen", 2, 16, 100.0),
+        # group 4: a second reference server by its tag, and an A/A pair inside the group
+        _row(4, "nospec#2", 0, 16, 200.0), _row(4, "mask", 0, 16, 150.0), _row(4, "nospec#3", 0, 16, 204.0),
+        {"group": 4, "config": "mask", "round": 1, "error": "server died"},
+        # group 8 has no reference: left out
+        _row(8, "varlen-startup", 0, 16, 90.0),
+    ]
+    paired = {(x["group"], x["config"]): x for x in adaptive.paired_rounds(rows, "nospec")}
+    assert set(paired) == {(0, "varlen"), (4, "mask"), (4, "nospec#3")}
+    v = paired[0, "varlen"]
+    assert v["reference"] == "nospec" and v["rounds"] == 3
+    assert v["median"] == pytest.approx(0.10) and v["min"] == pytest.approx(0.0) and v["max"] == pytest.approx(0.20)
+    assert paired[4, "mask"]["reference"] == "nospec#2" and paired[4, "mask"]["median"] == pytest.approx(-0.25)
+    assert paired[4, "nospec#3"]["median"] == pytest.approx(0.02)
+    table = adaptive.paired_table(list(paired.values()), "nospec")
+    assert "| 16 | +10.0% (+0.0..+20.0) | -25.0% (-25.0..-25.0) | +2.0% (+2.0..+2.0) |" in table
+
+
+def test_bad_rounds_and_configs_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(SCRIPT), "--model", "m", "--draft", "d", "--out", str(tmp_path),
+                               *extra], capture_output=True, text=True, timeout=120)
+
+    bad = run("--configs", "nospec,varlen", "--num-prompts", "512", "--rounds", "3")
+    assert bad.returncode == 2 and "--rounds must be >= 1 and divide --num-prompts (512)" in bad.stderr
+    bad = run("--configs", "nospec,varlen", "--rounds", "2", "--lossless", "4")
+    assert bad.returncode == 2 and "--rounds pairs dspark bench cells" in bad.stderr
+    bad = run("--configs", "nospec#2,bogus#2")
+    assert bad.returncode == 2 and "unknown configs ['bogus#2']" in bad.stderr
+
+
+# A stand-in for `python -m vllm.entrypoints.cli.main serve ...`: the log lines vllm_adaptive.py waits for, then a
+# real OpenAI-compatible server -- the embedded engine's tiny pair on the CPU -- on the port it was given.
+_FAKE_VLLM_MAIN = '''
+import os, sys
+argv = sys.argv[1:]
+assert argv[0] == "serve" and "--kv-cache-memory-bytes" in argv, argv
+port = argv[argv.index("--port") + 1]
+print("INFO [kv_cache_utils.py] GPU KV cache size: 1,024 tokens (stand-in)", flush=True)
+if any(a.startswith("{") and "dspark" in a for a in argv):  # the plugin's settings, in a JSON argument
+    print("INFO dspark: adaptive verification by dspark (stand-in)", flush=True)
+os.execvp(sys.executable, [sys.executable, "-m", "dspark_cli.cli", "serve", "--model", "tiny", "--device", "cpu",
+                           "--seed", "0", "--max-num-seqs", "4", "--host", "127.0.0.1", "--port", port,
+                           "--served-model-name", argv[1]])
+'''
+
+
+def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_the_paired_table(
+        tmp_path: Path) -> None:
+    """The whole --rounds path: a group of three servers started together (a fixed KV cache, no memory
+    profile), two rounds of half the prompts each, every config's cells per round, and paired.md with the
+    tagged second reference server as an A/A row."""
+    import json
+    import os
+
+    from dspark_cli.engines.embedded.assets import TINY_DIR
+
+    fake = tmp_path / "fake"
+    pkg = fake / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for d in (fake / "vllm", fake / "vllm" / "entrypoints", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(_FAKE_VLLM_MAIN)
+    out = tmp_path / "out"
+    draft = tmp_path / "draft"  # vLLM picks the speculative method from the draft's path: keep 'dspark' out of it
+    draft.symlink_to(TINY_DIR / "draft")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
+         "--out", str(out), "--k", "4", "--configs", "nospec,varlen,nospec#2", "--overlap-starts", "3",
+         "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--rounds", "2", "--num-prompts", "8",
+         "--concurrency", "1,2", "--input-len", "8", "--output-len", "8"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert not [r for r in rows if "error" in r]
+    assert sorted((r["config"], r["round"], r["concurrency"]) for r in rows) == sorted(
+        (cfg, r, c) for cfg in ("nospec", "varlen", "nospec#2") for r in (0, 1) for c in (1, 2))
+    for r in (1, 2):
+        cells = {p.name for p in (out / "bench" / f"round{r}" / "cells").glob("*.json")}
+        assert len(cells) == 6, cells
+    paired = (out / "paired.md").read_text()
+    assert "nospec, varlen, nospec#2, 2 rounds" in paired
+    assert "| c | varlen | nospec#2 |" in paired and paired.count("\n| 1 | ") == 1 and paired.count("\n| 2 | ") == 1
