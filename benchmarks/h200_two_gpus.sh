@@ -128,8 +128,8 @@ queue_vllm() {
   vllm_group "scaled, group 1" "${VLLM_GROUP1:-nospec,all,upstream,varlen}"
   vllm_group "scaled, group 2" "${VLLM_GROUP2:-nospec#2,mask,varlen-nosat,varlen-nosts}"
   [[ ${REAL_SMOKE:-0} == after ]] && real_smoke
-  # The curve-source ablation last: what a short sitting loses first.
-  vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,varlen-startup}"
+  # The curve-source ablation and mask with compacted paused steps last: what a short sitting loses first.
+  vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,varlen-startup,mask-compact}"
 }
 
 # LABEL CONFIGS: one group of up to four 8B-shaped vLLM servers. KV_GIB (default 11: 87k tokens of a draft_model

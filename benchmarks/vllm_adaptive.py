@@ -24,7 +24,7 @@ cells resume, so a config cut off by a time limit is simply run again. ``--clien
 ``vllm bench serve`` instead (its JSON per cell in OUT).
 
 Configs: nospec, all (verify every draft), upstream (vLLM's adaptive verification), varlen and mask (ours,
-with --dspark), and ablations of ours: varlen-nosat (no saturation policy), varlen-nosts (no STS),
+with --dspark), mask-compact (mask whose paused steps run compacted, on varlen graphs), and ablations of ours: varlen-nosat (no saturation policy), varlen-nosts (no STS),
 varlen-startup (vLLM's start-up profile instead of the --dspark sps_curve), varlen-current (the draft's
 K/V kept current on every paused step instead of caught up: engines/vllm/upkeep.py).
 
@@ -437,6 +437,9 @@ def main() -> int:
         "upstream": {**base_spec, "enable_adaptive_verification": True},
         "varlen": varlen,
         "mask": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask"},
+        # mask whose paused steps run varlen's compacted batch on varlen graphs (mask_paused_compact)
+        "mask-compact": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask",
+                         "dspark_mask_paused_compact": True},
         # one mechanism off at a time (PERFORMANCE: what each contributed)
         "varlen-nosat": {**varlen, "dspark_saturation_patience": 0},
         "varlen-nosts": {**{k: v for k, v in varlen.items() if k not in ("dspark_online_sts", "dspark_sts")},

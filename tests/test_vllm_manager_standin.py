@@ -66,6 +66,16 @@ class Base:
     def batches_to_profile(self, capture_sizes):
         return iter([{"num_tokens": s} for s in capture_sizes])
 
+    def compact_batch(self, num_draft_tokens_per_req, num_scheduled_tokens, cu_num_logits_np):
+        """Upstream's, for the budgets the tests reach: every draft (nothing moves) or none (exact counts)."""
+        _, _, budget = self._batch_budget
+        if budget == int(num_draft_tokens_per_req.sum()):
+            return num_scheduled_tokens, cu_num_logits_np
+        assert budget == 0, "the stand-in compacts only a budget of 0"
+        n = num_scheduled_tokens.shape[0]
+        return (num_scheduled_tokens - num_draft_tokens_per_req,
+                np.arange(n + 1, dtype=cu_num_logits_np.dtype) * self.num_bonus_tokens)
+
 
 def _assert_base_matches_contract() -> None:
     row = contract.lookup(contract.AV, "AdaptiveVerificationManager.__init__", "self_attr")
@@ -452,6 +462,73 @@ def test_online_sts_without_offline_temperatures_reaches_past_what_was_verified(
     assert float(m.online_sts.trials[2:].sum()) == 0.0
     got = m.online_sts.apply(torch.full((1, K), 2e-5))[0]
     assert float(got[0]) > 0.5 and torch.allclose(got[2:], got[1].expand(K - 2)), got
+
+
+def _av_module(blocker: str | None) -> types.SimpleNamespace:
+    """Stand-in for upstream's adaptive_verification module: its backend checks, blocked as asked."""
+    return types.SimpleNamespace(
+        AdaptiveVerificationManager=Base,
+        AttentionCGSupport=types.SimpleNamespace(ALWAYS="ALWAYS"),
+        get_query_lens_mismatch_unsupported_backend=lambda groups, checked_layer_names=None: (
+            "FLASHINFER" if blocker == "mismatch" else None),
+        get_varlen_cudagraph_unsupported_backend=lambda groups, cfg, max_query_len, checked_layer_names=None: (
+            ("TRITON_ATTN", None) if blocker == "graphs" else None),
+    )
+
+
+def _create_kwargs() -> dict:
+    rs = types.SimpleNamespace(num_speculative_steps=K, max_num_reqs=8, max_num_batched_tokens=256,
+                               device=torch.device("cpu"), req_id_to_index={})
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0))
+    return dict(req_states=rs, num_bonus_tokens=1, attn_groups=[], vllm_config=cfg, max_total_logits=10_000,
+                query_start_loc=torch.zeros(9, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(("mode", "compact", "blocker", "expected"), [
+    ("varlen", False, None, True), ("varlen", False, "graphs", False),  # the fallback to mask stays uniform
+    ("mask", False, None, False), ("mask", True, None, True), ("mask", True, "mismatch", False)])
+def test_paused_steps_compact_where_asked_and_the_backends_allow(
+        manager_cls, mode: str, compact: bool, blocker: str | None, expected: bool,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from dspark_cli.engines.vllm import manager
+
+    curve = SpsCurve.from_points([(4, 10.0), (8, 12.0), (16, 40.0)], [(1, 5.0)], capture_sizes=[4, 8, 16])
+    settings = DsparkVllmSettings(mode=mode, sps_curve=curve.to_dict(), mask_paused_compact=compact)
+    with caplog.at_level("WARNING", logger="vllm.dspark"):
+        m = manager.create_manager(settings, _av_module(blocker), _create_kwargs())
+    assert m.compact_paused is expected
+    stays = [r.getMessage() for r in caplog.records if "paused steps stay uniform" in r.getMessage()]
+    assert len(stays) == (1 if mode == "mask" and blocker else 0)
+
+
+def test_a_paused_mask_step_compacts_to_one_token_per_request_and_a_drafting_one_stays_uniform(
+        manager_cls) -> None:
+    """mask_paused_compact: a paused step's placeholder drafts are verified by none, so it runs varlen's
+    one-token-per-request batch (no masking to apply); a drafting step keeps the uniform masked batch. Without
+    the setting the paused step is the uniform 1 + K batch, every placeholder masked."""
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    drafts = {x: [0] * K for x in per_req}
+    scheduled = np.full(3, 1 + K, dtype=np.int32)
+    cu = np.arange(4, dtype=np.int32) * (1 + K)
+    for compact in (False, True):
+        m = _make(manager_cls, "mask", moe=False, mask_paused_compact=compact)
+        m.compact_paused = compact  # create_manager's verdict for a backend that replays varlen graphs
+        _record(m, [[0.9] * K] * 3)
+        assert m.get_num_tokens(per_req, drafts) == 3 * (1 + K)  # drafting: uniform
+        assert m.compact_batch(np.full(3, K), scheduled, cu)[0].tolist() == scheduled.tolist()
+        m.reallocate_drafts(list(per_req), torch.arange(3))
+        assert m._mask_pending == 3
+        m._mask_pending = None
+        m._drafts_real = False  # the saturation policy paused: this step's drafts are placeholders
+        tokens = m.get_num_tokens(per_req, drafts)
+        sched, cu_np = m.compact_batch(np.full(3, K), scheduled, cu)
+        cu_logits, _, draft_logits, _ = m.reallocate_drafts(list(per_req), torch.arange(3))
+        if compact:
+            assert tokens == 3 and sched.tolist() == [1, 1, 1] and cu_np.tolist() == [0, 1, 2, 3]
+            assert draft_logits == 0 and cu_logits.tolist() == [0, 1, 2, 3] and m._mask_pending is None
+        else:  # every placeholder computed, given a logit row and masked
+            assert tokens == 3 * (1 + K) and sched.tolist() == scheduled.tolist()
+            assert draft_logits == 3 * K and cu_logits.tolist() == cu.tolist() and m._mask_pending == 3
 
 
 @pytest.mark.parametrize("blocker", [None, "mismatch", "graphs", "extra"])

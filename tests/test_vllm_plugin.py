@@ -215,6 +215,26 @@ def test_our_settings_install_the_runtime_patches_once() -> None:
     assert patched == current()
 
 
+def test_a_mask_manager_whose_paused_steps_compact_gets_varlen_graphs() -> None:
+    """mask_paused_compact: a paused mask step runs varlen's one-token-per-request batch, which only varlen
+    decode graphs replay; the uniform masked drafting batches replay them too."""
+    modules = make_standins()
+    runner_mod = modules[contract.RUNNER]
+    managers: list[FakeManager] = []
+
+    def create(settings: Any, av: Any, kwargs: dict) -> FakeManager:
+        managers.append(FakeManager("mask"))
+        managers[-1].compact_paused = settings.mask_paused_compact  # as create_manager decides it
+        return managers[-1]
+
+    plugin.install_gate(plugin.PatchState(modules, create=create))
+    for compact in (True, False):
+        config = FakeConfig({"dspark": {"mode": "mask", "mask_paused_compact": compact}})
+        runner_mod.maybe_create_adaptive_verification_manager(**_factory_kwargs(config))
+        cg = runner_mod.ModelCudaGraphManager(config, "cuda", "FULL", 8, varlen_decode=True)
+        assert cg.varlen_decode is compact
+
+
 def test_varlen_manager_keeps_varlen_graphs_and_upstream_runner_is_untouched() -> None:
     modules = make_standins()
     runner_mod = modules[contract.RUNNER]

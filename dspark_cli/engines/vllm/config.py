@@ -38,6 +38,7 @@ SEED_KEYS: dict[str, str] = {
     "dspark_resume_every": "resume_every",
     "dspark_sts_refit_interval": "sts_refit_interval",
     "dspark_draft_catchup_tokens": "draft_catchup_tokens",
+    "dspark_mask_paused_compact": "mask_paused_compact",
 }
 
 
@@ -65,6 +66,11 @@ class DsparkVllmSettings:
     # positions in one pass once this many are pending in the batch (or drafting resumes); 0 keeps the draft's
     # K/V current on every paused step (engines.vllm.upkeep says why this pays).
     draft_catchup_tokens: int = 2048
+    # Mask mode: a paused step (no drafts to verify) runs the compacted one-token-per-request batch that varlen
+    # runs, on varlen decode graphs, instead of the uniform 1 + K batch with every placeholder masked (1.5-1.7x a
+    # no-speculation step on the H200, docs/PERFORMANCE.md section 25). Drafting steps keep the uniform masked
+    # layout. Needs an attention backend that replays varlen decode graphs; mask stays uniform otherwise.
+    mask_paused_compact: bool = False
 
     def __post_init__(self) -> None:
         w = f"--additional-config {ADDITIONAL_CONFIG_KEY}"
@@ -81,8 +87,9 @@ class DsparkVllmSettings:
             _number(f"{w}.overhead_ms", self.overhead_ms, 0.0, math.inf)
         if self.confidence_temperature is not None:
             _number(f"{w}.confidence_temperature", self.confidence_temperature, 0.0, math.inf, lo_open=True)
-        if not isinstance(self.online_sts, bool):
-            raise DsparkError(f"{w}.online_sts: expected true or false, got {self.online_sts!r}")
+        for name in ("online_sts", "mask_paused_compact"):
+            if not isinstance(getattr(self, name), bool):
+                raise DsparkError(f"{w}.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.policy == "threshold" and self.threshold <= 0:
             raise DsparkError(f"{w}: policy threshold needs threshold in (0, 1] (dspark_confidence_threshold)")
         if self.sps_curve is not None and not isinstance(self.sps_curve, (str, list, dict)):

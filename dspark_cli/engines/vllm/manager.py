@@ -10,8 +10,8 @@ stale confidences and the varlen CPU placeholder layout keep working) and replac
 * **allocation** (``reallocate_drafts``, device): ``core.capacity.allocate`` on the *fresh* confidences;
   value-independent tie-breaks keep TP ranks identical;
 * **layout**: ``varlen`` rebuilds the device ``query_start_loc``/``cu_num_logits`` like upstream (FULL varlen
-  decode graphs replay it); ``mask`` keeps the uniform layout and uniform graphs, zeroes the pruned rows'
-  input ids, marks them in ``is_padding`` (MoE skips them when ``VLLM_MOE_SKIP_PADDING`` is on -- read, never
+  decode graphs replay it); ``mask`` keeps the uniform layout and uniform graphs (with ``mask_paused_compact``
+  its paused steps compact as varlen's do, on varlen graphs), zeroes the pruned rows' input ids, marks them in ``is_padding`` (MoE skips them when ``VLLM_MOE_SKIP_PADDING`` is on -- read, never
   set) and hands the rejection sampler an ``invalid_drafts`` mask so pruned drafts reject;
 * **saturation**: when verifying stops paying, the draft pass is skipped (DFlash-family speculators take
   ``num_speculative_tokens=0`` and keep their context K/V) and the budget of the placeholder drafts is 0;
@@ -367,38 +367,47 @@ def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tu
     return args, {**kwargs, "input_batch": batch}
 
 
+def _varlen_unsupported(av_module: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why the target's attention backends cannot run varlen batches under FULL decode graphs (None: they can)."""
+    req_states = kwargs["req_states"]
+    attn_groups = kwargs["attn_groups"]
+    layers = kwargs.get("target_layer_names")
+    backend = av_module.get_query_lens_mismatch_unsupported_backend(attn_groups, checked_layer_names=layers)
+    if backend is not None:
+        return f"the {backend} attention backend needs exact CPU query lengths"
+    max_query_len = req_states.num_speculative_steps + kwargs["num_bonus_tokens"]
+    unsupported = av_module.get_varlen_cudagraph_unsupported_backend(
+        attn_groups, kwargs["vllm_config"], max_query_len, checked_layer_names=layers
+    )
+    extra = kwargs.get("additional_attn_cg_support")
+    if unsupported is None and extra is not None and extra[0] != av_module.AttentionCGSupport.ALWAYS:
+        unsupported = (extra[1], None)
+    if unsupported is not None:
+        return (f"the {unsupported[0]} attention backend cannot replay varlen decode graphs of up to "
+                f"{max_query_len} tokens per request")
+    return None
+
+
 def create_manager(settings: DsparkVllmSettings, av_module: Any, kwargs: dict[str, Any]) -> Any:
     """Our replacement for ``maybe_create_adaptive_verification_manager`` (called by the plugin's gate).
 
     ``varlen`` needs every target attention backend to accept device/CPU query-length mismatch and to replay
     varlen FULL decode graphs; where one cannot, we fall back to ``mask`` with one log line instead of
-    refusing to start (upstream raises).
+    refusing to start (upstream raises). Mask mode with ``mask_paused_compact`` runs its paused steps compacted
+    as varlen does, on varlen decode graphs, where the backends allow it (``compact_paused``).
     """
     mode = settings.mode
-    req_states = kwargs["req_states"]
-    num_bonus = kwargs["num_bonus_tokens"]
-    attn_groups = kwargs["attn_groups"]
-    layers = kwargs.get("target_layer_names")
     vllm_config = kwargs["vllm_config"]
-    if mode == "varlen":
-        reason = None
-        backend = av_module.get_query_lens_mismatch_unsupported_backend(attn_groups, checked_layer_names=layers)
-        if backend is not None:
-            reason = f"the {backend} attention backend needs exact CPU query lengths"
-        else:
-            max_query_len = req_states.num_speculative_steps + num_bonus
-            unsupported = av_module.get_varlen_cudagraph_unsupported_backend(
-                attn_groups, vllm_config, max_query_len, checked_layer_names=layers
-            )
-            extra = kwargs.get("additional_attn_cg_support")
-            if unsupported is None and extra is not None and extra[0] != av_module.AttentionCGSupport.ALWAYS:
-                unsupported = (extra[1], None)
-            if unsupported is not None:
-                reason = (f"the {unsupported[0]} attention backend cannot replay varlen decode graphs of up to "
-                          f"{max_query_len} tokens per request")
-        if reason is not None:
+    compact_paused = mode == "varlen"
+    if mode == "varlen" or settings.mask_paused_compact:
+        reason = _varlen_unsupported(av_module, kwargs)
+        if reason is not None and mode == "varlen":
             logger.warning("dspark: varlen verification falls back to mask: %s", reason)
-            mode = "mask"
+            mode, compact_paused = "mask", False
+        elif reason is not None:
+            logger.warning("dspark: mask mode's paused steps stay uniform: %s", reason)
+        else:
+            compact_paused = True
     if mode == "mask":
         if kwargs.get("copy_admitted_drafts_to_host"):
             raise ValueError("dspark mask mode cannot run with batch-sharded sampling (the sampler's batch copy "
@@ -409,10 +418,11 @@ def create_manager(settings: DsparkVllmSettings, av_module: Any, kwargs: dict[st
     return cls(
         settings=settings,
         mode=mode,
+        compact_paused=compact_paused,
         vllm_config=vllm_config,
-        req_states=req_states,
+        req_states=kwargs["req_states"],
         query_start_loc=kwargs["query_start_loc"],
-        num_bonus_tokens=num_bonus,
+        num_bonus_tokens=kwargs["num_bonus_tokens"],
         max_total_logits=kwargs["max_total_logits"],
         copy_admitted_drafts_to_host=kwargs.get("copy_admitted_drafts_to_host", False),
     )
@@ -442,10 +452,14 @@ def build_manager_class(base: type) -> type:
     class DsparkVerificationManager(base):  # type: ignore[misc, valid-type]
         dspark_manager = True
 
-        def __init__(self, *, settings: DsparkVllmSettings, mode: str, vllm_config: Any, **kwargs: Any) -> None:
+        def __init__(self, *, settings: DsparkVllmSettings, mode: str, vllm_config: Any,
+                     compact_paused: bool | None = None, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.settings = settings
             self.mode = mode
+            # A paused step runs one token per request on varlen decode graphs: always in varlen, in mask
+            # with mask_paused_compact where the backend replays varlen graphs (create_manager decides).
+            self.compact_paused = mode == "varlen" if compact_paused is None else compact_paused
             self.cfg = settings.replace(mode=mode).capacity_config()
             self.saturation = SaturationPolicy.from_config(self.cfg)  # its probe tax reads the step timing
             # Step times (host clock between drafting decisions): the probe tax, and what a drafting step
@@ -628,11 +642,17 @@ def build_manager_class(base: type) -> type:
             else:
                 budget = 0  # placeholders from a paused draft pass: verify none of them
             self._batch_budget = BatchBudget(req_ids, np.stack([drafts, nondraft]).astype(np.int32), budget)
-            return int(nondraft.sum()) + (budget if self.mode == "varlen" else total)
+            compact = self.mode == "varlen" or (self.compact_paused and budget == 0 and not self._drafts_real)
+            return int(nondraft.sum()) + (budget if compact else total)
+
+        def _paused_compact_step(self) -> bool:
+            """This step's placeholder drafts are verified by none and the batch compacts (``compact_paused``)."""
+            b = self._batch_budget
+            return self.compact_paused and b is not None and b.budget == 0 and not self._drafts_real
 
         def compact_batch(self, num_draft_tokens_per_req: np.ndarray, num_scheduled_tokens: np.ndarray,
                           cu_num_logits_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            if self.mode == "mask":
+            if self.mode == "mask" and not self._paused_compact_step():
                 return num_scheduled_tokens, cu_num_logits_np  # uniform layout: nothing moves
             return super().compact_batch(num_draft_tokens_per_req, num_scheduled_tokens, cu_num_logits_np)
 
@@ -642,7 +662,7 @@ def build_manager_class(base: type) -> type:
             assert batch_budget is not None
             r = idx_mapping.shape[0]
             budget = batch_budget.budget
-            if budget == 0 and not self._drafts_real and self.mode == "varlen":
+            if budget == 0 and not self._drafts_real and self.compact_paused:
                 return self._paused_layout(req_ids, r, idx_mapping)
             sched, nondraft = batch_budget.in_order(req_ids)
             total = int(sched.sum())
@@ -761,14 +781,15 @@ def build_manager_class(base: type) -> type:
                     logger.info("dspark: recording verification traces to %s", path)
 
         def _set_up_upkeep(self, spec: Any, standalone: bool) -> None:
-            """StandaloneAR in varlen: defer the draft's K/V writes while paused (``engines.vllm.upkeep``).
+            """StandaloneAR with compacted paused steps (varlen, or mask with ``mask_paused_compact``): defer the
+            draft's K/V writes while paused (``engines.vllm.upkeep``).
 
-            Mask mode keeps the draft current: its paused batches carry placeholder drafts (vLLM's async
+            Uniform mask mode keeps the draft current: its paused batches carry placeholder drafts (vLLM's async
             scheduler reserves them), so no paused step is a pure decode step there. The budget leaves room
             for the prefill kernel's correction slot per request in the speculator's expanded buffers.
             """
             wanted = self.settings.draft_catchup_tokens
-            if not (standalone and self._pause_supported and self.mode == "varlen" and wanted > 0):
+            if not (standalone and self._pause_supported and self.compact_paused and wanted > 0):
                 return
             if int(getattr(spec, "dcp_size", 1)) > 1:
                 logger.info("dspark: decode context parallelism: the draft's K/V is kept current while paused")

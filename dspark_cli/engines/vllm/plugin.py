@@ -99,7 +99,9 @@ def make_gate(original: Callable[..., Any], state: PatchState) -> Callable[..., 
         av = state.module(contract.AV)
         assert av is not None
         manager = state.create(settings, av, kwargs)
-        state.varlen_override[id(kwargs["vllm_config"])] = getattr(manager, "mode", settings.mode) == "varlen"
+        # Varlen decode graphs wherever a paused step compacts (varlen; mask with mask_paused_compact).
+        state.varlen_override[id(kwargs["vllm_config"])] = bool(
+            getattr(manager, "compact_paused", getattr(manager, "mode", settings.mode) == "varlen"))
         return manager
 
     setattr(maybe_create_adaptive_verification_manager, MARK, original)
