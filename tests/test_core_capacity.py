@@ -1429,3 +1429,26 @@ def test_a_probe_tax_outside_zero_to_one_is_refused_by_the_config_and_the_policy
     with pytest.raises(DsparkError, match="probe_tax"):
         SaturationPolicy(8, 16, tax)  # type: ignore[arg-type]
     assert CapacityConfig(mode="varlen", probe_tax=1.0).probe_tax == 1.0
+
+
+def test_a_due_probe_waits_for_its_load_to_be_timed_but_not_forever() -> None:
+    """measured=False holds a due probe, one paused step at a time, for at most PROBE_MEASURE_WAIT steps; a step
+    with nothing due starts the count again."""
+    from dspark_cli.core.capacity import PROBE_MEASURE_WAIT
+
+    pol = SaturationPolicy(patience=1, resume_every=1)
+    pol.begin_step(32)
+    pol.observe(False, num_running=32)  # paused at 32: the top
+    held = [pol.begin_step(64, measured=False) for _ in range(PROBE_MEASURE_WAIT)]
+    assert held == [False] * PROBE_MEASURE_WAIT and pol.counters.unmeasured_probe_steps == PROBE_MEASURE_WAIT
+    assert pol.begin_step(64, measured=False) and pol.probe_trigger == "rise"  # waited long enough: it probes
+    pol.observe(False, num_running=64)  # failed: the top is 64 now
+    assert pol.top == 64
+    pol2 = SaturationPolicy(patience=1, resume_every=1000)
+    pol2.begin_step(32)
+    pol2.observe(False, num_running=32)
+    for _ in range(PROBE_MEASURE_WAIT - 1):
+        assert not pol2.begin_step(64, measured=False)
+    assert not pol2.begin_step(32)  # nothing due at the pausing load: the count starts over
+    assert not pol2.begin_step(64, measured=False)  # so this rise probe waits again ...
+    assert pol2.begin_step(64, measured=True) and pol2.probe_trigger == "rise"  # ... until its load is timed

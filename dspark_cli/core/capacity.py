@@ -842,6 +842,7 @@ class SaturationPolicy:
         elif self._paused_steps >= self._probe_wait:
             trigger = "timer"
         else:
+            self._measure_wait = 0  # no probe due: a later one waits its own steps
             return False
         if not measured and self._measure_wait < PROBE_MEASURE_WAIT:
             self._measure_wait += 1  # this paused step times the load, and the probe is judged by it
