@@ -11,8 +11,9 @@ stale confidences and the varlen CPU placeholder layout keep working) and replac
   value-independent tie-breaks keep TP ranks identical;
 * **layout**: ``varlen`` rebuilds the device ``query_start_loc``/``cu_num_logits`` like upstream (FULL varlen
   decode graphs replay it); ``mask`` keeps the uniform layout and uniform graphs (with ``mask_paused_compact``
-  its paused steps compact as varlen's do, on varlen graphs), zeroes the pruned rows' input ids, marks them in ``is_padding`` (MoE skips them when ``VLLM_MOE_SKIP_PADDING`` is on -- read, never
-  set) and hands the rejection sampler an ``invalid_drafts`` mask so pruned drafts reject;
+  its paused steps compact as varlen's do, on varlen graphs), zeroes the pruned rows' input ids, marks them
+  in ``is_padding`` (MoE skips them when ``VLLM_MOE_SKIP_PADDING`` is on -- read, never set) and hands the
+  rejection sampler an ``invalid_drafts`` mask so pruned drafts reject;
 * **saturation**: when verifying stops paying, the draft pass is skipped (DFlash-family speculators take
   ``num_speculative_tokens=0`` and keep their context K/V) and the budget of the placeholder drafts is 0;
 * **STS**: temperatures live in one persistent device buffer that the draft graph reads through a wrapped
