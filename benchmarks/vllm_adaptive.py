@@ -68,7 +68,10 @@ from benchmarks.vllm_step_anatomy import EXTENSION as ANATOMY_EXTENSION  # noqa:
 from benchmarks.vllm_step_anatomy import table as anatomy_table  # noqa: E402
 from dspark_cli.bench.matrix import cell_path, load_cell  # noqa: E402
 from dspark_cli.bench.metrics import SpecDecodeCounters, counter_delta  # noqa: E402
-from dspark_cli.bench.report import numbers  # noqa: E402
+from dspark_cli.bench.report import (
+    numbers,  # noqa: E402
+    paired_delta_of,  # noqa: E402
+)
 from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET  # noqa: E402
 from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
 
@@ -284,8 +287,9 @@ def bench_command(args: argparse.Namespace, name: str, port: int, round_: int = 
 
 
 def paired_rounds(rows: list[dict], reference: str) -> list[dict]:
-    """Per (group, config, concurrency): the config's tok/s over the reference's of the same group and round,
-    median and range over the rounds it shares with the reference. A group's reference is the config named
+    """Per (group, config, concurrency): the config's tok/s against the reference's of the same group and round
+    (``dspark_cli.bench.report.paired_delta_of``: median and range over the rounds it shares with the
+    reference; ``median``, ``min`` and ``max`` as fractions). A group's reference is the config named
     ``reference``, else its first ``reference#tag`` (a group without one is left out, as are failed rows).
     Sorted by concurrency, then group, then config as measured."""
     ok = [r for r in rows if "error" not in r]
@@ -301,13 +305,20 @@ def paired_rounds(rows: list[dict], reference: str) -> list[dict]:
             refs[g] = reference if reference in cfgs else tagged[0]
     base = {(r["group"], r["round"], r["concurrency"]): r["output_tok_s"] for r in ok
             if refs.get(r["group"]) == r["config"]}
-    ratios: dict[tuple[int, str, int], list[float]] = {}
+    pairs: dict[tuple[int, str, int], tuple[list[float], list[float]]] = {}
     for r in ok:
         ref = base.get((r["group"], r["round"], r["concurrency"]))
         if ref and r["config"] != refs[r["group"]]:
-            ratios.setdefault((r["group"], r["config"], r["concurrency"]), []).append(r["output_tok_s"] / ref - 1)
-    out = [{"group": g, "config": cfg, "reference": refs[g], "concurrency": c, "rounds": len(v),
-            "median": float(np.median(v)), "min": min(v), "max": max(v)} for (g, cfg, c), v in ratios.items()]
+            mine, theirs = pairs.setdefault((r["group"], r["config"], r["concurrency"]), ([], []))
+            mine.append(r["output_tok_s"])
+            theirs.append(ref)
+    out = []
+    for (g, cfg, c), (mine, theirs) in pairs.items():
+        d = paired_delta_of(mine, theirs)
+        if d is not None:
+            out.append({"group": g, "config": cfg, "reference": refs[g], "concurrency": c, "rounds": d.rounds,
+                        "median": d.median_pct / 100, "min": d.min_pct / 100, "max": d.max_pct / 100,
+                        "text": d.text()})
     return sorted(out, key=lambda x: (x["concurrency"], x["group"]))
 
 
@@ -318,10 +329,8 @@ def paired_table(paired: list[dict], reference: str) -> str:
     lines = [f"Median Δ of output tok/s against {reference}, same group and round (range over the rounds):", "",
              "| c | " + " | ".join(configs) + " |", "|---:|" + "---|" * len(configs)]
     for c in sorted({x["concurrency"] for x in paired}):
-        cells = [by.get((cfg, c)) for cfg in configs]
-        lines.append(f"| {c} | " + " | ".join(
-            "-" if x is None else f"{100 * x['median']:+.1f}% ({100 * x['min']:+.1f}..{100 * x['max']:+.1f})"
-            for x in cells) + " |")
+        lines.append(f"| {c} | " + " | ".join(by[cfg, c]["text"] if (cfg, c) in by else "-" for cfg in configs)
+                     + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -296,7 +296,12 @@ def paired_delta(n: CellNumbers, ref: CellNumbers) -> PairedDelta | None:
     """None unless both cells ran the same number of rounds in one interleaved group."""
     if not n.rounds or n.round_group is None or n.round_group != ref.round_group or len(n.rounds) != len(ref.rounds):
         return None
-    pct = sorted((a / b - 1.0) * 100.0 for a, b in zip(n.rounds, ref.rounds, strict=True) if b > 0)
+    return paired_delta_of(n.rounds, ref.rounds)
+
+
+def paired_delta_of(tok_s: Sequence[float], ref_tok_s: Sequence[float]) -> PairedDelta | None:
+    """Round-by-round Δ% of ``tok_s`` against ``ref_tok_s`` (paired by position); None without a reference."""
+    pct = sorted((a / b - 1.0) * 100.0 for a, b in zip(tok_s, ref_tok_s, strict=True) if b > 0)
     if not pct:
         return None
     mid = len(pct) // 2
