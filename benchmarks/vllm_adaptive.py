@@ -68,10 +68,7 @@ from benchmarks.vllm_step_anatomy import EXTENSION as ANATOMY_EXTENSION  # noqa:
 from benchmarks.vllm_step_anatomy import table as anatomy_table  # noqa: E402
 from dspark_cli.bench.matrix import cell_path, load_cell  # noqa: E402
 from dspark_cli.bench.metrics import SpecDecodeCounters, counter_delta  # noqa: E402
-from dspark_cli.bench.report import (
-    numbers,  # noqa: E402
-    paired_delta_of,  # noqa: E402
-)
+from dspark_cli.bench.report import numbers, paired_delta_of  # noqa: E402
 from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET  # noqa: E402
 from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
 
