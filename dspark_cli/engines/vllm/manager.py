@@ -643,7 +643,7 @@ def build_manager_class(base: type) -> type:
             else:
                 budget = 0  # placeholders from a paused draft pass: verify none of them
             self._batch_budget = BatchBudget(req_ids, np.stack([drafts, nondraft]).astype(np.int32), budget)
-            compact = self.mode == "varlen" or (self.compact_paused and budget == 0 and not self._drafts_real)
+            compact = self.mode == "varlen" or self._paused_compact_step()
             return int(nondraft.sum()) + (budget if compact else total)
 
         def _paused_compact_step(self) -> bool:
