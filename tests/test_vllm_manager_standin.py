@@ -329,6 +329,76 @@ def test_saturation_pauses_drafting_by_scheduling_zero_drafts_and_probes_back(ma
     assert [step(0.99, K) for _ in range(3)] == [K, K, K]
 
 
+def _serve_async(m, steps: int, conf: float, accepted: int) -> list[tuple[int, bool]]:
+    """vLLM's engine loop with the async scheduler, in its one-thread order (uniprocess executor): schedule
+    step N (``_update_after_schedule`` reserves step N + 1's draft slots from ``num_spec_tokens_to_schedule``,
+    after our scheduler hook), then N's ``execute_model`` (the budget over the drafts it carries) and
+    ``sample_tokens`` (our drafting hook, the verification outcome, then the draft's confidences), then
+    schedule N + 1. Returns, per step, the drafts each request's batch carried and whether they were real."""
+    ids = [f"r{i}" for i in range(3)]
+    now = [0.0]
+    m._clock = lambda: now[0]
+    reserved, real, served = K, True, []
+    for _ in range(steps):
+        out = types.SimpleNamespace(num_scheduled_tokens={x: 1 + reserved for x in ids},
+                                    num_spec_tokens_to_schedule=K, skip_drafts=False)
+        m.decide_at_schedule(out)
+        carried, reserved = reserved, out.num_spec_tokens_to_schedule
+        served.append((carried, real))
+        if carried:  # execute_model: the budget over the drafts this batch carries
+            m.get_num_tokens({x: 1 + carried for x in ids}, {x: [0] * carried for x in ids})
+            m.reallocate_drafts(ids, torch.arange(3))
+        now[0] += 0.010 if carried == 0 or not real else 0.015
+        batch = types.SimpleNamespace(num_reqs=3, num_tokens=3 * (1 + carried), num_draft_tokens=3 * carried)
+        runner = types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, out.num_spec_tokens_to_schedule))
+        m.begin_drafting_step(runner)  # sample_tokens: our hook, then the sample and its outcome
+        if carried:
+            m.observe(torch.full((3,), 1 + (accepted if real else 0), dtype=torch.int32))
+        real = m._drafts_real
+        if real:
+            _record(m, [[conf] * K] * 3)  # propose: this step's drafts and their confidences
+        if runner.execute_model_state.num_spec_tokens_to_schedule == 0 and m._scheduler_decides:
+            assert reserved == 0  # the scheduler reserved nothing for a step that drafts nothing
+    return served
+
+
+@pytest.mark.parametrize("scheduler_pause", [False, True])
+def test_a_scheduler_pause_schedules_plain_steps_and_probes_back(manager_cls, scheduler_pause: bool) -> None:
+    """scheduler_pause: the policy decides in vLLM's scheduler, so a paused step reserves no placeholder drafts
+    and the next step carries none (plain decoding). Decided in the worker, the async scheduler has already
+    reserved k per request for the next step, which carries placeholders that the layout compacts away."""
+    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3, scheduler_pause=scheduler_pause)
+    m._pause_supported = m._timed = True  # attach(): a draft_model speculator on one rank
+    m._set_up_scheduler_pause()
+    assert m._scheduler_decides == scheduler_pause
+    losing = _serve_async(m, 40, conf=0.01, accepted=0)  # nothing is accepted: drafting pauses
+    assert m.saturation.counters.pauses >= 1 and not m.saturation.drafting_enabled
+    placeholders = [c for c, real in losing if c and not real]
+    if scheduler_pause:
+        assert placeholders == [] and losing[-5:] == [(0, False)] * 5  # paused steps are plain steps
+    else:
+        assert len(placeholders) >= 20  # every paused step's batch carried k placeholders per request
+    probes = m.saturation.counters.probe_steps
+    assert probes >= 1  # and the timer's probes drafted
+    # The policy stepped once per scheduled step (no decision taken twice), and was judged on real drafts only.
+    assert sum(m._decisions.values()) == 40
+    # drafts now pay: a probe resumes drafting, and it stays on
+    winning = _serve_async(m, 400, conf=0.99, accepted=K)
+    assert m.saturation.counters.resumes >= 1 and m.saturation.drafting_enabled
+    assert all(c == K and real for c, real in winning[-10:])
+
+
+def test_a_scheduler_pause_judges_the_last_outcome_before_a_probe(manager_cls) -> None:
+    """The step that verified the last drafts before a scheduler pause has its outcome copied while the pause
+    begins; it is judged then (waiting for the copy), not counted into the next probe's evidence."""
+    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=50, scheduler_pause=True)
+    m._pause_supported = m._timed = True
+    m._set_up_scheduler_pause()
+    _serve_async(m, 12, conf=0.01, accepted=0)
+    assert not m.saturation.drafting_enabled and not m.saturation.probing
+    assert m._outcome_pending is None  # nothing left to leak into a probe 50 paused steps from now
+
+
 def _bonus_only_step(m, drafted: bool) -> int:
     """One runner step over three requests whose drafts are all rejected (the bonus token only); returns
     the drafts the next decision schedules. Async scheduling: a paused decision's batch carries placeholder
