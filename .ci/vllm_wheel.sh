@@ -34,9 +34,6 @@ FILES=(
   vllm/engine/arg_utils.py
   vllm/entrypoints/llm.py
   vllm/v1/worker/worker_base.py
-  vllm/v1/core/sched/scheduler.py
-  vllm/v1/core/sched/async_scheduler.py
-  vllm/v1/core/sched/output.py
 )
 # Sources of the pinned FlashInfer (cache: $DSPARK_FLASHINFER_SRC, else ~/.cache/dspark/flashinfer-VERSION-src).
 FLASHINFER_VERSION=0.7.2.post1

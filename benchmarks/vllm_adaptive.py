@@ -26,8 +26,7 @@ cells resume, so a config cut off by a time limit is simply run again. ``--clien
 Configs: nospec, all (verify every draft), upstream (vLLM's adaptive verification), varlen and mask (ours,
 with --dspark), mask-compact (mask whose paused steps run compacted, on varlen graphs), and ablations of ours: varlen-nosat (no saturation policy), varlen-nosts (no STS),
 varlen-startup (vLLM's start-up profile instead of the --dspark sps_curve), varlen-current (the draft's
-K/V kept current on every paused step instead of caught up: engines/vllm/upkeep.py); varlen-sched (the
-saturation policy decides in vLLM's scheduler, so a paused step reserves no placeholder drafts: scheduler_pause).
+K/V kept current on every paused step instead of caught up: engines/vllm/upkeep.py).
 
 ``--rounds N`` measures each group in N paired rounds: every server of the group gets 1/N of the prompts per
 round (fresh random prompts each round), the group's configs in a rotated order each round, so that what drifts
@@ -453,8 +452,6 @@ def main() -> int:
                          "dspark_online_sts": False},
         "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
         "varlen-current": {**varlen, "dspark_draft_catchup_tokens": 0},  # the draft's K/V kept current while paused
-        # the policy decides in vLLM's scheduler: a paused step reserves no placeholder drafts (scheduler_pause)
-        "varlen-sched": {**varlen, "dspark_scheduler_pause": True},
         # For the lossless check with real weights: verification forced on (a survival threshold instead of the
         # curve, no saturation), and the same with the policy pausing and probing often (patience 1, a probe
         # every 2 paused steps, backing off): its probes draft right after a catch-up, so their acceptance
@@ -465,7 +462,6 @@ def main() -> int:
                          "dspark_resume_every": 2},
     }
     specs["varlen-cycle-current"] = {**specs["varlen-cycle"], "dspark_draft_catchup_tokens": 0}
-    specs["varlen-sched-cycle"] = {**specs["varlen-cycle"], "dspark_scheduler_pause": True}
     if args.lossless:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
         # nothing about its padding path: a budget cap makes it prune.

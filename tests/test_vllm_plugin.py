@@ -100,17 +100,7 @@ def make_standins(*, rejection_params: tuple[str, ...] | None = None) -> dict[st
     runner.ModelCudaGraphManager = ModelCudaGraphManager
     runner.GPUModelRunner = GPUModelRunner
     runner.RejectionSampler = rejection.RejectionSampler
-
-    scheduler = types.ModuleType(contract.ASYNC_SCHEDULER)
-
-    class AsyncScheduler:
-        """Reserves the next step's draft slots as vLLM's does (``_spec_token_placeholders``)."""
-
-        def _update_after_schedule(self, scheduler_output: Any) -> None:
-            self.placeholders = [-1] * scheduler_output.num_spec_tokens_to_schedule
-
-    scheduler.AsyncScheduler = AsyncScheduler
-    return {m.__name__: m for m in (av, runner, rejection, cudagraph, speculator, scheduler)}
+    return {m.__name__: m for m in (av, runner, rejection, cudagraph, speculator)}
 
 
 class FakeManager:
@@ -130,9 +120,6 @@ class FakeManager:
 
     def begin_drafting_step(self, runner: Any) -> None:
         runner.events.append("begin_drafting_step")
-
-    def decide_at_schedule(self, scheduler_output: Any) -> None:
-        scheduler_output.num_spec_tokens_to_schedule = 0  # paused
 
 
 def _state(modules: dict, mode: str = "mask") -> tuple[plugin.PatchState, list]:
@@ -226,35 +213,6 @@ def test_our_settings_install_the_runtime_patches_once() -> None:
     patched = current()
     plugin.install_runtime_patches(plugin.PatchState(modules))
     assert patched == current()
-
-
-def test_the_scheduler_asks_the_manager_built_last_before_it_reserves_draft_slots() -> None:
-    """scheduler_pause: the async scheduler's hook hands the step just scheduled to the latest manager, whose
-    decision (a pause: 0 drafts) the scheduler then reserves the next step's slots by. Without our manager in
-    the process (upstream's, or the scheduler in another process) the scheduler is untouched."""
-    modules = make_standins()
-    scheduler = modules[contract.ASYNC_SCHEDULER].AsyncScheduler()
-    state, _ = _state(modules, mode="varlen")
-    plugin.install_gate(state)
-    plugin.install_runtime_patches(state)
-    assert plugin.is_patched(modules[contract.ASYNC_SCHEDULER].AsyncScheduler._update_after_schedule)
-    out = types.SimpleNamespace(num_spec_tokens_to_schedule=4)
-    scheduler._update_after_schedule(out)
-    assert scheduler.placeholders == [-1] * 4  # no manager of ours yet (the profiling pass builds the first)
-    gate = modules[contract.RUNNER].maybe_create_adaptive_verification_manager
-    gate(**_factory_kwargs(FakeConfig({"dspark": {"mode": "varlen"}})))
-    latest = gate(**_factory_kwargs(FakeConfig({"dspark": {"mode": "varlen", "scheduler_pause": True}})))
-    assert state.manager is latest
-    scheduler._update_after_schedule(out)
-    assert out.num_spec_tokens_to_schedule == 0 and scheduler.placeholders == []
-    state.manager = object()  # upstream's manager: nothing of ours to ask
-    out = types.SimpleNamespace(num_spec_tokens_to_schedule=4)
-    scheduler._update_after_schedule(out)
-    assert scheduler.placeholders == [-1] * 4
-    # a second plugin load wraps nothing twice
-    hook = modules[contract.ASYNC_SCHEDULER].AsyncScheduler._update_after_schedule
-    plugin.install_runtime_patches(plugin.PatchState(modules))
-    assert modules[contract.ASYNC_SCHEDULER].AsyncScheduler._update_after_schedule is hook
 
 
 def test_a_mask_manager_whose_paused_steps_compact_gets_varlen_graphs() -> None:

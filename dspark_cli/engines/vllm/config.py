@@ -39,7 +39,6 @@ SEED_KEYS: dict[str, str] = {
     "dspark_sts_refit_interval": "sts_refit_interval",
     "dspark_draft_catchup_tokens": "draft_catchup_tokens",
     "dspark_mask_paused_compact": "mask_paused_compact",
-    "dspark_scheduler_pause": "scheduler_pause",
 }
 
 
@@ -72,12 +71,6 @@ class DsparkVllmSettings:
     # no-speculation step on the H200, docs/PERFORMANCE.md section 25). Drafting steps keep the uniform masked
     # layout. Needs an attention backend that replays varlen decode graphs; mask stays uniform otherwise.
     mask_paused_compact: bool = False
-    # The saturation policy decides at vLLM's scheduler, before the step is scheduled, so a paused step
-    # reserves no placeholder draft slots for the next one: that step is plain decoding end to end (no
-    # spec-decode input preparation, no layout to compact). Needs the scheduler and the worker in one
-    # process (one GPU: vLLM's uniprocess executor) and a paused step that compacts (varlen, or mask with
-    # mask_paused_compact); otherwise the policy decides in the worker as before, with one log line.
-    scheduler_pause: bool = False
 
     def __post_init__(self) -> None:
         w = f"--additional-config {ADDITIONAL_CONFIG_KEY}"
@@ -94,7 +87,7 @@ class DsparkVllmSettings:
             _number(f"{w}.overhead_ms", self.overhead_ms, 0.0, math.inf)
         if self.confidence_temperature is not None:
             _number(f"{w}.confidence_temperature", self.confidence_temperature, 0.0, math.inf, lo_open=True)
-        for name in ("online_sts", "mask_paused_compact", "scheduler_pause"):
+        for name in ("online_sts", "mask_paused_compact"):
             if not isinstance(getattr(self, name), bool):
                 raise DsparkError(f"{w}.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.policy == "threshold" and self.threshold <= 0:

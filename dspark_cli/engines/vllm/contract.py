@@ -49,9 +49,6 @@ ENVS = "vllm.envs"
 ARG_UTILS = "vllm.engine.arg_utils"
 LLM = "vllm.entrypoints.llm"
 WORKER_BASE = "vllm.v1.worker.worker_base"
-SCHEDULER = "vllm.v1.core.sched.scheduler"
-ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler"
-SCHED_OUTPUT = "vllm.v1.core.sched.output"
 
 Kind = Literal[
     "function",  # module-level def; params must appear (in this order) among its parameters
@@ -216,22 +213,6 @@ CONTRACT: tuple[Assumption, ...] = (
                 "num_speculative_tokens=num_spec_tokens,", "draft_tokens[:, num_spec_tokens:] = -1",
                 "draft_tokens[:, :num_spec_tokens]"),
                why="0 scheduled drafts: propose is told 0, the drafts handed to the scheduler are empty"),
-    # scheduler_pause: the saturation policy decides in the scheduler, before the next step's slots are reserved
-    Assumption(ASYNC_SCHEDULER, "AsyncScheduler._update_after_schedule", "method", ("scheduler_output",),
-               patched=True, why="scheduler_pause: the policy decides before the placeholders are reserved"),
-    Assumption(ASYNC_SCHEDULER, "AsyncScheduler._update_after_schedule", "contains",
-               ("* scheduler_output.num_spec_tokens_to_schedule", "request.spec_token_ids = self._spec_token_placeholders"),
-               why="a step scheduled with 0 drafts reserves no placeholder drafts for the next step"),
-    Assumption(SCHEDULER, "Scheduler.schedule", "contains",
-               ("num_spec_tokens_to_schedule=num_spec_tokens_to_schedule,", "self._update_after_schedule(scheduler_output)"),
-               why="the scheduler output carries the step's draft count into _update_after_schedule"),
-    Assumption(SCHED_OUTPUT, "SchedulerOutput.num_spec_tokens_to_schedule", "field",
-               why="scheduler_pause sets it to 0 on a paused step; the worker reads it as its draft count"),
-    Assumption(SCHED_OUTPUT, "SchedulerOutput.skip_drafts", "field",
-               why="a step whose drafts vLLM skips of its own accord is left to vLLM"),
-    Assumption(RUNNER, "GPUModelRunner.execute_model", "contains",
-               ("0 if skip_drafts else scheduler_output.num_spec_tokens_to_schedule",),
-               why="the worker drafts what the scheduler output says (0 on a scheduler-paused step)"),
     Assumption(INPUT_BATCH, "InputBatch.is_padding", "field", why="MoE skip mask; a view of InputBuffers.is_padding"),
     Assumption(INPUT_BATCH, "InputBatch.input_ids", "field"),
     Assumption(INPUT_BATCH, "InputBatch.query_start_loc", "field"),

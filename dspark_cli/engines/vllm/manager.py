@@ -516,13 +516,6 @@ def build_manager_class(base: type) -> type:
             self._verify_pending: tuple[list[str], int, np.ndarray, bool] | None = None
             self._drafts_real = True  # whether the drafts verified next are real (not a paused step's stale ids)
             self._pause_supported = False
-            # scheduler_pause: the policy decides in vLLM's scheduler (decide_at_schedule), once attach() has
-            # found the pause supported there; the decision for the step just scheduled waits here for that
-            # step's begin_drafting_step: (drafts, requests).
-            self._scheduler_decides = False
-            self._scheduled: tuple[bool, int] | None = None
-            self._scheduler_seen = False
-            self._mismatch_logged = False
             # Step timing only on a single rank: TP ranks must take the same saturation decisions, and
             # those are reproducible from shared outcomes but not from each rank's own clock (attach sets it).
             self._timed = False
@@ -776,7 +769,6 @@ def build_manager_class(base: type) -> type:
             warm_up_allocate(self.num_speculative_steps, self.req_states.max_num_reqs, self.req_states.device,
                              drafts_dtype=self._sched_gpu.dtype)
             self._set_up_upkeep(spec, standalone)
-            self._set_up_scheduler_pause()
             hooked = getattr(spec, SPECULATOR_MANAGER_ATTR, None) is not None
             setattr(spec, SPECULATOR_MANAGER_ATTR, self)
             if not hooked:
@@ -814,99 +806,31 @@ def build_manager_class(base: type) -> type:
             logger.info("dspark: while paused, the draft skips its K/V pass and catches up every %d pending "
                         "tokens or on resume", budget)
 
-        def _set_up_scheduler_pause(self) -> None:
-            """``scheduler_pause``: whether the policy may decide in the scheduler (``decide_at_schedule``).
-
-            A step the scheduler gives 0 drafts reserves no placeholder slots for the next one, so the next
-            step decodes one token per request with no drafts at all: it replays a varlen decode graph (varlen,
-            or mask with ``mask_paused_compact``), where mask's uniform graphs would leave it eager. The
-            decision needs the step clock of one rank (``_timed``).
-            """
-            if not self.settings.scheduler_pause:
-                return
-            if not (self._pause_supported and self._timed and self.compact_paused):
-                logger.info("dspark: scheduler_pause needs a pausable speculator on one rank and a paused step "
-                            "that compacts (varlen, or mask with mask_paused_compact): the policy decides in "
-                            "the worker")
-                return
-            self._scheduler_decides = True
-
-        def decide_at_schedule(self, scheduler_output: Any) -> None:
-            """In vLLM's (async) scheduler, before it reserves the next step's draft slots: whether the step it
-            has just scheduled drafts. A paused step gets ``num_spec_tokens_to_schedule`` 0, so vLLM reserves no
-            placeholder drafts for the step after it, which is then plain decoding end to end.
-
-            Deciding in the worker (``begin_drafting_step``) comes one step too late for that: the async
-            scheduler has already reserved k placeholder slots per request for the next step, which the runner
-            prepares and our layout compacts away again. At 64 requests on the H200 such a paused step took
-            8.6-8.9 ms against 7.25 for no speculation (docs/PERFORMANCE.md section 25).
-
-            The scheduler and the worker run this in one thread (vLLM's uniprocess executor): ``schedule`` of
-            step N, then its ``execute_model`` and ``sample_tokens``, then ``schedule`` of N + 1. So the decision
-            waits here for step N's ``begin_drafting_step``. Since the policy now decides before step N - 1's
-            outcome is judged, a probe drafts one step longer. The outcome of the last verified step is judged
-            here when its copy has landed, and waited for while paused (then it is the last one until a probe,
-            which it must not count for).
-            """
-            if not self._scheduler_decides:
-                return
-            r = len(scheduler_output.num_scheduled_tokens)
-            if r == 0 or scheduler_output.num_spec_tokens_to_schedule <= 0 or scheduler_output.skip_drafts:
-                self._scheduled = None
-                return  # vLLM schedules no drafts of its own accord, or runs nothing
-            if not self._scheduler_seen:
-                self._scheduler_seen = True
-                logger.info("dspark: the saturation policy decides in the scheduler: a paused step reserves no "
-                            "placeholder drafts")
-            sat = self.saturation
-            self._judge_last_outcome(wait=not sat.drafting_enabled and not sat.probing)
-            drafting = self.timer.begin_step(r)
-            if not drafting:
-                scheduler_output.num_spec_tokens_to_schedule = 0
-            self._scheduled = (drafting, r)
-
         def begin_drafting_step(self, runner: Any) -> None:
             """Before ``sample_tokens``: decide whether this step's propose drafts (saturation policy).
 
             Runs after this step's budget decision (``get_num_tokens`` in ``execute_model``), so a probe's
             outcome is observed before the next decision. A paused step rewrites the runner's pending
-            ``num_spec_tokens_to_schedule`` to 0 -- the path vLLM takes for a step that needs no drafts. Where
-            the scheduler has already asked the policy (``decide_at_schedule``), this step follows its decision.
+            ``num_spec_tokens_to_schedule`` to 0 -- the path vLLM takes for a step that needs no drafts.
             """
             state = getattr(runner, "execute_model_state", None)
             if state is None:
                 return
             scheduled = int(state.num_spec_tokens_to_schedule)
             drafting = scheduled > 0
-            decided, self._scheduled = self._scheduled, None
             if self._timed:
                 self._time_last_step(state.input_batch)
-            if decided is not None and decided[1] != int(state.input_batch.num_reqs):
-                # Not this step's decision: schedule and execute alternate in one thread, so this would mean
-                # vLLM's engine loop changed. The worker decides this step; say so once.
-                if not self._mismatch_logged:
-                    self._mismatch_logged = True
-                    logger.warning("dspark: the scheduler's drafting decision was for %d requests, the step runs "
-                                   "%d: this step's policy decision is the worker's", decided[1],
-                                   int(state.input_batch.num_reqs))
-                decided = None
-            if decided is not None and (drafting or not decided[0]):
-                # The scheduler asked the policy (decide_at_schedule). A drafting decision whose drafts vLLM
-                # skipped all the same (skip_drafts) is no step of ours (below).
-                drafting = decided[0]
-            elif drafting and self._pause_supported:
+            if drafting and self._pause_supported:
                 drafting = self.timer.begin_step(state.input_batch.num_reqs)
                 if not drafting:
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
+                self._decisions[drafting] += 1
+                if self._timed:
+                    self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs),
+                                        self._catchups_paid())
+                    self._maybe_report(now)
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
-                self._drafts_real = drafting
-                return
-            self._decisions[drafting] += 1
-            if self._timed:
-                self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs),
-                                    self._catchups_paid())
-                self._maybe_report(now)
             self._drafts_real = drafting
 
         def _maybe_report(self, now: float) -> None:
@@ -1000,17 +924,13 @@ def build_manager_class(base: type) -> type:
             out[:r] = torch.minimum(num_rejected[:r], (caps - accepted).clamp_min(0))
             return out
 
-        def _judge_last_outcome(self, wait: bool = True) -> None:
-            """Hand the saturation policy the outcome copied a step ago (complete by now: its event is old).
-            ``wait=False``: only if the copy has landed (the scheduler's decision must not stall the host)."""
-            pending = self._outcome_pending
+        def _judge_last_outcome(self) -> None:
+            """Hand the saturation policy the outcome copied a step ago (complete by now: its event is old)."""
+            pending, self._outcome_pending = self._outcome_pending, None
             if pending is None:
                 return
             if self._outcome_event is not None:
-                if not wait and not self._outcome_event.query():
-                    return
                 self._outcome_event.synchronize()
-            self._outcome_pending = None
             decision, r = pending
             seen = self.saturation.counters.last_probe
             self.saturation.observe_outcome(decision, int(self._outcome_host.item()), r,

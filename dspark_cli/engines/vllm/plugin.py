@@ -14,10 +14,7 @@ object. Only then, from inside the runner's ``initialize_kv_cache``, does it ins
 * ``GPUModelRunner.sample_tokens``: the saturation policy decides, after the step's budget, whether the
   step drafts (a paused step schedules 0 drafts, as vLLM does for a step that needs none);
 * ``GPUModelRunner.prepare_inputs``: mask mode pads pruned rows once the drafts are in ``input_ids``;
-* ``RejectionSampler.__call__``: OR mask mode's ``invalid_drafts`` into the runner's (grammar) mask;
-* ``AsyncScheduler._update_after_schedule``: with ``scheduler_pause``, the saturation policy decides there,
-  before the next step's draft slots are reserved (the manager built last in this process; a scheduler in
-  another process never calls it, and the worker decides).
+* ``RejectionSampler.__call__``: OR mask mode's ``invalid_drafts`` into the runner's (grammar) mask.
 
 Every name is checked against ``contract.CONTRACT`` first; a drifted vLLM refuses to start with one message.
 Nothing here sets environment variables. vLLM absent: :func:`register` logs at debug level and returns.
@@ -43,7 +40,6 @@ logger = logging.getLogger("vllm.dspark")
 
 MARK = "__dspark_original__"  # set on every object we install; holds what it replaced
 FACTORY = "maybe_create_adaptive_verification_manager"
-SCHEDULE_HOOK = "AsyncScheduler._update_after_schedule"
 INVALID_DRAFTS_ATTR = contract.INVALID_DRAFTS_ATTR
 
 
@@ -57,9 +53,7 @@ class PatchState:
     ``modules`` resolves a dotted module name (``sys.modules`` in vLLM; stand-in modules in tests);
     ``create`` builds our manager (``manager.create_manager`` in vLLM). ``varlen_override`` carries the
     gate's decision (mask -> no varlen graphs) to the ModelCudaGraphManager built right after it in the
-    same ``initialize_kv_cache``, keyed by the ``VllmConfig`` object both calls receive. ``manager`` is the
-    manager built last (vLLM builds one for its profiling pass, then the serving one): the scheduler hook asks
-    it, in the one process where scheduler and worker meet (one GPU, vLLM's uniprocess executor).
+    same ``initialize_kv_cache``, keyed by the ``VllmConfig`` object both calls receive.
     """
 
     def __init__(self, modules: Mapping[str, ModuleType] | None = None,
@@ -67,22 +61,12 @@ class PatchState:
         self._modules = modules
         self.create = create or _default_create
         self.varlen_override: dict[int, bool] = {}
-        self.manager: Any = None
         self.runtime_installed = False
 
     def module(self, name: str) -> ModuleType | None:
         if self._modules is not None:
             return self._modules.get(name)
         return sys.modules.get(name)
-
-    def load(self, name: str) -> ModuleType | None:
-        """:meth:`module`, importing it first in vLLM (the scheduler's module may not be imported yet)."""
-        if self._modules is not None or name in sys.modules:
-            return self.module(name)
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            return None
 
 
 def _default_create(settings: DsparkVllmSettings, av_module: ModuleType, kwargs: dict[str, Any]) -> Any:
@@ -115,7 +99,6 @@ def make_gate(original: Callable[..., Any], state: PatchState) -> Callable[..., 
         av = state.module(contract.AV)
         assert av is not None
         manager = state.create(settings, av, kwargs)
-        state.manager = manager
         # Varlen decode graphs wherever a paused step compacts (varlen; mask with mask_paused_compact).
         state.varlen_override[id(kwargs["vllm_config"])] = bool(
             getattr(manager, "compact_paused", getattr(manager, "mode", settings.mode) == "varlen"))
@@ -172,13 +155,10 @@ def install_runtime_patches(state: PatchState) -> None:
     runner = state.module(contract.RUNNER)
     rejection = state.module(contract.REJECTION)
     cudagraph = state.module(contract.CUDAGRAPH)
-    scheduler = state.load(contract.ASYNC_SCHEDULER)
     checks = [(row, state.module(row.module)) for row in contract.patched()
               if row.kind in ("method", "function") and row.module in (contract.RUNNER, contract.REJECTION,
                                                                         contract.SPECULATOR, contract.CUDAGRAPH)]
     checks.append((contract.lookup(contract.CUDAGRAPH, "ModelCudaGraphManager.__init__", "method"), cudagraph))
-    if scheduler is not None:
-        checks.append((contract.lookup(contract.ASYNC_SCHEDULER, SCHEDULE_HOOK, "method"), scheduler))
     problems = _drift(checks)
     if runner is None or not hasattr(runner, "ModelCudaGraphManager") or not hasattr(runner, "GPUModelRunner"):
         problems.append(f"{contract.RUNNER}: GPUModelRunner/ModelCudaGraphManager not bound")
@@ -240,28 +220,7 @@ def install_runtime_patches(state: PatchState) -> None:
 
         setattr(__call__, MARK, call_original)
         sampler_cls.__call__ = __call__
-    if scheduler is not None:
-        _install_scheduler_hook(scheduler.AsyncScheduler, state)
     state.runtime_installed = True
-
-
-def _install_scheduler_hook(cls: type, state: PatchState) -> None:
-    """``scheduler_pause``: the manager decides whether the step just scheduled drafts, before the async
-    scheduler reserves the next step's draft slots from ``num_spec_tokens_to_schedule``
-    (``DsparkVerificationManager.decide_at_schedule``; it does nothing unless asked to)."""
-    original = cls._update_after_schedule
-    if is_patched(original):
-        return
-
-    @functools.wraps(original)
-    def _update_after_schedule(self: Any, scheduler_output: Any) -> Any:
-        manager = state.manager
-        if _is_ours(manager):
-            manager.decide_at_schedule(scheduler_output)
-        return original(self, scheduler_output)
-
-    setattr(_update_after_schedule, MARK, original)
-    cls._update_after_schedule = _update_after_schedule
 
 
 def _run_before(cls: type, name: str, hook: Callable[[Any, Any], None]) -> None:
