@@ -104,11 +104,29 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"server not ready after {timeout:.0f} s")
 
 
-def _greedy_outputs(port: int, model: str, n: int) -> list[list[int]]:
-    """Token ids of N fixed prompts, greedy, one request at a time (the same requests for every config)."""
+# Questions in the domain the packaged SmolLM2 draft was distilled on (GSM8K answers): with real weights the
+# check must verify drafts that are accepted. On token-id prompts the real pair continued in repetitions the
+# draft never predicted, and no config of ours accepted one draft (docs/PERFORMANCE.md section 26).
+TEXT_PROMPTS = (
+    "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
+    "Question: A train travels 60 miles per hour for 3 hours. How far does it go?\nAnswer:",
+    "Question: Sara reads 12 pages a day. How many pages does she read in a week?\nAnswer:",
+    "Question: A shirt costs $20 and is on sale for 25% off. What is the sale price?\nAnswer:",
+    "Question: There are 24 students and each table seats 4. How many tables are needed?\nAnswer:",
+    "Question: John saves $15 a week. How much has he saved after 8 weeks?\nAnswer:",
+    "Question: A box holds 6 eggs. How many boxes are needed for 50 eggs?\nAnswer:",
+    "Question: Mia had 40 stickers and gave away 15. How many are left?\nAnswer:",
+)
+
+
+def _greedy_outputs(port: int, model: str, n: int, text: bool = False) -> list[list[int]]:
+    """Token ids of N fixed prompts, greedy, one request at a time (the same requests for every config):
+    token-id sequences (any tokenizer, dummy weights), or with ``text`` the questions of ``TEXT_PROMPTS``."""
     outs = []
     for i in range(n):
-        body = {"model": model, "prompt": [1 + (37 * i + 11 * j) % 900 for j in range(16 + i)], "max_tokens": 32,
+        prompt = (TEXT_PROMPTS[i % len(TEXT_PROMPTS)] if text
+                  else [1 + (37 * i + 11 * j) % 900 for j in range(16 + i)])
+        body = {"model": model, "prompt": prompt, "max_tokens": 32,
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -269,18 +287,28 @@ def _write_anatomy_tables(out: Path) -> None:
         + f"\nShare of steps that carried a prefill chunk: {shares}\n")
 
 
-def bench_command(args: argparse.Namespace, name: str, port: int, round_: int = 0) -> tuple[list[str], Path]:
-    """The ``dspark bench --base-url`` command for one config's server, and the folder its cells land in: OUT/bench,
-    or with ``--rounds`` OUT/bench/round<r> (1-based), 1/rounds of the prompts, seeded apart per round."""
+def bench_commands(args: argparse.Namespace, name: str, port: int, round_: int = 0) -> tuple[list[list[str]], Path]:
+    """The ``dspark bench --base-url`` commands for one config's server, and the folder its cells land in:
+    OUT/bench, or with ``--rounds`` OUT/bench/round<r> (1-based), 1/rounds of the prompts, seeded apart per round.
+
+    With ``--rounds``, a concurrency whose share of the prompts would be fewer than ``--min-waves`` waves gets
+    that many waves instead (its own command; every config alike, so the cells stay equal work). Halving 512
+    prompts left a 256-request cell one wave of about 3 s, mostly its admission ramp and its drain: two servers
+    of the same config read 8,341 and 10,993 tok/s there (docs/PERFORMANCE.md section 26)."""
     out, num_prompts, seed = args.out / "bench", args.num_prompts, 0
     if args.rounds > 1:
         out, num_prompts, seed = out / f"round{round_ + 1}", args.num_prompts // args.rounds, 100_003 * round_
-    cmd = [sys.executable, "-m", "dspark_cli.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
-           "--label", name, "-c", args.concurrency, "-n", str(num_prompts), "--dataset", "random",
-           "--input-len", str(args.input_len), "--tokenizer", args.model, "--max-tokens", str(args.output_len),
-           "--ignore-eos", "--temperature", str(args.temperature), "--endpoint", "completions",
-           "--model", args.model, "--results-dir", str(out), "--no-plots", "--seed", str(seed)]
-    return cmd, out
+    by_n: dict[int, list[str]] = {}
+    for c in args.concurrency.split(","):
+        n = max(num_prompts, args.min_waves * int(c)) if args.rounds > 1 else num_prompts
+        by_n.setdefault(n, []).append(c)
+    cmds = [[sys.executable, "-m", "dspark_cli.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
+             "--label", name, "-c", ",".join(cs), "-n", str(n), "--dataset", "random",
+             "--input-len", str(args.input_len), "--tokenizer", args.model, "--max-tokens", str(args.output_len),
+             "--ignore-eos", "--temperature", str(args.temperature), "--endpoint", "completions",
+             "--model", args.model, "--results-dir", str(out), "--no-plots", "--seed", str(seed)]
+            for n, cs in by_n.items()]
+    return cmds, out
 
 
 def paired_rounds(rows: list[dict], reference: str) -> list[dict]:
@@ -335,14 +363,17 @@ def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str,
                   log_suffix: str = "", round_: int = 0) -> list[dict]:
     """``dspark bench --base-url`` against this config's server; its cells (and the joint table) in OUT/bench
     (with ``--rounds``, OUT/bench/round<r>)."""
-    cmd, out = bench_command(args, name, port, round_)
+    cmds, out = bench_commands(args, name, port, round_)
     if args.rounds > 1:
         log_suffix += f"-round{round_ + 1}"
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    (args.out / f"bench-{name}{log_suffix}.log").write_text(run.stdout + run.stderr)
-    if run.returncode != 0:
-        raise RuntimeError(f"dspark bench exited with {run.returncode}: {run.stderr.strip()[-300:]}")
-    print(run.stdout, flush=True)
+    logs = []
+    for cmd in cmds:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        logs.append(run.stdout + run.stderr)
+        (args.out / f"bench-{name}{log_suffix}.log").write_text("\n".join(logs))
+        if run.returncode != 0:
+            raise RuntimeError(f"dspark bench exited with {run.returncode}: {run.stderr.strip()[-300:]}")
+        print(run.stdout, flush=True)
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
         cell = load_cell(cell_path(out, name, c))
@@ -392,6 +423,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, metavar="N",
                     help="measure each group in N paired rounds of 1/N of the prompts (paired.md: Δ against "
                          "--pair-with per group and round)")
+    ap.add_argument("--min-waves", type=int, default=2, metavar="W",
+                    help="with --rounds: at least W waves (W x concurrency prompts) per cell and round")
     ap.add_argument("--pair-with", default="nospec", metavar="CONFIG",
                     help="with --rounds: the config each group's others are paired with")
     ap.add_argument("--anatomy", action="store_true",
@@ -401,6 +434,9 @@ def main() -> int:
                     help="instead of benchmarking, send N fixed prompts greedily (temperature 0, 32 tokens) to "
                          "each config and check every config's token ids against nospec's (run it without "
                          "--synthetic-rates: synthetic acceptance is not lossless by design)")
+    ap.add_argument("--lossless-text", action="store_true",
+                    help="with --lossless: text questions (real weights: drafts the check verifies are accepted) "
+                         "instead of token-id prompts")
     ap.add_argument("--smoke", type=int, default=0, metavar="N",
                     help="with --lossless: then N concurrent requests of staggered lengths per config, each of "
                          "which must come back complete (served, not compared)")
@@ -465,7 +501,8 @@ def main() -> int:
     if args.lossless:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
         # nothing about its padding path: a budget cap makes it prune.
-        specs["mask"] = {**specs["mask"], "dspark_budget_frac": 0.5}
+        for name in ("mask", "mask-compact"):
+            specs[name] = {**specs[name], "dspark_budget_frac": 0.5}
     unknown = [n for n in args.configs.split(",") if n.split("#", 1)[0] not in specs]
     if unknown:
         ap.error(f"unknown configs {unknown}; choose from {sorted(specs)}")
@@ -481,6 +518,8 @@ def main() -> int:
         ap.error("--lossless checks real verification: drop --synthetic-rates")
     if args.rounds < 1 or args.num_prompts % args.rounds:
         ap.error(f"--rounds must be >= 1 and divide --num-prompts ({args.num_prompts})")
+    if args.min_waves < 1:
+        ap.error("--min-waves must be >= 1")
     if args.rounds > 1 and (args.lossless or args.anatomy or args.client != "dspark"):
         ap.error("--rounds pairs dspark bench cells: drop --lossless / --anatomy / --client vllm")
     t_start = time.time()
@@ -509,7 +548,7 @@ def main() -> int:
     def measure(srv: _Server) -> None:
         check_ready(srv)
         if args.lossless:
-            outputs[srv.name] = _greedy_outputs(srv.port, args.model, args.lossless)
+            outputs[srv.name] = _greedy_outputs(srv.port, args.model, args.lossless, args.lossless_text)
             info: dict = {"acceptance": _acceptance(srv.port)}  # of the sequential greedy requests
             if args.smoke:
                 info["smoke"] = _concurrent_smoke(srv.port, args.model, args.smoke)

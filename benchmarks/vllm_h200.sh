@@ -83,7 +83,7 @@ case "$STAGE" in
     read -r TARGET DRAFT < <(env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/vllm_real_pair.py \
       "$OUT/real-pair" --parts /tmp/smol)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless-real" \
-      --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --smoke "${SMOKE:-16}" \
+      --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --lossless-text --smoke "${SMOKE:-16}" \
       --dspark '{"online_sts": true}' --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
   scaled)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)

@@ -22,9 +22,9 @@ sys.modules[_spec.name] = adaptive  # its dataclasses resolve their module by na
 _spec.loader.exec_module(adaptive)
 
 
-def _args(tmp_path: Path, rounds: int) -> SimpleNamespace:
+def _args(tmp_path: Path, rounds: int, min_waves: int = 1) -> SimpleNamespace:
     return SimpleNamespace(out=tmp_path, rounds=rounds, num_prompts=512, concurrency="16,64,256", input_len=128,
-                           model="/models/target", output_len=128, temperature=0.0)
+                           model="/models/target", output_len=128, temperature=0.0, min_waves=min_waves)
 
 
 def _flag(cmd: list[str], name: str) -> str:
@@ -32,16 +32,25 @@ def _flag(cmd: list[str], name: str) -> str:
 
 
 def test_each_round_benches_its_share_of_fresh_prompts_into_its_own_folder(tmp_path: Path) -> None:
-    cmd, out = adaptive.bench_command(_args(tmp_path, 1), "varlen", 8000)
+    (cmd,), out = adaptive.bench_commands(_args(tmp_path, 1, min_waves=2), "varlen", 8000)
     assert out == tmp_path / "bench" and _flag(cmd, "-n") == "512" and _flag(cmd, "--seed") == "0"
     assert _flag(cmd, "--base-url") == "http://127.0.0.1:8000" and _flag(cmd, "--label") == "varlen"
+    assert _flag(cmd, "-c") == "16,64,256"  # one pass: --min-waves only shapes rounds
     seen = set()
     for r in range(2):
-        cmd, out = adaptive.bench_command(_args(tmp_path, 2), "nospec#2", 8001, round_=r)
+        (cmd,), out = adaptive.bench_commands(_args(tmp_path, 2), "nospec#2", 8001, round_=r)
         assert out == tmp_path / "bench" / f"round{r + 1}" and _flag(cmd, "-n") == "256"
         assert _flag(cmd, "--results-dir") == str(out) and _flag(cmd, "--label") == "nospec#2"
         seen.add(_flag(cmd, "--seed"))
     assert len(seen) == 2  # fresh random prompts each round: no prefix-cache hits on a round's repeat
+
+
+def test_a_round_keeps_at_least_min_waves_per_cell(tmp_path: Path) -> None:
+    """Half of 512 prompts is one wave at 256 requests (~3 s of admission ramp and drain on the H200): with
+    --min-waves 2 that cell gets 512 prompts of its own, the lighter loads keep their share."""
+    cmds, out = adaptive.bench_commands(_args(tmp_path, 2, min_waves=2), "varlen", 8000, round_=1)
+    assert [(_flag(c, "-c"), _flag(c, "-n")) for c in cmds] == [("16,64", "256"), ("256", "512")]
+    assert {_flag(c, "--results-dir") for c in cmds} == {str(out)} and len({_flag(c, "--seed") for c in cmds}) == 1
 
 
 def _row(group: int, config: str, r: int, c: int, tok_s: float) -> dict:
@@ -100,12 +109,9 @@ os.execvp(sys.executable, [sys.executable, "-m", "dspark_cli.cli", "serve", "--m
 '''
 
 
-def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_the_paired_table(
-        tmp_path: Path) -> None:
-    """The whole --rounds path: a group of three servers started together (a fixed KV cache, no memory
-    profile), two rounds of half the prompts each, every config's cells per round, and paired.md with the
-    tagged second reference server as an A/A row."""
-    import json
+def _stand_in_vllm(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """A ``vllm`` package whose CLI serves the embedded tiny model (``_FAKE_VLLM_MAIN``), first on PYTHONPATH,
+    and the draft under a path without 'dspark' in it (vLLM picks the speculative method from the path)."""
     import os
 
     from dspark_cli.engines.embedded.assets import TINY_DIR
@@ -116,10 +122,22 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
     for d in (fake / "vllm", fake / "vllm" / "entrypoints", pkg):
         (d / "__init__.py").write_text("")
     (pkg / "main.py").write_text(_FAKE_VLLM_MAIN)
-    out = tmp_path / "out"
-    draft = tmp_path / "draft"  # vLLM picks the speculative method from the draft's path: keep 'dspark' out of it
+    draft = tmp_path / "draft"
     draft.symlink_to(TINY_DIR / "draft")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}, draft
+
+
+def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_the_paired_table(
+        tmp_path: Path) -> None:
+    """The whole --rounds path: a group of three servers started together (a fixed KV cache, no memory
+    profile), two rounds of half the prompts each, every config's cells per round, and paired.md with the
+    tagged second reference server as an A/A row."""
+    import json
+
+    from dspark_cli.engines.embedded.assets import TINY_DIR
+
+    env, draft = _stand_in_vllm(tmp_path)
+    out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
          "--out", str(out), "--k", "4", "--configs", "nospec,varlen,nospec#2", "--overlap-starts", "3",
@@ -137,3 +155,30 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
     paired = (out / "paired.md").read_text()
     assert "nospec, varlen, nospec#2, 2 rounds" in paired
     assert "| c | varlen | nospec#2 |" in paired and paired.count("\n| 1 | ") == 1 and paired.count("\n| 2 | ") == 1
+
+
+def test_the_lossless_check_with_text_questions_compares_every_config_against_no_speculation(
+        tmp_path: Path) -> None:
+    """--lossless --lossless-text (the real-weight check's prompts: questions in the draft's domain) against
+    real servers: every config's greedy outputs are compared with no speculation's, and the concurrent smoke
+    is served."""
+    import json
+
+    from dspark_cli.engines.embedded.assets import TINY_DIR
+
+    env, draft = _stand_in_vllm(tmp_path)
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
+         "--out", str(out), "--k", "4", "--configs", "nospec,varlen", "--overlap-starts", "2",
+         "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--lossless", "3", "--lossless-text",
+         "--smoke", "2"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((out / "lossless.json").read_text())
+    outputs = report["outputs"]
+    assert set(outputs) == {"nospec", "varlen"} and len(outputs["nospec"]) == 3
+    # the stand-in returns text, not token ids: the script compares its characters then
+    assert all(len(o) > 0 for o in outputs["nospec"]) and len(set(map(tuple, outputs["nospec"]))) == 3
+    assert outputs["varlen"] == outputs["nospec"]
+    assert "identical to nospec: 3/3" in run.stdout
