@@ -103,8 +103,8 @@ queue_stalls() {
 # REUSE_CURVE=1: the curve `dspark profile-sps` measured in section 14's sitting (same machine kind) instead of
 # profiling again (saves 3 min). REAL_SMOKE=1: first the greedy lossless check with real weights (issue 6 item
 # 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec and forced-verification configs
-# (varlen-verify; varlen-cycle, pausing and probing often, caught up or kept current: their acceptance says
-# whether a caught-up draft drafts as well), with a concurrent smoke per config; should a config fail to
+# (varlen-verify; varlen-cycle, pausing and probing often; mask-compact, pruning to half the drafts, its
+# paused steps compacted), with a concurrent smoke per config; should a config fail to
 # serve, the matrix keeps the draft's K/V current. Section 16's sitting ran nospec, varlen, varlen-current:
 # both of ours accepted no draft (so outputs matched trivially), which varlen-verify now rules in or out.
 # REAL_SMOKE=after: the same check after both groups, where a sitting short of device time loses it, not
@@ -125,11 +125,13 @@ queue_vllm() {
     real_smoke
     [[ $? == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
   fi
+  # Mask with compacted paused steps (mask-compact) in group 2: section 26 served it on the H200 at no
+  # speculation's pace while paused; uniform mask, paused at 1.5-1.7x a plain step (section 25), and the
+  # curve-source ablation last: what a short sitting loses first.
   vllm_group "scaled, group 1" "${VLLM_GROUP1:-nospec,all,upstream,varlen}"
-  vllm_group "scaled, group 2" "${VLLM_GROUP2:-nospec#2,mask,varlen-nosat,varlen-nosts}"
+  vllm_group "scaled, group 2" "${VLLM_GROUP2:-nospec#2,mask-compact,varlen-nosat,varlen-nosts}"
   [[ ${REAL_SMOKE:-0} == after ]] && real_smoke
-  # The curve-source ablation and mask with compacted paused steps last: what a short sitting loses first.
-  vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,varlen-startup,mask-compact}"
+  vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,mask,varlen-startup}"
 }
 
 # LABEL CONFIGS: one group of up to four 8B-shaped vLLM servers. KV_GIB (default 11: 87k tokens of a draft_model
@@ -156,7 +158,7 @@ print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x)))" "$ROOT/v
 
 real_smoke() {  # issue 6 item 4: greedy lossless with real weights, verification forced on (see queue_vllm)
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
-  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle,varlen-cycle-current} \
+  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle,mask-compact} \
     stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
 }
 
