@@ -418,6 +418,39 @@ def test_a_draft_catch_up_is_not_charged_to_drafting(manager_cls) -> None:
     assert quotients == pytest.approx(plain_quotients)  # the catch-up's 45 ms went into no drafting measurement
 
 
+def test_a_step_that_carries_a_prompt_chunk_times_no_decode_step(manager_cls) -> None:
+    """A wave's first step prefills its prompts (eagerly, under decode-only graphs) and, paused, still runs the
+    draft's prefill over them: 3x its price here. It counts for the probe tax but feeds no plain-step window --
+    neither that interval nor the next, whose draft pass covered the chunk. A load's window (and so whether a
+    due probe there may fire, ``times_load``) is then set by decode steps only, not restarted on a prefill."""
+    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+    m._pause_supported = m._timed = True
+    now = [0.0]
+    m._clock = lambda: now[0]
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+
+    def step(ms: float, prefill: bool) -> None:
+        m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
+        m.reallocate_drafts(list(per_req), torch.arange(3))
+        now[0] += ms / 1e3
+        batch = types.SimpleNamespace(num_reqs=3, num_tokens=3 + 3 * K, num_draft_tokens=3 * K, has_prefill=prefill)
+        m.begin_drafting_step(types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, K)))
+        m.observe(torch.full((3,), 1, dtype=torch.int32))
+
+    for _ in range(12):  # drafting loses (nothing accepted): paused
+        step(10.0, False)
+    assert not m.saturation.drafting_enabled
+    times = m.timer.step_times
+    before = (times.num_samples[False], times.ratio(False, 3))
+    tax = m.saturation.probe_allowance_ms
+    step(30.0, True)  # the interval whose batch carried the chunk
+    step(30.0, False)  # the next one ran the draft's pass over it
+    assert (times.num_samples[False], times.ratio(False, 3)) == before  # no plain-step sample from either
+    assert m.saturation.probe_allowance_ms > tax  # both still paid into the probe tax
+    step(10.0, False)
+    assert times.num_samples[False] == before[0] + 1  # a decode step calibrates
+
+
 def test_steps_scheduled_without_drafts_are_never_verified(manager_cls) -> None:
     m = _make(manager_cls, "varlen")  # pausing unsupported: vLLM itself scheduled 0 drafts this step
     runner = _step_state(3, scheduled=0)

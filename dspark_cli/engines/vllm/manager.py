@@ -467,8 +467,9 @@ def build_manager_class(base: type) -> type:
             # costs against a paused one, which in vLLM is not plain decoding (core.capacity.StepTimer).
             self.timer = StepTimer(self.saturation)
             self._clock = time.perf_counter
-            # The last drafting decision: (time, drafting, requests, draft catch-ups paid before it).
-            self._last_begin: tuple[float, bool, int, int] | None = None
+            # The last drafting decision: (time, drafting, requests, draft catch-ups paid before it, whether its
+            # step's batch carried a prompt chunk).
+            self._last_begin: tuple[float, bool, int, int, bool] | None = None
             self._step_decision: BudgetDecision | None = None  # priced the batch now running (get_num_tokens)
             # What the policy did, in the server log every REPORT_EVERY_S (vLLM's /metrics are vLLM's own).
             self._decisions = {True: 0, False: 0}
@@ -827,7 +828,7 @@ def build_manager_class(base: type) -> type:
                 self._decisions[drafting] += 1
                 if self._timed:
                     self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs),
-                                        self._catchups_paid())
+                                        self._catchups_paid(), bool(getattr(state.input_batch, "has_prefill", False)))
                     self._maybe_report(now)
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
@@ -874,12 +875,21 @@ def build_manager_class(base: type) -> type:
             of the pause, and charged to one step it made a lone probe at high load -- a probe there is one
             step -- look as dear as drafting plus a prefill of up to ``draft_catchup_tokens`` tokens
             (docs/PERFORMANCE.md section 16: both rise probes at 256 requests failed).
+
+            So does an interval whose batches carried a prompt chunk (the interval's own batch, or the one
+            before, whose draft pass it ran): such a step is no decode step. Under full decode-only CUDA graphs
+            it runs the target eagerly, and a paused one still runs the draft's prefill over the chunk. Timed as a
+            paused step, a wave's first step can set the quotient a probe is judged by: a stale plain window
+            restarts with it, and the probe due at the new load fires on it. Most likely that is how a rise probe
+            at 16 requests paid on the H200 at a cost scale of 0.83, where drafting there costs ~1.7x
+            (docs/PERFORMANCE.md section 26). A probe that waits for its load to be timed (``times_load``) now
+            waits for a decode step.
             """
             last, self._last_begin = self._last_begin, None
             decision, self._step_decision = self._step_decision, None
             if last is None or self.curve is None:
                 return
-            start, drafted, r, catchups = last
+            start, drafted, r, catchups, prefill_before = last
             measured = (self._clock() - start) * 1e3
             if drafted:
                 if decision is None:
@@ -889,7 +899,9 @@ def build_manager_class(base: type) -> type:
                 tokens = int(batch.num_tokens) - int(batch.num_draft_tokens or 0)
                 priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs), drafting=False))
             if priced > 0 and measured <= STEP_TIME_CLAMP * priced:
-                self.timer.record(drafted, r, measured, priced, calibrate=self._catchups_paid() == catchups)
+                decode = not (prefill_before or bool(getattr(batch, "has_prefill", False)))
+                self.timer.record(drafted, r, measured, priced,
+                                  calibrate=decode and self._catchups_paid() == catchups)
 
         def _catchups_paid(self) -> int:
             return 0 if self._upkeep is None else self._upkeep.catchups
