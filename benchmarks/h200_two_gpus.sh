@@ -97,9 +97,9 @@ queue_stalls() {
 # One GPU, issue 6 (vLLM 0.33 on the Llama-3-8B shape): waits for the staged wheels (/tmp/stage/ready, once
 # every group of ../shared/tools/vllm-h200/stage.py is copied in), installs them, profiles the scaled curve,
 # then issue 6's configs in three groups of servers started together (vllm_group), each with a no-speculation
-# server to pair with, in 2 paired rounds (ANATOMY=1 VLLM_ROUNDS=1: one pass with the served step anatomy): install 1, groups ~7, ~7
-# and ~5 min (section 25: a group of four, one pass of 512 requests per cell, took 7 min with the servers
-# started together).
+# server to pair with, in 2 paired rounds (ANATOMY=1 VLLM_ROUNDS=1: one pass with the served step anatomy):
+# install 1, groups ~5.5, ~5.5 and ~4 min (section 26: groups of four in 2 rounds took 293 and 320 s with the
+# servers started together; two waves per 256-request cell add ~25 s a group).
 # REUSE_CURVE=1: the curve `dspark profile-sps` measured in section 14's sitting (same machine kind) instead of
 # profiling again (saves 3 min). REAL_SMOKE=1: first the greedy lossless check with real weights (issue 6 item
 # 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec and forced-verification configs
@@ -107,7 +107,7 @@ queue_stalls() {
 # paused steps compacted), with a concurrent smoke per config; should a config fail to
 # serve, the matrix keeps the draft's K/V current. Section 16's sitting ran nospec, varlen, varlen-current:
 # both of ours accepted no draft (so outputs matched trivially), which varlen-verify now rules in or out.
-# REAL_SMOKE=after: the same check after both groups, where a sitting short of device time loses it, not
+# REAL_SMOKE=after: the same check after groups 1 and 2, where a sitting short of device time loses it, not
 # the matrix.
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
