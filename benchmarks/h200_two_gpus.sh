@@ -128,8 +128,9 @@ queue_vllm() {
   # Mask with compacted paused steps (mask-compact) in group 2: section 26 served it on the H200 at no
   # speculation's pace while paused; uniform mask, paused at 1.5-1.7x a plain step (section 25), and the
   # curve-source ablation last: what a short sitting loses first.
-  vllm_group "scaled, group 1" "${VLLM_GROUP1:-nospec,all,upstream,varlen}"
-  vllm_group "scaled, group 2" "${VLLM_GROUP2:-nospec#2,mask-compact,varlen-nosat,varlen-nosts}"
+  # An empty VLLM_GROUPn (VLLM_GROUP2=) skips that group, for a budget too short for all three.
+  vllm_group "scaled, group 1" "${VLLM_GROUP1-nospec,all,upstream,varlen}"
+  vllm_group "scaled, group 2" "${VLLM_GROUP2-nospec#2,mask-compact,varlen-nosat,varlen-nosts}"
   [[ ${REAL_SMOKE:-0} == after ]] && real_smoke
   vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,mask,varlen-startup}"
 }
