@@ -294,7 +294,10 @@ def bench_commands(args: argparse.Namespace, name: str, port: int, round_: int =
     With ``--rounds``, a concurrency whose share of the prompts would be fewer than ``--min-waves`` waves gets
     that many waves instead (its own command; every config alike, so the cells stay equal work). Halving 512
     prompts left a 256-request cell one wave of about 3 s, mostly its admission ramp and its drain: two servers
-    of the same config read 8,341 and 10,993 tok/s there (docs/PERFORMANCE.md section 26)."""
+    of the same config read 8,341 and 10,993 tok/s there (docs/PERFORMANCE.md section 26).
+
+    The first round's commands warm each server up (``dspark bench``'s untimed short waves at each concurrency,
+    before its first cell); later rounds find it warm and skip that."""
     out, num_prompts, seed = args.out / "bench", args.num_prompts, 0
     if args.rounds > 1:
         out, num_prompts, seed = out / f"round{round_ + 1}", args.num_prompts // args.rounds, 100_003 * round_
@@ -306,7 +309,8 @@ def bench_commands(args: argparse.Namespace, name: str, port: int, round_: int =
              "--label", name, "-c", ",".join(cs), "-n", str(n), "--dataset", "random",
              "--input-len", str(args.input_len), "--tokenizer", args.model, "--max-tokens", str(args.output_len),
              "--ignore-eos", "--temperature", str(args.temperature), "--endpoint", "completions",
-             "--model", args.model, "--results-dir", str(out), "--no-plots", "--seed", str(seed)]
+             "--model", args.model, "--results-dir", str(out), "--no-plots", "--seed", str(seed),
+             *([] if round_ == 0 else ["--warmup-prompts", "0"])]
             for n, cs in by_n.items()]
     return cmds, out
 

@@ -160,16 +160,19 @@ def test_waves_send_waves_times_concurrency_requests_per_cell(tmp_path: Path) ->
 
 def test_base_url_runs_into_one_folder_share_one_table(tmp_path: Path) -> None:
     """One server per config, benched one after the other (how vLLM configs are compared): the second run's
-    table holds both labels."""
+    table holds both labels. A running server is warmed up before its first cell as a started one is (the
+    first label); ``--warmup-prompts 0`` skips that for a server already warm (the second)."""
     port = _free_port("127.0.0.1")
     cmd = [*DSPARK, "serve", *SERVE_ARGS.split(), "--host", "127.0.0.1", "--port", str(port)]
     results = tmp_path / "res"
     bench = [*DSPARK, "bench", "--base-url", f"http://127.0.0.1:{port}", "-c", "1", "-n", "2", "--max-tokens", "4",
-             "--warmup-prompts", "0", "--results-dir", str(results), "--no-plots"]
+             "--results-dir", str(results), "--no-plots"]
     with ServerProcess(cmd, tmp_path / "serve.log", f"http://127.0.0.1:{port}", timeout_s=300):
-        for label in ("first", "second"):
-            run = subprocess.run([*bench, "--label", label], capture_output=True, text=True, timeout=300)
+        for label, extra in (("first", []), ("second", ["--warmup-prompts", "0"])):
+            run = subprocess.run([*bench, "--label", label, *extra], capture_output=True, text=True, timeout=300)
             assert run.returncode == 0, run.stderr[-2000:]
+            out = " ".join(run.stdout.split())  # rich wraps long lines
+            assert (f"{label}: shape warm-up, one wave of 4-token requests at c=1" in out) == (label == "first")
     summary = read_json(results / "summary.json")
     assert summary["configs"] == ["first", "second"] and summary["baseline"] == "first"
     assert all(v is not None for v in summary["rows"][0]["cells"].values())

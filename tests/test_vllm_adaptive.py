@@ -42,6 +42,8 @@ def test_each_round_benches_its_share_of_fresh_prompts_into_its_own_folder(tmp_p
         assert out == tmp_path / "bench" / f"round{r + 1}" and _flag(cmd, "-n") == "256"
         assert _flag(cmd, "--results-dir") == str(out) and _flag(cmd, "--label") == "nospec#2"
         seen.add(_flag(cmd, "--seed"))
+        # the first round warms each server up before its first cell; later rounds find it warm
+        assert ("--warmup-prompts" in cmd) == (r > 0) and (r == 0 or _flag(cmd, "--warmup-prompts") == "0")
     assert len(seen) == 2  # fresh random prompts each round: no prefix-cache hits on a round's repeat
 
 

@@ -525,7 +525,11 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
             if spec.serve:
                 _run_served_config(spec, cfg, cells, hooks)
             else:
+                # A running server gets the same untimed passes as one the bench starts: on the H200 every
+                # speculative vLLM server JIT-compiled its draft-prefill and acceptance-refit kernels inside its
+                # first timed cell, which no-speculation servers never run (docs/PERFORMANCE.md section 27).
                 url = base_url.rstrip("/")
+                asyncio.run(_warmup(spec, cfg, url, hooks, cells))
                 for c in cells:
                     hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
                     cell = asyncio.run(_measure(spec, cfg, c, url, {"mode": "external", "base_url": url}, hooks))
