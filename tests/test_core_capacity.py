@@ -17,6 +17,7 @@ from dspark_cli.core.capacity import (
     PLAIN_SAMPLE_EVERY,
     PROBE_BANK,
     PROBE_MARGIN,
+    PROBE_MEASURE_WAIT,
     PROBE_TAX,
     STEP_TIME_MEMORY,
     STEP_TIME_STALE,
@@ -513,21 +514,25 @@ def test_step_time_calibration_compares_drafting_with_plain_steps() -> None:
 def test_step_time_calibration_judges_each_load_by_its_own_bucket() -> None:
     """Host work the curve does not price weighs more at 256 requests than at 16 (say plain steps 4x / 1.36x
     their price, drafting 1.9x / 1.45x): each load gets its own quotient, a load never measured borrows the
-    nearest one's, and the lower one on a tie."""
+    nearest one's (the lower one on a tie) where that errs on its own side -- a heavier load's quotient below 1
+    would understate drafting at a lighter one, a lighter load's above 1 overstate it at a heavier one: the
+    curve's own 1 instead."""
     cal = StepTimeCalibration()
     assert [cal.load_bucket(r) for r in (1, 2, 3, 4, 15, 16, 31, 256, 511)] == [1, 2, 2, 3, 4, 5, 5, 9, 9]
     for _ in range(50):
         cal.record(True, 256, measured_ms=1.9 * 16.0, priced_ms=16.0)
         cal.record(False, 256, measured_ms=4.0 * 4.4, priced_ms=4.4)
-    assert cal.relative_draft_cost(16) == pytest.approx(1.9 / 4.0)  # only 256 measured: borrowed
+    assert cal.relative_draft_cost(16) == 1.0  # only 256 measured: its 0.475 would understate a light load
+    assert cal.relative_draft_cost(1024) == pytest.approx(1.9 / 4.0)  # heavier still: borrowed
     for _ in range(50):
         cal.record(True, 16, measured_ms=1.45 * 9.2, priced_ms=9.2)
         cal.record(False, 16, measured_ms=1.36 * 4.0, priced_ms=4.0)
     assert cal.relative_draft_cost(16) == pytest.approx(1.45 / 1.36)
     assert cal.relative_draft_cost(20) == pytest.approx(1.45 / 1.36)  # same bucket
     assert cal.relative_draft_cost(256) == pytest.approx(1.9 / 4.0)
-    assert cal.relative_draft_cost(64) == pytest.approx(1.45 / 1.36)  # 2 buckets from 16, 2 from 256: lower
-    assert cal.relative_draft_cost(128) == pytest.approx(1.9 / 4.0)
+    assert cal.relative_draft_cost(8) == pytest.approx(1.45 / 1.36)  # a heavier load's quotient above 1: borrowed
+    assert cal.relative_draft_cost(64) == 1.0  # 2 buckets from 16, 2 from 256: 16's 1.07 would overstate it
+    assert cal.relative_draft_cost(128) == 1.0  # 256's 0.475 would understate it
 
 
 def test_a_load_never_drafted_at_is_judged_by_its_plain_steps_excess() -> None:
@@ -544,7 +549,8 @@ def test_a_load_never_drafted_at_is_judged_by_its_plain_steps_excess() -> None:
     prior = (62.42 + (q_plain - 1.0) * 22.99) / 62.42 / q_plain
     assert cal.relative_draft_cost(256, 62.42, 22.99) == pytest.approx(prior)
     assert prior == pytest.approx(0.772, abs=1e-3)
-    assert cal.relative_draft_cost(256) == pytest.approx(2.6)  # without prices: the nearest bucket, as before
+    # without prices: the nearest bucket's 2.6 would overstate drafting at a heavier load; the curve's own 1
+    assert cal.relative_draft_cost(256) == 1.0
     # Verify-all's acceptance (2.933 per request) at that price beats plain decoding at the prior, not borrowed.
     policy = SaturationPolicy(patience=1, resume_every=4)
     decision = BudgetDecision(budget=7 * 256, theta_best=2.0, theta_all=2.0, theta_no_draft=256 / 22.99,
@@ -653,6 +659,25 @@ def test_steady_drafting_keeps_one_plain_sample_per_interval() -> None:
         timer.record(d, 16, 10.0 if d else (20.0 if i == PLAIN_SAMPLE_EVERY else 10.0), 10.0)
     assert drafted.count(False) == 4
     assert 1.0 < timer.step_times.ratio(False, 16) < 2.0  # the 2x sample was blended, not taken alone
+
+
+def test_a_plain_sample_that_cannot_be_timed_still_ends_the_drafting_run() -> None:
+    """A plain sample whose step carried other work (a prompt chunk, a catch-up) is recorded uncalibrated. It
+    used to leave the count of drafting steps since the last plain one as it was, so every later step was
+    another plain sample until a timed one came: where no step at a load is timed, drafting never ran there
+    again (a replay of section 27's 256-request cell drafted 65 of 300 steps after its probe paid)."""
+    pol = SaturationPolicy(patience=8, resume_every=16)
+    timer = StepTimer(pol)
+    timer.record(False, 256, 10.0, 10.0)
+    drafted = []
+    for _ in range(3 * (PLAIN_SAMPLE_EVERY + 1)):
+        d = timer.begin_step(256)
+        drafted.append(d)
+        timer.record(d, 256, 10.0, 10.0, calibrate=d)  # no plain step is timed
+    # one plain sample per interval, as while its steps were timed: the stale window (past STEP_TIME_STALE timed
+    # drafting steps) does not turn every other step into one
+    assert [i for i, d in enumerate(drafted) if not d] == [PLAIN_SAMPLE_EVERY + i * (PLAIN_SAMPLE_EVERY + 1)
+                                                           for i in range(3)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -928,6 +953,22 @@ def test_a_served_ramp_to_256_probes_once_the_load_is_timed_not_on_the_way_up() 
     c = mgr.saturation.counters
     assert c.probes["rise", "paid"] == 1 and c.probes["rise", "failed"] == 1  # the 64 cell's, then 256's
     assert c.unmeasured_probe_steps >= 3  # the ramp's steps and the first at 256 held their probe
+
+
+def test_a_probe_at_a_load_no_decode_step_times_is_not_judged_by_a_lighter_loads_quotient() -> None:
+    """docs/PERFORMANCE.md section 27: with steps that carry a prompt chunk kept out of the step-time windows,
+    no step at 256 requests timed that load (refill admits a prompt on nearly every step), so each due probe
+    there waited out ``PROBE_MEASURE_WAIT`` and borrowed 16-31 requests' quotient (1.5-1.9): failed, where
+    verifying everything led no speculation by 27%. Borrowed against its bias a quotient is now the curve's 1,
+    and drafting resumes at 256 as it does once that load is timed."""
+    mgr, drafted = _replay_served_vllm([(16, 400, True), *_drain(16), (64, 400, True), *_drain(64),
+                                        (256, 300, False)])
+    assert drafted[256] >= 250, drafted
+    c = mgr.saturation.counters
+    assert c.unmeasured_probe_steps >= PROBE_MEASURE_WAIT  # the probe waited for a timed step that never came
+    assert c.probes["rise", "paid"] == 1
+    borrowable = mgr.step_times.quotients()  # what the probe at 256 would have borrowed: 16-31's, above 1
+    assert list(borrowable) == [5] and borrowable[5] > 1.2
 
 
 def test_the_last_probe_verdict_says_why_a_probe_failed() -> None:

@@ -450,7 +450,11 @@ class StepTimeCalibration:
     load) drafting steps cost 2-3x their price relative to plain ones, and at heavy load, where the GPU is the
     bottleneck, less than 1x; borrowed across that range, a light load's quotient made every probe at 256
     requests fail where drafting paid (docs/PERFORMANCE.md section 18). Only a bucket with neither kind borrows
-    the nearest bucket's quotient.
+    the nearest bucket's quotient, and only where that errs on its own side: a lighter load's quotient above 1
+    overstates drafting's cost at a heavier one, and a heavier load's below 1 understates it at a lighter one,
+    so either is replaced by 1 (the curve's own judgment). On the H200 (vLLM, section 27) a probe at 256
+    requests that found no decode step timed at its load borrowed 16-31 requests' 1.5-1.9 and failed, where
+    verifying everything led no speculation by 27%.
 
     Request-weighted windows of ``STEP_TIME_MEMORY`` request-steps; a sample's ratio is clamped to
     ``[1/STEP_TIME_CLAMP, STEP_TIME_CLAMP]`` so one compile stall cannot swing a window. With nothing measured
@@ -538,7 +542,8 @@ class StepTimeCalibration:
         """How much more (> 1) or less a drafting step of ``num_reqs`` requests really costs, relative to
         plain decoding, than priced: its load bucket's quotient; else, given the step's priced drafting and
         plain times and plain steps measured at its load, the per-step excess prior (class docstring); else
-        the nearest bucket's quotient (ties go to the lower load); else 1."""
+        the nearest bucket's quotient (ties go to the lower load) where it errs on its own side, 1 where not;
+        else 1."""
         quotients = self.quotients()
         own = self.load_bucket(num_reqs)
         if own in quotients:
@@ -549,7 +554,11 @@ class StepTimeCalibration:
             return min(max(measured / drafting_ms / plain, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
         if not quotients:
             return 1.0
-        return quotients[min(quotients, key=lambda b: (abs(b - own), b))]
+        nearest = min(quotients, key=lambda b: (abs(b - own), b))
+        borrowed = quotients[nearest]
+        if (nearest < own and borrowed > 1.0) or (nearest > own and borrowed < 1.0):
+            return 1.0  # against its load's bias (class docstring): no better than the curve's own judgment
+        return borrowed
 
 
 class StepTimer:
@@ -578,7 +587,8 @@ class StepTimer:
     def __init__(self, saturation: SaturationPolicy) -> None:
         self.saturation = saturation
         self.step_times = StepTimeCalibration()
-        self._drafting_since_plain = 0  # timed drafting steps since the last timed plain step
+        self._drafting_since_plain = 0  # timed drafting steps since the last plain step
+        self._plain_untimed = False  # the last plain step could not be timed (it carried other work)
         self.probe_step = False  # the step begun last drafts as a saturation probe
 
     def begin_step(self, num_running: int) -> bool:
@@ -592,7 +602,8 @@ class StepTimer:
         self.probe_step = drafting and self.saturation.probing
         if (drafting and not self.probe_step and self.saturation.patience > 0
                 and (self._drafting_since_plain >= PLAIN_SAMPLE_EVERY
-                     or (self._drafting_since_plain > 0 and self.step_times.plain_is_stale(num_running)))):
+                     or (self._drafting_since_plain > 0 and not self._plain_untimed
+                         and self.step_times.plain_is_stale(num_running)))):
             return False
         return drafting
 
@@ -602,14 +613,20 @@ class StepTimer:
         work that is neither drafting's nor a paused step's cost (a draft catching up over a pause); it counts
         for the probe tax only."""
         self.saturation.record_step_ms(drafting, measured_ms)
+        if not drafting:
+            # A plain step ends the run of drafting ones even when it cannot be timed: else every step after an
+            # untimed plain sample was another plain sample until a timed one came, and where no step at a load is
+            # timed (section 27's prefill rule at 256 requests) drafting never ran there again. An untimed one
+            # also stops a stale window from asking for a plain sample at once (begin_step): that would alternate
+            # plain and drafting steps for as long as the load's steps cannot be timed.
+            self._drafting_since_plain = 0
+            self._plain_untimed = not calibrate
         if not calibrate:
             return
         if drafting:
             if self.probe_step:
                 return
             self._drafting_since_plain += 1
-        else:
-            self._drafting_since_plain = 0
         self.step_times.record(drafting, num_reqs, measured_ms, priced_ms)
 
     def cost_scale(self, num_running: int, decision: BudgetDecision) -> float:
