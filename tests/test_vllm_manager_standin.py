@@ -451,6 +451,68 @@ def test_a_step_that_carries_a_prompt_chunk_times_no_decode_step(manager_cls) ->
     assert times.num_samples[False] == before[0] + 1  # a decode step calibrates
 
 
+def _batch(num_reqs: int, prompt_chunks: list[int], drafts: int = K) -> types.SimpleNamespace:
+    """A vLLM input batch as the runner lays it out: ``num_reqs - len(prompt_chunks)`` decode rows of
+    1 + ``drafts`` tokens, then one prefilling row per prompt chunk (no placeholder drafts)."""
+    decode = num_reqs - len(prompt_chunks)
+    scheduled = np.array([1 + drafts] * decode + prompt_chunks, dtype=np.int32)
+    per_req = np.array([drafts] * decode + [0] * len(prompt_chunks), dtype=np.int32)
+    prefilling = np.array([False] * decode + [True] * len(prompt_chunks))
+    return types.SimpleNamespace(num_reqs=num_reqs, num_tokens=int(scheduled.sum()), num_draft_tokens=int(per_req.sum()),
+                                 num_scheduled_tokens=scheduled, num_draft_tokens_per_req=per_req,
+                                 is_prefilling_np=prefilling, has_prefill=bool(prefilling.any()))
+
+
+def test_a_prefill_step_is_one_whose_prompt_tokens_outnumber_its_requests() -> None:
+    """Continuous refill at 256 requests admits a prompt or two on nearly every step: such steps still time
+    the load (on the H200 every probe at 256 requests otherwise borrowed a light load's quotient, section 27);
+    a wave's first step, every prompt at once, does not."""
+    from dspark_cli.engines.vllm.manager import prompt_heavy
+
+    assert not prompt_heavy(_batch(256, []))
+    assert not prompt_heavy(_batch(256, [128, 128]))  # 256 prompt tokens among 256 requests
+    assert prompt_heavy(_batch(256, [128, 128, 2]))
+    assert prompt_heavy(_batch(16, [128]))  # one prompt among 16 requests
+    assert prompt_heavy(_batch(16, [128] * 16))  # a wave's first step
+    padded = _batch(8, [3])
+    padded.num_draft_tokens_per_req[-1] = K  # a prefilling row padded with placeholder drafts
+    padded.num_scheduled_tokens[-1] = 3 + K
+    assert not prompt_heavy(padded)
+    # a layout that says it carries a chunk but not where: a prefill step, as before
+    assert prompt_heavy(types.SimpleNamespace(num_reqs=256, has_prefill=True))
+    assert not prompt_heavy(types.SimpleNamespace(num_reqs=256, has_prefill=False))
+
+
+def test_a_step_that_admits_a_prompt_among_many_decode_rows_times_the_load(manager_cls) -> None:
+    """The manager's side of the rule: paused steps at a load that admit one short prompt each (refill) feed
+    its plain window, so a due probe there finds the load timed; a prompt-heavy step still feeds nothing."""
+    n = 8
+    m = _make(manager_cls, "varlen", r=n, saturation_patience=2, resume_every=1000)  # no timer probe here
+    m._pause_supported = m._timed = True
+    now = [0.0]
+    m._clock = lambda: now[0]
+    per_req = {f"r{i}": 1 + K for i in range(n)}
+
+    def step(ms: float, batch: types.SimpleNamespace) -> None:
+        m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
+        m.reallocate_drafts(list(per_req), torch.arange(n))
+        now[0] += ms / 1e3
+        m.begin_drafting_step(types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, K)))
+        m.observe(torch.full((n,), 1, dtype=torch.int32))
+
+    for _ in range(12):  # drafting loses (nothing accepted): paused
+        step(10.0, _batch(n, []))
+    assert not m.saturation.drafting_enabled
+    times = m.timer.step_times
+    seen = times.num_samples[False]
+    for _ in range(3):
+        step(10.0, _batch(n, [6]))  # a short prompt among the decode rows
+    assert times.num_samples[False] == seen + 3 and times.times_load(n)
+    step(10.0, _batch(n, [64]))  # a prompt-heavy step, and the one after it (its draft pass covered the chunk)
+    step(10.0, _batch(n, []))
+    assert times.num_samples[False] == seen + 3
+
+
 def test_steps_scheduled_without_drafts_are_never_verified(manager_cls) -> None:
     m = _make(manager_cls, "varlen")  # pausing unsupported: vLLM itself scheduled 0 drafts this step
     runner = _step_state(3, scheduled=0)

@@ -297,6 +297,10 @@ CONTRACT: tuple[Assumption, ...] = (
                  why="what the upkeep reads of a batch, and replaces in its catch-up copy (dataclasses.replace)")
       for name in ("idx_mapping_np", "query_start_loc_np", "seq_lens_cpu_upper_bound", "has_prefill",
                    "num_draft_tokens", "num_tokens", "input_ids", "positions", "query_start_loc", "seq_lens")),
+    *(Assumption(INPUT_BATCH, f"InputBatch.{name}", "field",
+                 why="saturation timing: a step's prompt-chunk tokens decide whether it times a decode step "
+                     "(manager.prompt_heavy)")
+      for name in ("is_prefilling_np", "num_scheduled_tokens")),
     Assumption(RUNNER, "GPUModelRunner.sample_tokens", "contains",
                ("draft_tokens[:, num_spec_tokens:] = -1",),
                why="a 0-draft step discards every proposed token, so a paused prefill need not sample one"),

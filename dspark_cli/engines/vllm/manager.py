@@ -46,6 +46,9 @@ logger = logging.getLogger("vllm.dspark")
 # Admissible survival for every scheduled draft slot (reallocate_drafts: the budget must be met exactly).
 SURVIVAL_FLOOR = 1e-30
 REPORT_EVERY_S = 10.0  # the saturation policy's log line (vLLM's own stats line comes as often)
+# A step whose prompt-chunk tokens exceed this many per request in its batch is a prefill step, not a decode
+# step, to the step-time windows (StepTimer): see prompt_heavy.
+PROMPT_TOKENS_PER_REQUEST = 1.0
 
 
 
@@ -237,6 +240,34 @@ class _TraceStager:
 
 
 # ---------------------------------------------------------------------------------------------- factory
+
+
+def prompt_heavy(batch: Any) -> bool:
+    """Whether a vLLM input batch is a prefill step to the step-time windows: its requests still prefilling
+    schedule more than ``PROMPT_TOKENS_PER_REQUEST`` tokens per request of the batch.
+
+    Why not every batch that carries a chunk: under continuous refill at high load almost every step admits a
+    request or two, and a due probe there then never found its load timed by a decode step. On the H200
+    (docs/PERFORMANCE.md section 27) every probe at 256 requests waited out ``PROBE_MEASURE_WAIT`` and borrowed the
+    quotient of 16-31 requests (1.5-1.9, where the draft pass is host-bound), so drafting never resumed at 256,
+    where verifying everything led no speculation by 27%. A chunk or two among 256 decode rows is priced by the
+    curve with its tokens and costs about that. Why not none: a wave's first step prefills every prompt at once
+    (2,000 prompt tokens over 16 requests), runs eagerly under decode-only graphs and, paused, runs the draft's
+    prefill over them; timed as a paused step it restarted a stale plain window, and a rise probe at 16 requests
+    paid on a cost scale of 0.83 where drafting costs ~1.7x (section 26). Unknown batch layouts count as prefill
+    steps when they say they carry one."""
+    if not bool(getattr(batch, "has_prefill", False)):
+        return False
+    rows, scheduled = getattr(batch, "is_prefilling_np", None), getattr(batch, "num_scheduled_tokens", None)
+    if rows is None or scheduled is None:
+        return True
+    n = int(batch.num_reqs)
+    prefilling = np.asarray(rows[:n], dtype=bool)
+    tokens = np.asarray(scheduled[:n], dtype=np.int64)[prefilling]
+    drafts = getattr(batch, "num_draft_tokens_per_req", None)
+    if drafts is not None:  # placeholder drafts a prefilling row may be padded with are no prompt tokens
+        tokens = tokens - np.asarray(drafts[:n], dtype=np.int64)[prefilling]
+    return int(tokens.sum()) > PROMPT_TOKENS_PER_REQUEST * max(1, n)
 
 
 SPECULATOR_MANAGER_ATTR = "_dspark_manager"  # on a hooked speculator: the manager its hooks serve
@@ -468,7 +499,7 @@ def build_manager_class(base: type) -> type:
             self.timer = StepTimer(self.saturation)
             self._clock = time.perf_counter
             # The last drafting decision: (time, drafting, requests, draft catch-ups paid before it, whether its
-            # step's batch carried a prompt chunk).
+            # step's batch was a prefill step, prompt_heavy).
             self._last_begin: tuple[float, bool, int, int, bool] | None = None
             self._step_decision: BudgetDecision | None = None  # priced the batch now running (get_num_tokens)
             # What the policy did, in the server log every REPORT_EVERY_S (vLLM's /metrics are vLLM's own).
@@ -828,7 +859,7 @@ def build_manager_class(base: type) -> type:
                 self._decisions[drafting] += 1
                 if self._timed:
                     self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs),
-                                        self._catchups_paid(), bool(getattr(state.input_batch, "has_prefill", False)))
+                                        self._catchups_paid(), prompt_heavy(state.input_batch))
                     self._maybe_report(now)
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
@@ -876,14 +907,14 @@ def build_manager_class(base: type) -> type:
             step -- look as dear as drafting plus a prefill of up to ``draft_catchup_tokens`` tokens
             (docs/PERFORMANCE.md section 16: both rise probes at 256 requests failed).
 
-            So does an interval whose batches carried a prompt chunk (the interval's own batch, or the one
-            before, whose draft pass it ran): such a step is no decode step. Under full decode-only CUDA graphs
-            it runs the target eagerly, and a paused one still runs the draft's prefill over the chunk. Timed as a
-            paused step, a wave's first step can set the quotient a probe is judged by: a stale plain window
-            restarts with it, and the probe due at the new load fires on it. Most likely that is how a rise probe
-            at 16 requests paid on the H200 at a cost scale of 0.83, where drafting there costs ~1.7x
-            (docs/PERFORMANCE.md section 26). A probe that waits for its load to be timed (``times_load``) now
-            waits for a decode step.
+            So does an interval whose batches were prefill steps (``prompt_heavy``: the interval's own batch, or
+            the one before, whose draft pass it ran). Under full decode-only CUDA graphs such a step runs the
+            target eagerly, and a paused one still runs the draft's prefill over the chunk. Timed as a paused
+            step, a wave's first step can set the quotient a probe is judged by: a stale plain window restarts
+            with it, and the probe due at the new load fires on it. Most likely that is how a rise probe at 16
+            requests paid on the H200 at a cost scale of 0.83, where drafting there costs ~1.7x
+            (docs/PERFORMANCE.md section 26). A step that admits a request or two among many decode rows still
+            counts: at high load nearly every step does (section 27).
             """
             last, self._last_begin = self._last_begin, None
             decision, self._step_decision = self._step_decision, None
@@ -899,7 +930,7 @@ def build_manager_class(base: type) -> type:
                 tokens = int(batch.num_tokens) - int(batch.num_draft_tokens or 0)
                 priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs), drafting=False))
             if priced > 0 and measured <= STEP_TIME_CLAMP * priced:
-                decode = not (prefill_before or bool(getattr(batch, "has_prefill", False)))
+                decode = not (prefill_before or prompt_heavy(batch))
                 self.timer.record(drafted, r, measured, priced,
                                   calibrate=decode and self._catchups_paid() == catchups)
 
