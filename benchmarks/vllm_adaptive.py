@@ -296,8 +296,9 @@ def bench_commands(args: argparse.Namespace, name: str, port: int, round_: int =
     prompts left a 256-request cell one wave of about 3 s, mostly its admission ramp and its drain: two servers
     of the same config read 8,341 and 10,993 tok/s there (docs/PERFORMANCE.md section 26).
 
-    The first round's commands warm each server up (``dspark bench``'s untimed short waves at each concurrency,
-    before its first cell); later rounds find it warm and skip that."""
+    The first round's commands warm each server up (``dspark bench``'s untimed waves at each concurrency, before
+    its first cell, of requests as long as the cells': 16-token ones left the paused draft's catch-ups to the
+    first timed cell at 64 requests, docs/PERFORMANCE.md section 27); later rounds find it warm and skip that."""
     out, num_prompts, seed = args.out / "bench", args.num_prompts, 0
     if args.rounds > 1:
         out, num_prompts, seed = out / f"round{round_ + 1}", args.num_prompts // args.rounds, 100_003 * round_
@@ -310,7 +311,7 @@ def bench_commands(args: argparse.Namespace, name: str, port: int, round_: int =
              "--input-len", str(args.input_len), "--tokenizer", args.model, "--max-tokens", str(args.output_len),
              "--ignore-eos", "--temperature", str(args.temperature), "--endpoint", "completions",
              "--model", args.model, "--results-dir", str(out), "--no-plots", "--seed", str(seed),
-             *([] if round_ == 0 else ["--warmup-prompts", "0"])]
+             *(["--warmup-max-tokens", str(args.output_len)] if round_ == 0 else ["--warmup-prompts", "0"])]
             for n, cs in by_n.items()]
     return cmds, out
 

@@ -315,6 +315,10 @@ def bench(
     results_dir: Path = typer.Option(Path("bench-results"), "--results-dir", "-o"),
     force: bool = typer.Option(False, "--force", help="Remeasure cells already in --results-dir."),
     warmup_prompts: int = typer.Option(4, "--warmup-prompts", help="Short warm-up requests per server (0 = none)."),
+    warmup_max_tokens: int = typer.Option(16, "--warmup-max-tokens", min=1,
+                                          help="Tokens per warm-up request (at most --max-tokens): as long as the "
+                                               "cells' requests, a warm-up also runs what only long requests do "
+                                               "(a paused draft's catch-ups)."),
     warmup_shapes: bool = typer.Option(True, "--warmup-shapes/--no-warmup-shapes",
                                        help="Before a server's first cell, one untimed wave of short requests at "
                                             "each of its concurrencies (JIT compiles land outside the cells)."),
@@ -416,7 +420,7 @@ def bench(
     spec = mx.MatrixSpec(configs=cfgs, concurrencies=concs, prompts=prompts, load=load, results_dir=results_dir,
                          workload=workload, serve=serve, serve_args=common, host=host, port=port,
                          server_timeout_s=server_timeout, force=force, warmup_prompts=warmup_prompts,
-                         warmup_shapes=warmup_shapes, sts_warmup_prompts=sts_warmup_prompts, waves=waves,
+                         warmup_max_tokens=warmup_max_tokens, warmup_shapes=warmup_shapes, sts_warmup_prompts=sts_warmup_prompts, waves=waves,
                          interleave=interleave, rounds=rounds)
     mx.check_rounds(spec)  # before pending_cells reads the folder: a bad --rounds is the first thing to say
     total = len(cfgs) * len(concs)

@@ -168,11 +168,11 @@ def test_base_url_runs_into_one_folder_share_one_table(tmp_path: Path) -> None:
     bench = [*DSPARK, "bench", "--base-url", f"http://127.0.0.1:{port}", "-c", "1", "-n", "2", "--max-tokens", "4",
              "--results-dir", str(results), "--no-plots"]
     with ServerProcess(cmd, tmp_path / "serve.log", f"http://127.0.0.1:{port}", timeout_s=300):
-        for label, extra in (("first", []), ("second", ["--warmup-prompts", "0"])):
+        for label, extra in (("first", ["--warmup-max-tokens", "2"]), ("second", ["--warmup-prompts", "0"])):
             run = subprocess.run([*bench, "--label", label, *extra], capture_output=True, text=True, timeout=300)
             assert run.returncode == 0, run.stderr[-2000:]
             out = " ".join(run.stdout.split())  # rich wraps long lines
-            assert (f"{label}: shape warm-up, one wave of 4-token requests at c=1" in out) == (label == "first")
+            assert (f"{label}: shape warm-up, one wave of 2-token requests at c=1" in out) == (label == "first")
     summary = read_json(results / "summary.json")
     assert summary["configs"] == ["first", "second"] and summary["baseline"] == "first"
     assert all(v is not None for v in summary["rows"][0]["cells"].values())

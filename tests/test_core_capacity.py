@@ -1027,6 +1027,30 @@ def test_closed_loop_drafts_in_the_drains_where_low_load_pays_and_pauses_at_once
     assert losing_drafts <= 12 + 2 * 8, losing_drafts
 
 
+def test_a_timer_probe_that_pays_below_the_pausing_load_resumes_under_a_ceiling() -> None:
+    """The H200's 16-request vLLM cell (docs/PERFORMANCE.md section 27): drafting lost at 16 requests, the timer
+    probed as the cell drained and paid at 11, and the next cell began at 64 requests still drafting. A timer
+    probe that pays below the load that paused drafting resumes it as a load-fall probe does: back at that load,
+    drafting pauses at once. One that pays at that load or above (the draft got better) sets no ceiling."""
+    losing, paying = _decision(0, 0.5, 1.0), _decision(5, 1.3, 1.0)
+    pol = SaturationPolicy(patience=1, resume_every=2)
+    pol.begin_step(16)
+    pol.observe(losing, num_running=16)
+    assert not pol.drafting_enabled
+    assert not pol.begin_step(13)  # 13 > 3/4 x 16: no load probe; the timer's first paused step
+    assert pol.begin_step(13) and pol.probing and pol.probe_trigger == "timer"
+    pol.observe(paying, num_running=13)
+    assert pol.drafting_enabled and pol.ceiling == 16
+    assert not pol.begin_step(64)  # the next wave: paused at once, not after a losing step
+    # at the pausing load itself, a paying timer probe clears the ceiling
+    pol = SaturationPolicy(patience=1, resume_every=2)
+    pol.begin_step(16)
+    pol.observe(losing, num_running=16)
+    assert not pol.begin_step(16) and pol.begin_step(16) and pol.probing
+    pol.observe(paying, num_running=16)
+    assert pol.drafting_enabled and pol.ceiling is None and pol.begin_step(64)
+
+
 def test_a_refill_cancels_a_low_load_probe_and_a_lucky_probe_does_not_reset_the_backoff() -> None:
     pol = SaturationPolicy(patience=2, resume_every=4)
     losing = _decision(0, 0.5, 1.0)

@@ -44,6 +44,7 @@ def test_each_round_benches_its_share_of_fresh_prompts_into_its_own_folder(tmp_p
         seen.add(_flag(cmd, "--seed"))
         # the first round warms each server up before its first cell; later rounds find it warm
         assert ("--warmup-prompts" in cmd) == (r > 0) and (r == 0 or _flag(cmd, "--warmup-prompts") == "0")
+        assert r > 0 or _flag(cmd, "--warmup-max-tokens") == "128"  # as long as the cells' requests
     assert len(seen) == 2  # fresh random prompts each round: no prefix-cache hits on a round's repeat
 
 

@@ -699,7 +699,10 @@ class SaturationPolicy:
       once: the contention that made drafting unprofitable may be gone. A failed one lowers that floor to
       its own load and leaves the timer alone. If one pays, drafting resumes with a *ceiling*: once the
       load is back at the one that paused drafting, drafting pauses again at once, with the probe wait it
-      had (not after ``patience`` more losing steps); a timer probe that pays clears it. A refill before a
+      had (not after ``patience`` more losing steps). So does a timer probe that pays below the load that
+      paused drafting (a batch draining between the timer's probes): on the H200 (vLLM, docs/PERFORMANCE.md
+      section 27) one paid at 11 requests at the end of a 16-request cell, and the next cell started at 64
+      requests drafting. A timer probe that pays at or above that load clears the ceiling. A refill before a
       low-load probe has its evidence ends that probe unjudged.
     * **load rose**: when the number of running requests rises to >= 4/3 of the highest load at which
       drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs at
@@ -972,9 +975,9 @@ class SaturationPolicy:
                 trigger = self._probe_trigger
                 self.counters.probes[trigger, "paid" if paid else "failed"] += 1
                 if paid:
-                    wait, floor = self._probe_wait, self._floor
+                    wait, floor, below = self._probe_wait, self._floor, self._probe_running < self._paused_at
                     self._resume()
-                    if trigger == "load":
+                    if trigger == "load" or (trigger == "timer" and below):
                         self._ceiling, self._ceiling_wait, self._ceiling_floor = self._paused_at, wait, floor
                     return
                 self._floor = min(self._floor, self._probe_running)
