@@ -1029,7 +1029,7 @@ def test_closed_loop_drafts_in_the_drains_where_low_load_pays_and_pauses_at_once
 
 def test_a_timer_probe_that_pays_below_the_pausing_load_resumes_under_a_ceiling() -> None:
     """The H200's 16-request vLLM cell (docs/PERFORMANCE.md section 27): drafting lost at 16 requests, the timer
-    probed as the cell drained and paid at 11, and the next cell began at 64 requests still drafting. A timer
+    probed as the cell drained and paid at 11, and the next cell's ramp to 64 requests began drafting. A timer
     probe that pays below the load that paused drafting resumes it as a load-fall probe does: back at that load,
     drafting pauses at once. One that pays at that load or above (the draft got better) sets no ceiling."""
     losing, paying = _decision(0, 0.5, 1.0), _decision(5, 1.3, 1.0)

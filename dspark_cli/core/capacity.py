@@ -701,8 +701,8 @@ class SaturationPolicy:
       load is back at the one that paused drafting, drafting pauses again at once, with the probe wait it
       had (not after ``patience`` more losing steps). So does a timer probe that pays below the load that
       paused drafting (a batch draining between the timer's probes): on the H200 (vLLM, docs/PERFORMANCE.md
-      section 27) one paid at 11 requests at the end of a 16-request cell, and the next cell started at 64
-      requests drafting. A timer probe that pays at or above that load clears the ceiling. A refill before a
+      section 27) one paid at 11 requests at the end of a 16-request cell, and the next cell's ramp to 64
+      requests began drafting. A timer probe that pays at or above that load clears the ceiling. A refill before a
       low-load probe has its evidence ends that probe unjudged.
     * **load rose**: when the number of running requests rises to >= 4/3 of the highest load at which
       drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs at
