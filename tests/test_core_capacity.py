@@ -533,6 +533,8 @@ def test_step_time_calibration_judges_each_load_by_its_own_bucket() -> None:
     assert cal.relative_draft_cost(8) == pytest.approx(1.45 / 1.36)  # a heavier load's quotient above 1: borrowed
     assert cal.relative_draft_cost(64) == 1.0  # 2 buckets from 16, 2 from 256: 16's 1.07 would overstate it
     assert cal.relative_draft_cost(128) == 1.0  # 256's 0.475 would understate it
+    assert cal.ratios(False) == {5: pytest.approx(1.36), 9: pytest.approx(4.0)}  # what each load's plain steps read
+    assert cal.ratios(True) == {5: pytest.approx(1.45), 9: pytest.approx(1.9)}
 
 
 def test_a_load_never_drafted_at_is_judged_by_its_plain_steps_excess() -> None:

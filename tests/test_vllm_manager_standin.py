@@ -375,6 +375,7 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
     summary = [x for x in lines if "decisions" in x]
     assert len(summary) == 1 and "pauses 1, resumes 1" in summary[0] and "2-3: 0.33" in summary[0]
     assert "due probes held 0 steps by the probe tax, 0 to time their load" in summary[0]
+    assert summary[0].endswith("paused step time over priced, by load [2-3: 3.00]")  # 30 ms priced at 10
     # ... and every probe's verdict as it is judged, in the words benchmarks/saturation_log.py reads
     verdicts = [x for x in lines if "decisions" not in x]
     assert verdicts and all(" probe at 3 requests " in x and "probe allowance" in x for x in verdicts)

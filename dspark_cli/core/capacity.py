@@ -529,6 +529,10 @@ class StepTimeCalibration:
         window = self._windows.get((drafting, self.load_bucket(num_reqs)))
         return None if window is None else window.value
 
+    def ratios(self, drafting: bool) -> dict[int, float]:
+        """Windowed measured / priced time of drafting (True) or plain (False) steps, per load bucket measured."""
+        return {b: w.value for (d, b), w in sorted(self._windows.items()) if d == drafting and w.value is not None}
+
     def quotients(self) -> dict[int, float]:
         """Drafting over plain measured/priced quotient of every load bucket holding both kinds of steps."""
         out = {}

@@ -875,8 +875,11 @@ def build_manager_class(base: type) -> type:
             self._next_report = now + self._report_every
             c = self.saturation.counters
             probes = ", ".join(f"{t} {v} {n}" for (t, v), n in c.probes.items() if n)
-            quotients = ", ".join(f"{StepTimeCalibration.bucket_label(b)}: {q:.2f}"
-                                  for b, q in self.timer.step_times.quotients().items())
+            times = self.timer.step_times
+            quotients = ", ".join(f"{StepTimeCalibration.bucket_label(b)}: {q:.2f}" for b, q in times.quotients().items())
+            # A load with paused steps timed but no drafting is judged by those (its probes' cost scale); a load
+            # with neither borrows: section 27 had to infer which one each probe at 256 requests was.
+            plain = ", ".join(f"{StepTimeCalibration.bucket_label(b)}: {q:.2f}" for b, q in times.ratios(False).items())
             u = self._upkeep
             upkeep = ("kept current" if u is None else
                       f"skipped on {u.skipped_steps} steps, {u.catchups} catch-ups of {u.caught_up_tokens} tokens"
@@ -885,9 +888,10 @@ def build_manager_class(base: type) -> type:
             logger.info("dspark: saturation: drafting %d / paused %d decisions; pauses %d, resumes %d, probes [%s]; "
                         "due probes held %d steps by the probe tax, %d to time their load; "
                         "last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V while "
-                        "paused: %s", self._decisions[True], self._decisions[False], c.pauses, c.resumes,
-                        probes or "none", c.deferred_probe_steps, c.unmeasured_probe_steps, last,
-                        quotients or "not measured yet", upkeep)
+                        "paused: %s; paused step time over priced, by load [%s]", self._decisions[True],
+                        self._decisions[False], c.pauses, c.resumes, probes or "none", c.deferred_probe_steps,
+                        c.unmeasured_probe_steps, last, quotients or "not measured yet", upkeep,
+                        plain or "not measured yet")
 
         def _time_last_step(self, batch: Any) -> None:
             """Time the interval since the last drafting decision and charge it to that decision.
