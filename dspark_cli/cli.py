@@ -420,8 +420,8 @@ def bench(
     spec = mx.MatrixSpec(configs=cfgs, concurrencies=concs, prompts=prompts, load=load, results_dir=results_dir,
                          workload=workload, serve=serve, serve_args=common, host=host, port=port,
                          server_timeout_s=server_timeout, force=force, warmup_prompts=warmup_prompts,
-                         warmup_max_tokens=warmup_max_tokens, warmup_shapes=warmup_shapes, sts_warmup_prompts=sts_warmup_prompts, waves=waves,
-                         interleave=interleave, rounds=rounds)
+                         warmup_max_tokens=warmup_max_tokens, warmup_shapes=warmup_shapes,
+                         sts_warmup_prompts=sts_warmup_prompts, waves=waves, interleave=interleave, rounds=rounds)
     mx.check_rounds(spec)  # before pending_cells reads the folder: a bad --rounds is the first thing to say
     total = len(cfgs) * len(concs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -876,10 +876,14 @@ def build_manager_class(base: type) -> type:
             c = self.saturation.counters
             probes = ", ".join(f"{t} {v} {n}" for (t, v), n in c.probes.items() if n)
             times = self.timer.step_times
-            quotients = ", ".join(f"{StepTimeCalibration.bucket_label(b)}: {q:.2f}" for b, q in times.quotients().items())
+
+            def by_load(values: dict[int, float]) -> str:
+                return ", ".join(f"{StepTimeCalibration.bucket_label(b)}: {q:.2f}" for b, q in values.items())
+
+            quotients = by_load(times.quotients())
             # A load with paused steps timed but no drafting is judged by those (its probes' cost scale); a load
             # with neither borrows: section 27 had to infer which one each probe at 256 requests was.
-            plain = ", ".join(f"{StepTimeCalibration.bucket_label(b)}: {q:.2f}" for b, q in times.ratios(False).items())
+            plain = by_load(times.ratios(False))
             u = self._upkeep
             upkeep = ("kept current" if u is None else
                       f"skipped on {u.skipped_steps} steps, {u.catchups} catch-ups of {u.caught_up_tokens} tokens"
