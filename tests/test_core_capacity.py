@@ -647,18 +647,26 @@ def test_a_resume_is_judged_against_plain_steps_of_now_not_of_the_warm_up() -> N
     assert timer.step_times.ratio(False, 128) == pytest.approx(plain_ratio)  # the warm-up's window was dropped
 
 
+def _drive_timer(timer: StepTimer, load: int, steps: int, measured_ms, timed=lambda d: True) -> list[bool]:
+    """One timed plain step at ``load`` (priced 10 ms), then ``steps`` steps as ``timer`` decides them, each
+    recorded at ``measured_ms(i, drafted)`` against a 10 ms price, calibrated where ``timed(drafted)``; returns
+    which steps drafted."""
+    timer.record(False, load, 10.0, 10.0)
+    drafted = []
+    for i in range(steps):
+        d = timer.begin_step(load)
+        drafted.append(d)
+        timer.record(d, load, measured_ms(i, d), 10.0, calibrate=timed(d))
+    return drafted
+
+
 def test_steady_drafting_keeps_one_plain_sample_per_interval() -> None:
     """At one load the plain window is fed every PLAIN_SAMPLE_EVERY + 1 steps, inside STEP_TIME_STALE: no extra
     plain steps, and the plain samples keep averaging (a noisy one does not replace the window)."""
     assert STEP_TIME_STALE > PLAIN_SAMPLE_EVERY + 1
-    pol = SaturationPolicy(patience=8, resume_every=16)
-    timer = StepTimer(pol)
-    timer.record(False, 16, 10.0, 10.0)
-    drafted = []
-    for i in range(4 * (PLAIN_SAMPLE_EVERY + 1)):
-        d = timer.begin_step(16)
-        drafted.append(d)
-        timer.record(d, 16, 10.0 if d else (20.0 if i == PLAIN_SAMPLE_EVERY else 10.0), 10.0)
+    timer = StepTimer(SaturationPolicy(patience=8, resume_every=16))
+    drafted = _drive_timer(timer, 16, 4 * (PLAIN_SAMPLE_EVERY + 1),
+                           lambda i, d: 10.0 if d else (20.0 if i == PLAIN_SAMPLE_EVERY else 10.0))
     assert drafted.count(False) == 4
     assert 1.0 < timer.step_times.ratio(False, 16) < 2.0  # the 2x sample was blended, not taken alone
 
@@ -668,14 +676,9 @@ def test_a_plain_sample_that_cannot_be_timed_still_ends_the_drafting_run() -> No
     used to leave the count of drafting steps since the last plain one as it was, so every later step was
     another plain sample until a timed one came: where no step at a load is timed, drafting never ran there
     again (a replay of section 27's 256-request cell drafted 65 of 300 steps after its probe paid)."""
-    pol = SaturationPolicy(patience=8, resume_every=16)
-    timer = StepTimer(pol)
-    timer.record(False, 256, 10.0, 10.0)
-    drafted = []
-    for _ in range(3 * (PLAIN_SAMPLE_EVERY + 1)):
-        d = timer.begin_step(256)
-        drafted.append(d)
-        timer.record(d, 256, 10.0, 10.0, calibrate=d)  # no plain step is timed
+    timer = StepTimer(SaturationPolicy(patience=8, resume_every=16))
+    drafted = _drive_timer(timer, 256, 3 * (PLAIN_SAMPLE_EVERY + 1), lambda i, d: 10.0,
+                           timed=lambda d: d)  # no plain step is timed
     # one plain sample per interval, as while its steps were timed: the stale window (past STEP_TIME_STALE timed
     # drafting steps) does not turn every other step into one
     assert [i for i, d in enumerate(drafted) if not d] == [PLAIN_SAMPLE_EVERY + i * (PLAIN_SAMPLE_EVERY + 1)

@@ -535,12 +535,9 @@ class StepTimeCalibration:
 
     def quotients(self) -> dict[int, float]:
         """Drafting over plain measured/priced quotient of every load bucket holding both kinds of steps."""
-        out = {}
-        for (drafting, b), window in sorted(self._windows.items()):
-            plain = self._windows.get((False, b))
-            if drafting and plain is not None and window.value is not None and plain.value is not None:
-                out[b] = min(max(window.value / plain.value, 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
-        return out
+        plain = self.ratios(False)
+        return {b: min(max(d / plain[b], 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
+                for b, d in self.ratios(True).items() if b in plain}
 
     def relative_draft_cost(self, num_reqs: int, drafting_ms: float = 0.0, plain_ms: float = 0.0) -> float:
         """How much more (> 1) or less a drafting step of ``num_reqs`` requests really costs, relative to
@@ -979,9 +976,11 @@ class SaturationPolicy:
                 trigger = self._probe_trigger
                 self.counters.probes[trigger, "paid" if paid else "failed"] += 1
                 if paid:
+                    # Paid below the load that paused drafting (every load-fall probe, a timer probe in a drain):
+                    # that load is still known to lose, so it becomes the ceiling.
                     wait, floor, below = self._probe_wait, self._floor, self._probe_running < self._paused_at
                     self._resume()
-                    if trigger == "load" or (trigger == "timer" and below):
+                    if below:
                         self._ceiling, self._ceiling_wait, self._ceiling_floor = self._paused_at, wait, floor
                     return
                 self._floor = min(self._floor, self._probe_running)

@@ -851,7 +851,8 @@ def build_manager_class(base: type) -> type:
             scheduled = int(state.num_spec_tokens_to_schedule)
             drafting = scheduled > 0
             if self._timed:
-                self._time_last_step(state.input_batch)
+                heavy = prompt_heavy(state.input_batch)
+                self._time_last_step(state.input_batch, heavy)
             if drafting and self._pause_supported:
                 drafting = self.timer.begin_step(state.input_batch.num_reqs)
                 if not drafting:
@@ -859,7 +860,7 @@ def build_manager_class(base: type) -> type:
                 self._decisions[drafting] += 1
                 if self._timed:
                     self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs),
-                                        self._catchups_paid(), prompt_heavy(state.input_batch))
+                                        self._catchups_paid(), heavy)
                     self._maybe_report(now)
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
@@ -897,7 +898,7 @@ def build_manager_class(base: type) -> type:
                         c.unmeasured_probe_steps, last, quotients or "not measured yet", upkeep,
                         plain or "not measured yet")
 
-        def _time_last_step(self, batch: Any) -> None:
+        def _time_last_step(self, batch: Any, heavy: bool) -> None:
             """Time the interval since the last drafting decision and charge it to that decision.
 
             Between two calls the runner samples, proposes by the last decision (the draft pass, or a
@@ -915,8 +916,8 @@ def build_manager_class(base: type) -> type:
             step -- look as dear as drafting plus a prefill of up to ``draft_catchup_tokens`` tokens
             (docs/PERFORMANCE.md section 16: both rise probes at 256 requests failed).
 
-            So does an interval whose batches were prefill steps (``prompt_heavy``: the interval's own batch, or
-            the one before, whose draft pass it ran). Under full decode-only CUDA graphs such a step runs the
+            So does an interval whose batches were prefill steps (``heavy``, the caller's ``prompt_heavy`` of
+            the interval's own batch, or the one before, whose draft pass it ran). Under full decode-only CUDA graphs such a step runs the
             target eagerly, and a paused one still runs the draft's prefill over the chunk. Timed as a paused
             step, a wave's first step can set the quotient a probe is judged by: a stale plain window restarts
             with it, and the probe due at the new load fires on it. Most likely that is how a rise probe at 16
@@ -938,7 +939,7 @@ def build_manager_class(base: type) -> type:
                 tokens = int(batch.num_tokens) - int(batch.num_draft_tokens or 0)
                 priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs), drafting=False))
             if priced > 0 and measured <= STEP_TIME_CLAMP * priced:
-                decode = not (prefill_before or prompt_heavy(batch))
+                decode = not (prefill_before or heavy)
                 self.timer.record(drafted, r, measured, priced,
                                   calibrate=decode and self._catchups_paid() == catchups)
 
