@@ -135,6 +135,19 @@ def test_the_draft_catch_up_budget_travels_to_the_workers() -> None:
     assert DsparkVllmSettings().draft_catchup_tokens == 2048
 
 
+def test_mask_compacts_its_paused_steps_unless_told_not_to() -> None:
+    """Compacted paused steps are mask's default (lossless with real weights on the H200); the seed key turns
+    them off, and only the non-default value travels to the workers."""
+    assert DsparkVllmSettings().mask_paused_compact is True
+    off = plan_vllm_serve(["m", "--speculative-config", _spec(dspark_capacity_verification_mode="mask",
+                                                              dspark_mask_paused_compact=False)])
+    assert off.settings.mask_paused_compact is False
+    assert _flag(off.argv, "--additional-config")["dspark"]["mask_paused_compact"] is False
+    on = plan_vllm_serve(["m", "--speculative-config", _spec(dspark_capacity_verification_mode="mask")])
+    assert on.settings.mask_paused_compact is True
+    assert "mask_paused_compact" not in _flag(on.argv, "--additional-config")["dspark"]
+
+
 def test_settings_round_trip_through_additional_config() -> None:
     s = DsparkVllmSettings(mode="mask", policy="paper", budget_frac=0.5, online_sts=True, overhead_ms=1.5,
                            sps_curve=[[8, 100.0]], saturation_patience=0)

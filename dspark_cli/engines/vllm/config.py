@@ -69,8 +69,10 @@ class DsparkVllmSettings:
     # Mask mode: a paused step (no drafts to verify) runs the compacted one-token-per-request batch that varlen
     # runs, on varlen decode graphs, instead of the uniform 1 + K batch with every placeholder masked (1.5-1.7x a
     # no-speculation step on the H200, docs/PERFORMANCE.md section 25). Drafting steps keep the uniform masked
-    # layout. Needs an attention backend that replays varlen decode graphs; mask stays uniform otherwise.
-    mask_paused_compact: bool = False
+    # layout. Needs an attention backend that replays varlen decode graphs; mask stays uniform otherwise. On by
+    # default since its greedy outputs with real weights matched no speculation's on the H200 (section 28);
+    # false keeps every paused step uniform.
+    mask_paused_compact: bool = True
 
     def __post_init__(self) -> None:
         w = f"--additional-config {ADDITIONAL_CONFIG_KEY}"
