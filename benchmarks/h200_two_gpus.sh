@@ -96,14 +96,14 @@ queue_stalls() {
 
 # One GPU, issue 6 (vLLM 0.33 on the Llama-3-8B shape): waits for the staged wheels (/tmp/stage/ready, once
 # every group of ../shared/tools/vllm-h200/stage.py is copied in), installs them, profiles the scaled curve,
-# then issue 6's configs in three groups of servers started together (vllm_group), each with a no-speculation
+# then issue 6's configs in four groups of servers started together (vllm_group), each with a no-speculation
 # server to pair with, in 2 paired rounds (ANATOMY=1 VLLM_ROUNDS=1: one pass with the served step anatomy):
-# install 1, groups ~5.5, ~5.5 and ~4 min (section 26: groups of four in 2 rounds took 293 and 320 s with the
-# servers started together; two waves per 256-request cell add ~25 s a group).
+# install 1, groups ~5-8 min (section 28: 457, 315 and 290 s for groups 1-3, the lossless check 330 s; group 0's
+# torch.compile starts are not measured yet).
 # REUSE_CURVE=1: the curve `dspark profile-sps` measured in section 14's sitting (same machine kind) instead of
 # profiling again (saves 3 min). REAL_SMOKE=1: first the greedy lossless check with real weights (issue 6 item
 # 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec and forced-verification configs
-# (varlen-verify; varlen-cycle, pausing and probing often; mask-compact, pruning to half the drafts, its
+# (varlen-verify; varlen-cycle, pausing and probing often; mask, pruning to half the drafts, its
 # paused steps compacted), with a concurrent smoke per config; should a config fail to
 # serve, the matrix keeps the draft's K/V current. Section 16's sitting ran nospec, varlen, varlen-current:
 # both of ours accepted no draft (so outputs matched trivially), which varlen-verify now rules in or out.
@@ -125,14 +125,17 @@ queue_vllm() {
     real_smoke
     [[ $? == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
   fi
-  # Mask with compacted paused steps (mask-compact) in group 2: section 26 served it on the H200 at no
-  # speculation's pace while paused; uniform mask, paused at 1.5-1.7x a plain step (section 25), and the
-  # curve-source ablation last: what a short sitting loses first.
-  # An empty VLLM_GROUPn (VLLM_GROUP2=) skips that group, for a budget too short for all three.
+  # Group 0 first: the same configs served with vLLM's own compilation (COMPILATION=piecewise: piecewise graphs
+  # for steps that carry a prompt chunk, which decode-only graphs run eagerly). Section 28 put verify-all's lead
+  # at 256 requests down to those eager steps, so this group says which server the 256-request bar is about.
+  # Mask's paused steps run compacted by default (mask-compact before section 28); uniform mask, paused at
+  # 1.5-1.7x a plain step (section 25), and the curve-source ablation last: what a short sitting loses first.
+  # An empty VLLM_GROUPn (VLLM_GROUP0=) skips that group, for a budget too short for all of them.
+  COMPILATION=piecewise vllm_group "scaled, group 0 (piecewise)" "${VLLM_GROUP0-nospec#p,all#p,varlen#p,mask#p}"
   vllm_group "scaled, group 1" "${VLLM_GROUP1-nospec,all,upstream,varlen}"
-  vllm_group "scaled, group 2" "${VLLM_GROUP2-nospec#2,mask-compact,varlen-nosat,varlen-nosts}"
+  vllm_group "scaled, group 2" "${VLLM_GROUP2-nospec#2,mask,varlen-nosat,varlen-nosts}"
   [[ ${REAL_SMOKE:-0} == after ]] && real_smoke
-  vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,mask,varlen-startup}"
+  vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,mask-uniform,varlen-startup}"
 }
 
 # LABEL CONFIGS: one group of up to four 8B-shaped vLLM servers. KV_GIB (default 11: 87k tokens of a draft_model
@@ -159,7 +162,7 @@ print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x)))" "$ROOT/v
 
 real_smoke() {  # issue 6 item 4: greedy lossless with real weights, verification forced on (see queue_vllm)
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
-  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle,mask-compact} \
+  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle,mask} \
     stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
 }
 

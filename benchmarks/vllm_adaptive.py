@@ -24,7 +24,9 @@ cells resume, so a config cut off by a time limit is simply run again. ``--clien
 ``vllm bench serve`` instead (its JSON per cell in OUT).
 
 Configs: nospec, all (verify every draft), upstream (vLLM's adaptive verification), varlen and mask (ours,
-with --dspark), mask-compact (mask whose paused steps run compacted, on varlen graphs), and ablations of ours: varlen-nosat (no saturation policy), varlen-nosts (no STS),
+with --dspark; mask's paused steps run compacted, on varlen graphs, as mask-compact names explicitly),
+mask-uniform (mask whose paused steps stay the uniform 1 + k batch), and ablations of ours: varlen-nosat (no
+saturation policy), varlen-nosts (no STS),
 varlen-startup (vLLM's start-up profile instead of the --dspark sps_curve), varlen-current (the draft's
 K/V kept current on every paused step instead of caught up: engines/vllm/upkeep.py).
 
@@ -73,6 +75,12 @@ from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_T
 from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
 
 ACTIVE_LINE = "dspark: adaptive verification by dspark"
+# --compilation: every server of a run gets the same. Under decode-graphs a step that carries a prompt chunk runs
+# the target eagerly, which at 256 requests under refill is most steps (docs/PERFORMANCE.md section 28).
+COMPILATIONS = {
+    "decode-graphs": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+    "piecewise": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+}
 
 
 def _free_port() -> int:
@@ -421,6 +429,11 @@ def main() -> int:
                          "min to start, mostly graph capture, which overlaps; give each a --gpu-memory-utilization "
                          "share")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--compilation", choices=sorted(COMPILATIONS), default="decode-graphs",
+                    help="decode-graphs (default): no torch.compile, FULL CUDA graphs for decode batches only, so a "
+                         "step that carries a prompt chunk runs eagerly (quick starts); piecewise: vLLM's own "
+                         "default, torch.compile with FULL decode graphs and piecewise graphs for mixed batches "
+                         "(slower starts; what a production server runs)")
     ap.add_argument("--kv-cache-gib", type=float, default=None, metavar="G",
                     help="a KV cache of G GiB per server (vLLM --kv-cache-memory-bytes; no memory profile), and the "
                          "--overlap-starts group's servers started together; --gpu-memory-utilization then only "
@@ -461,7 +474,7 @@ def main() -> int:
     ours = json.loads(args.dspark)
     engine = [args.model, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--dtype", "bfloat16",
-              "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
+              "--compilation-config", json.dumps(COMPILATIONS[args.compilation]),
               # FlashInfer's GEMM/MoE autotune (11 s of a 60 s start on the 135M shape) tunes kernels these dense
               # bf16 models on FLASH_ATTN do not run; every config skips it alike.
               "--no-enable-flashinfer-autotune"]
@@ -483,10 +496,13 @@ def main() -> int:
         "all": dict(base_spec),
         "upstream": {**base_spec, "enable_adaptive_verification": True},
         "varlen": varlen,
+        # mask's paused steps run varlen's compacted batch on varlen graphs (mask_paused_compact, the default);
+        # mask-compact names that explicitly, mask-uniform keeps every paused step the uniform 1 + k batch
         "mask": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask"},
-        # mask whose paused steps run varlen's compacted batch on varlen graphs (mask_paused_compact)
         "mask-compact": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask",
                          "dspark_mask_paused_compact": True},
+        "mask-uniform": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask",
+                         "dspark_mask_paused_compact": False},
         # one mechanism off at a time (PERFORMANCE: what each contributed)
         "varlen-nosat": {**varlen, "dspark_saturation_patience": 0},
         "varlen-nosts": {**{k: v for k, v in varlen.items() if k not in ("dspark_online_sts", "dspark_sts")},
@@ -506,7 +522,7 @@ def main() -> int:
     if args.lossless:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
         # nothing about its padding path: a budget cap makes it prune.
-        for name in ("mask", "mask-compact"):
+        for name in ("mask", "mask-compact", "mask-uniform"):
             specs[name] = {**specs[name], "dspark_budget_frac": 0.5}
     unknown = [n for n in args.configs.split(",") if n.split("#", 1)[0] not in specs]
     if unknown:

@@ -26,7 +26,9 @@
 # CONFIGS=mask,varlen-nosat,varlen-nosts,varlen-startup (sections 14-18). KV_GIB=G gives every server a G GiB KV
 # cache (--kv-cache-gib: no memory profile), and the group's servers start all at once instead of in a row.
 # VLLM_ROUNDS=N measures each group in N paired rounds (--rounds; OUT/scaled/paired.md), each group with its own
-# no-speculation server to pair with (CONFIGS=nospec#2,mask,...).
+# no-speculation server to pair with (CONFIGS=nospec#2,mask,...). COMPILATION=piecewise serves with vLLM's
+# own default compilation (torch.compile, piecewise graphs for steps that carry a prompt chunk) instead of
+# decode-only graphs with eager mixed steps (--compilation; docs/PERFORMANCE.md section 28).
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
 # vLLM's synthetic rejection sampler with a V4-Flash-like decay (conditional 0.8 ... 0.08 along the block).
@@ -84,14 +86,16 @@ case "$STAGE" in
       "$OUT/real-pair" --parts /tmp/smol)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless-real" \
       --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --lossless-text --smoke "${SMOKE:-16}" \
-      --dspark '{"online_sts": true}' --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ;;
+      --dspark '{"online_sts": true}' --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" \
+      ${COMPILATION:+--compilation "$COMPILATION"} ;;
   scaled)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
       --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" \
       --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ${ANATOMY:+--anatomy} \
-      ${KV_GIB:+--kv-cache-gib "$KV_GIB"} ${VLLM_ROUNDS:+--rounds "$VLLM_ROUNDS"} ;;
+      ${KV_GIB:+--kv-cache-gib "$KV_GIB"} ${VLLM_ROUNDS:+--rounds "$VLLM_ROUNDS"} \
+      ${COMPILATION:+--compilation "$COMPILATION"} ;;
   anatomy)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     CURVE=() && [[ -f $OUT/profile-scaled/sps_curve.json ]] && CURVE=(--sps-curve "$OUT/profile-scaled/sps_curve.json")

@@ -99,9 +99,11 @@ def test_bad_rounds_and_configs_are_refused_before_anything_starts(tmp_path: Pat
 # A stand-in for `python -m vllm.entrypoints.cli.main serve ...`: the log lines vllm_adaptive.py waits for, then a
 # real OpenAI-compatible server -- the embedded engine's tiny pair on the CPU -- on the port it was given.
 _FAKE_VLLM_MAIN = '''
-import os, sys
+import json, os, sys
 argv = sys.argv[1:]
 assert argv[0] == "serve" and "--kv-cache-memory-bytes" in argv, argv
+want = os.environ.get("EXPECT_COMPILATION")  # a test's --compilation, as the server must receive it
+assert not want or json.loads(argv[argv.index("--compilation-config") + 1]) == json.loads(want), argv
 port = argv[argv.index("--port") + 1]
 print("INFO [kv_cache_utils.py] GPU KV cache size: 1,024 tokens (stand-in)", flush=True)
 if any(a.startswith("{") and "dspark" in a for a in argv):  # the plugin's settings, in a JSON argument
@@ -134,18 +136,19 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
         tmp_path: Path) -> None:
     """The whole --rounds path: a group of three servers started together (a fixed KV cache, no memory
     profile), two rounds of half the prompts each, every config's cells per round, and paired.md with the
-    tagged second reference server as an A/A row."""
+    tagged second reference server as an A/A row. Every server gets the --compilation asked for."""
     import json
 
     from dspark_cli.engines.embedded.assets import TINY_DIR
 
     env, draft = _stand_in_vllm(tmp_path)
+    env["EXPECT_COMPILATION"] = json.dumps({"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"})
     out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
          "--out", str(out), "--k", "4", "--configs", "nospec,varlen,nospec#2", "--overlap-starts", "3",
          "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--rounds", "2", "--num-prompts", "8",
-         "--concurrency", "1,2", "--input-len", "8", "--output-len", "8"],
+         "--concurrency", "1,2", "--input-len", "8", "--output-len", "8", "--compilation", "piecewise"],
         capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads((out / "results.json").read_text())["results"]
