@@ -375,7 +375,8 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
     summary = [x for x in lines if "decisions" in x]
     assert len(summary) == 1 and "pauses 1, resumes 1" in summary[0] and "2-3: 0.33" in summary[0]
     assert "due probes held 0 steps by the probe tax, 0 to time their load" in summary[0]
-    assert summary[0].endswith("paused step time over priced, by load [2-3: 3.00]")  # 30 ms priced at 10
+    assert "paused step time over priced, by load [2-3: 3.00]; " in summary[0]  # 30 ms priced at 10
+    assert summary[0].endswith("steps with a prompt chunk, time over priced, by load: none timed")
     # ... and every probe's verdict as it is judged, in the words benchmarks/saturation_log.py reads
     verdicts = [x for x in lines if "decisions" not in x]
     assert verdicts and all(" probe at 3 requests " in x and "probe allowance" in x for x in verdicts)
@@ -448,8 +449,12 @@ def test_a_step_that_carries_a_prompt_chunk_times_no_decode_step(manager_cls) ->
     step(30.0, False)  # the next one ran the draft's pass over it
     assert (times.num_samples[False], times.ratio(False, 3)) == before  # no plain-step sample from either
     assert m.saturation.probe_allowance_ms > tax  # both still paid into the probe tax
+    chunk = m._chunk_times  # timed apart, for the log: what such steps cost where they are most steps
+    assert chunk.num_samples == {True: 0, False: 2}
+    assert chunk.ratio(False, 3) == pytest.approx(3.0 * times.ratio(False, 3))
     step(10.0, False)
     assert times.num_samples[False] == before[0] + 1  # a decode step calibrates
+    assert chunk.num_samples[False] == 2
 
 
 def _batch(num_reqs: int, prompt_chunks: list[int], drafts: int = K) -> types.SimpleNamespace:

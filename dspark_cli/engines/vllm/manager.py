@@ -497,6 +497,10 @@ def build_manager_class(base: type) -> type:
             # Step times (host clock between drafting decisions): the probe tax, and what a drafting step
             # costs against a paused one, which in vLLM is not plain decoding (core.capacity.StepTimer).
             self.timer = StepTimer(self.saturation)
+            # Steps that carry a prompt chunk (prompt_heavy, or the step after one) feed no window the policy
+            # reads; timed here apart, for the log only. Under decode-only graphs they run the target eagerly,
+            # and at 256 requests under refill they are most steps (docs/PERFORMANCE.md section 28).
+            self._chunk_times = StepTimeCalibration()
             self._clock = time.perf_counter
             # The last drafting decision: (time, drafting, requests, draft catch-ups paid before it, whether its
             # step's batch was a prefill step, prompt_heavy).
@@ -885,6 +889,9 @@ def build_manager_class(base: type) -> type:
             # A load with paused steps timed but no drafting is judged by those (its probes' cost scale); a load
             # with neither borrows: section 27 had to infer which one each probe at 256 requests was.
             plain = by_load(times.ratios(False))
+            chunk = self._chunk_times
+            chunks = (f"drafting [{by_load(chunk.ratios(True))}], paused [{by_load(chunk.ratios(False))}]"
+                      if chunk.num_samples[True] or chunk.num_samples[False] else "none timed")
             u = self._upkeep
             upkeep = ("kept current" if u is None else
                       f"skipped on {u.skipped_steps} steps, {u.catchups} catch-ups of {u.caught_up_tokens} tokens"
@@ -893,10 +900,11 @@ def build_manager_class(base: type) -> type:
             logger.info("dspark: saturation: drafting %d / paused %d decisions; pauses %d, resumes %d, probes [%s]; "
                         "due probes held %d steps by the probe tax, %d to time their load; "
                         "last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V while "
-                        "paused: %s; paused step time over priced, by load [%s]", self._decisions[True],
+                        "paused: %s; paused step time over priced, by load [%s]; steps with a prompt chunk, "
+                        "time over priced, by load: %s", self._decisions[True],
                         self._decisions[False], c.pauses, c.resumes, probes or "none", c.deferred_probe_steps,
                         c.unmeasured_probe_steps, last, quotients or "not measured yet", upkeep,
-                        plain or "not measured yet")
+                        plain or "not measured yet", chunks)
 
         def _time_last_step(self, batch: Any, heavy: bool) -> None:
             """Time the interval since the last drafting decision and charge it to that decision.
@@ -940,8 +948,10 @@ def build_manager_class(base: type) -> type:
                 priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs), drafting=False))
             if priced > 0 and measured <= STEP_TIME_CLAMP * priced:
                 decode = not (prefill_before or heavy)
-                self.timer.record(drafted, r, measured, priced,
-                                  calibrate=decode and self._catchups_paid() == catchups)
+                caught_up = self._catchups_paid() != catchups
+                self.timer.record(drafted, r, measured, priced, calibrate=decode and not caught_up)
+                if not decode and not caught_up:
+                    self._chunk_times.record(drafted, r, measured, priced)
 
         def _catchups_paid(self) -> int:
             return 0 if self._upkeep is None else self._upkeep.catchups
