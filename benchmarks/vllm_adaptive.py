@@ -422,7 +422,9 @@ def main() -> int:
                          "sampler then accepts draft i with that probability (dummy weights accept nothing)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--dspark", default="{}", help="extra JSON for ours (e.g. {\"online_sts\": true})")
-    ap.add_argument("--startup-timeout", type=float, default=240.0)
+    ap.add_argument("--startup-timeout", type=float, default=None,
+                    help="seconds a server may take to come up (default 240; 600 with --compilation piecewise, "
+                         "whose torch.compile runs in every server of a group at once)")
     ap.add_argument("--overlap-starts", type=int, default=1, metavar="N",
                     help="start up to N configs' servers together on the one GPU (each after the previous one "
                          "sized its KV cache), then measure them one at a time: an 8B-shaped server takes ~2.5 "
@@ -459,6 +461,8 @@ def main() -> int:
                     help="with --lossless: then N concurrent requests of staggered lengths per config, each of "
                          "which must come back complete (served, not compared)")
     args = ap.parse_args()
+    if args.startup_timeout is None:
+        args.startup_timeout = 600.0 if args.compilation == "piecewise" else 240.0
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="dspark-ep-"))
     env = dict(os.environ)
