@@ -484,6 +484,12 @@ def main() -> int:
               "--no-enable-flashinfer-autotune"]
     if args.load_format:
         engine += ["--load-format", args.load_format]
+    if not args.lossless:
+        # Equal work per cell: the cells of every concurrency (and the warm-up, before it marked its prompts) send
+        # the same prompts, and vLLM's prefix cache kept more or less of them by server and round. On the H200
+        # that swung 256-request cells of paused and no-speculation servers by 16-45% (docs/PERFORMANCE.md
+        # section 28). The lossless check keeps the cache: there it is one more path the outputs must survive.
+        engine += ["--no-enable-prefix-caching"]
     if args.kv_cache_gib is not None:
         if args.kv_cache_gib <= 0:
             ap.error("--kv-cache-gib must be > 0")

@@ -73,3 +73,13 @@ def test_random_prompts_are_seeded() -> None:
     assert a == load_prompts("random", 3, input_len=20, seed=1)
     assert a != load_prompts("random", 3, input_len=20, seed=2)
     assert all(len((p.text or "").split()) == 20 for p in a)
+
+
+def test_a_marked_prompt_differs_from_its_first_token_and_keeps_the_rest() -> None:
+    """Warm-up prompts are marked so a server's prefix cache keeps none of a measured prompt's blocks."""
+    text = Prompt(text="What is 2 + 2?")
+    assert text.marked("Warm-up 3. ") == Prompt(text="Warm-up 3. What is 2 + 2?")
+    chat = Prompt(messages=({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}))
+    marked = chat.marked("Warm-up 0. ")
+    assert marked.messages == ({"role": "system", "content": "Warm-up 0. Be brief."}, {"role": "user", "content": "Hi"})
+    assert chat.messages[0]["content"] == "Be brief."  # the original is untouched

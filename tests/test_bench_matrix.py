@@ -263,13 +263,16 @@ def _recorded_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg: Bench
     from dspark_cli.bench.client import RequestResult
 
     sent: list[tuple[int, int, int]] = []
+    measured = [Prompt(text="x"), Prompt(text="y")]
 
     async def fake_run_load(prompts: list[Prompt], load: LoadConfig) -> tuple[list[RequestResult], float, float]:
         sent.append((len(prompts), load.concurrency, load.max_tokens))
+        # every warm-up prompt is a measured one, marked: a prefix cache then holds no measured prompt's blocks
+        assert [p.text for p in prompts] == [f"Warm-up {i}. {'xy'[i % 2]}" for i in range(len(prompts))]
         return [RequestResult(index=i, success=True) for i in range(len(prompts))], 0.0, 0.0
 
     monkeypatch.setattr(matrix, "run_load", fake_run_load)
-    spec = MatrixSpec(configs=[cfg], concurrencies=[1, 16, 64], prompts=[Prompt(text="x")],
+    spec = MatrixSpec(configs=[cfg], concurrencies=[1, 16, 64], prompts=measured,
                       load=LoadConfig(base_url="", max_tokens=128), results_dir=tmp_path, workload={},
                       **spec_kw)  # type: ignore[arg-type]
     asyncio.run(matrix._warmup(spec, cfg, "http://127.0.0.1:1", matrix.Hooks(), [16, 1, 64]))
@@ -281,9 +284,9 @@ def test_warmup_sends_one_short_wave_at_every_concurrency_a_server_is_measured_a
     """JIT compilers cache per batch shape on disk: without a wave at each concurrency, the first config of a
     matrix pays every compile inside its timed cells (the H200 matrix's no-speculation column did)."""
     assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none")) == [(4, 1, 16), (16, 16, 16), (64, 64, 16)]
-    # STS configs: the long calibration pass first, then the same waves
+    # STS configs: the long calibration pass (every prompt once) first, then the same waves
     sts = _recorded_warmup(tmp_path, monkeypatch, BenchConfig("varlen+sts", sts=True))
-    assert sts[0] == (1, 32, 32) and sts[1:] == [(4, 1, 16), (16, 16, 16), (64, 64, 16)]
+    assert sts[0] == (2, 32, 32) and sts[1:] == [(4, 1, 16), (16, 16, 16), (64, 64, 16)]
     # the single short pass of before, and none at all
     assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none"), warmup_shapes=False) == [(4, 4, 16)]
     assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none"), warmup_prompts=0) == []
@@ -340,3 +343,30 @@ def test_rounds_need_interleave_and_at_least_a_wave_per_round(tmp_path: Path) ->
     spec.rounds = 0
     with pytest.raises(DsparkError, match="--rounds must be >= 1"):
         check_rounds(spec)
+
+
+def test_a_cell_records_its_prefix_cache_hits_and_says_when_cells_are_not_equal_work(tmp_path: Path) -> None:
+    """vLLM caches prompt prefixes by default, and cells at different concurrencies send the same prompts: a
+    cell whose prompts were prefilled before did less work. The cell keeps the hit counts, and the log says so."""
+    from dspark_cli.bench import matrix
+    from dspark_cli.bench.client import RequestResult, ServerCounters
+    from dspark_cli.bench.metrics import PrefixCacheCounters, SpecDecodeCounters
+
+    spec = _spec(tmp_path)
+    done = RequestResult(index=0, success=True, ttft=0.01, latency=0.1, output_tokens=8)
+
+    def counters(queries: float, hits: float) -> ServerCounters:
+        return ServerCounters(SpecDecodeCounters(), {}, {}, PrefixCacheCounters(queries, hits, True))
+
+    logged: list[str] = []
+    hooks = matrix.Hooks(log=logged.append)
+    for hits, warned in ((10.0, False), (300.0, True)):
+        logged.clear()
+        cell = matrix._cell_record(spec, BenchConfig("none"), 4, [done], 1.0, counters(0.0, 0.0),
+                                   counters(1000.0, hits), {}, "2026-01-01T00:00:00")
+        assert cell["prefix_cache"] == {"queried_tokens": 1000.0, "hit_tokens": hits, "hit_rate": hits / 1000.0}
+        matrix._write_cell(spec, cell, hooks)
+        assert bool(logged) is warned
+    assert logged == ["none c=4: 30% of its prompt tokens were prefix-cache hits, so cells are not equal work: "
+                      "serve with prefix caching off (vLLM: --no-enable-prefix-caching) to compare configs"]
+    assert load_cell(cell_path(tmp_path, "none", 4))["prefix_cache"]["hit_tokens"] == 300.0

@@ -108,3 +108,24 @@ def test_delta_without_draft_steps_and_after_restart() -> None:
     assert d is not None and d.acceptance_length is None and d.acceptance_rate is None
     restarted = counter_delta(SpecDecodeCounters(100, 400, 50, {}, True), SpecDecodeCounters(3, 12, 1, {}, True))
     assert restarted is not None and restarted.acceptance_length is None
+
+
+def test_prefix_cache_counters_give_each_cells_hit_rate_over_engines() -> None:
+    """vLLM counts prompt tokens looked up in its prefix cache and found there; a cell whose prompts an earlier
+    cell prefilled did less work, and its delta says how much less."""
+    from dspark_cli.bench.metrics import PrefixCacheCounters, prefix_cache_delta
+
+    def scrape(queries: float, hits: float) -> PrefixCacheCounters:
+        half = '{engine="0",model_name="m"}'
+        other = '{engine="1",model_name="m"}'
+        return PrefixCacheCounters.from_samples(parse_prometheus(
+            f"vllm:prefix_cache_queries_total{half} {queries / 2}\nvllm:prefix_cache_queries_total{other} {queries / 2}\n"
+            f"vllm:prefix_cache_hits_total{half} {hits}\nvllm:prefix_cache_queries_created{half} 1.7e9\n"))
+
+    before, after = scrape(1000.0, 100.0), scrape(5000.0, 2100.0)
+    assert before.present and after.queries == 5000.0
+    assert prefix_cache_delta(before, after) == {"queried_tokens": 4000.0, "hit_tokens": 2000.0, "hit_rate": 0.5}
+    assert prefix_cache_delta(after, after) == {"queried_tokens": 0.0, "hit_tokens": 0.0, "hit_rate": 0.0}
+    assert prefix_cache_delta(after, before) is None  # went backwards: a restart, not a negative hit rate
+    none = PrefixCacheCounters.from_samples(parse_prometheus("vllm:spec_decode_num_drafts_total 3\n"))
+    assert not none.present and prefix_cache_delta(none, none) is None  # the embedded engine keeps no such cache

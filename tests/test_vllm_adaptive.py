@@ -104,6 +104,8 @@ argv = sys.argv[1:]
 assert argv[0] == "serve" and "--kv-cache-memory-bytes" in argv, argv
 want = os.environ.get("EXPECT_COMPILATION")  # a test's --compilation, as the server must receive it
 assert not want or json.loads(argv[argv.index("--compilation-config") + 1]) == json.loads(want), argv
+# benchmark servers run without prefix caching (equal work per cell); the lossless check keeps it
+assert ("--no-enable-prefix-caching" in argv) == (os.environ.get("EXPECT_PREFIX_CACHING") == "off"), argv
 port = argv[argv.index("--port") + 1]
 print("INFO [kv_cache_utils.py] GPU KV cache size: 1,024 tokens (stand-in)", flush=True)
 if any(a.startswith("{") and "dspark" in a for a in argv):  # the plugin's settings, in a JSON argument
@@ -136,13 +138,15 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
         tmp_path: Path) -> None:
     """The whole --rounds path: a group of three servers started together (a fixed KV cache, no memory
     profile), two rounds of half the prompts each, every config's cells per round, and paired.md with the
-    tagged second reference server as an A/A row. Every server gets the --compilation asked for."""
+    tagged second reference server as an A/A row. Every server gets the --compilation asked for, and no
+    prefix cache."""
     import json
 
     from dspark_cli.engines.embedded.assets import TINY_DIR
 
     env, draft = _stand_in_vllm(tmp_path)
     env["EXPECT_COMPILATION"] = json.dumps({"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"})
+    env["EXPECT_PREFIX_CACHING"] = "off"
     out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),

@@ -31,7 +31,13 @@ import numpy as np
 import orjson
 
 from dspark_cli.bench.datasets import Prompt
-from dspark_cli.bench.metrics import SpecDecodeCounters, dspark_counters, dspark_gauges, parse_prometheus
+from dspark_cli.bench.metrics import (
+    PrefixCacheCounters,
+    SpecDecodeCounters,
+    dspark_counters,
+    dspark_gauges,
+    parse_prometheus,
+)
 from dspark_cli.errors import DsparkError
 
 Endpoint = Literal["chat", "completions"]
@@ -212,11 +218,13 @@ async def fetch_model_name(session: aiohttp.ClientSession, base_url: str) -> str
 
 @dataclass(frozen=True)
 class ServerCounters:
-    """One scrape of ``/metrics``: vLLM's spec-decode counters and the toolkit's own (``dspark:*``)."""
+    """One scrape of ``/metrics``: vLLM's spec-decode and prefix-cache counters and the toolkit's own
+    (``dspark:*``)."""
 
     spec: SpecDecodeCounters
     dspark: dict[str, float]
     gauges: dict[str, float] = field(default_factory=dict)
+    prefix_cache: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
 
 async def fetch_counters(session: aiohttp.ClientSession, base_url: str) -> ServerCounters:
@@ -228,7 +236,8 @@ async def fetch_counters(session: aiohttp.ClientSession, base_url: str) -> Serve
             samples = parse_prometheus(await resp.text())
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return ServerCounters(SpecDecodeCounters(), {})
-    return ServerCounters(SpecDecodeCounters.from_samples(samples), dspark_counters(samples), dspark_gauges(samples))
+    return ServerCounters(SpecDecodeCounters.from_samples(samples), dspark_counters(samples), dspark_gauges(samples),
+                          PrefixCacheCounters.from_samples(samples))
 
 
 def make_session(cfg: LoadConfig) -> aiohttp.ClientSession:

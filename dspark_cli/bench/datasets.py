@@ -58,6 +58,16 @@ class Prompt:
             return self.text
         return "\n\n".join(str(m.get("content", "")) for m in self.messages or ())
 
+    def marked(self, mark: str) -> Prompt:
+        """The same prompt with ``mark`` in front of its text (chat: of its first message's content).
+
+        A warm-up sends its prompts marked: same lengths, but a server's prefix cache then holds none of a
+        measured prompt's blocks past what every prompt shares (a chat template's header)."""
+        if self.messages is None:
+            return Prompt(text=mark + (self.text or ""))
+        first, *rest = self.messages or ({"role": "user", "content": ""},)
+        return Prompt(messages=({**first, "content": mark + str(first.get("content", ""))}, *rest))
+
 
 def _cycle(prompts: list[Prompt], n: int, source: str) -> list[Prompt]:
     if not prompts:

@@ -51,11 +51,13 @@ from dspark_cli.bench.client import (
     run_load,
 )
 from dspark_cli.bench.datasets import Prompt
-from dspark_cli.bench.metrics import counter_delta, dspark_counter_delta
+from dspark_cli.bench.metrics import counter_delta, dspark_counter_delta, prefix_cache_delta
 from dspark_cli.errors import DsparkError
 from dspark_cli.fileio import atomic_write_json, read_json
 
 CELL_FORMAT = 1
+# A cell whose prompt tokens were at least this often prefix-cache hits is logged as unequal work.
+PREFIX_HIT_WARN = 0.05
 CAPACITY_MODES = ("none", "mask", "varlen")
 # Serving suffixes, after the config (any order, each once): a flag of the embedded engine's server, and what
 # a table's column header says of it.
@@ -418,6 +420,8 @@ def _cell_record(spec: MatrixSpec, cfg: BenchConfig, c: int, results: Sequence[R
         "server_counters": dspark_counter_delta(before.dspark, after.dspark),
         # ... and its gauges at the end of the cell (the saturation policy's evidence: cost scales, gain).
         "server_gauges": after.gauges,
+        # Prompt tokens vLLM found in its prefix cache over the cell (None: a server without one).
+        "prefix_cache": prefix_cache_delta(before.prefix_cache, after.prefix_cache),
         "workload": spec.workload,
         "server": server,
         "started_at": started,
@@ -438,7 +442,7 @@ async def _warmup(spec: MatrixSpec, cfg: BenchConfig, base_url: str, hooks: Hook
         max_tokens = spec.sts_warmup_max_tokens or max(1, spec.load.max_tokens // 4)
         hooks.log(f"{cfg.name}: STS warm-up, {n} requests x {max_tokens} tokens at c={min(32, top)}")
         load = replace(spec.load, base_url=base_url, concurrency=min(32, top), max_tokens=max_tokens)
-        results, _, _ = await run_load([spec.prompts[i % len(spec.prompts)] for i in range(n)], load)
+        results, _, _ = await run_load(_warmup_prompts(spec, n), load)
         _check_warmup(cfg, results)
     if spec.warmup_prompts <= 0:
         return
@@ -449,8 +453,14 @@ async def _warmup(spec: MatrixSpec, cfg: BenchConfig, base_url: str, hooks: Hook
     for c in waves:
         n = max(c, spec.warmup_prompts if c == waves[0] else 0)
         load = replace(spec.load, base_url=base_url, concurrency=c, max_tokens=max_tokens)
-        results, _, _ = await run_load([spec.prompts[i % len(spec.prompts)] for i in range(n)], load)
+        results, _, _ = await run_load(_warmup_prompts(spec, n), load)
         _check_warmup(cfg, results)
+
+
+def _warmup_prompts(spec: MatrixSpec, n: int) -> list[Prompt]:
+    """``n`` warm-up requests: the measured prompts in turn, each marked, so that a server with a prefix cache
+    (vLLM's is on by default) has not prefilled any cell's prompts before that cell is timed."""
+    return [spec.prompts[i % len(spec.prompts)].marked(f"Warm-up {i}. ") for i in range(n)]
 
 
 def _check_warmup(cfg: BenchConfig, results: Sequence[RequestResult]) -> None:
@@ -467,6 +477,15 @@ def _write_cell(spec: MatrixSpec, cell: dict[str, Any], hooks: Hooks) -> None:
         raise DsparkError(f"every request of cell {cell['config']} c={cell['concurrency']} failed ({first}); "
                           "the cell was not saved")
     atomic_write_json(cell_path(spec.results_dir, cell["config"], cell["concurrency"]), cell)
+    cache = cell.get("prefix_cache") or {}
+    if cache.get("hit_rate", 0.0) >= PREFIX_HIT_WARN:
+        # Its prompts were prefilled before (an earlier cell sends the same ones): less work than a cell whose were
+        # not, by an amount that depends on what the server's cache kept (its KV size, the order of cells). On an
+        # H200, paused and no-speculation vLLM servers whose logs showed 76% hits in a 256-request cell ran it
+        # 16-45% faster than those showing 66-69% (docs/PERFORMANCE.md section 28).
+        hooks.log(f"{cell['config']} c={cell['concurrency']}: {cache['hit_rate']:.0%} of its prompt tokens were "
+                  "prefix-cache hits, so cells are not equal work: serve with prefix caching off "
+                  "(vLLM: --no-enable-prefix-caching) to compare configs")
     hooks.cell_done(cell)
 
 

@@ -29,6 +29,10 @@ NUM_DRAFTS = PREFIX + "num_drafts"
 NUM_DRAFT_TOKENS = PREFIX + "num_draft_tokens"
 NUM_ACCEPTED = PREFIX + "num_accepted_tokens"
 ACCEPTED_PER_POS = PREFIX + "num_accepted_tokens_per_pos"
+# vLLM's prefix cache, in prompt tokens looked up and found: a cell whose prompts were prefilled before (an
+# earlier cell, a warm-up) did less work than one whose were not.
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 
 
 @dataclass(frozen=True)
@@ -250,3 +254,35 @@ def counter_delta(before: SpecDecodeCounters, after: SpecDecodeCounters) -> Spec
         acceptance_rate=(accepted / draft_tokens) if draft_tokens > 0 else None,
         per_position_acceptance=per_pos,
     )
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounters:
+    """Prompt tokens a server looked up in its prefix cache and found there (vLLM's counters; ``present`` is
+    False for a server without them, such as the embedded engine, which has no prefix cache)."""
+
+    queries: float = 0.0
+    hits: float = 0.0
+    present: bool = False
+
+    @classmethod
+    def from_samples(cls, samples: Iterable[Sample]) -> PrefixCacheCounters:
+        totals = {PREFIX_CACHE_QUERIES: 0.0, PREFIX_CACHE_HITS: 0.0}
+        present = False
+        for s in samples:
+            base = _base_name(s.name)
+            if base in totals and math.isfinite(s.value):
+                totals[base] += s.value
+                present = True
+        return cls(totals[PREFIX_CACHE_QUERIES], totals[PREFIX_CACHE_HITS], present)
+
+
+def prefix_cache_delta(before: PrefixCacheCounters, after: PrefixCacheCounters) -> dict[str, float] | None:
+    """Prompt tokens looked up and found in the prefix cache between two scrapes, and their ratio; None when
+    the server keeps no such counters, or they went backwards (a restart)."""
+    if not after.present:
+        return None
+    queried, hit = after.queries - before.queries, after.hits - before.hits
+    if queried < 0 or hit < 0:
+        return None
+    return {"queried_tokens": queried, "hit_tokens": hit, "hit_rate": hit / queried if queried > 0 else 0.0}
