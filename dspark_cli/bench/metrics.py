@@ -12,6 +12,9 @@ embedded engine alike:
 
     acceptance length = 1 + accepted / drafts   (tokens emitted per request-step, the bonus token included)
 
+vLLM's prefix-cache counters (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``, in prompt
+tokens) are read the same way: they say whether a cell did its whole prefill or found part of it cached.
+
 The parser is deliberately tolerant: prometheus_client writes counters with a ``_total`` suffix (and a
 ``_created`` sibling) while some exporters drop the suffix; vLLM labels every sample with ``model_name`` and
 ``engine`` (several engines = several samples to sum); values may be ``NaN``/``+Inf`` or carry a timestamp.
