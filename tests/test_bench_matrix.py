@@ -353,7 +353,7 @@ def test_a_cell_records_its_prefix_cache_hits_and_says_when_cells_are_not_equal_
     from dspark_cli.bench.metrics import PrefixCacheCounters, SpecDecodeCounters
 
     spec = _spec(tmp_path)
-    done = RequestResult(index=0, success=True, ttft=0.01, latency=0.1, output_tokens=8)
+    done = RequestResult(index=0, success=True, ttft=0.01, latency=0.1, output_tokens=8, itl=[0.01] * 7)
 
     def counters(queries: float, hits: float) -> ServerCounters:
         return ServerCounters(SpecDecodeCounters(), {}, {}, PrefixCacheCounters(queries, hits, True))
@@ -370,3 +370,34 @@ def test_a_cell_records_its_prefix_cache_hits_and_says_when_cells_are_not_equal_
     assert logged == ["none c=4: 30% of its prompt tokens were prefix-cache hits, so cells are not equal work: "
                       "serve with prefix caching off (vLLM: --no-enable-prefix-caching) to compare configs"]
     assert load_cell(cell_path(tmp_path, "none", 4))["prefix_cache"]["hit_tokens"] == 300.0
+
+
+def test_a_cell_whose_server_merged_stream_chunks_says_its_frontend_fell_behind(tmp_path: Path) -> None:
+    """One chunk per request per step is what a server streams while its frontend keeps up; more tokens per chunk
+    than per request-step means it sent several steps' outputs at once (vLLM's API server at 64 requests on the
+    H200). Speculative steps carry several tokens per chunk by themselves: judged against acceptance length."""
+    from dspark_cli.bench import matrix
+    from dspark_cli.bench.client import RequestResult, ServerCounters
+    from dspark_cli.bench.metrics import SpecDecodeCounters
+
+    spec = _spec(tmp_path)
+    logged: list[str] = []
+    hooks = matrix.Hooks(log=logged.append)
+    none = ServerCounters(SpecDecodeCounters(), {})
+
+    def cell(chunk_tokens: list[int], config: str = "none") -> dict:
+        done = RequestResult(index=0, success=True, ttft=0.01, latency=0.1, output_tokens=sum(chunk_tokens),
+                             chunk_tokens=chunk_tokens, itl=[0.01] * (len(chunk_tokens) - 1))
+        return matrix._cell_record(spec, BenchConfig(config), 4, [done], 1.0, none, none, {}, "2026-01-01T00:00:00")
+
+    matrix._write_cell(spec, cell([1] * 8), hooks)
+    assert logged == []  # one token per chunk, as a no-speculation step emits
+    merged = cell([1, 2, 1, 2, 2])  # 8 tokens in 5 chunks
+    matrix._write_cell(spec, merged, hooks)
+    assert logged == ["none c=4: 1.60 tokens per stream chunk against 1.00 per request-step: the server merged "
+                      "steps' outputs (its frontend fell behind the engine), so this cell may measure the frontend"]
+    drafted = cell([3, 3, 2])  # a speculative cell: 2.67 tokens per chunk at an acceptance length of 2.67
+    drafted["spec_decode"] = {"acceptance_length": 8 / 3}
+    logged.clear()
+    matrix._write_cell(spec, drafted, hooks)
+    assert logged == []

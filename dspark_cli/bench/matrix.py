@@ -58,6 +58,9 @@ from dspark_cli.fileio import atomic_write_json, read_json
 CELL_FORMAT = 1
 # A cell whose prompt tokens were at least this often prefix-cache hits is logged as unequal work.
 PREFIX_HIT_WARN = 0.05
+# A cell whose stream chunks carried this many times more tokens than its steps emitted per request is logged
+# as one whose server merged outputs: its frontend fell behind the engine.
+MERGED_CHUNKS_WARN = 1.05
 CAPACITY_MODES = ("none", "mask", "varlen")
 # Serving suffixes, after the config (any order, each once): a flag of the embedded engine's server, and what
 # a table's column header says of it.
@@ -486,6 +489,15 @@ def _write_cell(spec: MatrixSpec, cell: dict[str, Any], hooks: Hooks) -> None:
         hooks.log(f"{cell['config']} c={cell['concurrency']}: {cache['hit_rate']:.0%} of its prompt tokens were "
                   "prefix-cache hits, so cells are not equal work: serve with prefix caching off "
                   "(vLLM: --no-enable-prefix-caching) to compare configs")
+    per_chunk = m.get("tokens_per_chunk")
+    per_step = (cell.get("spec_decode") or {}).get("acceptance_length") or 1.0
+    if per_chunk and per_chunk > MERGED_CHUNKS_WARN * per_step:
+        # A server streams each step's tokens as one chunk per request unless its frontend falls behind and sends
+        # several steps' at once (vLLM's API server at ~9,000 chunks/s on an H200, docs/PERFORMANCE.md section 28):
+        # throughput may then be the frontend's, and ITL understates the engine's step.
+        hooks.log(f"{cell['config']} c={cell['concurrency']}: {per_chunk:.2f} tokens per stream chunk against "
+                  f"{per_step:.2f} per request-step: the server merged steps' outputs (its frontend fell behind "
+                  "the engine), so this cell may measure the frontend")
     hooks.cell_done(cell)
 
 
