@@ -182,3 +182,28 @@ def test_paired_rounds_compare_each_round_with_the_references_same_round(tmp_pat
     # without rounds there is no paired table
     plain = build_table([cell("nospec", 16, 1.0), cell("none", 16, 1.0)])
     assert paired_references(plain) == [] and "Paired rounds" not in to_markdown(plain)
+
+
+def test_cells_skewed_by_the_prefix_cache_or_merged_chunks_are_listed_under_the_table(tmp_path: Path) -> None:
+    """The summary is what is read later: a cell that found its prompts cached, or whose server merged steps'
+    outputs into one chunk, says so under the table (and in summary.json), not only in the run's log."""
+    cached = cell("nospec", 256, 11590, acc=None)
+    cached["prefix_cache"] = {"queried_tokens": 80000.0, "hit_tokens": 60800.0, "hit_rate": 0.76}
+    merged = cell("nospec", 64, 8793, acc=None)
+    merged["metrics"]["tokens_per_chunk"] = 1.27
+    clean = cell("all", 64, 6938, acc=2.92)
+    clean["metrics"]["tokens_per_chunk"] = 2.90  # speculative chunks: as many tokens as each step emitted
+    clean["prefix_cache"] = {"queried_tokens": 40000.0, "hit_tokens": 0.0, "hit_rate": 0.0}
+    cells = [cached, merged, clean, cell("all", 256, 9461, acc=2.93)]
+    md = to_markdown(build_table(cells, ["nospec", "all"], [64, 256]))
+    notes = md.split("Cells not measured as they seem:\n\n", 1)[1].splitlines()
+    assert notes == [
+        "- No spec at c=64: 1.27 tokens per stream chunk against 1.00 per request-step: the server merged steps' "
+        "outputs (its frontend fell behind the engine), so this cell may measure the frontend",
+        "- No spec at c=256: 76% of its prompt tokens were prefix-cache hits, so cells are not equal work: serve "
+        "with prefix caching off (vLLM: --no-enable-prefix-caching) to compare configs"]
+    js, _ = write_summary(tmp_path, cells, ["nospec", "all"], [64, 256])
+    rows = read_json(js)["rows"]
+    assert rows[1]["cells"]["nospec"]["notes"][0].startswith("76% of its prompt tokens")
+    assert rows[0]["cells"]["all"]["notes"] == []
+    assert "Cells not measured" not in to_markdown(build_table([clean], ["all"], [64]))

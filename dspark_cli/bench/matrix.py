@@ -480,25 +480,32 @@ def _write_cell(spec: MatrixSpec, cell: dict[str, Any], hooks: Hooks) -> None:
         raise DsparkError(f"every request of cell {cell['config']} c={cell['concurrency']} failed ({first}); "
                           "the cell was not saved")
     atomic_write_json(cell_path(spec.results_dir, cell["config"], cell["concurrency"]), cell)
+    for note in measurement_notes(cell):
+        hooks.log(f"{cell['config']} c={cell['concurrency']}: {note}")
+    hooks.cell_done(cell)
+
+
+def measurement_notes(cell: dict[str, Any]) -> list[str]:
+    """What makes a cell's numbers not what they seem: each a sentence for the bench log and the summary."""
+    notes = []
     cache = cell.get("prefix_cache") or {}
     if cache.get("hit_rate", 0.0) >= PREFIX_HIT_WARN:
         # Its prompts were prefilled before (an earlier cell sends the same ones): less work than a cell whose were
         # not, by an amount that depends on what the server's cache kept (its KV size, the order of cells). On an
         # H200, paused and no-speculation vLLM servers whose logs showed 76% hits in a 256-request cell ran it
         # 16-45% faster than those showing 66-69% (docs/PERFORMANCE.md section 28).
-        hooks.log(f"{cell['config']} c={cell['concurrency']}: {cache['hit_rate']:.0%} of its prompt tokens were "
-                  "prefix-cache hits, so cells are not equal work: serve with prefix caching off "
-                  "(vLLM: --no-enable-prefix-caching) to compare configs")
-    per_chunk = m.get("tokens_per_chunk")
+        notes.append(f"{cache['hit_rate']:.0%} of its prompt tokens were prefix-cache hits, so cells are not equal "
+                     "work: serve with prefix caching off (vLLM: --no-enable-prefix-caching) to compare configs")
+    per_chunk = cell["metrics"].get("tokens_per_chunk")
     per_step = (cell.get("spec_decode") or {}).get("acceptance_length") or 1.0
     if per_chunk and per_chunk > MERGED_CHUNKS_WARN * per_step:
         # A server streams each step's tokens as one chunk per request unless its frontend falls behind and sends
         # several steps' at once (vLLM's API server at ~9,000 chunks/s on an H200, docs/PERFORMANCE.md section 28):
         # throughput may then be the frontend's, and ITL understates the engine's step.
-        hooks.log(f"{cell['config']} c={cell['concurrency']}: {per_chunk:.2f} tokens per stream chunk against "
-                  f"{per_step:.2f} per request-step: the server merged steps' outputs (its frontend fell behind "
-                  "the engine), so this cell may measure the frontend")
-    hooks.cell_done(cell)
+        notes.append(f"{per_chunk:.2f} tokens per stream chunk against {per_step:.2f} per request-step: the server "
+                     "merged steps' outputs (its frontend fell behind the engine), so this cell may measure the "
+                     "frontend")
+    return notes
 
 
 def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "server",

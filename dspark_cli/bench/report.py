@@ -21,7 +21,7 @@ from typing import Any
 from rich.table import Table
 
 from dspark_cli import __version__
-from dspark_cli.bench.matrix import SERVING_SUFFIXES
+from dspark_cli.bench.matrix import SERVING_SUFFIXES, measurement_notes
 from dspark_cli.fileio import atomic_write_json, atomic_write_text
 
 BASELINE = "none"
@@ -65,6 +65,8 @@ class CellNumbers:
     # rounds ran interleaved (only those pair up).
     rounds: tuple[float, ...] = ()
     round_group: str | None = None
+    # What skews the cell as measured (prefix-cache hits, merged stream chunks): bench.matrix.measurement_notes.
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -111,6 +113,7 @@ def numbers(cell: dict[str, Any], base: dict[str, Any] | None) -> CellNumbers:
         phases=step_phases(counters),
         rounds=tuple(float(r["output_tok_s"]) for r in sorted(cell.get("rounds") or [], key=lambda r: r["round"])),
         round_group=cell.get("round_group"),
+        notes=tuple(measurement_notes(cell)),
     )
 
 
@@ -232,6 +235,11 @@ def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
     if stalls:
         lines += ["", "Kernel compiles while serving (a start-up warm-up missed them; the cell waited):", ""]
         lines += [f"- {note}" for note in stalls]
+    skewed = [f"{header(k)} at c={c}: {note}" for c in table.concurrencies for k in table.configs
+              for note in (table.cells[k, c].notes if (k, c) in table.cells else ())]
+    if skewed:
+        lines += ["", "Cells not measured as they seem:", ""]
+        lines += [f"- {note}" for note in skewed]
     return "\n".join(lines) + "\n"
 
 
