@@ -65,6 +65,9 @@ def test_the_checker_detects_drift() -> None:
     assert contract.check_source(const, plugins.replace('"vllm.general_plugins"', '"vllm.plugins"')) is not None
     attrs = contract.lookup(contract.AV, "AdaptiveVerificationManager.__init__", "self_attr")
     assert contract.check_source(attrs, av.replace("self._stale_idx = 0", "self._stale = 0")) is not None
+    metric = contract.lookup(contract.LOGGERS, "PrometheusStatLogger.__init__", "contains")
+    loggers = _read(contract.LOGGERS)
+    assert contract.check_source(metric, loggers.replace('"vllm:prefix_cache_hits"', '"vllm:prefix_hits"')) is not None
 
 
 def test_ci_script_unpacks_every_contract_file() -> None:

@@ -9,6 +9,9 @@ worse, half-applied. Every such assumption is a row of :data:`CONTRACT`:
 * the plugin checks the rows it patches against the live modules (``inspect``) before touching anything,
   and refuses to start with one clear message if they drifted.
 
+A few rows are what ``dspark bench`` reads of a vLLM server (its /metrics names) and what the benchmark
+harness passes it: not patched, but a rename there would leave a cell's numbers silently empty.
+
 Nothing here imports vLLM. Module names are dotted; :func:`source_path` maps them into an unpacked wheel.
 """
 
@@ -49,6 +52,9 @@ ENVS = "vllm.envs"
 ARG_UTILS = "vllm.engine.arg_utils"
 LLM = "vllm.entrypoints.llm"
 WORKER_BASE = "vllm.v1.worker.worker_base"
+# What `dspark bench` reads of a vLLM server's /metrics, and what benchmarks/vllm_adaptive.py passes it.
+LOGGERS = "vllm.v1.metrics.loggers"
+SPEC_METRICS = "vllm.v1.spec_decode.metrics"
 
 Kind = Literal[
     "function",  # module-level def; params must appear (in this order) among its parameters
@@ -332,6 +338,16 @@ CONTRACT: tuple[Assumption, ...] = (
                why="profile-sps reads vLLM's own step timing and the batch limits"),
     Assumption(ASYNC_UTILS, "StepTimingCollector.collect", "method", (),
                why="forward / drafter split of each timed dummy step"),
+    # --- what the bench reads of a vLLM server and how the benchmark harness serves one
+    Assumption(SPEC_METRICS, "SpecDecodingProm.__init__", "contains",
+               ('"vllm:spec_decode_num_drafts"', '"vllm:spec_decode_num_draft_tokens"',
+                '"vllm:spec_decode_num_accepted_tokens"', '"vllm:spec_decode_num_accepted_tokens_per_pos"'),
+               why="dspark bench's acceptance length per cell (bench.metrics)"),
+    Assumption(LOGGERS, "PrometheusStatLogger.__init__", "contains",
+               ('"vllm:prefix_cache_queries"', '"vllm:prefix_cache_hits"'),
+               why="dspark bench's prefix_cache per cell: whether a cell found its prompts cached (unequal work)"),
+    Assumption(ARG_UTILS, "EngineArgs.add_cli_args", "contains", ('"--enable-prefix-caching"',),
+               why="benchmarks/vllm_adaptive.py serves its speed cells with --no-enable-prefix-caching"),
 )
 
 
