@@ -376,7 +376,7 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
     assert len(summary) == 1 and "pauses 1, resumes 1" in summary[0] and "2-3: 0.33" in summary[0]
     assert "due probes held 0 steps by the probe tax, 0 to time their load" in summary[0]
     assert "paused step time over priced, by load [2-3: 3.00]; " in summary[0]  # 30 ms priced at 10
-    assert summary[0].endswith("steps with a prompt chunk, time over priced, by load: none timed")
+    assert summary[0].endswith("prefill steps, time over priced, by load: none timed")
     # ... and every probe's verdict as it is judged, in the words benchmarks/saturation_log.py reads
     verdicts = [x for x in lines if "decisions" not in x]
     assert verdicts and all(" probe at 3 requests " in x and "probe allowance" in x for x in verdicts)
@@ -425,8 +425,11 @@ def test_a_step_that_carries_a_prompt_chunk_times_no_decode_step(manager_cls) ->
     draft's prefill over them: 3x its price here. It counts for the probe tax but feeds no plain-step window --
     neither that interval nor the next, whose draft pass covered the chunk. A load's window (and so whether a
     due probe there may fire, ``times_load``) is then set by decode steps only, not restarted on a prefill."""
+    from dspark_cli.engines.vllm.upkeep import DraftUpkeep
+
     m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
     m._pause_supported = m._timed = True
+    m._upkeep = DraftUpkeep(8, 2048)
     now = [0.0]
     m._clock = lambda: now[0]
     per_req = {f"r{i}": 1 + K for i in range(3)}
@@ -435,6 +438,8 @@ def test_a_step_that_carries_a_prompt_chunk_times_no_decode_step(manager_cls) ->
         m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
         m.reallocate_drafts(list(per_req), torch.arange(3))
         now[0] += ms / 1e3
+        if prefill:  # a paused step that admits a prompt catches the draft up in the same pass
+            m._upkeep.paid(np.arange(3))
         batch = types.SimpleNamespace(num_reqs=3, num_tokens=3 + 3 * K, num_draft_tokens=3 * K, has_prefill=prefill)
         m.begin_drafting_step(types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, K)))
         m.observe(torch.full((3,), 1, dtype=torch.int32))
@@ -449,7 +454,8 @@ def test_a_step_that_carries_a_prompt_chunk_times_no_decode_step(manager_cls) ->
     step(30.0, False)  # the next one ran the draft's pass over it
     assert (times.num_samples[False], times.ratio(False, 3)) == before  # no plain-step sample from either
     assert m.saturation.probe_allowance_ms > tax  # both still paid into the probe tax
-    chunk = m._chunk_times  # timed apart, for the log: what such steps cost where they are most steps
+    # timed apart, for the log, catch-up included: what such steps cost where they are most steps
+    chunk = m._prefill_times
     assert chunk.num_samples == {True: 0, False: 2}
     assert chunk.ratio(False, 3) == pytest.approx(3.0 * times.ratio(False, 3))
     step(10.0, False)

@@ -497,10 +497,11 @@ def build_manager_class(base: type) -> type:
             # Step times (host clock between drafting decisions): the probe tax, and what a drafting step
             # costs against a paused one, which in vLLM is not plain decoding (core.capacity.StepTimer).
             self.timer = StepTimer(self.saturation)
-            # Steps that carry a prompt chunk (prompt_heavy, or the step after one) feed no window the policy
-            # reads; timed here apart, for the log only. Under decode-only graphs they run the target eagerly,
-            # and at 256 requests under refill they are most steps (docs/PERFORMANCE.md section 28).
-            self._chunk_times = StepTimeCalibration()
+            # Prefill steps (prompt_heavy, or the step after one) feed no window the policy reads; timed here
+            # apart, for the log only, catch-ups included: a paused step that admits prompts also catches the
+            # draft up, and that is what such a step costs. Under decode-only graphs they run the target eagerly,
+            # and at 256 requests under refill they set the pace of a cell (docs/PERFORMANCE.md section 28).
+            self._prefill_times = StepTimeCalibration()
             self._clock = time.perf_counter
             # The last drafting decision: (time, drafting, requests, draft catch-ups paid before it, whether its
             # step's batch was a prefill step, prompt_heavy).
@@ -889,9 +890,9 @@ def build_manager_class(base: type) -> type:
             # A load with paused steps timed but no drafting is judged by those (its probes' cost scale); a load
             # with neither borrows: section 27 had to infer which one each probe at 256 requests was.
             plain = by_load(times.ratios(False))
-            chunk = self._chunk_times
-            chunks = (f"drafting [{by_load(chunk.ratios(True))}], paused [{by_load(chunk.ratios(False))}]"
-                      if chunk.num_samples[True] or chunk.num_samples[False] else "none timed")
+            pre = self._prefill_times
+            prefills = (f"drafting [{by_load(pre.ratios(True))}], paused [{by_load(pre.ratios(False))}]"
+                        if pre.num_samples[True] or pre.num_samples[False] else "none timed")
             u = self._upkeep
             upkeep = ("kept current" if u is None else
                       f"skipped on {u.skipped_steps} steps, {u.catchups} catch-ups of {u.caught_up_tokens} tokens"
@@ -900,11 +901,11 @@ def build_manager_class(base: type) -> type:
             logger.info("dspark: saturation: drafting %d / paused %d decisions; pauses %d, resumes %d, probes [%s]; "
                         "due probes held %d steps by the probe tax, %d to time their load; "
                         "last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V while "
-                        "paused: %s; paused step time over priced, by load [%s]; steps with a prompt chunk, "
-                        "time over priced, by load: %s", self._decisions[True],
+                        "paused: %s; paused step time over priced, by load [%s]; prefill steps, time over "
+                        "priced, by load: %s", self._decisions[True],
                         self._decisions[False], c.pauses, c.resumes, probes or "none", c.deferred_probe_steps,
                         c.unmeasured_probe_steps, last, quotients or "not measured yet", upkeep,
-                        plain or "not measured yet", chunks)
+                        plain or "not measured yet", prefills)
 
         def _time_last_step(self, batch: Any, heavy: bool) -> None:
             """Time the interval since the last drafting decision and charge it to that decision.
@@ -925,12 +926,12 @@ def build_manager_class(base: type) -> type:
             (docs/PERFORMANCE.md section 16: both rise probes at 256 requests failed).
 
             So does an interval whose batches were prefill steps (``heavy``, the caller's ``prompt_heavy`` of
-            the interval's own batch, or the one before, whose draft pass it ran). Under full decode-only CUDA graphs such a step runs the
-            target eagerly, and a paused one still runs the draft's prefill over the chunk. Timed as a paused
-            step, a wave's first step can set the quotient a probe is judged by: a stale plain window restarts
-            with it, and the probe due at the new load fires on it. Most likely that is how a rise probe at 16
-            requests paid on the H200 at a cost scale of 0.83, where drafting there costs ~1.7x
-            (docs/PERFORMANCE.md section 26). A step that admits a request or two among many decode rows still
+            the interval's own batch, or the one before, whose draft pass it ran); those are timed apart, for the
+            log. Under full decode-only CUDA graphs such a step runs the target eagerly, and a paused one still
+            runs the draft's prefill over the chunk. Timed as a paused step, a wave's first step can set the
+            quotient a probe is judged by: a stale plain window restarts with it, and the probe due at the new
+            load fires on it. Most likely that is how a rise probe at 16 requests paid on the H200 at a cost
+            scale of 0.83, where drafting there costs ~1.7x (docs/PERFORMANCE.md section 26). A step that admits a request or two among many decode rows still
             counts: at high load nearly every step does (section 27).
             """
             last, self._last_begin = self._last_begin, None
@@ -948,10 +949,10 @@ def build_manager_class(base: type) -> type:
                 priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs), drafting=False))
             if priced > 0 and measured <= STEP_TIME_CLAMP * priced:
                 decode = not (prefill_before or heavy)
-                caught_up = self._catchups_paid() != catchups
-                self.timer.record(drafted, r, measured, priced, calibrate=decode and not caught_up)
-                if not decode and not caught_up:
-                    self._chunk_times.record(drafted, r, measured, priced)
+                self.timer.record(drafted, r, measured, priced,
+                                  calibrate=decode and self._catchups_paid() == catchups)
+                if not decode:
+                    self._prefill_times.record(drafted, r, measured, priced)
 
         def _catchups_paid(self) -> int:
             return 0 if self._upkeep is None else self._upkeep.catchups
