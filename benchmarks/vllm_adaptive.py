@@ -26,9 +26,9 @@ cells resume, so a config cut off by a time limit is simply run again. ``--clien
 Configs: nospec, all (verify every draft), upstream (vLLM's adaptive verification), varlen and mask (ours,
 with --dspark; mask's paused steps run compacted, on varlen graphs, as mask-compact names explicitly),
 mask-uniform (mask whose paused steps stay the uniform 1 + k batch), and ablations of ours: varlen-nosat (no
-saturation policy), varlen-nosts (no STS),
-varlen-startup (vLLM's start-up profile instead of the --dspark sps_curve), varlen-current (the draft's
-K/V kept current on every paused step instead of caught up: engines/vllm/upkeep.py).
+saturation policy), varlen-nosts (no STS), varlen-startup (vLLM's start-up profile instead of the --dspark
+sps_curve), varlen-current (the draft's K/V kept current on every paused step instead of caught up:
+engines/vllm/upkeep.py).
 
 ``--rounds N`` measures each group in N paired rounds: every server of the group gets 1/N of the prompts per
 round (fresh random prompts each round), the group's configs in a rotated order each round, so that what drifts
