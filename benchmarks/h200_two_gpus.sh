@@ -126,8 +126,9 @@ queue_vllm() {
     [[ $? == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
   fi
   # Group 0 first: the same configs served with vLLM's own compilation (COMPILATION=piecewise: piecewise graphs
-  # for steps that carry a prompt chunk, which decode-only graphs run eagerly). Section 28 put verify-all's lead
-  # at 256 requests down to those eager steps, so this group says which server the 256-request bar is about.
+  # for steps that carry a prompt chunk, which decode-only graphs run eagerly). Section 28 found the 256-request
+  # cells paced by prompt prefill: cached prompts (prefix caching is now off) and those eager steps. Against
+  # group 1 this group says whether verify-all's lead at 256 survives graphed prompt steps.
   # Mask's paused steps run compacted by default (mask-compact before section 28); uniform mask, paused at
   # 1.5-1.7x a plain step (section 25), and the curve-source ablation last: what a short sitting loses first.
   # An empty VLLM_GROUPn (VLLM_GROUP0=) skips that group, for a budget too short for all of them.

@@ -76,7 +76,7 @@ from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
 
 ACTIVE_LINE = "dspark: adaptive verification by dspark"
 # --compilation: every server of a run gets the same. Under decode-graphs a step that carries a prompt chunk runs
-# the target eagerly, which at 256 requests under refill is most steps (docs/PERFORMANCE.md section 28).
+# the target eagerly, and at 256 requests prompt prefill sets a cell's pace (docs/PERFORMANCE.md section 28).
 COMPILATIONS = {
     "decode-graphs": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
     "piecewise": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"},
