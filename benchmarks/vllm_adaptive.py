@@ -494,6 +494,11 @@ def main() -> int:
         if args.kv_cache_gib <= 0:
             ap.error("--kv-cache-gib must be > 0")
         engine += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
+    if args.compilation == "piecewise":
+        # A group's servers start together, and those of one target and draft share vLLM's compile-cache key
+        # (the dspark settings are not graph factors): their compiles would write one cache directory at once.
+        # Each compiles for itself; the code each serves is the same as with the cache.
+        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if args.anatomy:
         if args.lossless or args.client != "dspark":
             ap.error("--anatomy records dspark bench cells: drop --lossless / --client vllm")

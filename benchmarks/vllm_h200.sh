@@ -28,7 +28,8 @@
 # VLLM_ROUNDS=N measures each group in N paired rounds (--rounds; OUT/scaled/paired.md), each group with its own
 # no-speculation server to pair with (CONFIGS=nospec#2,mask,...). COMPILATION=piecewise serves with vLLM's
 # own default compilation (torch.compile, piecewise graphs for steps that carry a prompt chunk) instead of
-# decode-only graphs with eager mixed steps (--compilation; docs/PERFORMANCE.md section 28).
+# decode-only graphs with eager mixed steps (--compilation; docs/PERFORMANCE.md section 28). VLLM_CONC sets the
+# scaled stage's concurrencies (default 16,64,256), STARTUP_TIMEOUT its servers' (--startup-timeout).
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
 # vLLM's synthetic rejection sampler with a V4-Flash-like decay (conditional 0.8 ... 0.08 along the block).
@@ -92,10 +93,10 @@ case "$STAGE" in
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \
-      --concurrency 16,64,256 --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" \
+      --concurrency "${VLLM_CONC:-16,64,256}" --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" \
       --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ${ANATOMY:+--anatomy} \
       ${KV_GIB:+--kv-cache-gib "$KV_GIB"} ${VLLM_ROUNDS:+--rounds "$VLLM_ROUNDS"} \
-      ${COMPILATION:+--compilation "$COMPILATION"} ;;
+      ${COMPILATION:+--compilation "$COMPILATION"} ${STARTUP_TIMEOUT:+--startup-timeout "$STARTUP_TIMEOUT"} ;;
   anatomy)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     CURVE=() && [[ -f $OUT/profile-scaled/sps_curve.json ]] && CURVE=(--sps-curve "$OUT/profile-scaled/sps_curve.json")

@@ -104,6 +104,9 @@ argv = sys.argv[1:]
 assert argv[0] == "serve" and "--kv-cache-memory-bytes" in argv, argv
 want = os.environ.get("EXPECT_COMPILATION")  # a test's --compilation, as the server must receive it
 assert not want or json.loads(argv[argv.index("--compilation-config") + 1]) == json.loads(want), argv
+# servers started together under torch.compile compile for themselves, not into one shared cache directory
+piecewise = json.loads(argv[argv.index("--compilation-config") + 1])["mode"] == 3
+assert (os.environ.get("VLLM_DISABLE_COMPILE_CACHE") == "1") == piecewise, argv
 # benchmark servers run without prefix caching (equal work per cell); the lossless check keeps it
 assert ("--no-enable-prefix-caching" in argv) == (os.environ.get("EXPECT_PREFIX_CACHING") == "off"), argv
 port = argv[argv.index("--port") + 1]
@@ -138,8 +141,8 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
         tmp_path: Path) -> None:
     """The whole --rounds path: a group of three servers started together (a fixed KV cache, no memory
     profile), two rounds of half the prompts each, every config's cells per round, and paired.md with the
-    tagged second reference server as an A/A row. Every server gets the --compilation asked for, and no
-    prefix cache."""
+    tagged second reference server as an A/A row. Every server gets the --compilation asked for (under
+    torch.compile, with vLLM's compile cache off), and no prefix cache."""
     import json
 
     from dspark_cli.engines.embedded.assets import TINY_DIR
