@@ -52,6 +52,7 @@ RUNNER_PHASES = ("execute_model", "prepare_inputs", "sample_tokens", "sample")
 SPECULATOR_PHASES = ("propose", "_prefill", "sample_draft", "_multi_step_decode")
 MANAGER_PHASES = ("begin_drafting_step", "get_num_tokens", "reallocate_drafts", "record_confidences", "observe")
 DEVICE_SPANS = ("execute", "sample_tokens", "forward", "propose")
+LONG_STEP = 3.0  # a step interval over this many times its kind's median counts as long (the tail of the ITL)
 
 
 @dataclass
@@ -245,9 +246,18 @@ class StepAnatomy:
                 vals = [s.events[span][0].elapsed_time(s.events[span][1]) for s in group
                         if len(s.events.get(span, ())) == 2]
                 device[span] = med(vals)
+            intervals = [s.interval_ms for s in group]
+            typical = statistics.median(intervals)
+            # Medians hide what a mean ITL pays for: a cell 18% slower than no speculation's at equal median
+            # steps (section 29) had its loss in a few long intervals. Their count and time say how much.
+            long = [v for v in intervals if v > LONG_STEP * typical]
             by_kind[kind] = {
                 "steps": len(group),
-                "interval_ms": med([s.interval_ms for s in group]),
+                "interval_ms": med(intervals),
+                "interval_p99_ms": round(float(np.percentile(intervals, 99)), 3),
+                "interval_total_s": round(sum(intervals) / 1e3, 3),
+                "long_steps": len(long),
+                "long_total_s": round(sum(long) / 1e3, 3),
                 "tokens": med([float(s.num_tokens) for s in group]),
                 "full_graph_share": round(sum(s.full_graph for s in group) / len(group), 3),
                 "host_ms": {lb: med([s.host_ms.get(lb, 0.0) for s in group]) for lb in labels},
@@ -416,8 +426,8 @@ def manager_ms(host: dict[str, float | None]) -> float:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = ["config", "variant", "kind", "steps", "tok/s", "interval", "execute (dev)", "forward (dev)",
-            "sample_tokens (dev)", "propose (dev)",
+    head = ["config", "variant", "kind", "steps", "tok/s", "interval", "p99", "total s", "long (>3x)",
+            "execute (dev)", "forward (dev)", "sample_tokens (dev)", "propose (dev)",
             *(c for c, _ in HOST_COLUMNS), "our hooks", "full graph"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
@@ -429,7 +439,10 @@ def table(results: list[dict[str, Any]]) -> str:
             for kind, s in var["by_kind"].items():
                 host, dev = s["host_ms"], s["device_ms"]
                 row = [res["config"], var["variant"], kind, str(s["steps"]), f"{var['tok_s']:.0f}",
-                       fmt(s["interval_ms"]), fmt(dev.get("execute")), fmt(dev.get("forward")),
+                       fmt(s["interval_ms"]), fmt(s.get("interval_p99_ms")), fmt(s.get("interval_total_s")),
+                       # results recorded before the tail was kept read "-"
+                       "-" if "long_steps" not in s else f"{s['long_steps']} / {s['long_total_s']:.2f} s",
+                       fmt(dev.get("execute")), fmt(dev.get("forward")),
                        fmt(dev.get("sample_tokens")), fmt(dev.get("propose")),
                        *(fmt(host.get(label)) for _, label in HOST_COLUMNS), fmt(manager_ms(host)),
                        f"{s['full_graph_share']:.2f}"]

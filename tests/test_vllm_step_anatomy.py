@@ -157,6 +157,29 @@ def test_ablations_skip_only_paused_work():
     assert paused["interval_ms"] == pytest.approx(3.5)
 
 
+def test_the_interval_tail_counts_long_steps_and_their_time():
+    """A mean ITL pays for the few long steps a median hides: their count, time and the p99 are kept."""
+    clock = Clock()
+    runner = StandInRunner(clock, num_reqs=4)
+    anatomy = anatomy_mod.StepAnatomy(runner, clock=clock)
+    anatomy.install()
+    pattern = [False] * 9
+    for i, drafting in enumerate(pattern):
+        runner.execute_model(drafting)
+        runner.sample_tokens()
+        if i == 4:
+            clock.advance(45.0)  # a stall after the fifth step: its interval is 50 ms, the others 5
+    runner.execute_model(False)
+    paused = anatomy.summary(steady_reqs=4, skip_first=0)["by_kind"]["paused"]
+    assert paused["interval_ms"] == pytest.approx(5.0)
+    assert (paused["long_steps"], paused["long_total_s"]) == (1, pytest.approx(0.05))
+    assert paused["interval_total_s"] == pytest.approx(0.09)
+    assert paused["interval_p99_ms"] > 45.0
+    row = anatomy_mod.table([{"config": "varlen", "variants": [{"variant": "served", "tok_s": 100.0,
+                                                                "by_kind": {"paused": paused}}]}]).splitlines()[2]
+    assert "| 5.00 | " in row and "| 0.09 | 1 / 0.05 s |" in row
+
+
 def test_steady_steps_exclude_other_loads_and_prefill_chunks():
     clock = Clock()
     runner = StandInRunner(clock, num_reqs=4)
@@ -178,7 +201,8 @@ def test_table_lists_every_variant_and_kind():
                    "device_ms": {"execute": 8.0, "forward": 7.5, "sample_tokens": 2.0, "propose": 1.5}}}}]}
     text = anatomy_mod.table([res])
     row = text.splitlines()[2]
-    assert row.startswith("| paused | as served | paused | 300 | 4900 | 13.00 | 8.00 | 7.50 | 2.00 | 1.50 | 3.00 |")
+    assert row.startswith("| paused | as served | paused | 300 | 4900 | 13.00 | - | - | - | 8.00 | 7.50 | 2.00 | "
+                          "1.50 | 3.00 |")  # a result recorded before the tail columns
     assert "| 0.30 | 1.00 |" in row  # our hooks summed; every step replayed a FULL graph
 
 
