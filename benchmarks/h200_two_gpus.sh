@@ -125,22 +125,17 @@ queue_vllm() {
     real_smoke
     [[ $? == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
   fi
-  # Group 0 first: the same configs served with vLLM's own compilation (COMPILATION=piecewise: piecewise graphs
-  # for steps that carry a prompt chunk, which decode-only graphs run eagerly). Section 28 found the 256-request
-  # cells paced by prompt prefill: cached prompts (prefix caching is now off) and those eager steps. Against
-  # group 1 this group says whether verify-all's lead at 256 survives graphed prompt steps.
-  # Mask's paused steps run compacted by default (mask-compact before section 28); uniform mask, paused at
-  # 1.5-1.7x a plain step (section 25), and the curve-source ablation last: what a short sitting loses first.
-  # An empty VLLM_GROUPn (VLLM_GROUP0=) skips that group, for a budget too short for all of them.
-  # Its servers have never started with our plugin under torch.compile: should they fail, they are not started
-  # again in a row (RETRY_IN_ROW=0), and a start is given 7 minutes, not 10 (four compiles at once).
-  COMPILATION=piecewise RETRY_IN_ROW=0 STARTUP_TIMEOUT=${PIECEWISE_STARTUP-420} \
-    vllm_group "scaled, group 0 (piecewise)" "${VLLM_GROUP0-nospec#p,all#p,varlen#p,mask#p}"
+  # Every group is served with vLLM's own compilation (torch.compile, piecewise graphs for steps that carry a
+  # prompt chunk: vllm_adaptive.py's default since section 29, where it took our paused servers' 1-2% loss at 16
+  # requests away); COMPILATION=decode-graphs serves them as sections 14-28 did. Mask's paused steps run
+  # compacted by default (mask-compact before section 28); uniform mask, paused at 1.5-1.7x a plain step
+  # (section 25), and the curve-source ablation last: what a short sitting loses first. An empty VLLM_GROUPn
+  # (VLLM_GROUP2=) skips that group, for a budget too short for all of them.
   vllm_group "scaled, group 1" "${VLLM_GROUP1-nospec,all,upstream,varlen}"
-  # Varlen's loss at 16 requests (-4.6% in section 28, medians equal, mean ITL +0.22 ms): where the long steps
-  # are, from the served step anatomy of a paused server and a plain one (one round, 16 requests only).
-  [[ -n ${VLLM_ANATOMY16-nospec#a,varlen#a} ]] && ANATOMY=1 VLLM_ROUNDS=1 VLLM_CONC=16 RETRY_IN_ROW=0 \
-    vllm_group "scaled, anatomy at 16" "${VLLM_ANATOMY16-nospec#a,varlen#a}"
+  # The served step anatomy at 16 requests (VLLM_ANATOMY16=nospec#a,varlen#a; one round, 16 requests only): where
+  # a paused server's long steps are, should it lose there again (section 29's anatomy run, under decode graphs).
+  [[ -n ${VLLM_ANATOMY16-} ]] && ANATOMY=1 VLLM_ROUNDS=1 VLLM_CONC=16 RETRY_IN_ROW=0 \
+    vllm_group "scaled, anatomy at 16" "$VLLM_ANATOMY16"
   vllm_group "scaled, group 2" "${VLLM_GROUP2-nospec#2,mask,varlen-nosat,varlen-nosts}"
   [[ ${REAL_SMOKE:-0} == after ]] && real_smoke
   vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,mask-uniform,varlen-startup}"

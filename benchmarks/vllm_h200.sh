@@ -26,9 +26,10 @@
 # CONFIGS=mask,varlen-nosat,varlen-nosts,varlen-startup (sections 14-18). KV_GIB=G gives every server a G GiB KV
 # cache (--kv-cache-gib: no memory profile), and the group's servers start all at once instead of in a row.
 # VLLM_ROUNDS=N measures each group in N paired rounds (--rounds; OUT/scaled/paired.md), each group with its own
-# no-speculation server to pair with (CONFIGS=nospec#2,mask,...). COMPILATION=piecewise serves with vLLM's
-# own default compilation (torch.compile, piecewise graphs for steps that carry a prompt chunk) instead of
-# decode-only graphs with eager mixed steps (--compilation; docs/PERFORMANCE.md section 28). VLLM_CONC sets the
+# no-speculation server to pair with (CONFIGS=nospec#2,mask,...). Servers and profiles run vLLM's own default
+# compilation (torch.compile, piecewise graphs for steps that carry a prompt chunk); COMPILATION=decode-graphs
+# serves decode-only graphs with eager mixed steps instead (--compilation; docs/PERFORMANCE.md sections 28-29).
+# VLLM_CONC sets the
 # scaled stage's concurrencies (default 16,64,256), STARTUP_TIMEOUT its servers' (--startup-timeout).
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
@@ -60,8 +61,15 @@ profile() {  # TARGET DRAFT OUTDIR MAX_NUM_SEQS: dspark profile-sps --engine vll
   mkdir -p "$3"
   python3 -m dspark_cli.cli profile-sps --engine vllm "$1" -o "$3/sps_curve.json" \
     --speculative-config "{\"method\":\"draft_model\",\"model\":\"$2\",\"num_speculative_tokens\":7,\"dspark_capacity_verification_mode\":\"varlen\"}" \
-    --engine-args "{\"load_format\":\"dummy\",\"max_model_len\":2048,\"max_num_seqs\":$4,\"gpu_memory_utilization\":0.35,\"dtype\":\"bfloat16\",\"compilation_config\":{\"mode\":0,\"cudagraph_mode\":\"FULL_DECODE_ONLY\"},\"enable_flashinfer_autotune\":false}" \
+    --engine-args "{\"load_format\":\"dummy\",\"max_model_len\":2048,\"max_num_seqs\":$4,\"gpu_memory_utilization\":0.35,\"dtype\":\"bfloat16\",\"compilation_config\":$(compilation_json),\"enable_flashinfer_autotune\":false}" \
     2>&1 | tee "$3/profile.log"
+}
+# The profile's compilation (PROFILE_COMPILATION, a vllm_adaptive.py --compilation name): decode-graphs, as every
+# curve so far was profiled. The curve prices decode steps, FULL graphs under either compilation; a profile under
+# piecewise has not run yet.
+compilation_json() {
+  python3 -c "import json, sys; from benchmarks.vllm_adaptive import COMPILATIONS
+print(json.dumps(COMPILATIONS[sys.argv[1]]))" "${PROFILE_COMPILATION:-decode-graphs}"
 }
 case "$STAGE" in
   proof)
