@@ -96,10 +96,10 @@ queue_stalls() {
 
 # One GPU, issue 6 (vLLM 0.33 on the Llama-3-8B shape): waits for the staged wheels (/tmp/stage/ready, once
 # every group of ../shared/tools/vllm-h200/stage.py is copied in), installs them, profiles the scaled curve,
-# then issue 6's configs in four groups of servers started together (vllm_group), each with a no-speculation
-# server to pair with, in 2 paired rounds (ANATOMY=1 VLLM_ROUNDS=1: one pass with the served step anatomy):
-# install 1, groups ~5-8 min (section 28: 457, 315 and 290 s for groups 1-3, the lossless check 330 s; group 0's
-# torch.compile starts are not measured yet).
+# then issue 6's configs in three groups of servers started together (vllm_group), each with a no-speculation
+# server to pair with, in 2 paired rounds (VLLM_ANATOMY: one pass with the served step anatomy): install 1,
+# groups ~6-9 min (section 28: 457, 315 and 290 s for groups 1-3 at two waves, the lossless check 330 s;
+# section 29: four piecewise servers up in 150 s, their group in 411 s).
 # REUSE_CURVE=1: the curve `dspark profile-sps` measured in section 14's sitting (same machine kind) instead of
 # profiling again (saves 3 min). REAL_SMOKE=1: first the greedy lossless check with real weights (issue 6 item
 # 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec and forced-verification configs
@@ -132,10 +132,11 @@ queue_vllm() {
   # (section 25), and the curve-source ablation last: what a short sitting loses first. An empty VLLM_GROUPn
   # (VLLM_GROUP2=) skips that group, for a budget too short for all of them.
   vllm_group "scaled, group 1" "${VLLM_GROUP1-nospec,all,upstream,varlen}"
-  # The served step anatomy at 16 requests (VLLM_ANATOMY16=nospec#a,varlen#a; one round, 16 requests only): where
-  # a paused server's long steps are, should it lose there again (section 29's anatomy run, under decode graphs).
-  [[ -n ${VLLM_ANATOMY16-} ]] && ANATOMY=1 VLLM_ROUNDS=1 VLLM_CONC=16 RETRY_IN_ROW=0 \
-    vllm_group "scaled, anatomy at 16" "$VLLM_ANATOMY16"
+  # The served step anatomy (VLLM_ANATOMY=nospec#a,all#a at ANATOMY_CONC=256, default 16; one round): which steps
+  # make a cell's time, long ones included -- where verify-all gains at 256 requests, or where a paused server
+  # loses at 16 (section 29's anatomy run).
+  [[ -n ${VLLM_ANATOMY-} ]] && ANATOMY=1 VLLM_ROUNDS=1 VLLM_CONC=${ANATOMY_CONC:-16} RETRY_IN_ROW=0 \
+    vllm_group "scaled, anatomy at ${ANATOMY_CONC:-16}" "$VLLM_ANATOMY"
   vllm_group "scaled, group 2" "${VLLM_GROUP2-nospec#2,mask,varlen-nosat,varlen-nosts}"
   [[ ${REAL_SMOKE:-0} == after ]] && real_smoke
   vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,mask-uniform,varlen-startup}"
