@@ -291,6 +291,10 @@ def serve(
 def bench(
     base_url: str = typer.Option(None, "--base-url", help="Bench a running server (one config, --label)."),
     label: str = typer.Option("server", "--label", help="Config name for the --base-url server's column."),
+    server_pid: int = typer.Option(
+        None, "--server-pid",
+        help="With --base-url: the pid of the server's front process on this host (vLLM: `vllm serve`); each cell "
+             "records the CPU it and its children used, and says when the front process was near a whole core."),
     serve: bool = typer.Option(False, "--serve", help="Start `dspark serve` per config (see --configs)."),
     configs: str = typer.Option("none,mask,varlen", "--configs",
                                 help="With --serve: nospec, none, mask, varlen, each mode optionally +sts."),
@@ -389,6 +393,13 @@ def bench(
         raise DsparkError("pass exactly one of --serve (start a server per config) or --base-url URL")
     if interleave and not serve:
         raise DsparkError("--interleave starts the configs' servers itself; it needs --serve")
+    if server_pid is not None:
+        if serve:
+            raise DsparkError("--server-pid names a running server's process; with --serve each server's pid is "
+                              "recorded already")
+        from dspark_cli.bench.cpu import check_server_pid
+
+        check_server_pid(server_pid)
     if endpoint not in ("chat", "completions"):
         raise DsparkError(f"--endpoint must be chat or completions, got {endpoint!r}")
     if max_tokens < 1:
@@ -421,7 +432,8 @@ def bench(
                          workload=workload, serve=serve, serve_args=common, host=host, port=port,
                          server_timeout_s=server_timeout, force=force, warmup_prompts=warmup_prompts,
                          warmup_max_tokens=warmup_max_tokens, warmup_shapes=warmup_shapes,
-                         sts_warmup_prompts=sts_warmup_prompts, waves=waves, interleave=interleave, rounds=rounds)
+                         sts_warmup_prompts=sts_warmup_prompts, waves=waves, interleave=interleave, rounds=rounds,
+                         server_pid=server_pid)
     mx.check_rounds(spec)  # before pending_cells reads the folder: a bad --rounds is the first thing to say
     total = len(cfgs) * len(concs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

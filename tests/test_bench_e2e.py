@@ -71,6 +71,11 @@ def test_serve_matrix_table_json_plots_and_resume(tmp_path: Path) -> None:
         counters = cell["server_counters"]
         assert counters["engine_steps"] > 0 and counters["kernel_compiles{phase=serving}"] == 0
         assert cell["server_gauges"]["kv_blocks_free"] > 0  # gauges: end-of-cell values, not deltas
+        # the CPU the client and the started server (its own pid) used over the cell
+        use = cell["cpu"]
+        assert use["server_pid"] == cell["server"]["pid"] and use["wall_s"] > 0
+        assert use["client_share"] > 0 and use["server_share"] > 0
+        assert use["server_tree_share"] >= use["server_share"]
     assert cells["nospec__c1"]["server"]["serve_args"][-6:-4] == ["-k", "0"]
     spec = cells["none__c2"]["spec_decode"]
     assert spec is not None and spec["num_drafts"] > 0 and 1.0 <= spec["acceptance_length"]
@@ -167,12 +172,17 @@ def test_base_url_runs_into_one_folder_share_one_table(tmp_path: Path) -> None:
     results = tmp_path / "res"
     bench = [*DSPARK, "bench", "--base-url", f"http://127.0.0.1:{port}", "-c", "1", "-n", "2", "--max-tokens", "4",
              "--results-dir", str(results), "--no-plots"]
-    with ServerProcess(cmd, tmp_path / "serve.log", f"http://127.0.0.1:{port}", timeout_s=300):
-        for label, extra in (("first", ["--warmup-max-tokens", "2"]), ("second", ["--warmup-prompts", "0"])):
+    with ServerProcess(cmd, tmp_path / "serve.log", f"http://127.0.0.1:{port}", timeout_s=300) as server:
+        # the second names the server's process: its cells record the CPU it used
+        for label, extra in (("first", ["--warmup-max-tokens", "2"]),
+                             ("second", ["--warmup-prompts", "0", "--server-pid", str(server.pid)])):
             run = subprocess.run([*bench, "--label", label, *extra], capture_output=True, text=True, timeout=300)
             assert run.returncode == 0, run.stderr[-2000:]
             out = " ".join(run.stdout.split())  # rich wraps long lines
             assert (f"{label}: shape warm-up, one wave of 2-token requests at c=1" in out) == (label == "first")
+    first, second = (read_json(results / "cells" / f"{name}__c1.json")["cpu"] for name in ("first", "second"))
+    assert "server_pid" not in first and first["client_share"] > 0
+    assert second["server_pid"] == server.pid and second["server_share"] > 0
     summary = read_json(results / "summary.json")
     assert summary["configs"] == ["first", "second"] and summary["baseline"] == "first"
     assert all(v is not None for v in summary["rows"][0]["cells"].values())

@@ -50,6 +50,7 @@ from dspark_cli.bench.client import (
     make_session,
     run_load,
 )
+from dspark_cli.bench.cpu import BUSY_SHARE, CpuSnapshot, CpuUse
 from dspark_cli.bench.datasets import Prompt
 from dspark_cli.bench.metrics import counter_delta, dspark_counter_delta, prefix_cache_delta
 from dspark_cli.errors import DsparkError
@@ -241,6 +242,9 @@ class MatrixSpec:
     # With interleave: each cell's requests go in this many rounds, every config's round r before any config's
     # round r + 1 (each round's configs rotated by one more), so configs are compared round by round.
     rounds: int = 1
+    # With base_url: the server's front process on this host, whose CPU each cell records (a started server's
+    # own pid is recorded without it).
+    server_pid: int | None = None
 
     def cell_prompts(self, concurrency: int) -> list[Prompt]:
         """The prompts of one cell: identical for every config at a concurrency (equal work per cell).
@@ -369,6 +373,11 @@ class ServerProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's id once started (its CPU is read per cell, ``bench.cpu``)."""
+        return self.proc.pid if self.proc is not None else None
+
     def __enter__(self) -> ServerProcess:
         self.start()
         try:
@@ -400,18 +409,21 @@ async def _measure(spec: MatrixSpec, cfg: BenchConfig, c: int, base_url: str, se
                    hooks: Hooks) -> dict[str, Any]:
     load = replace(spec.load, base_url=base_url, concurrency=c)
     started = _now()
+    cpu = CpuUse(server.get("pid"))
     async with make_session(load) as session:
         before = await fetch_counters(session, base_url)
+        first = CpuSnapshot.take(cpu.server_pid)
         results, wall, model = await run_load(spec.cell_prompts(c), load, hooks.request_done, session)
+        cpu.add(first, CpuSnapshot.take(cpu.server_pid))
         after = await fetch_counters(session, base_url)
-    return _cell_record(spec, cfg, c, results, wall, before, after, {**server, "model": model}, started)
+    return _cell_record(spec, cfg, c, results, wall, before, after, {**server, "model": model}, started, cpu)
 
 
 def _cell_record(spec: MatrixSpec, cfg: BenchConfig, c: int, results: Sequence[RequestResult], wall: float,
                  before: ServerCounters, after: ServerCounters, server: dict[str, Any],
-                 started: str) -> dict[str, Any]:
+                 started: str, cpu: CpuUse | None = None) -> dict[str, Any]:
     """A cell's JSON: client metrics over ``results`` in ``wall`` seconds, the server's counters between the
-    two scrapes."""
+    two scrapes, and the CPU the client and the server's processes used meanwhile."""
     stats = counter_delta(before.spec, after.spec)
     return {
         "dspark_bench_cell": CELL_FORMAT,
@@ -425,6 +437,9 @@ def _cell_record(spec: MatrixSpec, cfg: BenchConfig, c: int, results: Sequence[R
         "server_gauges": after.gauges,
         # Prompt tokens vLLM found in its prefix cache over the cell (None: a server without one).
         "prefix_cache": prefix_cache_delta(before.prefix_cache, after.prefix_cache),
+        # Share of a core the bench client and the server's front process used: either near 1 may be what limits
+        # the cell (bench.cpu; None: not measured).
+        "cpu": cpu.to_dict() if cpu is not None else None,
         "workload": spec.workload,
         "server": server,
         "started_at": started,
@@ -496,6 +511,14 @@ def measurement_notes(cell: dict[str, Any]) -> list[str]:
         # 16-45% faster than those showing 66-69% (docs/PERFORMANCE.md section 28).
         notes.append(f"{cache['hit_rate']:.0%} of its prompt tokens were prefix-cache hits, so cells are not equal "
                      "work: serve with prefix caching off (vLLM: --no-enable-prefix-caching) to compare configs")
+    cpu = cell.get("cpu") or {}
+    if (cpu.get("client_share") or 0.0) >= BUSY_SHARE:
+        notes.append(f"the bench client used {cpu['client_share']:.0%} of a core: one process streams every "
+                     "request, so it may be what limits this cell, and its ITLs include its own delays")
+    if (cpu.get("server_share") or 0.0) >= BUSY_SHARE:
+        notes.append(f"the server's front process (pid {cpu['server_pid']}) used {cpu['server_share']:.0%} of a "
+                     "core: its frontend may be what limits this cell (vLLM: more API servers, "
+                     "--api-server-count)")
     per_chunk = cell["metrics"].get("tokens_per_chunk")
     per_step = (cell.get("spec_decode") or {}).get("acceptance_length") or 1.0
     if per_chunk and per_chunk > MERGED_CHUNKS_WARN * per_step:
@@ -570,7 +593,10 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
                 asyncio.run(_warmup(spec, cfg, url, hooks, cells))
                 for c in cells:
                     hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
-                    cell = asyncio.run(_measure(spec, cfg, c, url, {"mode": "external", "base_url": url}, hooks))
+                    external = {"mode": "external", "base_url": url}
+                    if spec.server_pid is not None:
+                        external["pid"] = spec.server_pid
+                    cell = asyncio.run(_measure(spec, cfg, c, url, external, hooks))
                     _write_cell(spec, cell, hooks)
     except KeyboardInterrupt:
         done = total - len(pending_cells(spec))
@@ -621,7 +647,7 @@ def _run_interleaved(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hook
             stack.callback(hooks.log, f"{name}: server stopped")  # after the process exits (LIFO)
             stack.enter_context(process)
             asyncio.run(_warmup(spec, cfg, base_url, hooks, concs))
-            servers[name] = {**server, "interleaved": names}
+            servers[name] = {**server, "interleaved": names, "pid": process.pid}
         if spec.rounds > 1:
             hooks.log(f"interleaved: {len(names)} servers up; cells go by concurrency in {spec.rounds} rounds, "
                       "each round's configs rotated by one")
@@ -642,6 +668,7 @@ class _RoundsCell:
 
     before: ServerCounters
     started: str
+    cpu: CpuUse
     results: list[RequestResult] = field(default_factory=list)
     wall: float = 0.0
     model: str = ""
@@ -680,10 +707,13 @@ async def _measure_round(spec: MatrixSpec, cfg: BenchConfig, c: int, r: int, slo
     async with make_session(load) as session:
         key = (cfg.name, c)
         if key not in open_cells:
-            open_cells[key] = _RoundsCell(await fetch_counters(session, load.base_url), _now())
+            open_cells[key] = _RoundsCell(await fetch_counters(session, load.base_url), _now(),
+                                          CpuUse(server.get("pid")))
         acc = open_cells[key]
         started = _now()
+        first = CpuSnapshot.take(acc.cpu.server_pid)
         results, wall, acc.model = await run_load(prompts, load, hooks.request_done, session, first_index=first_index)
+        acc.cpu.add(first, CpuSnapshot.take(acc.cpu.server_pid))
         acc.results += results
         acc.wall += wall
         tokens = sum(res.output_tokens for res in results if res.success)
@@ -694,7 +724,7 @@ async def _measure_round(spec: MatrixSpec, cfg: BenchConfig, c: int, r: int, slo
             return None
         after = await fetch_counters(session, load.base_url)
     cell = _cell_record(spec, cfg, c, acc.results, acc.wall, acc.before, after,
-                        {**server, "model": acc.model, "slot": acc.rounds[0]["slot"]}, acc.started)
+                        {**server, "model": acc.model, "slot": acc.rounds[0]["slot"]}, acc.started, acc.cpu)
     cell["rounds"] = acc.rounds
     return cell
 
@@ -713,6 +743,7 @@ def _served_process(spec: MatrixSpec, cfg: BenchConfig, hooks: Hooks) -> tuple[s
 def _run_served_config(spec: MatrixSpec, cfg: BenchConfig, concurrencies: list[int], hooks: Hooks) -> None:
     base_url, server, process = _served_process(spec, cfg, hooks)
     with process:
+        server = {**server, "pid": process.pid}
         asyncio.run(_warmup(spec, cfg, base_url, hooks, concurrencies))
         for c in concurrencies:
             hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
