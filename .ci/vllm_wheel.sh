@@ -36,6 +36,7 @@ FILES=(
   vllm/v1/worker/worker_base.py
   vllm/v1/metrics/loggers.py
   vllm/v1/spec_decode/metrics.py
+  vllm/entrypoints/common/cli_args.py
 )
 # Sources of the pinned FlashInfer (cache: $DSPARK_FLASHINFER_SRC, else ~/.cache/dspark/flashinfer-VERSION-src).
 FLASHINFER_VERSION=0.7.2.post1

@@ -266,7 +266,8 @@ def _rpc(port: int, method: str, **kwargs: object) -> list:
     return json.loads(raw).get("results", []) if raw else []
 
 
-def _served_anatomy(args: argparse.Namespace, name: str, port: int, env: dict[str, str]) -> list[dict]:
+def _served_anatomy(args: argparse.Namespace, name: str, port: int, env: dict[str, str],
+                    pid: int | None = None) -> list[dict]:
     """``dspark bench`` one concurrency at a time, the step anatomy recording each (OUT/anatomy)."""
     out = args.out / "anatomy"
     out.mkdir(parents=True, exist_ok=True)
@@ -275,7 +276,7 @@ def _served_anatomy(args: argparse.Namespace, name: str, port: int, env: dict[st
     for c in (int(x) for x in args.concurrency.split(",")):
         _rpc(port, "anatomy_begin")
         one = argparse.Namespace(**{**vars(args), "concurrency": str(c)})
-        rows.extend(_dspark_bench(one, name, port, env, log_suffix=f"-c{c}"))
+        rows.extend(_dspark_bench(one, name, port, env, log_suffix=f"-c{c}", pid=pid))
         # A closed loop runs between 3/4 of its clients (while finished ones refill) and all of them.
         summary = _rpc(port, "anatomy_end", steady_reqs=c, min_reqs=max(1, (3 * c) // 4))[0]
         cell = {"config": f"{name} c={c}", "concurrency": c,
@@ -296,7 +297,8 @@ def _write_anatomy_tables(out: Path) -> None:
         + f"\nShare of steps that carried a prefill chunk: {shares}\n")
 
 
-def bench_commands(args: argparse.Namespace, name: str, port: int, round_: int = 0) -> tuple[list[list[str]], Path]:
+def bench_commands(args: argparse.Namespace, name: str, port: int, round_: int = 0,
+                   pid: int | None = None) -> tuple[list[list[str]], Path]:
     """The ``dspark bench --base-url`` commands for one config's server, and the folder its cells land in:
     OUT/bench, or with ``--rounds`` OUT/bench/round<r> (1-based), 1/rounds of the prompts, seeded apart per round.
 
@@ -322,7 +324,9 @@ def bench_commands(args: argparse.Namespace, name: str, port: int, round_: int =
              "--input-len", str(args.input_len), "--tokenizer", args.model, "--max-tokens", str(args.output_len),
              "--ignore-eos", "--temperature", str(args.temperature), "--endpoint", "completions",
              "--model", args.model, "--results-dir", str(out), "--no-plots", "--seed", str(seed),
-             *(["--warmup-max-tokens", str(args.output_len)] if round_ == 0 else ["--warmup-prompts", "0"])]
+             *(["--warmup-max-tokens", str(args.output_len)] if round_ == 0 else ["--warmup-prompts", "0"]),
+             # the server's API process: each cell records its CPU (and its engine core's, a child)
+             *(["--server-pid", str(pid)] if pid is not None else [])]
             for n, cs in by_n.items()]
     return cmds, out
 
@@ -376,10 +380,10 @@ def paired_table(paired: list[dict], reference: str) -> str:
 
 
 def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str, str],
-                  log_suffix: str = "", round_: int = 0) -> list[dict]:
+                  log_suffix: str = "", round_: int = 0, pid: int | None = None) -> list[dict]:
     """``dspark bench --base-url`` against this config's server; its cells (and the joint table) in OUT/bench
     (with ``--rounds``, OUT/bench/round<r>)."""
-    cmds, out = bench_commands(args, name, port, round_)
+    cmds, out = bench_commands(args, name, port, round_, pid)
     if args.rounds > 1:
         log_suffix += f"-round{round_ + 1}"
     logs = []
@@ -440,6 +444,10 @@ def main() -> int:
                          "piecewise graphs for mixed ones (what a production server runs); decode-graphs: no "
                          "torch.compile, FULL graphs for decode batches only, so a step that carries a prompt "
                          "chunk runs eagerly (quicker starts)")
+    ap.add_argument("--api-servers", type=int, default=1, metavar="N",
+                    help="N API server processes per server (vLLM --api-server-count): at 256 requests one-token "
+                         "steps stream ~10,000 chunks/s, which one API process may not keep up with (each cell "
+                         "records the API process's CPU; docs/PERFORMANCE.md section 29)")
     ap.add_argument("--kv-cache-gib", type=float, default=None, metavar="G",
                     help="a KV cache of G GiB per server (vLLM --kv-cache-memory-bytes; no memory profile), and the "
                          "--overlap-starts group's servers started together; --gpu-memory-utilization then only "
@@ -494,6 +502,10 @@ def main() -> int:
         # that swung 256-request cells of paused and no-speculation servers by 16-45% (docs/PERFORMANCE.md
         # section 28). The lossless check keeps the cache: there it is one more path the outputs must survive.
         engine += ["--no-enable-prefix-caching"]
+    if args.api_servers < 1:
+        ap.error("--api-servers must be >= 1")
+    if args.api_servers > 1:
+        engine += ["--api-server-count", str(args.api_servers)]
     if args.kv_cache_gib is not None:
         if args.kv_cache_gib <= 0:
             ap.error("--kv-cache-gib must be > 0")
@@ -598,9 +610,9 @@ def main() -> int:
             served[srv.name] = info
             print(f"[{time.time() - t_start:5.0f}s]   {args.lossless} greedy outputs", flush=True)
         elif args.client == "dspark" and args.anatomy:
-            results.extend(_served_anatomy(args, srv.name, srv.port, env))
+            results.extend(_served_anatomy(args, srv.name, srv.port, env, srv.proc.pid))
         elif args.client == "dspark":
-            results.extend(_dspark_bench(args, srv.name, srv.port, env))
+            results.extend(_dspark_bench(args, srv.name, srv.port, env, pid=srv.proc.pid))
         else:
             results.extend(_vllm_bench(args, vllm, srv, env, t_start))
 
@@ -620,7 +632,7 @@ def main() -> int:
             for srv in ready[shift:] + ready[:shift]:
                 try:
                     rows.extend({**row, "group": group_id} for row in _dspark_bench(args, srv.name, srv.port, env,
-                                                                                    round_=r))
+                                                                                    round_=r, pid=srv.proc.pid))
                 except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
                     rows.append({"config": srv.name, "round": r, "group": group_id, "error": str(exc)})
                     print(f"  {srv.name} round {r + 1} FAILED: {exc} (log: {srv.log_path})", flush=True)

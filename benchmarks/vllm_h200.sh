@@ -26,10 +26,10 @@
 # CONFIGS=mask,varlen-nosat,varlen-nosts,varlen-startup (sections 14-18). KV_GIB=G gives every server a G GiB KV
 # cache (--kv-cache-gib: no memory profile), and the group's servers start all at once instead of in a row.
 # VLLM_ROUNDS=N measures each group in N paired rounds (--rounds; OUT/scaled/paired.md), each group with its own
-# no-speculation server to pair with (CONFIGS=nospec#2,mask,...). Servers and profiles run vLLM's own default
+# no-speculation server to pair with (CONFIGS=nospec#2,mask,...). Servers run vLLM's own default
 # compilation (torch.compile, piecewise graphs for steps that carry a prompt chunk); COMPILATION=decode-graphs
 # serves decode-only graphs with eager mixed steps instead (--compilation; docs/PERFORMANCE.md sections 28-29).
-# VLLM_CONC sets the
+# API_SERVERS=N gives every server N API processes (--api-servers). VLLM_CONC sets the
 # scaled stage's concurrencies (default 16,64,256), STARTUP_TIMEOUT its servers' (--startup-timeout).
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
@@ -104,7 +104,8 @@ case "$STAGE" in
       --concurrency "${VLLM_CONC:-16,64,256}" --num-prompts 512 --input-len 128 --output-len 128 --dspark "$OURS_SCALED" \
       --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" ${ANATOMY:+--anatomy} \
       ${KV_GIB:+--kv-cache-gib "$KV_GIB"} ${VLLM_ROUNDS:+--rounds "$VLLM_ROUNDS"} \
-      ${COMPILATION:+--compilation "$COMPILATION"} ${STARTUP_TIMEOUT:+--startup-timeout "$STARTUP_TIMEOUT"} ;;
+      ${COMPILATION:+--compilation "$COMPILATION"} ${STARTUP_TIMEOUT:+--startup-timeout "$STARTUP_TIMEOUT"} \
+      ${API_SERVERS:+--api-servers "$API_SERVERS"} ;;
   anatomy)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     CURVE=() && [[ -f $OUT/profile-scaled/sps_curve.json ]] && CURVE=(--sps-curve "$OUT/profile-scaled/sps_curve.json")

@@ -94,6 +94,8 @@ def test_bad_rounds_and_configs_are_refused_before_anything_starts(tmp_path: Pat
     assert bad.returncode == 2 and "--rounds pairs dspark bench cells" in bad.stderr
     bad = run("--configs", "nospec#2,bogus#2")
     assert bad.returncode == 2 and "unknown configs ['bogus#2']" in bad.stderr
+    bad = run("--configs", "nospec", "--api-servers", "0")
+    assert bad.returncode == 2 and "--api-servers must be >= 1" in bad.stderr
 
 
 # A stand-in for `python -m vllm.entrypoints.cli.main serve ...`: the log lines vllm_adaptive.py waits for, then a
@@ -109,6 +111,9 @@ piecewise = json.loads(argv[argv.index("--compilation-config") + 1])["mode"] == 
 assert (os.environ.get("VLLM_DISABLE_COMPILE_CACHE") == "1") == piecewise, argv
 # benchmark servers run without prefix caching (equal work per cell); the lossless check keeps it
 assert ("--no-enable-prefix-caching" in argv) == (os.environ.get("EXPECT_PREFIX_CACHING") == "off"), argv
+# --api-servers N becomes vLLM's --api-server-count N (absent for the default one)
+api = argv[argv.index("--api-server-count") + 1] if "--api-server-count" in argv else None
+assert api == os.environ.get("EXPECT_API_SERVERS"), argv
 port = argv[argv.index("--port") + 1]
 print("INFO [kv_cache_utils.py] GPU KV cache size: 1,024 tokens (stand-in)", flush=True)
 if any(a.startswith("{") and "dspark" in a for a in argv):  # the plugin's settings, in a JSON argument
@@ -150,12 +155,14 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
     env, draft = _stand_in_vllm(tmp_path)
     env["EXPECT_COMPILATION"] = json.dumps({"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"})
     env["EXPECT_PREFIX_CACHING"] = "off"
+    env["EXPECT_API_SERVERS"] = "2"
     out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
          "--out", str(out), "--k", "4", "--configs", "nospec,varlen,nospec#2", "--overlap-starts", "3",
          "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--rounds", "2", "--num-prompts", "8",
-         "--concurrency", "1,2", "--input-len", "8", "--output-len", "8", "--compilation", "piecewise"],
+         "--concurrency", "1,2", "--input-len", "8", "--output-len", "8", "--compilation", "piecewise",
+         "--api-servers", "2"],
         capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads((out / "results.json").read_text())["results"]
@@ -165,6 +172,10 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
     for r in (1, 2):
         cells = {p.name for p in (out / "bench" / f"round{r}" / "cells").glob("*.json")}
         assert len(cells) == 6, cells
+        # each cell records the CPU its server's API process used (the process vllm_adaptive.py started)
+        for path in (out / "bench" / f"round{r}" / "cells").glob("*.json"):
+            use = json.loads(path.read_text())["cpu"]
+            assert use["server_pid"] > 0 and use["server_share"] is not None and use["client_share"] > 0
     paired = (out / "paired.md").read_text()
     assert "nospec, varlen, nospec#2, 2 rounds" in paired
     assert "| c | varlen | nospec#2 |" in paired and paired.count("\n| 1 | ") == 1 and paired.count("\n| 2 | ") == 1

@@ -55,6 +55,7 @@ WORKER_BASE = "vllm.v1.worker.worker_base"
 # What `dspark bench` reads of a vLLM server's /metrics, and what benchmarks/vllm_adaptive.py passes it.
 LOGGERS = "vllm.v1.metrics.loggers"
 SPEC_METRICS = "vllm.v1.spec_decode.metrics"
+CLI_ARGS = "vllm.entrypoints.common.cli_args"
 
 Kind = Literal[
     "function",  # module-level def; params must appear (in this order) among its parameters
@@ -348,6 +349,10 @@ CONTRACT: tuple[Assumption, ...] = (
                why="dspark bench's prefix_cache per cell: whether a cell found its prompts cached (unequal work)"),
     Assumption(ARG_UTILS, "EngineArgs.add_cli_args", "contains", ('"--enable-prefix-caching"',),
                why="benchmarks/vllm_adaptive.py serves its speed cells with --no-enable-prefix-caching"),
+    Assumption(CLI_ARGS, "make_arg_parser", "contains", ('"--api-server-count"',),
+               why="benchmarks/vllm_adaptive.py --api-servers: more API processes, should one limit a cell"),
+    Assumption(ENVS, "VLLM_DISABLE_COMPILE_CACHE", "contains", ('"VLLM_DISABLE_COMPILE_CACHE"',),
+               why="benchmarks/vllm_adaptive.py starts torch.compile servers that share a cache key without it"),
 )
 
 
