@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.vllm_step_anatomy import EXTENSION as ANATOMY_EXTENSION  # noqa: E402
+from benchmarks.vllm_step_anatomy import load_table  # noqa: E402
 from benchmarks.vllm_step_anatomy import table as anatomy_table  # noqa: E402
 from dspark_cli.bench.matrix import cell_path, load_cell  # noqa: E402
 from dspark_cli.bench.metrics import SpecDecodeCounters, counter_delta  # noqa: E402
@@ -294,7 +295,8 @@ def _write_anatomy_tables(out: Path) -> None:
     (out / "anatomy.md").write_text(
         "Steady decode steps (3/4 to all of the clients running, no prefill chunk):\n\n" + anatomy_table(cells)
         + "\nEvery step that ran a request:\n\n" + anatomy_table(every)
-        + f"\nShare of steps that carried a prefill chunk: {shares}\n")
+        + f"\nShare of steps that carried a prefill chunk: {shares}\n"
+        + "\nEvery step that ran a request, by load (requests in the step):\n\n" + load_table(cells))
 
 
 def bench_commands(args: argparse.Namespace, name: str, port: int, round_: int = 0,

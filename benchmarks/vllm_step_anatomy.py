@@ -229,7 +229,28 @@ class StepAnatomy:
         prefill = sum(s.max_query_len > 1 + k for s in busy)
         return {"steps": len(steps), "steady_steps": len(steady), "by_kind": self._by_kind(steady),
                 "all_steps": self._by_kind(busy),
-                "prefill_share": round(prefill / len(busy), 3) if busy else None}
+                "prefill_share": round(prefill / len(busy), 3) if busy else None,
+                "by_load": self._by_load(busy, k)}
+
+    @staticmethod
+    def _by_load(steps: list[StepRecord], k: int) -> list[dict[str, Any]]:
+        """Steps and their time by how many requests they ran, in the policy's load buckets [2^(b-1), 2^b).
+
+        A 256-request cell need not run 256 requests a step: if the server's API process lags the engine, the
+        engine finishes requests before their clients see them, and it runs smaller batches (section 29's rise
+        probes at 97 and 115 requests inside such cells). This says at what load a cell's time went."""
+        buckets: dict[int, list[StepRecord]] = {}
+        for s in steps:
+            buckets.setdefault(int(s.num_reqs).bit_length(), []).append(s)
+        rows = []
+        for b in sorted(buckets):
+            group = buckets[b]
+            lo, hi = 1 << (b - 1), (1 << b) - 1
+            rows.append({"load": str(lo) if lo == hi else f"{lo}-{hi}", "steps": len(group),
+                         "time_s": round(sum(x.interval_ms for x in group) / 1e3, 3),
+                         "drafting": sum(x.drafting is True for x in group),
+                         "prefill": sum(x.max_query_len > 1 + k for x in group)})
+        return rows
 
     def _by_kind(self, steps: list[StepRecord]) -> dict[str, Any]:
         def med(values: list[float]) -> float | None:
@@ -447,6 +468,19 @@ def table(results: list[dict[str, Any]]) -> str:
                        *(fmt(host.get(label)) for _, label in HOST_COLUMNS), fmt(manager_ms(host)),
                        f"{s['full_graph_share']:.2f}"]
                 lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def load_table(results: list[dict[str, Any]]) -> str:
+    """Every step that ran a request, by load: how many, their time, how many drafted and carried a prompt chunk."""
+    lines = ["| config | load | steps | time s | share of time | drafting | with a prompt chunk |", "|" + "---|" * 7]
+    for res in results:
+        for var in res["variants"]:
+            rows = var.get("by_load") or []
+            total = sum(r["time_s"] for r in rows) or 1.0
+            for r in rows:
+                lines.append(f"| {res['config']} | {r['load']} | {r['steps']} | {r['time_s']:.2f} | "
+                             f"{r['time_s'] / total:.0%} | {r['drafting']} | {r['prefill']} |")
     return "\n".join(lines) + "\n"
 
 

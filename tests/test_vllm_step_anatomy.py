@@ -180,6 +180,25 @@ def test_the_interval_tail_counts_long_steps_and_their_time():
     assert "| 5.00 | " in row and "| 0.09 | 1 / 0.05 s |" in row
 
 
+def test_steps_are_counted_by_load_with_their_time_drafting_and_prompt_chunks():
+    """A 256-request cell need not run 256 requests a step: the load table says where a cell's time went."""
+    clock = Clock()
+    runner = StandInRunner(clock, num_reqs=4)
+    anatomy = anatomy_mod.StepAnatomy(runner, clock=clock)
+    anatomy.install()
+    drive(runner, [False, False, True])  # three steps at 4 requests (one drafting)
+    runner.num_reqs = 2
+    drive(runner, [False, False])  # two at 2
+    anatomy.records[0].max_query_len = 50  # the first carried a prompt chunk
+    rows = anatomy.summary(steady_reqs=4, skip_first=0)["by_load"]
+    assert [(r["load"], r["steps"], r["drafting"], r["prefill"]) for r in rows] == [
+        ("2-3", 2, 0, 0), ("4-7", 3, 1, 1)]
+    assert rows[1]["time_s"] == pytest.approx(sum(x.interval_ms for x in anatomy.records if x.num_reqs == 4) / 1e3)
+    text = anatomy_mod.load_table([{"config": "varlen c=4", "variants": [{"by_load": rows}]}])
+    assert text.splitlines()[3].startswith("| varlen c=4 | 4-7 | 3 | ")
+    assert anatomy_mod.load_table([{"config": "old", "variants": [{}]}]).count("\n") == 2  # older results
+
+
 def test_steady_steps_exclude_other_loads_and_prefill_chunks():
     clock = Clock()
     runner = StandInRunner(clock, num_reqs=4)
@@ -272,6 +291,7 @@ def test_served_anatomy_is_driven_over_the_dev_endpoint_with_string_arguments(tm
     adaptive._write_anatomy_tables(out)
     text = (out / "anatomy.md").read_text()
     assert text.count("| paused c=4 | served | paused |") == 2 and "paused c=4 0.0" in text
+    assert "| paused c=4 | 2-3 | " in text and "| paused c=4 | 4-7 | " in text  # the steps by load, through the RPC
 
 
 def test_device_spans_pair_up_per_step():
