@@ -51,16 +51,33 @@ def test_a_tree_counts_its_children_and_a_gone_process_reads_none() -> None:
     cpu.check_server_pid(os.getpid())
 
 
+def test_the_main_thread_is_read_apart_from_the_process_that_computes_on_other_threads() -> None:
+    """An embedded server's process computes on several threads while its event loop (the main thread) idles:
+    only the main thread's time says whether the loop was busy."""
+    import threading
+
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (_burn(0.4), done.set()))
+    main_before, proc_before = cpu.main_thread_cpu_s(os.getpid()), cpu.process_cpu_s(os.getpid())
+    worker.start()
+    done.wait(30)
+    worker.join()
+    main_after, proc_after = cpu.main_thread_cpu_s(os.getpid()), cpu.process_cpu_s(os.getpid())
+    assert proc_after - proc_before >= 0.3
+    assert main_after - main_before < 0.15  # this thread waited
+
+
 def test_a_cells_use_sums_its_rounds_and_gives_shares_of_a_core() -> None:
     use = cpu.CpuUse(server_pid=42)
-    use.add(cpu.CpuSnapshot(0.0, 1.0, 10.0, 20.0), cpu.CpuSnapshot(2.0, 2.0, 11.9, 23.0))
-    use.add(cpu.CpuSnapshot(5.0, 3.0, 20.0, 30.0), cpu.CpuSnapshot(7.0, 3.5, 21.9, 33.0))
-    assert use.to_dict() == {"wall_s": 4.0, "client_s": 1.5, "client_share": 0.375, "server_pid": 42,
-                             "server_s": 3.8, "server_share": 0.95, "server_tree_s": 6.0, "server_tree_share": 1.5}
-    # no server pid (a remote server): the client's share only
+    use.add(cpu.CpuSnapshot(0.0, 1.0, 0.5, 10.0, 5.0, 20.0), cpu.CpuSnapshot(2.0, 2.0, 1.0, 11.9, 6.5, 23.0))
+    use.add(cpu.CpuSnapshot(5.0, 3.0, 2.0, 20.0, 9.0, 30.0), cpu.CpuSnapshot(7.0, 3.5, 2.3, 21.9, 10.6, 33.0))
+    assert use.to_dict() == {"wall_s": 4.0, "client_s": 1.5, "client_share": 0.375, "client_loop_share": 0.2,
+                             "server_pid": 42, "server_s": 3.8, "server_share": 0.95, "server_main_share": 0.775,
+                             "server_tree_s": 6.0, "server_tree_share": 1.5}
+    # no server pid (a remote server): the client's shares only
     client_only = cpu.CpuUse()
-    client_only.add(cpu.CpuSnapshot(0.0, 0.0), cpu.CpuSnapshot(1.0, 0.95))
-    assert client_only.to_dict() == {"wall_s": 1.0, "client_s": 0.95, "client_share": 0.95}
+    client_only.add(cpu.CpuSnapshot(0.0, 0.0, 0.0), cpu.CpuSnapshot(1.0, 0.95, 0.9))
+    assert client_only.to_dict() == {"wall_s": 1.0, "client_s": 0.95, "client_share": 0.95, "client_loop_share": 0.9}
 
 
 def test_the_cli_refuses_a_server_pid_it_cannot_read() -> None:

@@ -75,7 +75,9 @@ def test_serve_matrix_table_json_plots_and_resume(tmp_path: Path) -> None:
         use = cell["cpu"]
         assert use["server_pid"] == cell["server"]["pid"] and use["wall_s"] > 0
         assert use["client_share"] > 0 and use["server_share"] > 0
-        assert use["server_tree_share"] >= use["server_share"]
+        # a short cell's HTTP loop may use under one clock tick (10 ms): read, not necessarily above 0
+        assert use["server_tree_share"] >= use["server_share"] >= use["server_main_share"] >= 0
+        assert 0 < use["client_loop_share"] <= use["client_share"]
     assert cells["nospec__c1"]["server"]["serve_args"][-6:-4] == ["-k", "0"]
     spec = cells["none__c2"]["spec_decode"]
     assert spec is not None and spec["num_drafts"] > 0 and 1.0 <= spec["acceptance_length"]

@@ -405,8 +405,9 @@ def test_a_cell_whose_server_merged_stream_chunks_says_its_frontend_fell_behind(
 
 def test_a_cell_records_the_cpu_its_client_and_server_used_and_says_when_either_was_near_a_core(
         tmp_path: Path) -> None:
-    """A served cell measures its slowest stage: a bench client or a server front process busy for most of a core
-    may be it. The cell keeps both shares, and the log says when one reached 90%."""
+    """A served cell measures its slowest stage: the bench client's or the server's event loop busy for most of
+    the cell may be it. The cell keeps the loops' and the processes' shares, and the log says when a loop reached
+    90%, not when a process computing on several threads did."""
     from dspark_cli.bench import matrix
     from dspark_cli.bench.client import RequestResult, ServerCounters
     from dspark_cli.bench.cpu import CpuSnapshot, CpuUse
@@ -418,21 +419,23 @@ def test_a_cell_records_the_cpu_its_client_and_server_used_and_says_when_either_
     none = ServerCounters(SpecDecodeCounters(), {})
     done = RequestResult(index=0, success=True, ttft=0.01, latency=0.1, output_tokens=8, itl=[0.01] * 7)
 
-    def cell(client_s: float, server_s: float) -> dict:
+    def cell(client_loop_s: float, server_main_s: float) -> dict:
+        # the processes' totals are high in both: torch computes on other threads than the event loops
         use = CpuUse(server_pid=1234)
-        use.add(CpuSnapshot(0.0, 0.0, 0.0, 0.0), CpuSnapshot(10.0, client_s, server_s, server_s + 9.0))
+        use.add(CpuSnapshot(0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
+                CpuSnapshot(10.0, 15.0, client_loop_s, 19.0, server_main_s, 28.0))
         return matrix._cell_record(spec, BenchConfig("none"), 4, [done], 10.0, none, none, {}, "2026-01-01T00:00:00",
                                    use)
 
     quiet = cell(3.0, 5.0)
-    assert quiet["cpu"]["client_share"] == 0.3 and quiet["cpu"]["server_tree_share"] == 1.4
+    assert quiet["cpu"]["client_loop_share"] == 0.3 and quiet["cpu"]["server_share"] == 1.9
     matrix._write_cell(spec, quiet, hooks)
     assert logged == []
     matrix._write_cell(spec, cell(9.5, 9.8), hooks)
     assert logged == [
-        "none c=4: the bench client used 95% of a core: one process streams every request, so it may be what "
-        "limits this cell, and its ITLs include its own delays",
-        "none c=4: the server's front process (pid 1234) used 98% of a core: its frontend may be what limits this "
-        "cell (vLLM: more API servers, --api-server-count)"]
+        "none c=4: the bench client's event loop was busy 95% of the cell: one loop streams every request, so it "
+        "may be what limits this cell, and its ITLs include its own delays",
+        "none c=4: the server's main thread (pid 1234, where its HTTP event loop runs) was busy 98% of the cell: "
+        "its frontend may be what limits this cell (vLLM: more API servers, --api-server-count)"]
     # cells recorded before the CPU was kept read no note
     assert matrix.measurement_notes({**quiet, "cpu": None}) == []

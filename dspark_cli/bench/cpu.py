@@ -1,14 +1,17 @@
 """Where a cell's CPU time went: the bench client's own process, and the server's processes on this host.
 
-A served benchmark measures its slowest stage, and that need not be the engine. One Python process streams
-every request of a cell (the client), and a server answers them from one front process (vLLM's API server,
-with ``--api-server-count 1``). On the H200 (docs/PERFORMANCE.md section 29), servers that emitted one token
-per request and step ran 256-request cells at 6,000-9,500 tokens/s. Their decode steps took ~10 ms, about 25,000
-tokens/s, so something else set the pace. A front process or a client near a whole core of CPU is the first
-suspect, and each cell records what both used.
+A served benchmark measures its slowest stage, and that need not be the engine. One Python event loop streams
+every request of a cell (the client's), and a server answers them from one event loop too (vLLM's API server
+with ``--api-server-count 1``, or ``dspark serve``'s HTTP loop), each on its process's main thread. On the H200
+(docs/PERFORMANCE.md section 29), servers that emitted one token per request and step ran 256-request cells at
+6,000-9,500 tokens/s. Their decode steps took ~10 ms, about 25,000 tokens/s, so something else set the pace. An
+event loop busy for nearly all of a cell is the first suspect, and each cell records what both loops used.
 
-Linux only: the server's share is read from ``/proc/<pid>/stat``. The client's share is ``time.process_time``
-over the cell's wall time, so it counts every thread of the bench process.
+A loop is one thread, so its share of a core is its ceiling; a process's total is not (torch computes on
+several threads: an embedded server's process used two cores on a two-core host while its loop idled). So the
+notes read the loops: the client's thread (``time.thread_time`` on the loop that runs the cell) and the server's
+main thread (``/proc/<pid>/task/<pid>/stat``). The processes' totals (the client's ``time.process_time``, the
+server's ``/proc/<pid>/stat`` and its tree's) are kept beside them. Linux only, for the server.
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ from typing import Any
 from dspark_cli.errors import DsparkError
 
 PROC = Path("/proc")
-# A process busy for this share of one core over a cell is close to its own ceiling (one Python thread does the
-# work of the client's event loop and of vLLM's API server).
+# An event loop busy for this share of a cell is close to its ceiling: it is one thread.
 BUSY_SHARE = 0.9
 
 
@@ -31,22 +33,29 @@ def _ticks() -> int:
     return os.sysconf("SC_CLK_TCK")
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces and parentheses)."""
+def _stat_fields(pid: int, path: str = "stat") -> list[str] | None:
+    """The fields of ``/proc/<pid>/<path>`` after the command name (which may hold spaces and parentheses)."""
     try:
-        text = (PROC / str(pid) / "stat").read_text()
+        text = (PROC / str(pid) / path).read_text()
     except OSError:
         return None
     return text.rsplit(")", 1)[1].split()
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a live process; None where it cannot be read (gone, or not Linux)."""
-    fields = _stat_fields(pid)
-    if fields is None:
-        return None
+def _cpu_s(fields: list[str] | None) -> float | None:
     # After the name: state (field 3) is fields[0], so utime (14) and stime (15) are fields[11] and [12].
-    return (int(fields[11]) + int(fields[12])) / _ticks()
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _ticks()
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a live process, all its threads; None where it cannot be read (gone, or
+    not Linux)."""
+    return _cpu_s(_stat_fields(pid))
+
+
+def main_thread_cpu_s(pid: int) -> float | None:
+    """CPU seconds of a live process's main thread (whose thread id is the pid): where its event loop runs."""
+    return _cpu_s(_stat_fields(pid, f"task/{pid}/stat"))
 
 
 def descendants(pid: int) -> list[int]:
@@ -88,14 +97,18 @@ class CpuSnapshot:
 
     wall: float
     client_s: float
+    client_loop_s: float
     server_s: float | None = None
+    server_main_s: float | None = None
     server_tree_s: float | None = None
 
     @classmethod
     def take(cls, server_pid: int | None) -> CpuSnapshot:
+        """Now. Call it on the thread that runs the cell's event loop: ``client_loop_s`` is that thread's."""
+        now = (time.perf_counter(), time.process_time(), time.thread_time())
         if server_pid is None:
-            return cls(time.perf_counter(), time.process_time())
-        return cls(time.perf_counter(), time.process_time(), process_cpu_s(server_pid), tree_cpu_s(server_pid))
+            return cls(*now)
+        return cls(*now, process_cpu_s(server_pid), main_thread_cpu_s(server_pid), tree_cpu_s(server_pid))
 
 
 @dataclass
@@ -105,29 +118,34 @@ class CpuUse:
     server_pid: int | None = None
     wall_s: float = 0.0
     client_s: float = 0.0
+    client_loop_s: float = 0.0
     server_s: float | None = None
+    server_main_s: float | None = None
     server_tree_s: float | None = None
 
     def add(self, before: CpuSnapshot, after: CpuSnapshot) -> None:
         self.wall_s += after.wall - before.wall
         self.client_s += after.client_s - before.client_s
-        if before.server_s is not None and after.server_s is not None:
-            self.server_s = (self.server_s or 0.0) + after.server_s - before.server_s
-        if before.server_tree_s is not None and after.server_tree_s is not None:
-            self.server_tree_s = (self.server_tree_s or 0.0) + after.server_tree_s - before.server_tree_s
+        self.client_loop_s += after.client_loop_s - before.client_loop_s
+        for name in ("server_s", "server_main_s", "server_tree_s"):
+            b, a = getattr(before, name), getattr(after, name)
+            if b is not None and a is not None:
+                setattr(self, name, (getattr(self, name) or 0.0) + a - b)
 
     def to_dict(self) -> dict[str, Any]:
-        """The cell's ``cpu`` record: seconds and shares of one core over the cell's wall time."""
+        """The cell's ``cpu`` record: seconds and shares of one core over the cell's wall time (``*_loop`` and
+        ``server_main``: the event loops' threads; the others: whole processes)."""
 
         def share(seconds: float | None) -> float | None:
             return None if seconds is None or self.wall_s <= 0 else round(seconds / self.wall_s, 3)
 
-        out: dict[str, Any] = {"wall_s": round(self.wall_s, 3), "client_s": round(self.client_s, 3),
-                               "client_share": share(self.client_s)}
+        def secs(seconds: float | None) -> float | None:
+            return None if seconds is None else round(seconds, 3)
+
+        out: dict[str, Any] = {"wall_s": round(self.wall_s, 3), "client_s": secs(self.client_s),
+                               "client_share": share(self.client_s), "client_loop_share": share(self.client_loop_s)}
         if self.server_pid is not None:
-            out.update(server_pid=self.server_pid,
-                       server_s=None if self.server_s is None else round(self.server_s, 3),
-                       server_share=share(self.server_s),
-                       server_tree_s=None if self.server_tree_s is None else round(self.server_tree_s, 3),
+            out.update(server_pid=self.server_pid, server_s=secs(self.server_s), server_share=share(self.server_s),
+                       server_main_share=share(self.server_main_s), server_tree_s=secs(self.server_tree_s),
                        server_tree_share=share(self.server_tree_s))
         return out

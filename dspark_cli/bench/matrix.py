@@ -437,8 +437,8 @@ def _cell_record(spec: MatrixSpec, cfg: BenchConfig, c: int, results: Sequence[R
         "server_gauges": after.gauges,
         # Prompt tokens vLLM found in its prefix cache over the cell (None: a server without one).
         "prefix_cache": prefix_cache_delta(before.prefix_cache, after.prefix_cache),
-        # Share of a core the bench client and the server's front process used: either near 1 may be what limits
-        # the cell (bench.cpu; None: not measured).
+        # Share of a core the bench client's and the server's event loops (and their processes) used: a loop near
+        # 1 may be what limits the cell (bench.cpu; None: not measured).
         "cpu": cpu.to_dict() if cpu is not None else None,
         "workload": spec.workload,
         "server": server,
@@ -512,13 +512,14 @@ def measurement_notes(cell: dict[str, Any]) -> list[str]:
         notes.append(f"{cache['hit_rate']:.0%} of its prompt tokens were prefix-cache hits, so cells are not equal "
                      "work: serve with prefix caching off (vLLM: --no-enable-prefix-caching) to compare configs")
     cpu = cell.get("cpu") or {}
-    if (cpu.get("client_share") or 0.0) >= BUSY_SHARE:
-        notes.append(f"the bench client used {cpu['client_share']:.0%} of a core: one process streams every "
-                     "request, so it may be what limits this cell, and its ITLs include its own delays")
-    if (cpu.get("server_share") or 0.0) >= BUSY_SHARE:
-        notes.append(f"the server's front process (pid {cpu['server_pid']}) used {cpu['server_share']:.0%} of a "
-                     "core: its frontend may be what limits this cell (vLLM: more API servers, "
-                     "--api-server-count)")
+    if (cpu.get("client_loop_share") or 0.0) >= BUSY_SHARE:
+        notes.append(f"the bench client's event loop was busy {cpu['client_loop_share']:.0%} of the cell: one loop "
+                     "streams every request, so it may be what limits this cell, and its ITLs include its own "
+                     "delays")
+    if (cpu.get("server_main_share") or 0.0) >= BUSY_SHARE:
+        notes.append(f"the server's main thread (pid {cpu['server_pid']}, where its HTTP event loop runs) was busy "
+                     f"{cpu['server_main_share']:.0%} of the cell: its frontend may be what limits this cell "
+                     "(vLLM: more API servers, --api-server-count)")
     per_chunk = cell["metrics"].get("tokens_per_chunk")
     per_step = (cell.get("spec_decode") or {}).get("acceptance_length") or 1.0
     if per_chunk and per_chunk > MERGED_CHUNKS_WARN * per_step:
