@@ -24,7 +24,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from dspark_cli.bench.client import LoadConfig, aggregate, run_load  # noqa: E402
 from dspark_cli.bench.cpu import CpuSnapshot, CpuUse  # noqa: E402
 from dspark_cli.bench.datasets import Prompt  # noqa: E402
+from dspark_cli.bench.matrix import _free_port  # noqa: E402
 
 
 def _serve(port: int, step_ms: float, ready: mp.Event) -> None:  # type: ignore[valid-type]
@@ -86,15 +86,9 @@ def _serve(port: int, step_ms: float, ready: mp.Event) -> None:  # type: ignore[
     asyncio.run(main())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(concurrency: int, step_ms: float, tokens: int, waves: int) -> dict:
     """One cell against a fresh stand-in server: achieved tok/s, ITL and CPU shares."""
-    port = _free_port()
+    port = _free_port("127.0.0.1")
     ready = mp.Event()
     server = mp.Process(target=_serve, args=(port, step_ms, ready), daemon=True)
     server.start()

@@ -448,8 +448,9 @@ def main() -> int:
                          "chunk runs eagerly (quicker starts)")
     ap.add_argument("--api-servers", type=int, default=1, metavar="N",
                     help="N API server processes per server (vLLM --api-server-count): at 256 requests one-token "
-                         "steps stream ~10,000 chunks/s, which one API process may not keep up with (each cell "
-                         "records the API process's CPU; docs/PERFORMANCE.md section 29)")
+                         "steps stream ~10,000 chunks/s, which one API process may not keep up with "
+                         "(docs/PERFORMANCE.md section 29). Cells record the main process's CPU: with N > 1 that "
+                         "is vLLM's supervisor, so only their server_tree shares count the API processes")
     ap.add_argument("--kv-cache-gib", type=float, default=None, metavar="G",
                     help="a KV cache of G GiB per server (vLLM --kv-cache-memory-bytes; no memory profile), and the "
                          "--overlap-starts group's servers started together; --gpu-memory-utilization then only "

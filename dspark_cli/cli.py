@@ -293,8 +293,9 @@ def bench(
     label: str = typer.Option("server", "--label", help="Config name for the --base-url server's column."),
     server_pid: int = typer.Option(
         None, "--server-pid",
-        help="With --base-url: the pid of the server's front process on this host (vLLM: `vllm serve`); each cell "
-             "records the CPU it and its children used, and says when the front process was near a whole core."),
+        help="With --base-url: the pid of the server's process on this host (vLLM: `vllm serve`); each cell "
+             "records the CPU it, its main thread (the HTTP loop) and its children used, and says when that loop "
+             "was busy for 90% of the cell."),
     serve: bool = typer.Option(False, "--serve", help="Start `dspark serve` per config (see --configs)."),
     configs: str = typer.Option("none,mask,varlen", "--configs",
                                 help="With --serve: nospec, none, mask, varlen, each mode optionally +sts."),

@@ -931,8 +931,9 @@ def build_manager_class(base: type) -> type:
             runs the draft's prefill over the chunk. Timed as a paused step, a wave's first step can set the
             quotient a probe is judged by: a stale plain window restarts with it, and the probe due at the new
             load fires on it. Most likely that is how a rise probe at 16 requests paid on the H200 at a cost
-            scale of 0.83, where drafting there costs ~1.7x (docs/PERFORMANCE.md section 26). A step that admits a request or two among many decode rows still
-            counts: at high load nearly every step does (section 27).
+            scale of 0.83, where drafting there costs ~1.7x (docs/PERFORMANCE.md section 26). A step that admits
+            a request or two among many decode rows still counts: at high load nearly every step does (section
+            27).
             """
             last, self._last_begin = self._last_begin, None
             decision, self._step_decision = self._step_decision, None
