@@ -108,7 +108,9 @@ queue_stalls() {
 # serve, the matrix keeps the draft's K/V current. Section 16's sitting ran nospec, varlen, varlen-current:
 # both of ours accepted no draft (so outputs matched trivially), which varlen-verify now rules in or out.
 # REAL_SMOKE=after: the same check after groups 1 and 2, where a sitting short of device time loses it, not
-# the matrix.
+# the matrix; REAL_SMOKE=mid: after group 1 and VLLM_HIGH, before the anatomy and group 2.
+# VLLM_HIGH (e.g. nospec@2,all@2,varlen@2,nospec@1#1): after group 1, a group at HIGH_CONC requests only (default
+# 256), in paired rounds against its first no-speculation server; `@N` serves a config with N API processes.
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
   stage "install vLLM" bash /tmp/stage/install.sh
@@ -132,6 +134,9 @@ queue_vllm() {
   # (section 25), and the curve-source ablation last: what a short sitting loses first. An empty VLLM_GROUPn
   # (VLLM_GROUP2=) skips that group, for a budget too short for all of them.
   vllm_group "scaled, group 1" "${VLLM_GROUP1-nospec,all,upstream,varlen}"
+  # Is section 29's slow regime at 256 requests vLLM's API process? The same configs with more of them.
+  [[ -n ${VLLM_HIGH-} ]] && VLLM_CONC=${HIGH_CONC:-256} vllm_group "scaled, at ${HIGH_CONC:-256}" "$VLLM_HIGH"
+  [[ ${REAL_SMOKE:-0} == mid ]] && real_smoke
   # The served step anatomy (VLLM_ANATOMY=nospec#a,all#a at ANATOMY_CONC=256, default 16; one round): which steps
   # make a cell's time, long ones included -- where verify-all gains at 256 requests, or where a paused server
   # loses at 16 (section 29's anatomy run).

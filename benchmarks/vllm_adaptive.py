@@ -37,7 +37,9 @@ median and range over the rounds of its tok/s against the reference config (``--
 the same group and round. One cell per config was not enough on a GPU shared by four resident servers: two
 servers running the same paused steps read 10 points apart at 16 requests (docs/PERFORMANCE.md section 25). A
 config may be named twice as ``name#tag`` (``nospec#2``: the same server config, a second server), so that every
-group carries its own reference, and an A/A pair shows the floor.
+group carries its own reference, and an A/A pair shows the floor. ``name@N`` serves that config with N API server
+processes (vLLM's ``--api-server-count``) whatever ``--api-servers`` says (``nospec@2#b``: both), so that one
+group can pair a config served by one API process with the same config served by several.
 
 ``--anatomy`` loads the step anatomy of ``benchmarks/vllm_step_anatomy.py`` into every server (its worker
 extension, called over vLLM's development endpoint ``/collective_rpc``) and benches one concurrency at a
@@ -83,6 +85,17 @@ COMPILATIONS = {
     "decode-graphs": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
     "piecewise": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"},
 }
+
+
+def config_parts(name: str) -> tuple[str, int | None]:
+    """``varlen@2#b`` -> ``("varlen", 2)``: the spec a config name serves, and the API server count it asks for
+    (None: ``--api-servers``). Raises ValueError for a count that is not a positive integer."""
+    spec, _, api = name.split("#", 1)[0].partition("@")
+    if not api:
+        return spec, None
+    if not api.isdigit() or int(api) < 1:
+        raise ValueError(f"config {name!r}: the API server count after '@' must be a positive integer")
+    return spec, int(api)
 
 
 def _free_port() -> int:
@@ -347,7 +360,7 @@ def paired_rounds(rows: list[dict], reference: str) -> list[dict]:
             names[r["group"]].append(r["config"])
     refs = {}
     for g, cfgs in names.items():
-        tagged = [c for c in cfgs if c.split("#", 1)[0] == reference]
+        tagged = [c for c in cfgs if config_parts(c)[0] == config_parts(reference)[0]]
         if tagged:
             refs[g] = reference if reference in cfgs else tagged[0]
     base = {(r["group"], r["round"], r["concurrency"]): r["output_tok_s"] for r in ok
@@ -450,7 +463,8 @@ def main() -> int:
                     help="N API server processes per server (vLLM --api-server-count): at 256 requests one-token "
                          "steps stream ~10,000 chunks/s, which one API process may not keep up with "
                          "(docs/PERFORMANCE.md section 29). Cells record the main process's CPU: with N > 1 that "
-                         "is vLLM's supervisor, so only their server_tree shares count the API processes")
+                         "is vLLM's supervisor, so only their server_tree shares count the API processes. A "
+                         "config named name@N gets N whatever this says")
     ap.add_argument("--kv-cache-gib", type=float, default=None, metavar="G",
                     help="a KV cache of G GiB per server (vLLM --kv-cache-memory-bytes; no memory profile), and the "
                          "--overlap-starts group's servers started together; --gpu-memory-utilization then only "
@@ -507,8 +521,6 @@ def main() -> int:
         engine += ["--no-enable-prefix-caching"]
     if args.api_servers < 1:
         ap.error("--api-servers must be >= 1")
-    if args.api_servers > 1:
-        engine += ["--api-server-count", str(args.api_servers)]
     if args.kv_cache_gib is not None:
         if args.kv_cache_gib <= 0:
             ap.error("--kv-cache-gib must be > 0")
@@ -558,7 +570,10 @@ def main() -> int:
         # nothing about its padding path: a budget cap makes it prune.
         for name in ("mask", "mask-compact", "mask-uniform"):
             specs[name] = {**specs[name], "dspark_budget_frac": 0.5}
-    unknown = [n for n in args.configs.split(",") if n.split("#", 1)[0] not in specs]
+    try:
+        unknown = [n for n in args.configs.split(",") if config_parts(n)[0] not in specs]
+    except ValueError as exc:
+        ap.error(str(exc))
     if unknown:
         ap.error(f"unknown configs {unknown}; choose from {sorted(specs)}")
     if args.overlap_starts < 1:
@@ -581,8 +596,12 @@ def main() -> int:
 
     def start(name: str) -> _Server:
         port = _free_port()
-        spec = specs[name.split("#", 1)[0]]
+        key, api = config_parts(name)
+        spec = specs[key]
         spec_args = [] if spec is None else ["--speculative-config", json.dumps(spec)]
+        api = api or args.api_servers
+        if api > 1:
+            spec_args += ["--api-server-count", str(api)]
         cmd = plan_vllm_serve([*engine, "--port", str(port), *spec_args]).command(vllm)
         log_path = args.out / f"serve-{name}.log"
         print(f"[{time.time() - t_start:5.0f}s] {name}: {shlex.join(cmd)}", flush=True)

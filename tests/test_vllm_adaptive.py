@@ -83,6 +83,20 @@ def test_configs_are_paired_with_their_own_groups_reference_round_by_round() -> 
     assert "| 16 | +10.0% (+0.0..+20.0) | -25.0% (-25.0..-25.0) | +2.0% (+2.0..+2.0) |" in table
 
 
+def test_a_config_names_its_spec_its_api_servers_and_its_tag_and_pairs_by_spec() -> None:
+    assert adaptive.config_parts("varlen") == ("varlen", None)
+    assert adaptive.config_parts("nospec#2") == ("nospec", None)
+    assert adaptive.config_parts("varlen@2#b") == ("varlen", 2)
+    with pytest.raises(ValueError, match="positive integer"):
+        adaptive.config_parts("varlen@0")
+    # a group served by two API processes per server pairs with its own no-speculation server
+    rows = [_row(1, "nospec@2", 0, 256, 100.0), _row(1, "all@2", 0, 256, 130.0),
+            _row(1, "nospec@2", 1, 256, 90.0), _row(1, "all@2", 1, 256, 99.0)]
+    (x,) = adaptive.paired_rounds(rows, "nospec")
+    assert (x["config"], x["reference"]) == ("all@2", "nospec@2")
+    assert x["median"] == pytest.approx(0.20)
+
+
 def test_bad_rounds_and_configs_are_refused_before_anything_starts(tmp_path: Path) -> None:
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, str(SCRIPT), "--model", "m", "--draft", "d", "--out", str(tmp_path),
@@ -96,6 +110,10 @@ def test_bad_rounds_and_configs_are_refused_before_anything_starts(tmp_path: Pat
     assert bad.returncode == 2 and "unknown configs ['bogus#2']" in bad.stderr
     bad = run("--configs", "nospec", "--api-servers", "0")
     assert bad.returncode == 2 and "--api-servers must be >= 1" in bad.stderr
+    bad = run("--configs", "nospec,varlen@0")
+    assert bad.returncode == 2 and "config 'varlen@0': the API server count after '@' must be a positive" in bad.stderr
+    bad = run("--configs", "nospec,varlen@x#2")
+    assert bad.returncode == 2 and "config 'varlen@x#2'" in bad.stderr
 
 
 # A stand-in for `python -m vllm.entrypoints.cli.main serve ...`: the log lines vllm_adaptive.py waits for, then a
@@ -111,9 +129,9 @@ piecewise = json.loads(argv[argv.index("--compilation-config") + 1])["mode"] == 
 assert (os.environ.get("VLLM_DISABLE_COMPILE_CACHE") == "1") == piecewise, argv
 # benchmark servers run without prefix caching (equal work per cell); the lossless check keeps it
 assert ("--no-enable-prefix-caching" in argv) == (os.environ.get("EXPECT_PREFIX_CACHING") == "off"), argv
-# --api-servers N becomes vLLM's --api-server-count N (absent for the default one)
-api = argv[argv.index("--api-server-count") + 1] if "--api-server-count" in argv else None
-assert api == os.environ.get("EXPECT_API_SERVERS"), argv
+# --api-servers N (or a config's @N) becomes vLLM's --api-server-count N (absent for one): the test reads the log
+api = argv[argv.index("--api-server-count") + 1] if "--api-server-count" in argv else "1"
+print(f"stand-in API servers: {api}", flush=True)
 port = argv[argv.index("--port") + 1]
 print("INFO [kv_cache_utils.py] GPU KV cache size: 1,024 tokens (stand-in)", flush=True)
 if any(a.startswith("{") and "dspark" in a for a in argv):  # the plugin's settings, in a JSON argument
@@ -147,7 +165,8 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
     """The whole --rounds path: a group of three servers started together (a fixed KV cache, no memory
     profile), two rounds of half the prompts each, every config's cells per round, and paired.md with the
     tagged second reference server as an A/A row. Every server gets the --compilation asked for (under
-    torch.compile, with vLLM's compile cache off), and no prefix cache."""
+    torch.compile, with vLLM's compile cache off), no prefix cache, and --api-servers' API server count unless its
+    name asks for its own (``@1``)."""
     import json
 
     from dspark_cli.engines.embedded.assets import TINY_DIR
@@ -155,11 +174,10 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
     env, draft = _stand_in_vllm(tmp_path)
     env["EXPECT_COMPILATION"] = json.dumps({"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"})
     env["EXPECT_PREFIX_CACHING"] = "off"
-    env["EXPECT_API_SERVERS"] = "2"
     out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
-         "--out", str(out), "--k", "4", "--configs", "nospec,varlen,nospec#2", "--overlap-starts", "3",
+         "--out", str(out), "--k", "4", "--configs", "nospec,varlen,nospec@1#2", "--overlap-starts", "3",
          "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--rounds", "2", "--num-prompts", "8",
          "--concurrency", "1,2", "--input-len", "8", "--output-len", "8", "--compilation", "piecewise",
          "--api-servers", "2"],
@@ -168,7 +186,10 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
     rows = json.loads((out / "results.json").read_text())["results"]
     assert not [r for r in rows if "error" in r]
     assert sorted((r["config"], r["round"], r["concurrency"]) for r in rows) == sorted(
-        (cfg, r, c) for cfg in ("nospec", "varlen", "nospec#2") for r in (0, 1) for c in (1, 2))
+        (cfg, r, c) for cfg in ("nospec", "varlen", "nospec@1#2") for r in (0, 1) for c in (1, 2))
+    apis = {n: (out / f"serve-{n}.log").read_text().count(f"stand-in API servers: {a}")
+            for n, a in (("nospec", 2), ("varlen", 2), ("nospec@1#2", 1))}
+    assert apis == {"nospec": 1, "varlen": 1, "nospec@1#2": 1}, apis
     for r in (1, 2):
         cells = {p.name for p in (out / "bench" / f"round{r}" / "cells").glob("*.json")}
         assert len(cells) == 6, cells
@@ -177,8 +198,8 @@ def test_a_group_in_rounds_against_real_servers_writes_every_rounds_cells_and_th
             use = json.loads(path.read_text())["cpu"]
             assert use["server_pid"] > 0 and use["server_share"] is not None and use["client_share"] > 0
     paired = (out / "paired.md").read_text()
-    assert "nospec, varlen, nospec#2, 2 rounds" in paired
-    assert "| c | varlen | nospec#2 |" in paired and paired.count("\n| 1 | ") == 1 and paired.count("\n| 2 | ") == 1
+    assert "nospec, varlen, nospec@1#2, 2 rounds" in paired
+    assert "| c | varlen | nospec@1#2 |" in paired and paired.count("\n| 1 | ") == 1 and paired.count("\n| 2 | ") == 1
 
 
 def test_the_lossless_check_with_text_questions_compares_every_config_against_no_speculation(
