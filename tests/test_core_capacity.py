@@ -778,19 +778,22 @@ def test_a_plain_step_is_priced_as_the_curve_prices_it_at_any_load(num_reqs: int
 
 
 def test_timed_engines_get_a_plain_measuring_step_and_its_price_judges_drafting() -> None:
-    # Drafting steps take what the curve says, so they keep paying; every PLAIN_SAMPLE_EVERY timed drafting
-    # steps one step is plain, to measure plain decoding.
+    # Drafting steps take what the curve says, so they keep paying; the first drafting step at a load is
+    # followed by a plain one (nothing measured plain decoding there yet), then every PLAIN_SAMPLE_EVERY timed
+    # drafting steps one step is plain, to keep measuring it.
     mgr = _timed_manager(patience=4)
     drafted = [_timed_step(mgr, 1.0, emitted=8 + 8) for _ in range(2 * PLAIN_SAMPLE_EVERY + 2)]
-    assert drafted.count(False) == 2 and drafted[PLAIN_SAMPLE_EVERY] is False
+    assert [i for i, d in enumerate(drafted) if not d] == [1, PLAIN_SAMPLE_EVERY + 2]
     assert mgr.drafting_enabled
     # The same outcomes when drafting steps really cost 3x their price relative to plain decoding: the
-    # measured windows catch up and the saturation policy pauses drafting.
+    # measured windows catch up and the saturation policy pauses drafting -- within patience of the first plain
+    # sample, not after PLAIN_SAMPLE_EVERY steps on the curve's word (section 30: a fresh vLLM server drafted
+    # ~90 steps at 256 requests at about half plain decoding's pace before it paused).
     mgr = _timed_manager(patience=4)
-    for _ in range(4 * PLAIN_SAMPLE_EVERY):
-        _timed_step(mgr, 3.0, emitted=8 + 8)
+    drafted = [_timed_step(mgr, 3.0, emitted=8 + 8) for _ in range(4 * PLAIN_SAMPLE_EVERY)]
     assert mgr.step_times.relative_draft_cost(8) > 2.0
     assert not mgr.drafting_enabled
+    assert drafted.index(False) == 1 and drafted[2:].index(False) <= 4 + 1
     # Patience 0 never pauses, so it never measures plain decoding either.
     mgr = _timed_manager(patience=0)
     assert all(_timed_step(mgr, 1.0, emitted=8 + 8) for _ in range(2 * PLAIN_SAMPLE_EVERY))

@@ -514,6 +514,13 @@ class StepTimeCalibration:
         key = (False, self.load_bucket(num_reqs))
         return key in self._windows and self._age(key) > STEP_TIME_STALE
 
+    def plain_is_unknown(self, num_reqs: int) -> bool:
+        """Whether ``num_reqs``'s load bucket lacks a current plain window: never measured, or stale
+        (:meth:`plain_is_stale`). Drafting there is judged by a borrowed quotient or the curve alone until a
+        plain step at the load is timed."""
+        key = (False, self.load_bucket(num_reqs))
+        return key not in self._windows or self._age(key) > STEP_TIME_STALE
+
     def times_load(self, num_reqs: int) -> bool:
         """Whether a drafting step at ``num_reqs`` would be judged by that load's own measurements: its bucket
         has plain steps timed within ``STEP_TIME_STALE`` timed steps -- or nothing has been timed at all (the
@@ -595,16 +602,24 @@ class StepTimer:
     def begin_step(self, num_running: int) -> bool:
         """Whether this step drafts: the policy's verdict, or a plain sample once drafting has run
         ``PLAIN_SAMPLE_EVERY`` timed steps, or at once (after one drafting step, so never two plain samples in a
-        row) where the load's plain window is stale (:meth:`StepTimeCalibration.plain_is_stale`): drafting just
-        resumed, or moved, to a load whose plain steps were last timed in another phase of serving, and its
-        quotient would compare fresh drafting steps with them for ``PLAIN_SAMPLE_EVERY`` steps. Pointless where
-        drafting never pauses (patience 0)."""
+        row) where the load has no current plain window (:meth:`StepTimeCalibration.plain_is_unknown`):
+
+        * stale: drafting just resumed, or moved, to a load whose plain steps were last timed in another phase
+          of serving, and its quotient would compare fresh drafting steps with them for ``PLAIN_SAMPLE_EVERY``
+          steps;
+        * never measured: a server that starts drafting at a load has only the curve (or a borrowed quotient)
+          to judge it by until its first plain sample there. On the H200 (vLLM, Llama-3-8B shape, 256 requests,
+          docs/PERFORMANCE.md section 30) the curve said drafting paid by 8% where it ran at about half plain
+          decoding's pace, and a fresh server drafted ~90 steps at 256 requests before it paused: 12% of its
+          first cell. One plain step settles it.
+
+        Pointless where drafting never pauses (patience 0)."""
         drafting = self.saturation.begin_step(num_running, self.step_times.times_load(num_running))
         self.probe_step = drafting and self.saturation.probing
         if (drafting and not self.probe_step and self.saturation.patience > 0
                 and (self._drafting_since_plain >= PLAIN_SAMPLE_EVERY
                      or (self._drafting_since_plain > 0 and not self._plain_untimed
-                         and self.step_times.plain_is_stale(num_running)))):
+                         and self.step_times.plain_is_unknown(num_running)))):
             return False
         return drafting
 
