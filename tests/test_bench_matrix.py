@@ -128,6 +128,19 @@ def test_cells_of_another_workload_are_refused(tmp_path: Path) -> None:
 def test_cell_file_names_are_safe() -> None:
     assert cell_path(Path("r"), "varlen+sts", 16) == Path("r/cells/varlen+sts__c16.json")
     assert cell_path(Path("r"), "my server/1", 2).name == "my_server_1__c2.json"
+    # a server with its own API server count and a replica server are two files
+    assert cell_path(Path("r"), "nospec@2", 256).name == "nospec@2__c256.json"
+    assert cell_path(Path("r"), "nospec#2", 256).name == "nospec_2__c256.json"
+
+
+def test_a_cell_file_holding_another_configs_cell_is_refused_not_resumed(tmp_path: Path) -> None:
+    """Names that differ only where a file name cannot (``a b`` and ``a_b``) share a cell file: resuming it would
+    report one server's numbers under the other's name."""
+    spec = MatrixSpec(configs=[BenchConfig("my server")], concurrencies=[1], prompts=[Prompt(text="x")],
+                      load=LoadConfig(base_url=""), results_dir=tmp_path, workload={"num_prompts": 1, "max_tokens": 8})
+    _write(tmp_path, "my_server", 1, spec.workload)
+    with pytest.raises(DsparkError, match="holds config 'my_server'.s cell, not 'my server'"):
+        pending_cells(spec)
 
 
 def test_server_that_dies_reports_its_log_tail(tmp_path: Path) -> None:

@@ -151,7 +151,9 @@ def parse_concurrencies(spec: str) -> list[int]:
 
 
 def safe_name(config: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]", "_", config)
+    """A config name as a file name: characters outside ``[A-Za-z0-9_.+@-]`` become "_" (``nospec#2`` ->
+    ``nospec_2``). Lossy: :func:`pending_cells` refuses a cell file that holds another config's cell."""
+    return re.sub(r"[^A-Za-z0-9_.+@-]", "_", config)
 
 
 def cell_path(results_dir: Path, config: str, concurrency: int) -> Path:
@@ -283,6 +285,12 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
     for cfg in spec.configs:
         for c in spec.concurrencies:
             cell = None if spec.force else load_cell(cell_path(spec.results_dir, cfg.name, c))
+            if cell is not None and cell.get("config") != cfg.name:
+                # Resuming it would report another server's numbers under this name.
+                raise DsparkError(
+                    f"{cell_path(spec.results_dir, cfg.name, c)} holds config {cell.get('config')!r}'s cell, not "
+                    f"{cfg.name!r}: their names differ only where a file name cannot; rename one config or use "
+                    "another --results-dir")
             if cell is not None and cell.get("workload") != spec.workload:
                 raise DsparkError(
                     f"{cell_path(spec.results_dir, cfg.name, c)} was measured with a different workload; "
