@@ -295,7 +295,7 @@ def bench(
         None, "--server-pid",
         help="With --base-url: the pid of the server's process on this host (vLLM: `vllm serve`); each cell "
              "records the CPU it, its main thread (the HTTP loop) and its children used, and says when that loop "
-             "was busy for 90% of the cell."),
+             "was busy for 80% of the cell."),
     serve: bool = typer.Option(False, "--serve", help="Start `dspark serve` per config (see --configs)."),
     configs: str = typer.Option("none,mask,varlen", "--configs",
                                 help="With --serve: nospec, none, mask, varlen, each mode optionally +sts."),

@@ -420,7 +420,8 @@ def test_a_cell_records_the_cpu_its_client_and_server_used_and_says_when_either_
         tmp_path: Path) -> None:
     """A served cell measures its slowest stage: the bench client's or the server's event loop busy for most of
     the cell may be it. The cell keeps the loops' and the processes' shares, and the log says when a loop reached
-    90%, not when a process computing on several threads did."""
+    80% (vLLM's one API process limited its cells at 84-86%), not when a process computing on several threads
+    did."""
     from dspark_cli.bench import matrix
     from dspark_cli.bench.client import RequestResult, ServerCounters
     from dspark_cli.bench.cpu import CpuSnapshot, CpuUse
@@ -449,6 +450,11 @@ def test_a_cell_records_the_cpu_its_client_and_server_used_and_says_when_either_
         "none c=4: the bench client's event loop was busy 95% of the cell: one loop streams every request, so it "
         "may be what limits this cell, and its ITLs include its own delays",
         "none c=4: the server's main thread (pid 1234, where its HTTP event loop runs) was busy 98% of the cell: "
+        "its frontend may be what limits this cell (vLLM: more API servers, --api-server-count)"]
+    logged.clear()
+    matrix._write_cell(spec, cell(7.5, 8.5), hooks)  # the API loop of section 30's slow cells; the client below 80%
+    assert logged == [
+        "none c=4: the server's main thread (pid 1234, where its HTTP event loop runs) was busy 85% of the cell: "
         "its frontend may be what limits this cell (vLLM: more API servers, --api-server-count)"]
     # cells recorded before the CPU was kept read no note
     assert matrix.measurement_notes({**quiet, "cpu": None}) == []

@@ -25,8 +25,10 @@ from typing import Any
 from dspark_cli.errors import DsparkError
 
 PROC = Path("/proc")
-# An event loop busy for this share of a cell is close to its ceiling: it is one thread.
-BUSY_SHARE = 0.9
+# An event loop busy for this share of a cell is close to its ceiling: it is one thread, and it waits on its
+# sockets between bursts, so it reads under 100% when it limits. vLLM's single API process read 84-86% in
+# 256-request cells that a second API process served 1.8x faster (H200, docs/PERFORMANCE.md section 30).
+BUSY_SHARE = 0.8
 
 
 def _ticks() -> int:
