@@ -66,9 +66,17 @@ def test_exact_confidences_on_a_linear_curve_match_hand_computed_tok_s() -> None
     assert cell.oracle_tok_s == pytest.approx(max(full, no_spec))
     assert cell.oracle_tok_s == pytest.approx(full)
     # Survival is 1 everywhere, so every confidence-driven policy verifies every draft too.
-    for name in ("threshold-0.5", "paper", "argmax", "manager", "manager+sts"):
+    for name in ("threshold-0.5", "paper", "argmax"):
         assert res[name].tok_s == pytest.approx(full), name
         assert res[name].mean_verify == pytest.approx(k), name
+    # The manager times its steps, as the engines do: right after its first drafting step at a load it runs one
+    # plain step, to measure what drafting there is judged against.
+    drafting_ms, plain_ms = DRAFT + ALPHA + BETA * r * (k + 1), ALPHA + BETA * r
+    one_plain = 1000.0 * ((steps - 1) * r * (k + 1) + r) / ((steps - 1) * drafting_ms + plain_ms)
+    for name in ("manager", "manager+sts"):
+        assert res[name].tok_s == pytest.approx(one_plain), name
+        assert res[name].drafting_steps == steps - 1, name
+        assert res[name].mean_verify == pytest.approx(k * (steps - 1) / steps), name
 
 
 def test_oracle_skips_drafting_when_the_draft_pass_is_too_expensive() -> None:
