@@ -383,10 +383,12 @@ def paired_rounds(rows: list[dict], reference: str) -> list[dict]:
 
 
 def paired_table(paired: list[dict], reference: str) -> str:
-    """``paired_rounds`` as a markdown table: median Δ (range) per config and concurrency."""
+    """``paired_rounds`` as a markdown table: median Δ (range) per config and concurrency. The heading names the
+    servers the configs were paired with (``nospec#2`` in a group that has no ``nospec``), else ``reference``."""
     configs = list(dict.fromkeys(x["config"] for x in paired))
     by = {(x["config"], x["concurrency"]): x for x in paired}
-    lines = [f"Median Δ of output tok/s against {reference}, same group and round (range over the rounds):", "",
+    servers = ", ".join(dict.fromkeys(x.get("reference", reference) for x in paired)) or reference
+    lines = [f"Median Δ of output tok/s against {servers}, same group and round (range over the rounds):", "",
              "| c | " + " | ".join(configs) + " |", "|---:|" + "---|" * len(configs)]
     for c in sorted({x["concurrency"] for x in paired}):
         lines.append(f"| {c} | " + " | ".join(by[cfg, c]["text"] if (cfg, c) in by else "-" for cfg in configs)

@@ -81,6 +81,10 @@ def test_configs_are_paired_with_their_own_groups_reference_round_by_round() -> 
     assert paired[4, "nospec#3"]["median"] == pytest.approx(0.02)
     table = adaptive.paired_table(list(paired.values()), "nospec")
     assert "| 16 | +10.0% (+0.0..+20.0) | -25.0% (-25.0..-25.0) | +2.0% (+2.0..+2.0) |" in table
+    # the heading names the servers each group was paired with, not only the name asked for
+    assert table.startswith("Median Δ of output tok/s against nospec, nospec#2, same group and round")
+    group4 = adaptive.paired_table([x for x in paired.values() if x["group"] == 4], "nospec")
+    assert group4.startswith("Median Δ of output tok/s against nospec#2, same group")
 
 
 def test_a_config_names_its_spec_its_api_servers_and_its_tag_and_pairs_by_spec() -> None:
