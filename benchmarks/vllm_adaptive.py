@@ -387,7 +387,7 @@ def paired_table(paired: list[dict], reference: str) -> str:
     servers the configs were paired with (``nospec#2`` in a group that has no ``nospec``), else ``reference``."""
     configs = list(dict.fromkeys(x["config"] for x in paired))
     by = {(x["config"], x["concurrency"]): x for x in paired}
-    servers = ", ".join(dict.fromkeys(x.get("reference", reference) for x in paired)) or reference
+    servers = ", ".join(dict.fromkeys(x["reference"] for x in paired)) or reference
     lines = [f"Median Δ of output tok/s against {servers}, same group and round (range over the rounds):", "",
              "| c | " + " | ".join(configs) + " |", "|---:|" + "---|" * len(configs)]
     for c in sorted({x["concurrency"] for x in paired}):

@@ -508,27 +508,27 @@ class StepTimeCalibration:
     def _age(self, key: tuple[bool, int]) -> int:
         return self._clock - self._fed_at.get(key, self._clock)
 
+    def _plain_current(self, num_reqs: int) -> bool:
+        """Whether ``num_reqs``'s load bucket has plain steps timed within the last ``STEP_TIME_STALE`` timed steps."""
+        key = (False, self.load_bucket(num_reqs))
+        return key in self._windows and self._age(key) <= STEP_TIME_STALE
+
     def plain_is_stale(self, num_reqs: int) -> bool:
         """Whether ``num_reqs``'s load bucket has plain steps measured, but none in the last ``STEP_TIME_STALE``
         timed steps (a bucket never measured is not stale: it has no history to mislead)."""
-        key = (False, self.load_bucket(num_reqs))
-        return key in self._windows and self._age(key) > STEP_TIME_STALE
+        return (False, self.load_bucket(num_reqs)) in self._windows and not self._plain_current(num_reqs)
 
     def plain_is_unknown(self, num_reqs: int) -> bool:
         """Whether ``num_reqs``'s load bucket lacks a current plain window: never measured, or stale
         (:meth:`plain_is_stale`). Drafting there is judged by a borrowed quotient or the curve alone until a
         plain step at the load is timed."""
-        key = (False, self.load_bucket(num_reqs))
-        return key not in self._windows or self._age(key) > STEP_TIME_STALE
+        return not self._plain_current(num_reqs)
 
     def times_load(self, num_reqs: int) -> bool:
         """Whether a drafting step at ``num_reqs`` would be judged by that load's own measurements: its bucket
         has plain steps timed within ``STEP_TIME_STALE`` timed steps -- or nothing has been timed at all (the
         curve judges alone; nothing would be borrowed)."""
-        if not (self.num_samples[True] or self.num_samples[False]):
-            return True
-        key = (False, self.load_bucket(num_reqs))
-        return key in self._windows and self._age(key) <= STEP_TIME_STALE
+        return not (self.num_samples[True] or self.num_samples[False]) or self._plain_current(num_reqs)
 
     def ratio(self, drafting: bool, num_reqs: int) -> float | None:
         """Windowed measured / priced time of drafting (True) or plain (False) steps at ``num_reqs``'s load
