@@ -114,6 +114,9 @@ queue_stalls() {
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
   stage "install vLLM" bash /tmp/stage/install.sh
+  # The manager times steps between CUDA events (engines/vllm/step_clock.py): its GPU tests first.
+  stage "GPU test: step clock" env PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_vllm_step_clock.py 2>&1 | tail -3
   mkdir -p "$ROOT/vllm/profile-scaled"
   if [[ ${REUSE_CURVE:-0} == 1 ]]; then
     cp benchmarks/results/vllm_h200/scaled-2026-12-01/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"

@@ -685,6 +685,26 @@ def test_a_plain_sample_that_cannot_be_timed_still_ends_the_drafting_run() -> No
                                                            for i in range(3)]
 
 
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_a_plain_sample_whose_time_comes_back_late_is_taken_once(lag: int) -> None:
+    """vLLM on CUDA reports a step's time a step or two after the next one began (engines/vllm/step_clock.py).
+    Drafting that starts at a load never measured takes one plain sample after one drafting step, then drafts
+    on while that sample's time is on its way; counted at its record, each of those steps was another plain
+    sample (plain and drafting alternating for ``lag`` steps). Late records leave the samples where prompt
+    records put them."""
+    timer = StepTimer(SaturationPolicy(patience=8, resume_every=16))
+    timer.record(False, 4, 10.0, 10.0)  # the engine times its steps
+    in_flight: list[bool] = []
+    drafted = []
+    for _ in range(2 * (PLAIN_SAMPLE_EVERY + 1)):
+        d = timer.begin_step(64)
+        drafted.append(d)
+        in_flight.append(d)
+        while len(in_flight) > lag:
+            timer.record(in_flight.pop(0), 64, 10.0, 10.0)
+    assert [i for i, d in enumerate(drafted) if not d] == [1, PLAIN_SAMPLE_EVERY + 2]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(0.3, 3.5), min_size=1, max_size=30), st.integers(0, 3 * STEP_TIME_STALE),
        st.floats(0.3, 3.5), st.integers(1, 256))

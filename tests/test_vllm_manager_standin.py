@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspark_cli.core.capacity import PLAIN_SAMPLE_EVERY
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.engines.vllm import contract
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
@@ -125,6 +126,14 @@ def _make(manager_cls, mode: str, r: int = 3, moe: bool = True, **settings_kw):
     list(m.batches_to_profile([4, 8, 16, 32]))
     m.set_initial_cost_curves([])
     return m
+
+
+def _fake_clock(m, now: list[float]) -> None:
+    """Time the manager's steps and its log period by ``now[0]`` seconds (a host clock the test advances)."""
+    from dspark_cli.engines.vllm.step_clock import HostClock, StepIntervals
+
+    m._clock = lambda: now[0]
+    m._intervals = StepIntervals(HostClock(lambda: now[0]))
 
 
 def _record(m, conf: list[list[float]]) -> None:
@@ -355,7 +364,7 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
         m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
         m._pause_supported = m._timed = True  # attach(): a draft_model speculator on a single rank
         now = [0.0]
-        m._clock = lambda: now[0]
+        _fake_clock(m, now)
         m._report_every = 0.6  # s of the fake clock
         scheduled = []
         for _ in range(60):
@@ -386,6 +395,57 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
     assert not any(reader["PROBE"].search(x) for x in summary)  # its "last probe" is not a new verdict
 
 
+class _GpuBehind:
+    """A step clock whose marks are final only once ``lag`` later marks were taken, as CUDA events are while
+    the GPU runs behind the host; each mark holds the fake time the test had reached."""
+
+    def __init__(self, now: list[float], lag: int) -> None:
+        self.now, self.lag, self.at = now, lag, []
+
+    def mark(self) -> int:
+        self.at.append(self.now[0])
+        return len(self.at) - 1
+
+    def ready(self, mark: int) -> bool:
+        return mark < len(self.at) - self.lag
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        return (self.at[end] - self.at[start]) * 1e3
+
+
+def test_step_times_that_come_back_steps_late_judge_drafting_as_timely_ones_do(manager_cls) -> None:
+    """On CUDA a step's time is known only once the GPU has passed the next decision's event, a step or two
+    after the host took it (engines/vllm/step_clock.py). The scene above, timed that way: each step is still
+    charged to its own decision, drafting still resumes for good (a step or two later), and its plain
+    samples stay one step each."""
+    from dspark_cli.engines.vllm.step_clock import StepIntervals
+
+    def run(lag: int | None) -> tuple[list[int], Any]:
+        m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+        m._pause_supported = m._timed = True
+        now = [0.0]
+        _fake_clock(m, now)
+        if lag is not None:
+            m._intervals = StepIntervals(_GpuBehind(now, lag))
+        scheduled = []
+        for _ in range(150):
+            real = m._drafts_real
+            now[0] += 0.015 if real else 0.030
+            scheduled.append(_bonus_only_step(m, real))
+        return scheduled, m
+
+    timely_steps, timely = run(None)
+    for lag in (1, 3):
+        scheduled, late = run(lag)
+        plain = [i for i, x in enumerate(scheduled) if x == 0 and i >= 20]  # samples while drafting runs
+        assert len(plain) == 2 and plain[1] - plain[0] == PLAIN_SAMPLE_EVERY + 1  # one step each, as timely
+        assert timely_steps[20:].count(0) == 2
+        assert late._intervals.pending == lag  # the last steps' times are still on their way
+        times = late.timer.step_times
+        assert times.ratio(False, 3) == pytest.approx(3.0)  # 30 ms priced at 10, as timely
+        assert times.ratio(True, 3) == pytest.approx(timely.timer.step_times.ratio(True, 3))
+
+
 def test_a_draft_catch_up_is_not_charged_to_drafting(manager_cls) -> None:
     """The scene above, with a paused draft_model draft that defers its K/V (engines/vllm/upkeep.py): the
     step that resumes drafting (a probe) also writes the K/V of the whole pause, 45 ms more here. Measured
@@ -399,7 +459,7 @@ def test_a_draft_catch_up_is_not_charged_to_drafting(manager_cls) -> None:
         m._upkeep = upkeep = DraftUpkeep(8, 2048)
         slots = np.arange(3)
         now = [0.0]
-        m._clock = lambda: now[0]
+        _fake_clock(m, now)
         scheduled, was_real = [], True
         for _ in range(60):
             real = m._drafts_real
@@ -431,7 +491,7 @@ def test_a_step_that_carries_a_prompt_chunk_times_no_decode_step(manager_cls) ->
     m._pause_supported = m._timed = True
     m._upkeep = DraftUpkeep(8, 2048)
     now = [0.0]
-    m._clock = lambda: now[0]
+    _fake_clock(m, now)
     per_req = {f"r{i}": 1 + K for i in range(3)}
 
     def step(ms: float, prefill: bool) -> None:
@@ -502,7 +562,7 @@ def test_a_step_that_admits_a_prompt_among_many_decode_rows_times_the_load(manag
     m = _make(manager_cls, "varlen", r=n, saturation_patience=2, resume_every=1000)  # no timer probe here
     m._pause_supported = m._timed = True
     now = [0.0]
-    m._clock = lambda: now[0]
+    _fake_clock(m, now)
     per_req = {f"r{i}": 1 + K for i in range(n)}
 
     def step(ms: float, batch: types.SimpleNamespace) -> None:

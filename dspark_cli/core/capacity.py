@@ -595,8 +595,10 @@ class StepTimer:
     def __init__(self, saturation: SaturationPolicy) -> None:
         self.saturation = saturation
         self.step_times = StepTimeCalibration()
-        self._drafting_since_plain = 0  # timed drafting steps since the last plain step
+        self._drafting_since_plain = 0  # drafting steps (probes aside) begun since the last plain one
+        self._plain_in_flight = False  # a plain step was begun and its time has not come back yet
         self._plain_untimed = False  # the last plain step could not be timed (it carried other work)
+        self._reported = False  # the engine has reported a step time: it times its steps
         self.probe_step = False  # the step begun last drafts as a saturation probe
 
     def begin_step(self, num_running: int) -> bool:
@@ -613,36 +615,47 @@ class StepTimer:
           decoding's pace, and a fresh server drafted ~90 steps at 256 requests before it paused: 12% of its
           first cell. One plain step settles it.
 
-        Pointless where drafting never pauses (patience 0)."""
+        Pointless where drafting never pauses (patience 0).
+
+        Counted here, as steps are begun, not as their times come back: an engine may report a step's time a
+        step or two late (vLLM on CUDA reads it between stream events, engines/vllm/step_clock.py), and until
+        then a sample's load still looks unknown -- counted at its record, every such step would have been
+        another plain sample. A plain step whose time is still on its way is as good as taken. An engine that
+        has reported no step time gets no plain sample: it would measure nothing."""
         drafting = self.saturation.begin_step(num_running, self.step_times.times_load(num_running))
         self.probe_step = drafting and self.saturation.probing
-        if (drafting and not self.probe_step and self.saturation.patience > 0
+        if (drafting and not self.probe_step and self.saturation.patience > 0 and self._reported
                 and (self._drafting_since_plain >= PLAIN_SAMPLE_EVERY
-                     or (self._drafting_since_plain > 0 and not self._plain_untimed
+                     or (self._drafting_since_plain > 0 and not self._plain_untimed and not self._plain_in_flight
                          and self.step_times.plain_is_unknown(num_running)))):
-            return False
+            drafting = False
+        if not drafting:
+            # Also ends the run when the step cannot be timed: else every step after an untimed plain sample
+            # was another one until a timed one came, and where no step at a load is timed (section 27's
+            # prefill rule at 256 requests) drafting never ran there again.
+            self._drafting_since_plain = 0
+            self._plain_in_flight = True
+        elif not self.probe_step:
+            self._drafting_since_plain += 1
         return drafting
 
     def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float,
-               calibrate: bool = True) -> None:
+               calibrate: bool = True, probe: bool | None = None) -> None:
         """A step's measured wall time and what the curve charged for it. ``calibrate=False``: the step did
         work that is neither drafting's nor a paused step's cost (a draft catching up over a pause); it counts
-        for the probe tax only."""
+        for the probe tax only. ``probe``: whether the step drafted as a probe; None for the step begun last
+        (an engine that reports each step before beginning the next)."""
         self.saturation.record_step_ms(drafting, measured_ms)
+        self._reported = True
         if not drafting:
-            # A plain step ends the run of drafting ones even when it cannot be timed: else every step after an
-            # untimed plain sample was another plain sample until a timed one came, and where no step at a load is
-            # timed (section 27's prefill rule at 256 requests) drafting never ran there again. An untimed one
-            # also stops a stale window from asking for a plain sample at once (begin_step): that would alternate
-            # plain and drafting steps for as long as the load's steps cannot be timed.
-            self._drafting_since_plain = 0
+            self._plain_in_flight = False
+            # An untimed one stops a stale window from asking for a plain sample at once (begin_step): that would
+            # alternate plain and drafting steps for as long as the load's steps cannot be timed.
             self._plain_untimed = not calibrate
         if not calibrate:
             return
-        if drafting:
-            if self.probe_step:
-                return
-            self._drafting_since_plain += 1
+        if drafting and (self.probe_step if probe is None else probe):
+            return
         self.step_times.record(drafting, num_reqs, measured_ms, priced_ms)
 
     def cost_scale(self, num_running: int, decision: BudgetDecision) -> float:

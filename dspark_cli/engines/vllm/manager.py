@@ -40,6 +40,7 @@ import torch
 
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
 from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR
+from dspark_cli.engines.vllm.step_clock import StepIntervals, clock_for
 from dspark_cli.engines.vllm.upkeep import CatchupBuffers, DraftUpkeep, catchup_batch
 
 logger = logging.getLogger("vllm.dspark")
@@ -53,6 +54,17 @@ PROMPT_TOKENS_PER_REQUEST = 1.0
 
 
 # ---------------------------------------------------------------------------------------------- pure helpers
+
+
+class _StepRecord(NamedTuple):
+    """What the manager knew of a step when its interval closed; its time comes later (step_clock)."""
+
+    drafted: bool
+    num_reqs: int
+    priced_ms: float
+    decode: bool  # neither its batch nor the one before carried a prompt chunk (prompt_heavy)
+    calibrate: bool  # no paused draft caught up in it
+    probe: bool  # it drafted as a saturation probe
 
 
 def pruned_token_mask(
@@ -494,18 +506,21 @@ def build_manager_class(base: type) -> type:
             self.compact_paused = mode == "varlen" if compact_paused is None else compact_paused
             self.cfg = settings.replace(mode=mode).capacity_config()
             self.saturation = SaturationPolicy.from_config(self.cfg)  # its probe tax reads the step timing
-            # Step times (host clock between drafting decisions): the probe tax, and what a drafting step
-            # costs against a paused one, which in vLLM is not plain decoding (core.capacity.StepTimer).
+            # Step times (between drafting decisions, in the GPU's stream order on CUDA: step_clock says why):
+            # the probe tax, and what a drafting step costs against a paused one, which in vLLM is not plain
+            # decoding (core.capacity.StepTimer).
             self.timer = StepTimer(self.saturation)
             # Prefill steps (prompt_heavy, or the step after one) feed no window the policy reads; timed here
             # apart, for the log only, catch-ups included: a paused step that admits prompts also catches the
             # draft up, and that is what such a step costs. Under decode-only graphs they run the target eagerly,
             # and at 256 requests under refill they set the pace of a cell (docs/PERFORMANCE.md section 28).
             self._prefill_times = StepTimeCalibration()
-            self._clock = time.perf_counter
-            # The last drafting decision: (time, drafting, requests, draft catch-ups paid before it, whether its
-            # step's batch was a prefill step, prompt_heavy).
-            self._last_begin: tuple[float, bool, int, int, bool] | None = None
+            self._clock = time.perf_counter  # the server log's period
+            # Steps are timed between marks of this clock, handed back once final (a step or two late on CUDA).
+            self._intervals: StepIntervals[_StepRecord] = StepIntervals(clock_for(torch.device(self.req_states.device)))
+            # The last drafting decision: (its mark, drafting, requests, draft catch-ups paid before it, whether
+            # its step's batch was a prefill step (prompt_heavy), whether it drafted as a probe).
+            self._last_begin: tuple[Any, bool, int, int, bool, bool] | None = None
             self._step_decision: BudgetDecision | None = None  # priced the batch now running (get_num_tokens)
             # What the policy did, in the server log every REPORT_EVERY_S (vLLM's /metrics are vLLM's own).
             self._decisions = {True: 0, False: 0}
@@ -855,18 +870,20 @@ def build_manager_class(base: type) -> type:
                 return
             scheduled = int(state.num_spec_tokens_to_schedule)
             drafting = scheduled > 0
+            mark = None
             if self._timed:
                 heavy = prompt_heavy(state.input_batch)
-                self._time_last_step(state.input_batch, heavy)
+                mark = self._intervals.clock.mark()
+                self._time_last_step(state.input_batch, heavy, mark)
             if drafting and self._pause_supported:
                 drafting = self.timer.begin_step(state.input_batch.num_reqs)
                 if not drafting:
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
                 self._decisions[drafting] += 1
                 if self._timed:
-                    self._last_begin = (now := self._clock(), drafting, int(state.input_batch.num_reqs),
-                                        self._catchups_paid(), heavy)
-                    self._maybe_report(now)
+                    self._last_begin = (mark, drafting, int(state.input_batch.num_reqs), self._catchups_paid(),
+                                        heavy, self.timer.probe_step)
+                    self._maybe_report(self._clock())
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
             self._drafts_real = drafting
@@ -907,14 +924,17 @@ def build_manager_class(base: type) -> type:
                         c.unmeasured_probe_steps, last, quotients or "not measured yet", upkeep,
                         plain or "not measured yet", prefills)
 
-        def _time_last_step(self, batch: Any, heavy: bool) -> None:
-            """Time the interval since the last drafting decision and charge it to that decision.
+        def _time_last_step(self, batch: Any, heavy: bool, mark: Any) -> None:
+            """Close the interval since the last drafting decision (at ``mark``), charged to that decision, and
+            record every closed interval whose time is known by now (on CUDA a step or two later: step_clock).
 
             Between two calls the runner samples, proposes by the last decision (the draft pass, or a
             paused step's prefill pass only) and runs the target over the batch that decision shaped (a
             paused decision's batch verifies none of its placeholder drafts), so the interval is that
             decision's step. It is priced by the budget decision of the batch now running when the last
-            decision drafted, else as plain decoding of that batch's non-draft tokens. Skipped: a drafting
+            decision drafted, else as plain decoding of that batch's non-draft tokens. On CUDA the interval is read
+            between two events in the GPU's stream order, which is what makes it that decision's work: the host's
+            clock, under vLLM's asynchronous scheduling, read the decision before it. Skipped: a drafting
             interval whose batch got no budget decision (vLLM scheduled it no drafts), and an interval past
             ``STEP_TIME_CLAMP`` times its price (the server idled between requests).
 
@@ -937,23 +957,25 @@ def build_manager_class(base: type) -> type:
             """
             last, self._last_begin = self._last_begin, None
             decision, self._step_decision = self._step_decision, None
-            if last is None or self.curve is None:
-                return
-            start, drafted, r, catchups, prefill_before = last
-            measured = (self._clock() - start) * 1e3
-            if drafted:
-                if decision is None:
-                    return
-                priced = decision.step_ms
-            else:
-                tokens = int(batch.num_tokens) - int(batch.num_draft_tokens or 0)
-                priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs), drafting=False))
-            if priced > 0 and measured <= STEP_TIME_CLAMP * priced:
-                decode = not (prefill_before or heavy)
-                self.timer.record(drafted, r, measured, priced,
-                                  calibrate=decode and self._catchups_paid() == catchups)
-                if not decode:
-                    self._prefill_times.record(drafted, r, measured, priced)
+            if last is not None and self.curve is not None:
+                start, drafted, r, catchups, prefill_before, probe = last
+                if drafted:
+                    priced = 0.0 if decision is None else decision.step_ms
+                else:
+                    tokens = int(batch.num_tokens) - int(batch.num_draft_tokens or 0)
+                    priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs),
+                                                           drafting=False))
+                if priced > 0:
+                    self._intervals.close(start, mark, _StepRecord(
+                        drafted, r, priced, decode=not (prefill_before or heavy),
+                        calibrate=self._catchups_paid() == catchups, probe=probe))
+            for measured, step in self._intervals.finished():
+                if measured > STEP_TIME_CLAMP * step.priced_ms:
+                    continue
+                self.timer.record(step.drafted, step.num_reqs, measured, step.priced_ms,
+                                  calibrate=step.decode and step.calibrate, probe=step.probe)
+                if not step.decode:
+                    self._prefill_times.record(step.drafted, step.num_reqs, measured, step.priced_ms)
 
         def _catchups_paid(self) -> int:
             return 0 if self._upkeep is None else self._upkeep.catchups
