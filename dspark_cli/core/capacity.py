@@ -640,12 +640,13 @@ class StepTimer:
         return drafting
 
     def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float,
-               calibrate: bool = True, probe: bool | None = None) -> None:
+               calibrate: bool = True, kind: str | None = None) -> None:
         """A step's measured wall time and what the curve charged for it. ``calibrate=False``: the step did
         work that is neither drafting's nor a paused step's cost (a draft catching up over a pause); it counts
-        for the probe tax only. ``probe``: whether the step drafted as a probe; None for the step begun last
-        (an engine that reports each step before beginning the next)."""
-        self.saturation.record_step_ms(drafting, measured_ms)
+        for the probe tax only. ``kind``: :attr:`SaturationPolicy.step_kind` as the step began; None for the
+        step begun last (an engine that reports each step before beginning the next)."""
+        kind = self.saturation.step_kind if kind is None else kind
+        self.saturation.record_step_ms(drafting, measured_ms, kind)
         self._reported = True
         if not drafting:
             self._plain_in_flight = False
@@ -654,7 +655,7 @@ class StepTimer:
             self._plain_untimed = not calibrate
         if not calibrate:
             return
-        if drafting and (self.probe_step if probe is None else probe):
+        if drafting and kind == "probe":
             return
         self.step_times.record(drafting, num_reqs, measured_ms, priced_ms)
 
@@ -830,6 +831,11 @@ class SaturationPolicy:
         return not self._paused
 
     @property
+    def step_kind(self) -> str:
+        """What the step begun last is to the probe tax: "paused", "probe", "probation" or "drafting"."""
+        return self._step_kind
+
+    @property
     def probing(self) -> bool:
         return self._probing
 
@@ -913,21 +919,27 @@ class SaturationPolicy:
         return (not self._paused and self._wait_at_resume is not None
                 and self._drafting_since_resume < 2 * self.patience)
 
-    def record_step_ms(self, drafting: bool, measured_ms: float) -> None:
-        """Report the wall time of the step begun by the last :meth:`begin_step` (the probe tax).
+    def record_step_ms(self, drafting: bool, measured_ms: float, kind: str | None = None) -> None:
+        """Report the wall time of a step (the probe tax): of kind ``kind`` (:attr:`step_kind` when it began),
+        None for the step begun by the last :meth:`begin_step`.
 
         A paused step saves ``probe_tax`` of its time; a probe step, or a drafting step on probation, spends
         all of its time. ``drafting`` is whether the step drafted: a plain step the engine took while drafting
-        is enabled (to measure plain decoding) neither saves nor spends.
+        is enabled (to measure plain decoding) neither saves nor spends. An engine that learns a step's time
+        only after later steps began (vLLM on CUDA) passes the kind it had: charged to the kind of the step
+        begun last -- the paused step after a one-step probe -- the probes of an H200 sitting
+        (docs/PERFORMANCE.md section 32) saved into the tax instead of spending it, and no due probe was held
+        back in a server's first 2,800 steps (740 were, by then, in the sitting before).
         """
         if not (measured_ms > 0 and math.isfinite(measured_ms)):
             return
+        kind = self._step_kind if kind is None else kind
         if not drafting:
-            if self._step_kind == "paused":
+            if kind == "paused":
                 cap = math.inf if self._probe_step_ms is None else PROBE_BANK * self._probe_step_ms
                 self._allowance_ms = min(self._allowance_ms + self.probe_tax * measured_ms, cap)
             return
-        if self._step_kind == "probe":
+        if kind == "probe":
             if self._probe_step_ms is None:
                 # The allowance starts full: the first probes (a fresh server learning where drafting pays,
                 # online STS calibrating on what probes verify) do not wait for paused time to fund them.
@@ -935,7 +947,7 @@ class SaturationPolicy:
                 self._probe_step_ms = measured_ms
             else:
                 self._probe_step_ms = 0.75 * self._probe_step_ms + 0.25 * measured_ms
-        if self._step_kind in ("probe", "probation"):
+        if kind in ("probe", "probation"):
             self._allowance_ms -= measured_ms
 
     @property

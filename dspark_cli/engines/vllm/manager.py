@@ -64,7 +64,7 @@ class _StepRecord(NamedTuple):
     priced_ms: float
     decode: bool  # neither its batch nor the one before carried a prompt chunk (prompt_heavy)
     calibrate: bool  # no paused draft caught up in it
-    probe: bool  # it drafted as a saturation probe
+    kind: str  # what it was to the probe tax as it began (SaturationPolicy.step_kind)
 
 
 def pruned_token_mask(
@@ -519,8 +519,8 @@ def build_manager_class(base: type) -> type:
             # Steps are timed between marks of this clock, handed back once final (a step or two late on CUDA).
             self._intervals: StepIntervals[_StepRecord] = StepIntervals(clock_for(torch.device(self.req_states.device)))
             # The last drafting decision: (its mark, drafting, requests, draft catch-ups paid before it, whether
-            # its step's batch was a prefill step (prompt_heavy), whether it drafted as a probe).
-            self._last_begin: tuple[Any, bool, int, int, bool, bool] | None = None
+            # its step's batch was a prefill step (prompt_heavy), its kind to the probe tax).
+            self._last_begin: tuple[Any, bool, int, int, bool, str] | None = None
             self._step_decision: BudgetDecision | None = None  # priced the batch now running (get_num_tokens)
             # What the policy did, in the server log every REPORT_EVERY_S (vLLM's /metrics are vLLM's own).
             self._decisions = {True: 0, False: 0}
@@ -882,7 +882,7 @@ def build_manager_class(base: type) -> type:
                 self._decisions[drafting] += 1
                 if self._timed:
                     self._last_begin = (mark, drafting, int(state.input_batch.num_reqs), self._catchups_paid(),
-                                        heavy, self.timer.probe_step)
+                                        heavy, self.saturation.step_kind)
                     self._maybe_report(self._clock())
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
@@ -958,7 +958,7 @@ def build_manager_class(base: type) -> type:
             last, self._last_begin = self._last_begin, None
             decision, self._step_decision = self._step_decision, None
             if last is not None and self.curve is not None:
-                start, drafted, r, catchups, prefill_before, probe = last
+                start, drafted, r, catchups, prefill_before, kind = last
                 if drafted:
                     priced = 0.0 if decision is None else decision.step_ms
                 else:
@@ -968,12 +968,12 @@ def build_manager_class(base: type) -> type:
                 if priced > 0:
                     self._intervals.close(start, mark, _StepRecord(
                         drafted, r, priced, decode=not (prefill_before or heavy),
-                        calibrate=self._catchups_paid() == catchups, probe=probe))
+                        calibrate=self._catchups_paid() == catchups, kind=kind))
             for measured, step in self._intervals.finished():
                 if measured > STEP_TIME_CLAMP * step.priced_ms:
                     continue
                 self.timer.record(step.drafted, step.num_reqs, measured, step.priced_ms,
-                                  calibrate=step.decode and step.calibrate, probe=step.probe)
+                                  calibrate=step.decode and step.calibrate, kind=step.kind)
                 if not step.decode:
                     self._prefill_times.record(step.drafted, step.num_reqs, measured, step.priced_ms)
 
