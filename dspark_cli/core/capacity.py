@@ -928,8 +928,8 @@ class SaturationPolicy:
         is enabled (to measure plain decoding) neither saves nor spends. An engine that learns a step's time
         only after later steps began (vLLM on CUDA) passes the kind it had: charged to the kind of the step
         begun last -- the paused step after a one-step probe -- the probes of an H200 sitting
-        (docs/PERFORMANCE.md section 32) saved into the tax instead of spending it, and no due probe was held
-        back in a server's first 2,800 steps (740 were, by then, in the sitting before).
+        (docs/PERFORMANCE.md section 32) saved into the tax instead of spending it: its varlen server held no
+        due probe back in its first 2,800 steps (the sitting before's, 1,104).
         """
         if not (measured_ms > 0 and math.isfinite(measured_ms)):
             return
