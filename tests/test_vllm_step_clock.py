@@ -33,7 +33,7 @@ class LaggingClock:
 
 def test_intervals_come_back_in_order_once_final() -> None:
     clock = LaggingClock(lag=2)
-    intervals: StepIntervals[str] = StepIntervals(clock)  # type: ignore[arg-type]
+    intervals: StepIntervals[str] = StepIntervals(clock)
     prev = clock.mark()
     got: list[tuple[float, str]] = []
     for i, ms in enumerate([5.0, 7.0, 11.0, 13.0]):

@@ -8,10 +8,11 @@ propose and the target pass over the batch it laid out -- but, roughly, the work
 In a run of equal decisions that is the same cost; at every switch it is the other kind's. On the H200
 (Llama-3-8B shape, docs/PERFORMANCE.md section 31) the one plain sample among each 64 drafting steps read
 2.69x its price at 64 requests -- the curve's price of a drafting step there is 2.72x a plain one -- and
-drafting steps read 0.25x what plain ones did, which no step can cost. Most likely the first decode steps of a
-wave carried the previous steps' prompt-chunk work the same way; a probe due at a new load fires on its first
-timed step there, and the rise probes at 64 requests were judged at a cost scale of 0.50-0.56 and resumed
-drafting where it lost.
+drafting steps read 0.25x what plain ones did, which no step can cost. The warm-up's paused steps at 64-127
+requests read 2.69x their price too, and a probe due at a new load fires on its first timed step there: rise
+probes at 64 requests were judged at a cost scale of 0.50-0.56 and resumed drafting where it lost. Timed in
+stream order (section 32), those paused steps read 0.61x, as the cells' did, every load read drafting at
+1.2-2.8x a paused step, and the first probe at 64 requests failed on each server.
 
 A CUDA event recorded on the compute stream at each decision is reached by the GPU after the target pass
 launched before it and before anything the decision launches, so two consecutive events bound exactly that
@@ -26,11 +27,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+
+class StepClock(Protocol):
+    """Takes marks at step boundaries and says when a mark is final and how far apart two are."""
+
+    def mark(self) -> Any: ...
+
+    def ready(self, mark: Any) -> bool: ...
+
+    def elapsed_ms(self, start: Any, end: Any) -> float: ...
 
 
 class HostClock:
@@ -72,7 +83,7 @@ class CudaEventClock:
         return float(start.elapsed_time(end))
 
 
-def clock_for(device: torch.device) -> HostClock | CudaEventClock:
+def clock_for(device: torch.device) -> StepClock:
     """The clock that times steps on ``device``: stream-ordered events on CUDA, the host clock elsewhere."""
     return CudaEventClock(device) if device.type == "cuda" else HostClock()
 
@@ -89,7 +100,7 @@ class StepIntervals(Generic[T]):
     closed once their end mark is final (``finished``). An interval with a missing mark (taken during a graph
     capture) is dropped."""
 
-    def __init__(self, clock: HostClock | CudaEventClock) -> None:
+    def __init__(self, clock: StepClock) -> None:
         self.clock = clock
         self._pending: deque[_Pending[T]] = deque()
 
