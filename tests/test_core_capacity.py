@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +15,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dspark_cli.core.capacity import (
+    LOAD_RISE,
+    LOAD_SETTLE_RISE,
+    LOAD_SETTLE_STEPS,
     PLAIN_SAMPLE_EVERY,
     PROBE_BANK,
     PROBE_MARGIN,
@@ -626,7 +630,8 @@ def test_a_resume_is_judged_against_plain_steps_of_now_not_of_the_warm_up() -> N
     that quotient, and drafting at 128 (14.53 ms, 1.22x its price, against paused steps 1.37x theirs) was
     compared with that plain window for one plain sample per 64 steps: 128-132 drafting steps at ~0.6x plain
     decoding, where patience 8 should have paused within about 10. Now the stale window does not judge: the rise
-    probe waits one paused step, which times plain decoding at 128 afresh, and fails on it."""
+    probe waits for the load to settle, and those paused steps time plain decoding at 128 afresh; it fails on
+    them."""
     pol = SaturationPolicy(patience=8, resume_every=16)
     timer = StepTimer(pol)
     for _ in range(10):  # the warm-up wave, in the 128-255 bucket
@@ -640,8 +645,9 @@ def test_a_resume_is_judged_against_plain_steps_of_now_not_of_the_warm_up() -> N
     assert not timer.step_times.times_load(128)  # the warm-up's plain window there is stale
     draft_ratio, plain_ratio = 14.53 / H200_128_DRAFT_MS, 5.57 / H200_128_PLAIN_MS
     steps = [_h200_step(timer, 128, 1.644, draft_ratio, plain_ratio) for _ in range(300)]
-    assert steps[:2] == [False, True]  # a paused step times the load, then the rise probe
-    assert pol.counters.unmeasured_probe_steps == 1
+    # paused steps while the load settles (they time it), then the rise probe
+    assert steps[:LOAD_SETTLE_STEPS + 1] == [False] * LOAD_SETTLE_STEPS + [True]
+    assert pol.counters.rising_probe_steps == LOAD_SETTLE_STEPS and pol.counters.unmeasured_probe_steps == 0
     assert pol.counters.probes["rise", "failed"] == 1 and pol.counters.probes["rise", "paid"] == 0
     assert pol.counters.pauses == 1 and sum(steps) <= 3  # the rise probe and the backed-off timer's
     assert timer.step_times.ratio(False, 128) == pytest.approx(plain_ratio)  # the warm-up's window was dropped
@@ -850,19 +856,29 @@ def test_a_failed_load_probe_lowers_the_floor_and_keeps_the_timer() -> None:
     assert pol.probe_wait == 16
 
 
-def test_a_load_rise_past_the_top_probes_at_once_and_a_failure_raises_the_top() -> None:
+def _steps_to_probe(pol: SaturationPolicy, load: int) -> int | None:
+    """Paused steps at ``load`` until one begins a probe (that step counted), at most LOAD_SETTLE_STEPS + 1."""
+    for i in range(1, LOAD_SETTLE_STEPS + 2):
+        if pol.begin_step(load):
+            return i
+    return None
+
+
+def test_a_load_rise_past_the_top_probes_once_settled_and_a_failure_raises_the_top() -> None:
     pol = SaturationPolicy(patience=1, resume_every=1000)
     losing = _decision(0, 0.5, 1.0)
     pol.begin_step(16)
     pol.observe(losing, num_running=16)
     assert not pol.drafting_enabled and pol.top == 16
     assert not pol.begin_step(21)  # below 4/3 x 16
-    assert pol.begin_step(22) and pol.probing  # a probe at once, not a resume
+    steps = _steps_to_probe(pol, 22)  # past it: a probe (not a resume) once the load has stopped climbing
+    assert steps is not None and 1 < steps <= LOAD_SETTLE_STEPS + 1 and pol.probing
     pol.observe(losing, num_running=22)
     assert not pol.drafting_enabled and pol.top == 22 and pol.probe_wait == 1000  # the timer is left alone
     assert pol.counters.probes["rise", "failed"] == 1
     assert not pol.begin_step(29)  # below 4/3 x 22: that load was just tried
-    assert pol.begin_step(64) and pol.probing
+    assert _steps_to_probe(pol, 64) == LOAD_SETTLE_STEPS + 1 and pol.probing  # a jump: it holds that long
+    assert pol.counters.rising_probe_steps >= LOAD_SETTLE_STEPS + 1
     pol.observe(_decision(5, 1.3, 1.0), num_running=64)
     assert pol.drafting_enabled and pol.counters.probes["rise", "paid"] == 1
     assert pol.ceiling is None  # unlike a load-fall resume: going back down pauses only after patience
@@ -877,7 +893,7 @@ def test_drafting_that_pays_only_at_high_load_resumes_when_the_load_rises() -> N
     """The H200 vLLM case of docs/PERFORMANCE.md section 15: drafting loses at 16 and 64 requests (a fixed-cost
     eager draft pass on short steps) and pays at 256. Cells of 16, 64, then 256 requests, each a few hundred
     steps with a drain to idle between them. The timer backs off over the losing cells; the load rise at
-    the 256 cell probes at once and drafting resumes for (nearly) the whole cell."""
+    the 256 cell probes once the load has settled, and drafting resumes for (nearly) the whole cell."""
     pol = SaturationPolicy(patience=8, resume_every=16)
     drafted_at_256 = 0
     wait_before = {}
@@ -890,7 +906,7 @@ def test_drafting_that_pays_only_at_high_load_resumes_when_the_load_rises() -> N
                 pol.observe_outcome(_decision(5 if pays else 0, 1.3 if pays else 0.7, 1.0),
                                     int((1.3 if pays else 0.7) * r), r)
     assert wait_before[256] >= 8 * 16  # the losing cells backed the timer off
-    assert drafted_at_256 >= 300 - 2
+    assert drafted_at_256 >= 300 - (LOAD_SETTLE_STEPS + 2)
     assert pol.counters.probes["rise", "paid"] == 1
     last = pol.counters.last_probe  # what the server log says of it
     assert last.trigger == "rise" and last.num_running == 256 and last.predicted
@@ -981,6 +997,40 @@ def test_a_served_ramp_to_256_probes_once_the_load_is_timed_not_on_the_way_up() 
     c = mgr.saturation.counters
     assert c.probes["rise", "paid"] == 1 and c.probes["rise", "failed"] == 1  # the 64 cell's, then 256's
     assert c.unmeasured_probe_steps >= 3  # the ramp's steps and the first at 256 held their probe
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(4, 64), st.integers(0, 8), st.integers(12, 40))
+def test_no_rise_probe_fires_while_the_load_climbs_and_one_does_once_it_holds(top: int, extra: int,
+                                                                             ramp_steps: int) -> None:
+    """Whatever the top and however the load climbs past 4/3 of it, a climb of at least LOAD_SETTLE_RISE over
+    every LOAD_SETTLE_STEPS steps begins no probe; once the load holds, a rise probe begins within
+    LOAD_SETTLE_STEPS + 1 steps."""
+    pol = SaturationPolicy(patience=1, resume_every=10**6)
+    pol.begin_step(top)
+    pol.observe(False, num_running=top)
+    loads = [int(math.ceil(LOAD_RISE * top)) + extra]
+    for i in range(1, ramp_steps):
+        back = loads[i - LOAD_SETTLE_STEPS] if i >= LOAD_SETTLE_STEPS else 0
+        loads.append(max(loads[-1] + 1, int(math.ceil(LOAD_SETTLE_RISE * back))))
+    assert not any(pol.begin_step(r) for r in loads)
+    assert pol.counters.rising_probe_steps == len(loads)
+    steps = _steps_to_probe(pol, loads[-1])
+    assert steps is not None and pol.probe_trigger == "rise"
+
+
+def test_a_rise_probe_waits_until_a_gradual_ramp_settles() -> None:
+    """docs/PERFORMANCE.md sections 31 and 32: with two API processes a cell's requests reach vLLM's scheduler a
+    few per step, so the load climbs to 256 over a dozen or more timed steps. A rise probe fired on the way
+    (at 88-126 requests) judged a load the batch was leaving, at a scale of about 1. It paid, and drafting ran
+    into 256 requests. Here the load climbs from 64 to 256 by 12 requests a step: the probe now fires where the
+    climb stops, and nothing drafts on the way."""
+    ramp = [(load, 1, True) for load in range(76, 256, 12)]
+    mgr, drafted = _replay_served_vllm([(16, 400, True), *_drain(16), (64, 400, True), *ramp, (256, 300, True)])
+    assert all(drafted[load] == 0 for load, _, _ in ramp), drafted
+    c = mgr.saturation.counters
+    assert c.rising_probe_steps >= len(ramp)  # every ramp step past 4/3 of the top held its probe
+    assert c.probes["rise", "paid"] == 1 and drafted[256] >= 250, drafted
 
 
 def test_a_probe_at_a_load_no_decode_step_times_is_not_judged_by_a_lighter_loads_quotient() -> None:
@@ -1539,6 +1589,8 @@ def test_a_due_probe_waits_for_its_load_to_be_timed_but_not_forever() -> None:
     pol = SaturationPolicy(patience=1, resume_every=1)
     pol.begin_step(32)
     pol.observe(False, num_running=32)  # paused at 32: the top
+    assert [pol.begin_step(64, measured=False) for _ in range(LOAD_SETTLE_STEPS)] == [False] * LOAD_SETTLE_STEPS
+    assert pol.counters.rising_probe_steps == LOAD_SETTLE_STEPS  # the jump to 64 settles first
     held = [pol.begin_step(64, measured=False) for _ in range(PROBE_MEASURE_WAIT)]
     assert held == [False] * PROBE_MEASURE_WAIT and pol.counters.unmeasured_probe_steps == PROBE_MEASURE_WAIT
     assert pol.begin_step(64, measured=False) and pol.probe_trigger == "rise"  # waited long enough: it probes
@@ -1547,7 +1599,7 @@ def test_a_due_probe_waits_for_its_load_to_be_timed_but_not_forever() -> None:
     pol2 = SaturationPolicy(patience=1, resume_every=1000)
     pol2.begin_step(32)
     pol2.observe(False, num_running=32)
-    for _ in range(PROBE_MEASURE_WAIT - 1):
+    for _ in range(LOAD_SETTLE_STEPS + PROBE_MEASURE_WAIT - 1):
         assert not pol2.begin_step(64, measured=False)
     assert not pol2.begin_step(32)  # nothing due at the pausing load: the count starts over
     assert not pol2.begin_step(64, measured=False)  # so this rise probe waits again ...

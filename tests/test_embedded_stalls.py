@@ -287,6 +287,7 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
     assert m[("dspark:saturation_probe_steps_total", base)] == sat.probe_steps
     assert m[("dspark:saturation_deferred_probe_steps_total", base)] == sat.deferred_probe_steps
     assert m[("dspark:saturation_unmeasured_probe_steps_total", base)] == sat.unmeasured_probe_steps
+    assert m[("dspark:saturation_rising_probe_steps_total", base)] == sat.rising_probe_steps
     for t in PROBE_TRIGGERS:
         for v in PROBE_VERDICTS:
             key = ("dspark:saturation_probes_total", (("model_name", "tiny"), ("trigger", t), ("verdict", v)))

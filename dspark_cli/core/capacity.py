@@ -29,6 +29,7 @@ stops paying; ``CapacityManager`` ties the pieces together for an engine.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -64,6 +65,10 @@ PROBE_MAX_STEPS = 4
 # so is one at or above LOAD_RISE times the highest.
 LOAD_FALL = 0.75
 LOAD_RISE = 4 / 3
+# ... once the load has settled: grown by less than LOAD_SETTLE_RISE over the last LOAD_SETTLE_STEPS steps (a
+# ramp's loads are ones the batch is leaving; SaturationPolicy).
+LOAD_SETTLE_STEPS = 4
+LOAD_SETTLE_RISE = 1.05
 # SaturationPolicy's probe tax, for engines that time their steps: probes (and the drafting steps of a resume
 # until it is confirmed) may spend at most PROBE_TAX of the paused steps' wall time; the allowance saved up
 # while paused is capped at PROBE_BANK probes' worth, so a long pause cannot fund a burst of probes.
@@ -672,7 +677,8 @@ class SaturationCounters:
     ``probes`` holds every (trigger, verdict) pair from the start (``PROBE_TRIGGERS`` x ``PROBE_VERDICTS``), so
     a reader on another thread can copy it while the engine counts. ``deferred_probe_steps``: paused steps on
     which a probe was due but the probe tax held it back; ``unmeasured_probe_steps``: those on which it waited
-    for a paused step at its load to be timed.
+    for a paused step at its load to be timed; ``rising_probe_steps``: paused steps past the rise threshold on
+    which the load was still rising, so no probe was due yet.
     """
 
     pauses: int = 0
@@ -680,6 +686,7 @@ class SaturationCounters:
     probe_steps: int = 0
     deferred_probe_steps: int = 0
     unmeasured_probe_steps: int = 0
+    rising_probe_steps: int = 0
     probes: dict[tuple[str, str], int] = field(
         default_factory=lambda: {(t, v): 0 for t in PROBE_TRIGGERS for v in PROBE_VERDICTS})
     last_probe: ProbeVerdict | None = None  # the evidence of the latest judged probe
@@ -735,8 +742,13 @@ class SaturationPolicy:
       requests began drafting. A timer probe that pays at or above that load clears the ceiling. A refill before a
       low-load probe has its evidence ends that probe unjudged.
     * **load rose**: when the number of running requests rises to >= 4/3 of the highest load at which
-      drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs at
-      once; a failed one raises that top to its own load and leaves the timer alone. Drafting can stop
+      drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs as
+      soon as the load has settled (grown by less than ``LOAD_SETTLE_RISE`` over ``LOAD_SETTLE_STEPS``
+      steps); a failed one raises that top to its own load and leaves the timer alone. Why settled: on a
+      ramp the probe judges a load the batch is leaving. On the H200 (vLLM, Llama-3-8B shape,
+      docs/PERFORMANCE.md sections 31 and 32) rise probes fired at 88-126 requests on the way to 256, where
+      the curve's gain is about twice what it is at 256 and the load had no drafting measured. They paid, and
+      drafting ran into 256 requests, where it lost, until patience paused it. Drafting can stop
       paying at low load and pay again at high load: a draft pass with a fixed per-step cost (vLLM's
       ``draft_model`` runs its decode passes eagerly, ~10 ms of launches at any batch size) weighs most on
       the short steps of a small batch, and verification's cost per request falls as the batch grows. On the
@@ -824,6 +836,7 @@ class SaturationPolicy:
         self._allowance_ms = 0.0
         self._probe_step_ms: float | None = None
         self._step_kind = "drafting"
+        self._loads: deque[int] = deque(maxlen=LOAD_SETTLE_STEPS + 1)  # the last steps' loads, this one's last
         self.counters = SaturationCounters()
 
     @property
@@ -873,7 +886,13 @@ class SaturationPolicy:
             self._step_kind = "probation" if self.on_probation else "drafting"
         return drafting
 
+    def _settled(self) -> bool:
+        """Whether the load grew by less than ``LOAD_SETTLE_RISE`` over the last ``LOAD_SETTLE_STEPS`` steps."""
+        loads = self._loads
+        return len(loads) == loads.maxlen and loads[-1] < LOAD_SETTLE_RISE * loads[0]
+
     def _begin(self, num_running: int, measured: bool) -> bool:
+        self._loads.append(num_running)
         if not self._paused:
             if self._ceiling is not None and num_running >= self._ceiling:
                 floor = self._ceiling_floor
@@ -893,6 +912,10 @@ class SaturationPolicy:
         if num_running <= LOAD_FALL * self._floor:
             trigger = "load"
         elif self._top > 0 and num_running >= LOAD_RISE * self._top:  # 0: the pausing load was not given
+            if not self._settled():
+                self.counters.rising_probe_steps += 1  # still climbing: probe where it stops (class docstring)
+                self._measure_wait = 0
+                return False
             trigger = "rise"
         elif self._paused_steps >= self._probe_wait:
             trigger = "timer"

@@ -115,7 +115,7 @@ def _saturation_fields(counters: object) -> dict[str, object]:
     return {
         "saturation": {name: int(getattr(counters, name, 0))
                        for name in ("pauses", "resumes", "probe_steps", "deferred_probe_steps",
-                                    "unmeasured_probe_steps")},
+                                    "unmeasured_probe_steps", "rising_probe_steps")},
         "saturation_probes": {(str(t), str(v)): int(n) for (t, v), n in dict(getattr(counters, "probes", {})).items()},
     }
 
@@ -219,6 +219,9 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
         _family(lines, "dspark:saturation_unmeasured_probe_steps_total", "counter",
                 "Paused steps on which a probe was due but waited for a paused step at its load to be timed.",
                 [(base, snap.saturation.get("unmeasured_probe_steps", 0))])
+        _family(lines, "dspark:saturation_rising_probe_steps_total", "counter",
+                "Paused steps past the load-rise threshold on which the load was still climbing, so no probe yet.",
+                [(base, snap.saturation.get("rising_probe_steps", 0))])
         _family(lines, "dspark:saturation_probes_total", "counter",
                 "Saturation probes by what started them (timer, load fall, load rise) and their verdict.",
                 [({**base, "trigger": t, "verdict": v}, n) for (t, v), n in sorted(snap.saturation_probes.items())])

@@ -916,12 +916,12 @@ def build_manager_class(base: type) -> type:
                       + (f", {u.truncated} truncated" if u.truncated else ""))
             last = "none" if c.last_probe is None else c.last_probe.describe()
             logger.info("dspark: saturation: drafting %d / paused %d decisions; pauses %d, resumes %d, probes [%s]; "
-                        "due probes held %d steps by the probe tax, %d to time their load; "
-                        "last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V while "
-                        "paused: %s; paused step time over priced, by load [%s]; prefill steps, time over "
+                        "due probes held %d steps by the probe tax, %d to time their load, %d while the load "
+                        "climbed; last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V "
+                        "while paused: %s; paused step time over priced, by load [%s]; prefill steps, time over "
                         "priced, by load: %s", self._decisions[True],
                         self._decisions[False], c.pauses, c.resumes, probes or "none", c.deferred_probe_steps,
-                        c.unmeasured_probe_steps, last, quotients or "not measured yet", upkeep,
+                        c.unmeasured_probe_steps, c.rising_probe_steps, last, quotients or "not measured yet", upkeep,
                         plain or "not measured yet", prefills)
 
         def _time_last_step(self, batch: Any, heavy: bool, mark: Any) -> None:
