@@ -41,7 +41,8 @@ def test_a_tree_counts_its_children_and_a_gone_process_reads_none() -> None:
         while (cpu.process_cpu_s(child.pid) or 0.0) < 0.35 and time.time() < deadline:
             time.sleep(0.05)
         own, tree = cpu.process_cpu_s(os.getpid()), cpu.tree_cpu_s(os.getpid())
-        assert own is not None and tree is not None and tree - own >= 0.35
+        # /proc counts in 10 ms clock ticks, and the sums are floats (65.14 - 64.79 < 0.35): one tick of slack
+        assert own is not None and tree is not None and tree - own >= 0.35 - 0.01
     finally:
         child.kill()
         child.wait()
