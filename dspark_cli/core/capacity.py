@@ -604,7 +604,11 @@ class StepTimer:
         self._plain_in_flight = False  # a plain step was begun and its time has not come back yet
         self._plain_untimed = False  # the last plain step could not be timed (it carried other work)
         self._reported = False  # the engine has reported a step time: it times its steps
-        self.probe_step = False  # the step begun last drafts as a saturation probe
+
+    @property
+    def probe_step(self) -> bool:
+        """The step begun last drafts as a saturation probe."""
+        return self.saturation.step_kind == "probe"
 
     def begin_step(self, num_running: int) -> bool:
         """Whether this step drafts: the policy's verdict, or a plain sample once drafting has run
@@ -628,7 +632,6 @@ class StepTimer:
         another plain sample. A plain step whose time is still on its way is as good as taken. An engine that
         has reported no step time gets no plain sample: it would measure nothing."""
         drafting = self.saturation.begin_step(num_running, self.step_times.times_load(num_running))
-        self.probe_step = drafting and self.saturation.probing
         if (drafting and not self.probe_step and self.saturation.patience > 0 and self._reported
                 and (self._drafting_since_plain >= PLAIN_SAMPLE_EVERY
                      or (self._drafting_since_plain > 0 and not self._plain_untimed and not self._plain_in_flight
@@ -1170,8 +1173,7 @@ class CapacityManager:
         """Whether this step drafts (:meth:`StepTimer.begin_step`: an engine that times its steps with
         :meth:`record_step_time` also gets a plain step now and then while drafting is on)."""
         if self.cfg.mode == "none":
-            self.timer.probe_step = False
-            return True
+            return True  # the policy never runs: no step is a probe
         return self.timer.begin_step(num_running)
 
     def record_step_time(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float | None = None) -> None:

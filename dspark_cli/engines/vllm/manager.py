@@ -56,6 +56,17 @@ PROMPT_TOKENS_PER_REQUEST = 1.0
 # ---------------------------------------------------------------------------------------------- pure helpers
 
 
+class _Begun(NamedTuple):
+    """A drafting decision as it was taken: where its interval starts and what its step will be charged as."""
+
+    mark: Any  # the step clock's mark (step_clock)
+    drafted: bool
+    num_reqs: int
+    catchups: int  # draft catch-ups paid before it (engines.vllm.upkeep)
+    heavy: bool  # its step's batch carried a prompt chunk (prompt_heavy)
+    kind: str  # what it is to the probe tax (SaturationPolicy.step_kind)
+
+
 class _StepRecord(NamedTuple):
     """What the manager knew of a step when its interval closed; its time comes later (step_clock)."""
 
@@ -518,9 +529,7 @@ def build_manager_class(base: type) -> type:
             self._clock = time.perf_counter  # the server log's period
             # Steps are timed between marks of this clock, handed back once final (a step or two late on CUDA).
             self._intervals: StepIntervals[_StepRecord] = StepIntervals(clock_for(torch.device(self.req_states.device)))
-            # The last drafting decision: (its mark, drafting, requests, draft catch-ups paid before it, whether
-            # its step's batch was a prefill step (prompt_heavy), its kind to the probe tax).
-            self._last_begin: tuple[Any, bool, int, int, bool, str] | None = None
+            self._last_begin: _Begun | None = None  # the last drafting decision
             self._step_decision: BudgetDecision | None = None  # priced the batch now running (get_num_tokens)
             # What the policy did, in the server log every REPORT_EVERY_S (vLLM's /metrics are vLLM's own).
             self._decisions = {True: 0, False: 0}
@@ -881,8 +890,8 @@ def build_manager_class(base: type) -> type:
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
                 self._decisions[drafting] += 1
                 if self._timed:
-                    self._last_begin = (mark, drafting, int(state.input_batch.num_reqs), self._catchups_paid(),
-                                        heavy, self.saturation.step_kind)
+                    self._last_begin = _Begun(mark, drafting, int(state.input_batch.num_reqs), self._catchups_paid(),
+                                              heavy, self.saturation.step_kind)
                     self._maybe_report(self._clock())
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
@@ -958,17 +967,16 @@ def build_manager_class(base: type) -> type:
             last, self._last_begin = self._last_begin, None
             decision, self._step_decision = self._step_decision, None
             if last is not None and self.curve is not None:
-                start, drafted, r, catchups, prefill_before, kind = last
-                if drafted:
+                if last.drafted:
                     priced = 0.0 if decision is None else decision.step_ms
                 else:
                     tokens = int(batch.num_tokens) - int(batch.num_draft_tokens or 0)
                     priced = float(self.curve.step_cost_ms(batch.num_reqs, max(tokens, batch.num_reqs),
                                                            drafting=False))
                 if priced > 0:
-                    self._intervals.close(start, mark, _StepRecord(
-                        drafted, r, priced, decode=not (prefill_before or heavy),
-                        calibrate=self._catchups_paid() == catchups, kind=kind))
+                    self._intervals.close(last.mark, mark, _StepRecord(
+                        last.drafted, last.num_reqs, priced, decode=not (last.heavy or heavy),
+                        calibrate=self._catchups_paid() == last.catchups, kind=last.kind))
             for measured, step in self._intervals.finished():
                 if measured > STEP_TIME_CLAMP * step.priced_ms:
                     continue
