@@ -37,6 +37,10 @@ FILES=(
   vllm/v1/metrics/loggers.py
   vllm/v1/spec_decode/metrics.py
   vllm/entrypoints/common/cli_args.py
+  vllm/v1/core/sched/async_scheduler.py
+  vllm/v1/core/sched/scheduler.py
+  vllm/v1/request.py
+  vllm/v1/engine/core.py
 )
 # Sources of the pinned FlashInfer (cache: $DSPARK_FLASHINFER_SRC, else ~/.cache/dspark/flashinfer-VERSION-src).
 FLASHINFER_VERSION=0.7.2.post1

@@ -557,6 +557,9 @@ def main() -> int:
                          "dspark_online_sts": False},
         "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
         "varlen-current": {**varlen, "dspark_draft_catchup_tokens": 0},  # the draft's K/V kept current while paused
+        # a paused step's successor keeps the scheduler's placeholder drafts and compacts them away (before
+        # plain_paused_steps): what scheduling a paused server's steps as plain decoding is worth
+        "varlen-placeholders": {**varlen, "dspark_plain_paused_steps": False},
         # For the lossless check with real weights: verification forced on (a survival threshold instead of the
         # curve, no saturation), and the same with the policy pausing and probing often (patience 1, a probe
         # every 2 paused steps, backing off): its probes draft right after a catch-up, so their acceptance

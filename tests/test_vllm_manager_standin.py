@@ -314,11 +314,13 @@ def test_saturation_pauses_drafting_by_scheduling_zero_drafts_and_probes_back(ma
         if m._drafts_real:
             _record(m, [[conf] * K] * 3)
         m.get_num_tokens(per_req, drafts)
-        if m._batch_budget is not None and m._drafts_real:
+        verified = m._batch_budget is not None and m._drafts_real
+        if verified:
             m.reallocate_drafts(list(per_req), torch.arange(3))
-            m.observe(torch.full((3,), 1 + accepted, dtype=torch.int32))
         runner = _step_state(3)
-        m.begin_drafting_step(runner)
+        m.begin_drafting_step(runner)  # vLLM: before sample_tokens, which observes the outcome
+        if verified:
+            m.observe(torch.full((3,), 1 + accepted, dtype=torch.int32))
         return runner.execute_model_state.num_spec_tokens_to_schedule
 
     # confidences so low the budget is 0: no step pays; the verdicts arrive one step late
@@ -336,6 +338,86 @@ def test_saturation_pauses_drafting_by_scheduling_zero_drafts_and_probes_back(ma
         step(0.99, K)
     assert m.saturation.drafting_enabled
     assert [step(0.99, K) for _ in range(3)] == [K, K, K]
+
+
+class _Scheduler:
+    """vLLM 0.33's asynchronous scheduler, as far as placeholder drafts go: each step hands every request it
+    schedules one fresh list of K placeholders (drafts the step's propose will fill), published through the
+    plugin's PatchState; the next step schedules ``len`` of each request's list as drafts."""
+
+    def __init__(self, state: Any, requests: list[str]) -> None:
+        self.state = state
+        self.spec_token_ids = {x: [] for x in requests}
+
+    def schedule(self) -> dict[str, list[int]]:
+        drafts = {x: ids for x, ids in self.spec_token_ids.items() if ids}
+        placeholders = [-1] * K
+        self.spec_token_ids = dict.fromkeys(self.spec_token_ids, placeholders)
+        self.state.placeholders = placeholders  # the plugin's _update_after_schedule hook
+        return drafts
+
+
+def test_a_paused_step_leaves_the_next_one_plain_and_probes_still_resume(manager_cls) -> None:
+    """plain_paused_steps: a paused decision empties the placeholders the scheduler reserved for the next
+    step, so that step carries no drafts at all -- vLLM runs it as plain decoding and never asks for a budget.
+    The saturation policy still pauses, probes and resumes as with placeholders; the verdict on the last
+    verification before a pause is judged by the next decision, not left for the probe to inherit."""
+    from dspark_cli.engines.vllm.plugin import PatchState
+
+    state = PatchState(modules={})
+    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+    m._pause_supported = True
+    m.set_placeholder_dropper(state.drop_placeholders)
+    requests = [f"r{i}" for i in range(3)]
+    sched = _Scheduler(state, requests)
+    budgets = []
+
+    def step(conf: float, accepted: int) -> int:
+        drafts = sched.schedule()
+        if drafts:  # the runner asks for a budget only when drafts were scheduled
+            if m._drafts_real:
+                _record(m, [[conf] * K] * 3)
+            per_req = {x: 1 + len(drafts[x]) for x in requests}
+            m.get_num_tokens(per_req, drafts)
+            budgets.append(m._batch_budget[2])
+            m.reallocate_drafts(requests, torch.arange(3))
+        scheduled = sum(map(len, drafts.values()))
+        batch = types.SimpleNamespace(num_reqs=3, num_tokens=3 + scheduled, num_draft_tokens=scheduled)
+        runner = types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, K))
+        m.begin_drafting_step(runner)  # vLLM: before sample_tokens, which observes the outcome
+        if drafts:
+            m.observe(torch.full((3,), 1 + accepted, dtype=torch.int32))
+        return scheduled
+
+    first = [step(0.01, 0) for _ in range(5)]  # no step pays: paused after `patience` judged steps
+    assert first == [0, 3 * K, 3 * K, 3 * K, 0]
+    assert m._plain_after_pause >= 1 and not m._drafts_real
+    assert all(len(ids) == 0 for ids in sched.spec_token_ids.values())  # the next step is plain decoding
+    assert m._outcome_pending is None  # the last verification's verdict was judged without a budget call
+    paused_budgets = len(budgets)
+    plain = 0
+    while step(0.01, 0) == 0:  # paused steps until a probe drafts: no budget asked for any of them
+        plain += 1
+    assert plain > 0 and len(budgets) == paused_budgets + 1  # only the probe's verification step asks
+    assert m.saturation.probing or m.saturation.drafting_enabled
+    while m.saturation.probing or not m.saturation.drafting_enabled:  # confident drafts, all accepted: it pays
+        step(0.99, K)
+    assert [step(0.99, K) for _ in range(3)] == [3 * K] * 3
+    assert m.saturation.counters.resumes >= 1
+
+
+def test_without_a_scheduler_in_the_process_a_paused_step_keeps_its_placeholders(manager_cls) -> None:
+    """Where vLLM's scheduler runs in another process (the worker of a multiprocess executor), nothing is
+    published here: a paused step drops nothing, and its placeholders are compacted away as before."""
+    from dspark_cli.engines.vllm.plugin import PatchState
+
+    state = PatchState(modules={})
+    m = _make(manager_cls, "varlen", saturation_patience=1, resume_every=50)
+    m._pause_supported = True
+    m.set_placeholder_dropper(state.drop_placeholders)
+    for _ in range(6):
+        _bonus_only_step(m, m._drafts_real)
+    assert not m.saturation.drafting_enabled and m._plain_after_pause == 0
 
 
 def _bonus_only_step(m, drafted: bool) -> int:

@@ -100,7 +100,23 @@ def make_standins(*, rejection_params: tuple[str, ...] | None = None) -> dict[st
     runner.ModelCudaGraphManager = ModelCudaGraphManager
     runner.GPUModelRunner = GPUModelRunner
     runner.RejectionSampler = rejection.RejectionSampler
-    return {m.__name__: m for m in (av, runner, rejection, cudagraph, speculator)}
+    scheduler = types.ModuleType(contract.ASYNC_SCHEDULER)
+
+    class AsyncScheduler:
+        """vLLM 0.33's: every step hands each request it schedules one fresh list of placeholder drafts."""
+
+        def __init__(self, num_spec_tokens: int = 3) -> None:
+            self.num_spec_tokens = num_spec_tokens
+            self.requests: dict[str, types.SimpleNamespace] = {}
+            self._spec_token_placeholders: list[int] = [-1] * num_spec_tokens
+
+        def _update_after_schedule(self, scheduler_output: Any) -> None:
+            self._spec_token_placeholders = [-1] * scheduler_output.num_spec_tokens_to_schedule
+            for req_id in scheduler_output.num_scheduled_tokens:
+                self.requests[req_id].spec_token_ids = self._spec_token_placeholders
+
+    scheduler.AsyncScheduler = AsyncScheduler
+    return {m.__name__: m for m in (av, runner, rejection, cudagraph, speculator, scheduler)}
 
 
 class FakeManager:
@@ -120,6 +136,9 @@ class FakeManager:
 
     def begin_drafting_step(self, runner: Any) -> None:
         runner.events.append("begin_drafting_step")
+
+    def set_placeholder_dropper(self, drop: Any) -> None:
+        self.drop_placeholders = drop
 
 
 def _state(modules: dict, mode: str = "mask") -> tuple[plugin.PatchState, list]:
@@ -213,6 +232,63 @@ def test_our_settings_install_the_runtime_patches_once() -> None:
     patched = current()
     plugin.install_runtime_patches(plugin.PatchState(modules))
     assert patched == current()
+
+
+def _gated_manager(dspark: dict) -> tuple[dict, FakeManager]:
+    """Stand-in modules with the gate installed, and the manager it builds for these dspark settings."""
+    modules = make_standins()
+    state, _ = _state(modules, mode=dspark["mode"])
+    plugin.install_gate(state)
+    config = FakeConfig({"dspark": dspark})
+    return modules, modules[contract.RUNNER].maybe_create_adaptive_verification_manager(**_factory_kwargs(config))
+
+
+def _scheduled(sched: Any, requests: list[str], k: int = 3) -> Any:
+    for x in requests:
+        sched.requests.setdefault(x, types.SimpleNamespace(spec_token_ids=[]))
+    out = types.SimpleNamespace(num_spec_tokens_to_schedule=k, num_scheduled_tokens=dict.fromkeys(requests, 1))
+    sched._update_after_schedule(out)
+    return out
+
+
+def test_a_paused_step_can_empty_the_placeholders_its_scheduler_step_handed_out() -> None:
+    """plain_paused_steps (on by default): the manager gets a dropper that empties, in place, the one list
+    of placeholder drafts vLLM's scheduler handed every request of the step it scheduled last -- so the
+    next step schedules those requests no drafts. One drop per step; a new step's list replaces it."""
+    modules, manager = _gated_manager({"mode": "varlen"})
+    sched_cls = modules[contract.ASYNC_SCHEDULER].AsyncScheduler
+    assert plugin.is_patched(sched_cls._update_after_schedule)
+    sched = sched_cls()
+    assert manager.drop_placeholders() is False  # nothing scheduled yet
+    _scheduled(sched, ["a", "b"])
+    assert [sched.requests[x].spec_token_ids for x in "ab"] == [[-1] * 3] * 2
+    assert manager.drop_placeholders() is True
+    assert [sched.requests[x].spec_token_ids for x in "ab"] == [[], []]
+    assert manager.drop_placeholders() is False  # at most once per step
+    _scheduled(sched, ["a", "b"])  # the next step hands out a fresh list, untouched by the last drop
+    assert sched.requests["a"].spec_token_ids == [-1] * 3
+    # installing again wraps the scheduler once
+    wrapped = sched_cls._update_after_schedule
+    plugin.install_runtime_patches(plugin.PatchState(modules))
+    assert sched_cls._update_after_schedule is wrapped
+
+
+def test_plain_paused_steps_off_leaves_the_placeholders_alone() -> None:
+    _, manager = _gated_manager({"mode": "varlen", "plain_paused_steps": False})
+    assert not hasattr(manager, "drop_placeholders")
+
+
+def test_a_drifted_scheduler_keeps_its_placeholders_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The scheduler hook is an optimization: where vLLM's scheduler moved, the plugin serves without it
+    (paused steps compact their placeholders away) instead of refusing to start."""
+    modules = make_standins()
+    del modules[contract.ASYNC_SCHEDULER].AsyncScheduler._update_after_schedule
+    state, _ = _state(modules, mode="varlen")
+    with caplog.at_level(logging.WARNING, logger="vllm.dspark"):
+        plugin.install_runtime_patches(state)
+    assert state.runtime_installed
+    assert any("paused steps keep their placeholder drafts" in r.getMessage() for r in caplog.records)
+    assert state.drop_placeholders() is False
 
 
 def test_a_mask_manager_whose_paused_steps_compact_gets_varlen_graphs() -> None:

@@ -39,6 +39,7 @@ SEED_KEYS: dict[str, str] = {
     "dspark_sts_refit_interval": "sts_refit_interval",
     "dspark_draft_catchup_tokens": "draft_catchup_tokens",
     "dspark_mask_paused_compact": "mask_paused_compact",
+    "dspark_plain_paused_steps": "plain_paused_steps",
 }
 
 
@@ -73,6 +74,13 @@ class DsparkVllmSettings:
     # default since its greedy outputs with real weights matched no speculation's on the H200 (section 28);
     # false keeps every paused step uniform.
     mask_paused_compact: bool = True
+    # A paused step tells vLLM's scheduler that it drafted nothing, so the step after it is scheduled as plain
+    # decoding: one token per request, no placeholder drafts. Without it the asynchronous scheduler reserves K
+    # placeholders per request on every step, and a paused server pays for them in the scheduler (token budget,
+    # rejection accounting), in the runner (verification layout, rejection sampler) and in our hooks, though no
+    # draft is verified (docs/PERFORMANCE.md section 33). Works where the scheduler runs in the worker's process
+    # (one GPU: vLLM's uniprocess executor); elsewhere the placeholders stay and the step compacts them away.
+    plain_paused_steps: bool = True
 
     def __post_init__(self) -> None:
         w = f"--additional-config {ADDITIONAL_CONFIG_KEY}"
@@ -89,7 +97,7 @@ class DsparkVllmSettings:
             _number(f"{w}.overhead_ms", self.overhead_ms, 0.0, math.inf)
         if self.confidence_temperature is not None:
             _number(f"{w}.confidence_temperature", self.confidence_temperature, 0.0, math.inf, lo_open=True)
-        for name in ("online_sts", "mask_paused_compact"):
+        for name in ("online_sts", "mask_paused_compact", "plain_paused_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise DsparkError(f"{w}.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.policy == "threshold" and self.threshold <= 0:

@@ -56,6 +56,11 @@ WORKER_BASE = "vllm.v1.worker.worker_base"
 LOGGERS = "vllm.v1.metrics.loggers"
 SPEC_METRICS = "vllm.v1.spec_decode.metrics"
 CLI_ARGS = "vllm.entrypoints.common.cli_args"
+# A paused step's placeholder drafts, dropped where vLLM's scheduler hands them out (plain_paused_steps).
+ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler"
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+REQUEST = "vllm.v1.request"
+ENGINE_CORE = "vllm.v1.engine.core"
 
 Kind = Literal[
     "function",  # module-level def; params must appear (in this order) among its parameters
@@ -220,6 +225,26 @@ CONTRACT: tuple[Assumption, ...] = (
                 "num_speculative_tokens=num_spec_tokens,", "draft_tokens[:, num_spec_tokens:] = -1",
                 "draft_tokens[:, :num_spec_tokens]"),
                why="0 scheduled drafts: propose is told 0, the drafts handed to the scheduler are empty"),
+    # --- the scheduler's placeholder drafts (plain_paused_steps)
+    Assumption(ASYNC_SCHEDULER, "AsyncScheduler._update_after_schedule", "method", ("scheduler_output",),
+               patched=True, why="publishes the placeholder list the step's requests were handed"),
+    Assumption(ASYNC_SCHEDULER, "AsyncScheduler._update_after_schedule", "contains",
+               ("self._spec_token_placeholders = [", "request.spec_token_ids = self._spec_token_placeholders"),
+               why="one fresh list per step, shared by every request it schedules: emptied in place by a paused "
+                   "step, it leaves those requests no drafts to schedule next"),
+    Assumption(REQUEST, "Request.num_tokens_with_spec", "contains", ("len(self.spec_token_ids)",),
+               why="an emptied placeholder list schedules one token per request"),
+    Assumption(SCHEDULER, "Scheduler.schedule", "contains",
+               ("scheduled_spec_decode_tokens[request.request_id] = spec_token_ids",),
+               why="the next schedule copies the requests' lists into its output; rejections are counted from "
+                   "that copy, so a list is only ever emptied before it"),
+    Assumption(ENGINE_CORE, "EngineCore.step_with_batch_queue", "contains",
+               ("scheduler_output = self.scheduler.schedule(", "future = self.model_executor.sample_tokens("),
+               why="the runner's sample_tokens (our pause decision) runs after its step's schedule and before "
+                   "the next"),
+    Assumption(RUNNER, "GPUModelRunner.prepare_inputs", "contains",
+               ("if not draft_tokens and self.model_state.num_new_sampled_tokens_per_step == 1:",),
+               why="a batch with no drafts scheduled takes the runner's plain path (no verification layout)"),
     Assumption(INPUT_BATCH, "InputBatch.is_padding", "field", why="MoE skip mask; a view of InputBuffers.is_padding"),
     Assumption(INPUT_BATCH, "InputBatch.input_ids", "field"),
     Assumption(INPUT_BATCH, "InputBatch.query_start_loc", "field"),

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -581,6 +582,10 @@ def build_manager_class(base: type) -> type:
             # those are reproducible from shared outcomes but not from each rank's own clock (attach sets it).
             self._timed = False
             self._skip_decode = False  # StandaloneAR: this propose keeps its prefill pass only
+            # plain_paused_steps: empties the placeholder drafts vLLM's scheduler handed this step's requests
+            # (plugin.PatchState.drop_placeholders), so the step after a paused one is scheduled as plain decoding.
+            self._drop_placeholders: Callable[[], bool] | None = None
+            self._plain_after_pause = 0  # paused steps whose placeholders were dropped
             self._upkeep: DraftUpkeep | None = None  # StandaloneAR in varlen: deferred draft K/V (attach)
             self._catchup_buffers: CatchupBuffers | None = None
             self._no_rejections = torch.zeros(max_reqs, dtype=torch.int32, device=device)
@@ -867,16 +872,26 @@ def build_manager_class(base: type) -> type:
             logger.info("dspark: while paused, the draft skips its K/V pass and catches up every %d pending "
                         "tokens or on resume", budget)
 
+        def set_placeholder_dropper(self, drop: Callable[[], bool]) -> None:
+            """``plain_paused_steps``: ``drop()`` empties the placeholder drafts of the step being sampled, in
+            vLLM's scheduler (the plugin publishes them). Used only where the pause itself is."""
+            self._drop_placeholders = drop
+
         def begin_drafting_step(self, runner: Any) -> None:
             """Before ``sample_tokens``: decide whether this step's propose drafts (saturation policy).
 
             Runs after this step's budget decision (``get_num_tokens`` in ``execute_model``), so a probe's
             outcome is observed before the next decision. A paused step rewrites the runner's pending
-            ``num_spec_tokens_to_schedule`` to 0 -- the path vLLM takes for a step that needs no drafts.
+            ``num_spec_tokens_to_schedule`` to 0 -- the path vLLM takes for a step that needs no drafts -- and,
+            with ``plain_paused_steps``, empties the placeholder drafts the scheduler reserved for the step after
+            it, which vLLM then schedules and runs as plain decoding (no verification layout, no rejection
+            sampling, nothing for our budget hooks to do). So a batch may come with no drafts at all and never
+            reach ``get_num_tokens``: the outcome of the last verification is judged here too.
             """
             state = getattr(runner, "execute_model_state", None)
             if state is None:
                 return
+            self._judge_last_outcome()
             scheduled = int(state.num_spec_tokens_to_schedule)
             drafting = scheduled > 0
             mark = None
@@ -888,6 +903,8 @@ def build_manager_class(base: type) -> type:
                 drafting = self.timer.begin_step(state.input_batch.num_reqs)
                 if not drafting:
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
+                    if self._drop_placeholders is not None and self._drop_placeholders():
+                        self._plain_after_pause += 1
                 self._decisions[drafting] += 1
                 if self._timed:
                     self._last_begin = _Begun(mark, drafting, int(state.input_batch.num_reqs), self._catchups_paid(),
@@ -924,12 +941,13 @@ def build_manager_class(base: type) -> type:
                       f"skipped on {u.skipped_steps} steps, {u.catchups} catch-ups of {u.caught_up_tokens} tokens"
                       + (f", {u.truncated} truncated" if u.truncated else ""))
             last = "none" if c.last_probe is None else c.last_probe.describe()
-            logger.info("dspark: saturation: drafting %d / paused %d decisions; pauses %d, resumes %d, probes [%s]; "
+            logger.info("dspark: saturation: drafting %d / paused %d decisions (%d left the next step plain); "
+                        "pauses %d, resumes %d, probes [%s]; "
                         "due probes held %d steps by the probe tax, %d to time their load, %d while the load "
                         "climbed; last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V "
                         "while paused: %s; paused step time over priced, by load [%s]; prefill steps, time over "
                         "priced, by load: %s", self._decisions[True],
-                        self._decisions[False], c.pauses, c.resumes, probes or "none", c.deferred_probe_steps,
+                        self._decisions[False], self._plain_after_pause, c.pauses, c.resumes, probes or "none", c.deferred_probe_steps,
                         c.unmeasured_probe_steps, c.rising_probe_steps, last, quotients or "not measured yet", upkeep,
                         plain or "not measured yet", prefills)
 

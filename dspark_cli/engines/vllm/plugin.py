@@ -14,7 +14,9 @@ object. Only then, from inside the runner's ``initialize_kv_cache``, does it ins
 * ``GPUModelRunner.sample_tokens``: the saturation policy decides, after the step's budget, whether the
   step drafts (a paused step schedules 0 drafts, as vLLM does for a step that needs none);
 * ``GPUModelRunner.prepare_inputs``: mask mode pads pruned rows once the drafts are in ``input_ids``;
-* ``RejectionSampler.__call__``: OR mask mode's ``invalid_drafts`` into the runner's (grammar) mask.
+* ``RejectionSampler.__call__``: OR mask mode's ``invalid_drafts`` into the runner's (grammar) mask;
+* ``AsyncScheduler._update_after_schedule``: publish the placeholder drafts the step's requests hold, so that
+  a paused step can empty them and the step after it is scheduled as plain decoding (``plain_paused_steps``).
 
 Every name is checked against ``contract.CONTRACT`` first; a drifted vLLM refuses to start with one message.
 Nothing here sets environment variables. vLLM absent: :func:`register` logs at debug level and returns.
@@ -62,11 +64,40 @@ class PatchState:
         self.create = create or _default_create
         self.varlen_override: dict[int, bool] = {}
         self.runtime_installed = False
+        # The placeholder-draft list vLLM's asynchronous scheduler handed every request of the step it scheduled
+        # last (published by the _update_after_schedule hook; None where no scheduler runs in this process).
+        self.placeholders: list[int] | None = None
 
     def module(self, name: str) -> ModuleType | None:
         if self._modules is not None:
             return self._modules.get(name)
         return sys.modules.get(name)
+
+    def load(self, name: str) -> ModuleType | None:
+        """``module``, importing it first in vLLM (the scheduler's module is imported after the runner's)."""
+        if self._modules is not None:
+            return self._modules.get(name)
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            return None
+
+    def drop_placeholders(self) -> bool:
+        """Empty the step's placeholder drafts in place: vLLM then schedules the next step of those requests
+        with none, as plain decoding. Returns whether there were any to drop.
+
+        Safe only between this step's scheduling and the next's, which is when the runner's
+        ``sample_tokens`` runs in vLLM 0.33's engine core (schedule, execute, sample, then the next schedule;
+        with the uniprocess executor the worker runs in the scheduler's thread). Until the next ``schedule``
+        only the requests hold the list; that call copies it into the step's ``scheduled_spec_decode_tokens``,
+        which the scheduler later reads back to count rejections, so a list emptied after it would unbalance
+        that count. Each list is dropped at most once, and a new step's publication replaces it.
+        """
+        placeholders, self.placeholders = self.placeholders, None
+        if not placeholders:
+            return False
+        placeholders.clear()
+        return True
 
 
 def _default_create(settings: DsparkVllmSettings, av_module: ModuleType, kwargs: dict[str, Any]) -> Any:
@@ -99,6 +130,8 @@ def make_gate(original: Callable[..., Any], state: PatchState) -> Callable[..., 
         av = state.module(contract.AV)
         assert av is not None
         manager = state.create(settings, av, kwargs)
+        if settings.plain_paused_steps and hasattr(manager, "set_placeholder_dropper"):
+            manager.set_placeholder_dropper(state.drop_placeholders)
         # Varlen decode graphs wherever a paused step compacts (varlen; mask with mask_paused_compact).
         state.varlen_override[id(kwargs["vllm_config"])] = bool(
             getattr(manager, "compact_paused", getattr(manager, "mode", settings.mode) == "varlen"))
@@ -220,7 +253,35 @@ def install_runtime_patches(state: PatchState) -> None:
 
         setattr(__call__, MARK, call_original)
         sampler_cls.__call__ = __call__
+    _publish_placeholders(state)
     state.runtime_installed = True
+
+
+def _publish_placeholders(state: PatchState) -> None:
+    """Wrap ``AsyncScheduler._update_after_schedule`` to publish the placeholder list it handed the step's
+    requests (:meth:`PatchState.drop_placeholders`). Only the engine-core process ever calls it: where the
+    worker runs elsewhere, nothing is published there and a paused step keeps its placeholders. A drifted
+    scheduler leaves the hook out with one warning -- paused steps then compact the placeholders away, as
+    before -- rather than refusing to serve."""
+    module = state.load(contract.ASYNC_SCHEDULER)
+    cls = getattr(module, "AsyncScheduler", None)
+    problems = _drift([(row, module) for row in contract.CONTRACT
+                       if row.module == contract.ASYNC_SCHEDULER and row.kind in ("method", "contains")])
+    if cls is None or problems:
+        logger.warning("dspark: vLLM's asynchronous scheduler differs from what the plugin expects (%s): paused "
+                       "steps keep their placeholder drafts", "; ".join(problems) or "no AsyncScheduler")
+        return
+    original = cls._update_after_schedule
+    if is_patched(original):
+        return
+
+    @functools.wraps(original)
+    def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
+        original(self, scheduler_output)
+        state.placeholders = self._spec_token_placeholders
+
+    setattr(_update_after_schedule, MARK, original)
+    cls._update_after_schedule = _update_after_schedule
 
 
 def _run_before(cls: type, name: str, hook: Callable[[Any, Any], None]) -> None:
