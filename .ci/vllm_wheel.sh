@@ -41,6 +41,7 @@ FILES=(
   vllm/v1/core/sched/scheduler.py
   vllm/v1/request.py
   vllm/v1/engine/core.py
+  vllm/v1/worker/gpu/model_states/default.py
 )
 # Sources of the pinned FlashInfer (cache: $DSPARK_FLASHINFER_SRC, else ~/.cache/dspark/flashinfer-VERSION-src).
 FLASHINFER_VERSION=0.7.2.post1

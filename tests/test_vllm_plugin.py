@@ -73,7 +73,7 @@ def make_standins(*, rejection_params: tuple[str, ...] | None = None) -> dict[st
 
         def prepare_inputs(self, scheduler_output: Any, batch_req_state: Any, batch_desc: Any,
                            num_active_loras: int) -> Any:
-            return types.SimpleNamespace(name="batch")
+            return types.SimpleNamespace(name="batch", max_query_len=None)
 
         def capture_model(self, *, profile_only: bool = False) -> int:
             self.events.append("capture")
@@ -289,6 +289,23 @@ def test_a_drifted_scheduler_keeps_its_placeholders_with_one_warning(caplog: pyt
     assert state.runtime_installed
     assert any("paused steps keep their placeholder drafts" in r.getMessage() for r in caplog.records)
     assert state.drop_placeholders() is False
+
+
+def test_a_batch_without_drafts_gets_the_query_bound_of_the_graph_it_replays() -> None:
+    """The step after a paused one carries no drafts, and vLLM builds its attention metadata for one-token
+    queries -- but it replays a varlen decode graph captured for up to 1 + K (garbage outputs on the H200
+    until the bound was passed on). The descriptor's bound reaches the batch through the runner's
+    prepare_inputs; a bound the runner set, or a piecewise descriptor's none, is left as it is."""
+    modules, manager = _gated_manager({"mode": "varlen"})
+    runner = modules[contract.RUNNER].GPUModelRunner()
+    runner.adaptive_verification = manager
+    desc = types.SimpleNamespace(max_query_len=8)
+    assert runner.prepare_inputs(None, None, desc, 0).max_query_len == 8
+    assert runner.prepare_inputs(None, None, batch_desc=desc, num_active_loras=0).max_query_len == 8
+    for runner_bound, desc_bound, want in ((None, None, None), (3, 8, 3)):
+        batch = types.SimpleNamespace(max_query_len=runner_bound)
+        plugin.bound_query_len(batch, types.SimpleNamespace(max_query_len=desc_bound))
+        assert batch.max_query_len == want
 
 
 def test_a_mask_manager_whose_paused_steps_compact_gets_varlen_graphs() -> None:

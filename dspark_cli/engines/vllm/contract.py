@@ -60,6 +60,7 @@ CLI_ARGS = "vllm.entrypoints.common.cli_args"
 ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 REQUEST = "vllm.v1.request"
+MODEL_STATE = "vllm.v1.worker.gpu.model_states.default"
 ENGINE_CORE = "vllm.v1.engine.core"
 
 Kind = Literal[
@@ -201,7 +202,8 @@ CONTRACT: tuple[Assumption, ...] = (
     # --- the runner's step: where our hooks sit
     Assumption(RUNNER, "GPUModelRunner.prepare_inputs", "method",
                ("scheduler_output", "batch_req_state", "batch_desc", "num_active_loras"), patched=True,
-               why="mask mode pads pruned rows after combine_sampled_and_draft_tokens wrote the drafts"),
+               why="mask mode pads pruned rows after combine_sampled_and_draft_tokens wrote the drafts; a batch "
+                   "with no drafts gets the bound of its graph, the descriptor (third argument)"),
     Assumption(RUNNER, "GPUModelRunner.prepare_inputs", "contains",
                ("adaptive_verification.reallocate_drafts(req_ids, idx_mapping)",)),
     Assumption(RUNNER, "GPUModelRunner.capture_model", "method", ("profile_only",), patched=True,
@@ -245,6 +247,12 @@ CONTRACT: tuple[Assumption, ...] = (
     Assumption(RUNNER, "GPUModelRunner.prepare_inputs", "contains",
                ("if not draft_tokens and self.model_state.num_new_sampled_tokens_per_step == 1:",),
                why="a batch with no drafts scheduled takes the runner's plain path (no verification layout)"),
+    Assumption(INPUT_BATCH, "InputBatch.max_query_len", "field",
+               why="a batch with no drafts gets the bound of the varlen decode graph it replays (bound_query_len)"),
+    Assumption(CUDAGRAPH, "BatchExecutionDescriptor.max_query_len", "field"),
+    Assumption(MODEL_STATE, "DefaultModelState.prepare_attn", "contains",
+               ("max_query_len = input_batch.max_query_len",),
+               why="attention metadata is built from the batch's bound when it has one"),
     Assumption(INPUT_BATCH, "InputBatch.is_padding", "field", why="MoE skip mask; a view of InputBuffers.is_padding"),
     Assumption(INPUT_BATCH, "InputBatch.input_ids", "field"),
     Assumption(INPUT_BATCH, "InputBatch.query_start_loc", "field"),

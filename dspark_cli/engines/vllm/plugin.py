@@ -229,8 +229,11 @@ def install_runtime_patches(state: PatchState) -> None:
         def prepare_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
             batch = prepare_original(self, *args, **kwargs)
             manager = getattr(self, "adaptive_verification", None)
-            if _is_ours(manager) and manager.mode == "mask":
-                manager.apply_mask(batch)
+            if _is_ours(manager):
+                desc = args[2] if len(args) > 2 else kwargs.get("batch_desc")
+                bound_query_len(batch, desc)
+                if manager.mode == "mask":
+                    manager.apply_mask(batch)
             return batch
 
         setattr(prepare_inputs, MARK, prepare_original)
@@ -282,6 +285,22 @@ def _publish_placeholders(state: PatchState) -> None:
 
     setattr(_update_after_schedule, MARK, original)
     cls._update_after_schedule = _update_after_schedule
+
+
+def bound_query_len(batch: Any, desc: Any) -> None:
+    """Give a batch with no drafts the query-length bound of the CUDA graph it replays.
+
+    A varlen decode graph is captured with attention metadata for queries of up to ``1 + K`` tokens per
+    request (``BatchExecutionDescriptor.max_query_len``), and a replay must build its metadata with the
+    same bound (``InputBatch.max_query_len`` says so). vLLM's runner sets it only for batches that carry
+    drafts; a batch scheduled with none builds its metadata for one-token queries. Upstream never replays a
+    varlen graph with such a batch (it pads new decode rows to ``1 + K``), but the step after a paused one
+    does (``plain_paused_steps``), and with the bound unset its greedy outputs with real weights on the H200
+    were garbage after a few tokens (docs/PERFORMANCE.md section 33). With it, the metadata is what the
+    compacted paused step always built, whose outputs matched no speculation's."""
+    bound = getattr(desc, "max_query_len", None)
+    if bound is not None and getattr(batch, "max_query_len", 0) is None:
+        batch.max_query_len = int(bound)
 
 
 def _run_before(cls: type, name: str, hook: Callable[[Any, Any], None]) -> None:
