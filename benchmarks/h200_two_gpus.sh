@@ -177,7 +177,7 @@ print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x)))" "$ROOT/v
 # thousand) and start together: in a row they took 7 of a sitting's 30 minutes (2026-12-03). Should a config
 # fail to serve that way (exit 1; 3 is an output that differs), the check runs again with the servers in a row.
 real_smoke() {
-  local configs=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle,mask} kv=${REAL_KV_GIB-2} rc=0
+  local configs=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle-plain,mask} kv=${REAL_KV_GIB-2} rc=0
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
   OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB=$kv \
     stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real || rc=$?

@@ -252,10 +252,10 @@ def _scheduled(sched: Any, requests: list[str], k: int = 3) -> Any:
 
 
 def test_a_paused_step_can_empty_the_placeholders_its_scheduler_step_handed_out() -> None:
-    """plain_paused_steps (on by default): the manager gets a dropper that empties, in place, the one list
-    of placeholder drafts vLLM's scheduler handed every request of the step it scheduled last -- so the
-    next step schedules those requests no drafts. One drop per step; a new step's list replaces it."""
-    modules, manager = _gated_manager({"mode": "varlen"})
+    """plain_paused_steps: the manager gets a dropper that empties, in place, the one list of placeholder
+    drafts vLLM's scheduler handed every request of the step it scheduled last -- so the next step schedules
+    those requests no drafts. One drop per step; a new step's list replaces it."""
+    modules, manager = _gated_manager({"mode": "varlen", "plain_paused_steps": True})
     sched_cls = modules[contract.ASYNC_SCHEDULER].AsyncScheduler
     assert plugin.is_patched(sched_cls._update_after_schedule)
     sched = sched_cls()
@@ -274,8 +274,10 @@ def test_a_paused_step_can_empty_the_placeholders_its_scheduler_step_handed_out(
 
 
 def test_plain_paused_steps_off_leaves_the_placeholders_alone() -> None:
-    _, manager = _gated_manager({"mode": "varlen", "plain_paused_steps": False})
-    assert not hasattr(manager, "drop_placeholders")
+    """Off by default until the GPU's lossless check has passed with it."""
+    for dspark in ({"mode": "varlen"}, {"mode": "varlen", "plain_paused_steps": False}):
+        _, manager = _gated_manager(dspark)
+        assert not hasattr(manager, "drop_placeholders")
 
 
 def test_a_drifted_scheduler_keeps_its_placeholders_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:

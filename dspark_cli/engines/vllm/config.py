@@ -80,7 +80,10 @@ class DsparkVllmSettings:
     # rejection accounting), in the runner (verification layout, rejection sampler) and in our hooks, though no
     # draft is verified (docs/PERFORMANCE.md section 33). Works where the scheduler runs in the worker's process
     # (one GPU: vLLM's uniprocess executor); elsewhere the placeholders stay and the step compacts them away.
-    plain_paused_steps: bool = True
+    # Off by default: its first H200 run served garbage greedy outputs (the plain step built attention metadata
+    # for one-token queries under a graph captured for 1 + K, fixed since by plugin.bound_query_len), and the
+    # lossless check of the fix has not run yet.
+    plain_paused_steps: bool = False
 
     def __post_init__(self) -> None:
         w = f"--additional-config {ADDITIONAL_CONFIG_KEY}"
