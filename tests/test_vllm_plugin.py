@@ -269,15 +269,16 @@ def test_a_paused_step_can_empty_the_placeholders_its_scheduler_step_handed_out(
     assert sched.requests["a"].spec_token_ids == [-1] * 3
     # installing again wraps the scheduler once
     wrapped = sched_cls._update_after_schedule
-    plugin.install_runtime_patches(plugin.PatchState(modules))
+    assert plugin.publish_placeholders(plugin.PatchState(modules)) is True
     assert sched_cls._update_after_schedule is wrapped
 
 
 def test_plain_paused_steps_off_leaves_the_placeholders_alone() -> None:
-    """Off by default until the GPU's lossless check has passed with it."""
+    """Off by default until the GPU's lossless check has passed with it: the scheduler is not even wrapped."""
     for dspark in ({"mode": "varlen"}, {"mode": "varlen", "plain_paused_steps": False}):
-        _, manager = _gated_manager(dspark)
+        modules, manager = _gated_manager(dspark)
         assert not hasattr(manager, "drop_placeholders")
+        assert not plugin.is_patched(modules[contract.ASYNC_SCHEDULER].AsyncScheduler._update_after_schedule)
 
 
 def test_a_drifted_scheduler_keeps_its_placeholders_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -286,9 +287,11 @@ def test_a_drifted_scheduler_keeps_its_placeholders_with_one_warning(caplog: pyt
     modules = make_standins()
     del modules[contract.ASYNC_SCHEDULER].AsyncScheduler._update_after_schedule
     state, _ = _state(modules, mode="varlen")
+    plugin.install_gate(state)
+    config = FakeConfig({"dspark": {"mode": "varlen", "plain_paused_steps": True}})
     with caplog.at_level(logging.WARNING, logger="vllm.dspark"):
-        plugin.install_runtime_patches(state)
-    assert state.runtime_installed
+        manager = modules[contract.RUNNER].maybe_create_adaptive_verification_manager(**_factory_kwargs(config))
+    assert state.runtime_installed and not hasattr(manager, "drop_placeholders")
     assert any("paused steps keep their placeholder drafts" in r.getMessage() for r in caplog.records)
     assert state.drop_placeholders() is False
 

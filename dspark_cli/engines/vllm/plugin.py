@@ -130,7 +130,8 @@ def make_gate(original: Callable[..., Any], state: PatchState) -> Callable[..., 
         av = state.module(contract.AV)
         assert av is not None
         manager = state.create(settings, av, kwargs)
-        if settings.plain_paused_steps and hasattr(manager, "set_placeholder_dropper"):
+        if (settings.plain_paused_steps and hasattr(manager, "set_placeholder_dropper")
+                and publish_placeholders(state)):
             manager.set_placeholder_dropper(state.drop_placeholders)
         # Varlen decode graphs wherever a paused step compacts (varlen; mask with mask_paused_compact).
         state.varlen_override[id(kwargs["vllm_config"])] = bool(
@@ -256,16 +257,16 @@ def install_runtime_patches(state: PatchState) -> None:
 
         setattr(__call__, MARK, call_original)
         sampler_cls.__call__ = __call__
-    _publish_placeholders(state)
     state.runtime_installed = True
 
 
-def _publish_placeholders(state: PatchState) -> None:
-    """Wrap ``AsyncScheduler._update_after_schedule`` to publish the placeholder list it handed the step's
-    requests (:meth:`PatchState.drop_placeholders`). Only the engine-core process ever calls it: where the
-    worker runs elsewhere, nothing is published there and a paused step keeps its placeholders. A drifted
-    scheduler leaves the hook out with one warning -- paused steps then compact the placeholders away, as
-    before -- rather than refusing to serve."""
+def publish_placeholders(state: PatchState) -> bool:
+    """``plain_paused_steps``: wrap ``AsyncScheduler._update_after_schedule`` to publish the placeholder list it
+    handed the step's requests (:meth:`PatchState.drop_placeholders`); returns whether the hook is in place
+    (idempotent). Only the engine-core process ever calls it: where the worker runs elsewhere, nothing is
+    published there and a paused step keeps its placeholders. A drifted scheduler leaves the hook out with one
+    warning -- paused steps then compact the placeholders away, as by default -- rather than refusing to
+    serve."""
     module = state.load(contract.ASYNC_SCHEDULER)
     cls = getattr(module, "AsyncScheduler", None)
     problems = _drift([(row, module) for row in contract.CONTRACT
@@ -273,10 +274,10 @@ def _publish_placeholders(state: PatchState) -> None:
     if cls is None or problems:
         logger.warning("dspark: vLLM's asynchronous scheduler differs from what the plugin expects (%s): paused "
                        "steps keep their placeholder drafts", "; ".join(problems) or "no AsyncScheduler")
-        return
+        return False
     original = cls._update_after_schedule
     if is_patched(original):
-        return
+        return True
 
     @functools.wraps(original)
     def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
@@ -285,6 +286,7 @@ def _publish_placeholders(state: PatchState) -> None:
 
     setattr(_update_after_schedule, MARK, original)
     cls._update_after_schedule = _update_after_schedule
+    return True
 
 
 def bound_query_len(batch: Any, desc: Any) -> None:
@@ -345,4 +347,5 @@ def register() -> None:
     install_gate(state)
 
 
-__all__ = ["register", "install_gate", "install_runtime_patches", "PatchState", "make_gate", "MARK"]
+__all__ = ["register", "install_gate", "install_runtime_patches", "publish_placeholders", "bound_query_len",
+           "PatchState", "make_gate", "MARK"]
