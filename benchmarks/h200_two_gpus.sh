@@ -103,10 +103,12 @@ queue_stalls() {
 # REUSE_CURVE=1: the curve `dspark profile-sps` measured in section 14's sitting (same machine kind) instead of
 # profiling again (saves 3 min). REAL_SMOKE=1: first the greedy lossless check with real weights (issue 6 item
 # 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec and forced-verification configs
-# (varlen-verify; varlen-cycle, pausing and probing often; mask, pruning to half the drafts, its
-# paused steps compacted), with a concurrent smoke per config; should a config fail to
+# (varlen-verify; varlen-cycle-plain, pausing and probing often, each paused step's successor plain; mask-plain,
+# pruning to half the drafts, likewise), with a concurrent smoke per config; should a config fail to
 # serve, the matrix keeps the draft's K/V current. Section 16's sitting ran nospec, varlen, varlen-current:
 # both of ours accepted no draft (so outputs matched trivially), which varlen-verify now rules in or out.
+# PLAIN_IF_LOSSLESS=1 (with REAL_SMOKE=1): if the check passes, every config of ours then serves
+# plain_paused_steps (ROOT/vllm/plain-paused-steps; varlen-placeholders names the default path beside it).
 # REAL_SMOKE=after: the same check after groups 1 and 2, where a sitting short of device time loses it, not
 # the matrix; REAL_SMOKE=mid: after group 1 and VLLM_HIGH, before the anatomy and group 2.
 # VLLM_HIGH (e.g. nospec@2,all@2,varlen@2,nospec@1#1): after group 1, a group at HIGH_CONC requests only (default
@@ -128,7 +130,17 @@ queue_vllm() {
   fi
   if [[ ${REAL_SMOKE:-0} == 1 ]]; then
     real_smoke
-    [[ $? == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
+    local smoke=$?
+    [[ $smoke == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
+    # PLAIN_IF_LOSSLESS=1: every config of ours serves plain_paused_steps once the check (varlen-cycle-plain and
+    # mask-plain among its configs) matched no speculation everywhere; otherwise they serve the default path.
+    if [[ ${PLAIN_IF_LOSSLESS:-0} == 1 ]]; then
+      if [[ $smoke == 0 ]]; then
+        echo "lossless: every config of ours serves plain_paused_steps"; touch "$ROOT/vllm/plain-paused-steps"
+      else
+        echo "lossless failed (exit $smoke): ours serve the default path"
+      fi
+    fi
   fi
   # Every group is served with vLLM's own compilation (torch.compile, piecewise graphs for steps that carry a
   # prompt chunk: vllm_adaptive.py's default since section 29, where it took our paused servers' 1-2% loss at 16
@@ -177,7 +189,7 @@ print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x)))" "$ROOT/v
 # thousand) and start together: in a row they took 7 of a sitting's 30 minutes (2026-12-03). Should a config
 # fail to serve that way (exit 1; 3 is an output that differs), the check runs again with the servers in a row.
 real_smoke() {
-  local configs=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle-plain,mask} kv=${REAL_KV_GIB-2} rc=0
+  local configs=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle-plain,mask-plain} kv=${REAL_KV_GIB-2} rc=0
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
   OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB=$kv \
     stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real || rc=$?

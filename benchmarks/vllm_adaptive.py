@@ -436,8 +436,8 @@ def main() -> int:
     ap.add_argument("--load-format", default=None, help="e.g. dummy (real step costs, no weights)")
     ap.add_argument("--configs", default="upstream,varlen,mask",
                     help="comma list of nospec, all, upstream, varlen, mask, varlen-nosat, varlen-nosts, "
-                         "varlen-startup, varlen-current, varlen-plain; for --lossless also varlen-verify, "
-                         "varlen-cycle, varlen-cycle-current, varlen-cycle-plain")
+                         "varlen-startup, varlen-current, varlen-plain, varlen-placeholders; for --lossless also varlen-verify, "
+                         "varlen-cycle, varlen-cycle-current, varlen-cycle-plain, mask-plain")
     ap.add_argument("--client", choices=("dspark", "vllm"), default="dspark",
                     help="dspark bench --base-url (one summary table in OUT/bench) or vllm bench serve")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the bench requests")
@@ -560,6 +560,7 @@ def main() -> int:
         # a paused step's successor scheduled as plain decoding, no placeholder drafts (plain_paused_steps, off
         # by default until its greedy outputs match no speculation's on the GPU): what that is worth
         "varlen-plain": {**varlen, "dspark_plain_paused_steps": True},
+        "varlen-placeholders": {**varlen, "dspark_plain_paused_steps": False},  # the default path, whatever --dspark
         # For the lossless check with real weights: verification forced on (a survival threshold instead of the
         # curve, no saturation), and the same with the policy pausing and probing often (patience 1, a probe
         # every 2 paused steps, backing off): its probes draft right after a catch-up, so their acceptance
@@ -572,6 +573,7 @@ def main() -> int:
     specs["varlen-cycle-current"] = {**specs["varlen-cycle"], "dspark_draft_catchup_tokens": 0}
     # the lossless check of plain_paused_steps: pausing and probing often, every paused step's successor plain
     specs["varlen-cycle-plain"] = {**specs["varlen-cycle"], "dspark_plain_paused_steps": True}
+    specs["mask-plain"] = {**specs["mask"], "dspark_plain_paused_steps": True}
     if args.lossless:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
         # nothing about its padding path: a budget cap makes it prune.

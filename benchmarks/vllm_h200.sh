@@ -55,6 +55,9 @@ OURS='{"online_sts": true}'
 # the draft's K/V current while paused (draft_catchup_tokens 0) instead of catching it up (engines/vllm/upkeep.py).
 KEEP=""
 [[ -f $OUT/keep-draft-current ]] && KEEP=', "draft_catchup_tokens": 0'
+# OUT/plain-paused-steps (the queue writes it once the lossless check passed with PLAIN_IF_LOSSLESS=1): ours
+# schedule the step after a paused one as plain decoding (plain_paused_steps).
+[[ -f $OUT/plain-paused-steps ]] && KEEP="$KEEP"', "plain_paused_steps": true'
 OURS_SCALED="{\"online_sts\": true$KEEP}"
 [[ -f $OUT/profile-scaled/sps_curve.json ]] && \
   OURS_SCALED="{\"online_sts\": true, \"sps_curve\": \"$OUT/profile-scaled/sps_curve.json\"$KEEP}"
