@@ -15,8 +15,9 @@ object. Only then, from inside the runner's ``initialize_kv_cache``, does it ins
   step drafts (a paused step schedules 0 drafts, as vLLM does for a step that needs none);
 * ``GPUModelRunner.prepare_inputs``: mask mode pads pruned rows once the drafts are in ``input_ids``;
 * ``RejectionSampler.__call__``: OR mask mode's ``invalid_drafts`` into the runner's (grammar) mask;
-* ``AsyncScheduler._update_after_schedule``: publish the placeholder drafts the step's requests hold, so that
-  a paused step can empty them and the step after it is scheduled as plain decoding (``plain_paused_steps``).
+* ``AsyncScheduler._update_after_schedule``, only for a manager with ``plain_paused_steps``: publish the
+  placeholder drafts the step's requests hold, so that a paused step can empty them and the step after it is
+  scheduled as plain decoding (:func:`publish_placeholders`).
 
 Every name is checked against ``contract.CONTRACT`` first; a drifted vLLM refuses to start with one message.
 Nothing here sets environment variables. vLLM absent: :func:`register` logs at debug level and returns.
