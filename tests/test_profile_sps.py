@@ -281,7 +281,7 @@ def test_graph_replay_path_profiles_the_staircase_and_eager_points_beyond() -> N
     with LLMEngine(cfg) as e:
         e.runner.emulate_graphs()
         assert e.runner.capture_sizes == [2, 4, 12]
-        curve = prof.profile_sps(e, warmup=1, iters=3)
+        curve = prof.profile_sps(e, warmup=2, iters=7)  # medians of 7: a CPU hiccup at 2 tokens flattened a median of 3
     assert curve.capture_sizes == (2, 4, 12) and curve.capture_limit == 12
     assert [x for x, _ in curve.verify_ms] == [2, 4, 12, 18, 24]
     assert curve.meta["cuda_graphs"] is True and curve.meta["capture_limit"] == 12
