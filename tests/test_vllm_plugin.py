@@ -300,14 +300,15 @@ def test_a_batch_without_drafts_gets_the_query_bound_of_the_graph_it_replays() -
     """The step after a paused one carries no drafts, and vLLM builds its attention metadata for one-token
     queries -- but it replays a varlen decode graph captured for up to 1 + K (garbage outputs on the H200
     until the bound was passed on). The descriptor's bound reaches the batch through the runner's
-    prepare_inputs; a bound the runner set, or a piecewise descriptor's none, is left as it is."""
+    prepare_inputs, and wins over a smaller one the runner set (every request scheduled fewer than K drafts);
+    a piecewise descriptor's none leaves the batch's bound as it is."""
     modules, manager = _gated_manager({"mode": "varlen"})
     runner = modules[contract.RUNNER].GPUModelRunner()
     runner.adaptive_verification = manager
     desc = types.SimpleNamespace(max_query_len=8)
     assert runner.prepare_inputs(None, None, desc, 0).max_query_len == 8
     assert runner.prepare_inputs(None, None, batch_desc=desc, num_active_loras=0).max_query_len == 8
-    for runner_bound, desc_bound, want in ((None, None, None), (3, 8, 3)):
+    for runner_bound, desc_bound, want in ((None, None, None), (3, None, 3), (3, 8, 8), (8, 8, 8), (None, 8, 8)):
         batch = types.SimpleNamespace(max_query_len=runner_bound)
         plugin.bound_query_len(batch, types.SimpleNamespace(max_query_len=desc_bound))
         assert batch.max_query_len == want

@@ -248,7 +248,7 @@ CONTRACT: tuple[Assumption, ...] = (
                ("if not draft_tokens and self.model_state.num_new_sampled_tokens_per_step == 1:",),
                why="a batch with no drafts scheduled takes the runner's plain path (no verification layout)"),
     Assumption(INPUT_BATCH, "InputBatch.max_query_len", "field",
-               why="a batch with no drafts gets the bound of the varlen decode graph it replays (bound_query_len)"),
+               why="a batch gets the bound of the varlen decode graph it replays (bound_query_len)"),
     Assumption(CUDAGRAPH, "BatchExecutionDescriptor.max_query_len", "field"),
     Assumption(MODEL_STATE, "DefaultModelState.prepare_attn", "contains",
                ("max_query_len = input_batch.max_query_len",),

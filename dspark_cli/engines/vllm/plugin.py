@@ -291,18 +291,25 @@ def publish_placeholders(state: PatchState) -> bool:
 
 
 def bound_query_len(batch: Any, desc: Any) -> None:
-    """Give a batch with no drafts the query-length bound of the CUDA graph it replays.
+    """Give a batch the query-length bound of the CUDA graph it replays.
 
     A varlen decode graph is captured with attention metadata for queries of up to ``1 + K`` tokens per
     request (``BatchExecutionDescriptor.max_query_len``), and a replay must build its metadata with the
     same bound (``InputBatch.max_query_len`` says so). vLLM's runner sets it only for batches that carry
-    drafts; a batch scheduled with none builds its metadata for one-token queries. Upstream never replays a
-    varlen graph with such a batch (it pads new decode rows to ``1 + K``), but the step after a paused one
-    does (``plain_paused_steps``), and with the bound unset its greedy outputs with real weights on the H200
-    were garbage after a few tokens (docs/PERFORMANCE.md section 33). With it, the metadata is what the
-    compacted paused step always built, whose outputs matched no speculation's."""
+    drafts, and then to the batch's own longest query. A batch scheduled with none builds its metadata for
+    one-token queries. Upstream never replays a varlen graph with such a batch (it pads new decode rows to
+    ``1 + K``), but the step after a paused one does (``plain_paused_steps``), and with the bound unset its
+    greedy outputs with real weights on the H200 were garbage after a few tokens (docs/PERFORMANCE.md
+    section 33). A batch whose every request was scheduled fewer than K drafts (near ``max_model_len``) has
+    the same mismatch in a smaller way, so the descriptor's bound wins wherever it is the larger: with it,
+    the metadata is what the compacted paused step always built, whose outputs matched no speculation's. A
+    larger bound than a batch's queries is still a valid one, and a descriptor with none (piecewise, eager)
+    leaves the batch as it is."""
     bound = getattr(desc, "max_query_len", None)
-    if bound is not None and getattr(batch, "max_query_len", 0) is None:
+    if bound is None or not hasattr(batch, "max_query_len"):
+        return
+    own = batch.max_query_len
+    if own is None or own < bound:
         batch.max_query_len = int(bound)
 
 
