@@ -142,14 +142,25 @@ TEXT_PROMPTS = (
 )
 
 
+MAX_MODEL_LEN = 2048  # every server's --max-model-len
+TAIL_TOKENS = 48  # the lossless check's last request decodes this many tokens up to one short of MAX_MODEL_LEN
+
+
 def _greedy_outputs(port: int, model: str, n: int, text: bool = False) -> list[list[int]]:
     """Token ids of N fixed prompts, greedy, one request at a time (the same requests for every config):
-    token-id sequences (any tokenizer, dummy weights), or with ``text`` the questions of ``TEXT_PROMPTS``."""
+    token-id sequences (any tokenizer, dummy weights), or with ``text`` the questions of ``TEXT_PROMPTS``; then
+    one more, the tail request: a token-id prompt that leaves ``TAIL_TOKENS`` to generate before the model's
+    length limit. vLLM's scheduler gives a request fewer than K drafts when it nears ``max_model_len``, so the
+    tail's last steps replay a varlen decode graph with shorter queries than it was captured for
+    (``plugin.bound_query_len``)."""
     outs = []
-    for i in range(n):
-        prompt = (TEXT_PROMPTS[i % len(TEXT_PROMPTS)] if text
-                  else [1 + (37 * i + 11 * j) % 900 for j in range(16 + i)])
-        body = {"model": model, "prompt": prompt, "max_tokens": 32,
+    for i in range(n + 1):
+        if i == n:
+            prompt: str | list[int] = [1 + (29 * j) % 900 for j in range(MAX_MODEL_LEN - 1 - TAIL_TOKENS)]
+        else:
+            prompt = (TEXT_PROMPTS[i % len(TEXT_PROMPTS)] if text
+                      else [1 + (37 * i + 11 * j) % 900 for j in range(16 + i)])
+        body = {"model": model, "prompt": prompt, "max_tokens": TAIL_TOKENS if i == n else 32,
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -482,8 +493,9 @@ def main() -> int:
                     help="record where each served step's time goes (benchmarks/vllm_step_anatomy.py), per "
                          "concurrency, into OUT/anatomy")
     ap.add_argument("--lossless", type=int, default=0, metavar="N",
-                    help="instead of benchmarking, send N fixed prompts greedily (temperature 0, 32 tokens) to "
-                         "each config and check every config's token ids against nospec's (run it without "
+                    help="instead of benchmarking, send N fixed prompts greedily (temperature 0, 32 tokens), and one "
+                         "that decodes up to the model's length limit, to each config and check every config's "
+                         "token ids against nospec's (run it without "
                          "--synthetic-rates: synthetic acceptance is not lossless by design)")
     ap.add_argument("--lossless-text", action="store_true",
                     help="with --lossless: text questions (real weights: drafts the check verifies are accepted) "
@@ -507,7 +519,7 @@ def main() -> int:
         unconditional = [float(v) for v in np.cumprod(conditional)]  # vLLM wants P(first i+1 all accepted)
         base_spec.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=unconditional)
     ours = json.loads(args.dspark)
-    engine = [args.model, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
+    engine = [args.model, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs),
               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--dtype", "bfloat16",
               "--compilation-config", json.dumps(COMPILATIONS[args.compilation]),
               # FlashInfer's GEMM/MoE autotune (11 s of a 60 s start on the 135M shape) tunes kernels these dense

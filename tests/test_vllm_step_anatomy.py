@@ -322,10 +322,12 @@ def test_lossless_mode_reports_acceptance_the_concurrent_smoke_and_exit_codes(tm
     """vllm_adaptive.py --lossless --smoke against a stand-in of vLLM's completions and metrics endpoints."""
     adaptive = _load("vllm_adaptive_lossless", PATH.parent / "vllm_adaptive.py")
     short_by = {"n": 0}
+    bodies: list[dict] = []
 
     class Endpoint(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
             n = body["max_tokens"] - (short_by["n"] if body["max_tokens"] > 100 else 0)
             body = {"choices": [{"text": "x", "token_ids": list(range(n))}], "usage": {"completion_tokens": n}}
             _reply(self, json.dumps(body).encode(), "application/json")
@@ -340,6 +342,13 @@ def test_lossless_mode_reports_acceptance_the_concurrent_smoke_and_exit_codes(tm
     server = _serve(Endpoint)
     try:
         port = server.server_address[1]
+        # N prompts, then the tail request: it decodes up to one token short of the servers' max_model_len,
+        # where vLLM schedules fewer than K drafts (the varlen graphs' query bound, plugin.bound_query_len)
+        outs = adaptive._greedy_outputs(port, "m", 3, text=True)
+        assert [len(o) for o in outs] == [32, 32, 32, adaptive.TAIL_TOKENS]
+        tail = bodies[-1]
+        assert len(tail["prompt"]) + tail["max_tokens"] == adaptive.MAX_MODEL_LEN - 1
+        assert all(isinstance(b["prompt"], str) for b in bodies[:3]) and tail["temperature"] == 0.0
         assert adaptive._acceptance(port)["acceptance_length"] == pytest.approx(2.5)
         assert adaptive._concurrent_smoke(port, "m", 12) == {"requests": 12, "complete": 12}
         short_by["n"] = 3  # the longest requests come back short
