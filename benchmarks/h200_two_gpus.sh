@@ -16,6 +16,7 @@
 #   QUEUE=mixed bash benchmarks/h200_two_gpus.sh start ROOT         # one GPU: mixed prefills, GPU test + interleaved A/B
 #   QUEUE=rounds bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8's real matrix in paired rounds (+ mixed twins)
 #   QUEUE=floor bash benchmarks/h200_two_gpus.sh start ROOT         # one GPU: the two-server floor (A/A) and the engine process
+#   QUEUE=issue8 bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8's two matrices on the current code
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -323,6 +324,24 @@ gated_rounds() {
   PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONFIGS=$configs queue_interleaved
 }
 
+# One GPU, issue 8's two matrices on the current code, the engine in a process of its own (dspark serve's default
+# on CUDA since section 23; the scaled matrix last ran on a thread, in section 20, and the real one ran whole on
+# the process front never: sections 23-24 served its STS configs only). Each on its last profiled curve (section
+# 20's, same machine kind and shapes: no profile in the sitting). First the real matrix, all six configs and an
+# A/A column (nospec#2), interleaved in paired rounds (its bar, 3%, sits on the two-server floor, so the summary's
+# per-round medians and the A/A column are what it is read on); then the scaled matrix, served one config after
+# another (six 8B-shaped servers do not fit the device together). GPU_TESTS=1 runs the GPU tests first (~3.6
+# min; no GPU path of the engine changed since they last passed, section 20). ~21 min: real ~9, scaled ~12
+# (estimates from sections 20 and 22), plus the SmolLM2 parts carried in while the real matrix waits for them.
+queue_issue8() {
+  [[ ${GPU_TESTS:-0} == 1 ]] && stage "GPU tests" bash benchmarks/h200_suite.sh "$ROOT/core" gputests
+  PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONFIGS=${REAL_CONFIGS:-nospec,nospec#2,none,mask,varlen,mask+sts,varlen+sts} \
+    queue_interleaved
+  mkdir -p "$ROOT/scaled"
+  cp benchmarks/results/h200/embedded_matrix/2026-12-02/scaled/sps_curve.json "$ROOT/scaled/"
+  WAVES=${SCALED_WAVES:-3} TOK=${SCALED_TOK:-256} stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
+}
+
 queue_paused() {
   stage "steps at T=1, engine alone" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/embedded_engine.py \
     --steps-only --temperature 1 --configs nospec,mask,varlen --concurrency 16,64,128,256 --out "$ROOT/steps_t1"
@@ -349,6 +368,7 @@ QUEUES=(0 1)
 [[ ${QUEUE:-} == mixed ]] && QUEUES=(_mixed)
 [[ ${QUEUE:-} == rounds ]] && QUEUES=(_rounds)
 [[ ${QUEUE:-} == floor ]] && QUEUES=(_floor)
+[[ ${QUEUE:-} == issue8 ]] && QUEUES=(_issue8)
 [[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
 [[ ${QUEUE:-} == vllm-lossless ]] && QUEUES=(_vllm_lossless)
 
@@ -366,7 +386,7 @@ case $ACTION in
     for q in "${QUEUES[@]}"; do
       [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
-      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed || $q == _rounds || $q == _floor ]] && gpu=0
+      gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed || $q == _rounds || $q == _floor || $q == _issue8 ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
         "$(declare -f stage vllm_group real_smoke queue_interleaved gated_rounds queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
@@ -374,7 +394,7 @@ case $ACTION in
       echo "queue $q started (pid $!)"
     done ;;
   status)
-    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused _interleaved _mixed _rounds _floor; do
+    for q in 0 1 _one _stalls _vllm _vllm_anatomy _vllm_lossless _embedded _paused _interleaved _mixed _rounds _floor _issue8; do
       [[ -f $ROOT/queue$q.pid ]] || continue
       state=finished; kill -0 "$(cat "$ROOT/queue$q.pid" 2>/dev/null)" 2>/dev/null && state=running
       echo "== queue $q ($state): $(grep -a '^\[' "$ROOT/queue$q.log" | tail -1)"
