@@ -342,13 +342,13 @@ def test_lossless_mode_reports_acceptance_the_concurrent_smoke_and_exit_codes(tm
     server = _serve(Endpoint)
     try:
         port = server.server_address[1]
-        # N prompts, then the tail request: it decodes up to one token short of the servers' max_model_len,
+        # N prompts, and the tail request: it decodes up to one token short of the servers' max_model_len,
         # where vLLM schedules fewer than K drafts (the varlen graphs' query bound, plugin.bound_query_len)
         outs = adaptive._greedy_outputs(port, "m", 3, text=True)
-        assert [len(o) for o in outs] == [32, 32, 32, adaptive.TAIL_TOKENS]
+        assert [len(o) for o in outs] == [32, 32, 32] and all(isinstance(b["prompt"], str) for b in bodies)
+        assert len(adaptive._tail_output(port, "m")) == adaptive.TAIL_TOKENS
         tail = bodies[-1]
-        assert len(tail["prompt"]) + tail["max_tokens"] == adaptive.MAX_MODEL_LEN - 1
-        assert all(isinstance(b["prompt"], str) for b in bodies[:3]) and tail["temperature"] == 0.0
+        assert len(tail["prompt"]) + tail["max_tokens"] == adaptive.MAX_MODEL_LEN - 1 and tail["temperature"] == 0.0
         assert adaptive._acceptance(port)["acceptance_length"] == pytest.approx(2.5)
         assert adaptive._concurrent_smoke(port, "m", 12) == {"requests": 12, "complete": 12}
         short_by["n"] = 3  # the longest requests come back short
@@ -362,6 +362,13 @@ def test_lossless_mode_reports_acceptance_the_concurrent_smoke_and_exit_codes(tm
     assert adaptive._report_lossless(same, [], tmp_path, {"varlen": ok}) == 0
     out = capsys.readouterr().out
     assert "acceptance length 2.500" in out and "2 catch-ups" in out and "lossless greedy: OK" in out
+    # the tail request is reported beside the verdict, not in it
+    tails = {"nospec": [5, 6, 7, 8], "varlen": [5, 6, 9, 8]}
+    assert adaptive._report_lossless(same, [], tmp_path, {"varlen": ok}, tails) == 0
+    out = capsys.readouterr().out
+    assert "tail request (up to max_model_len, not in the verdict): differs from token 2 of 4" in out
+    assert "identical (4 tokens)" in out and "lossless greedy: OK" in out
+    assert json.loads((tmp_path / "lossless.json").read_text())["summary"]["varlen"]["tail"].startswith("differs")
     assert adaptive._report_lossless({"nospec": [[1, 2]], "varlen": [[1, 3]]}, [], tmp_path) == 3
     assert adaptive._report_lossless(same, [], tmp_path, {"varlen": {**ok, "smoke": smoke}}) == 1
     assert adaptive._report_lossless(same, [{"config": "mask", "error": "exited"}], tmp_path) == 1
