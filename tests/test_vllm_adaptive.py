@@ -231,3 +231,7 @@ def test_the_lossless_check_with_text_questions_compares_every_config_against_no
     assert all(len(o) > 0 for o in outputs["nospec"]) and len(set(map(tuple, outputs["nospec"]))) == 3
     assert outputs["varlen"] == outputs["nospec"]
     assert "identical to nospec: 3/3" in run.stdout
+    # the tail request (up to max_model_len) is served by every config and reported beside the verdict
+    assert set(report["tails"]) == {"nospec", "varlen"} and all(report["tails"].values())
+    assert report["summary"]["varlen"]["tail"].startswith(("identical", "differs"))
+    assert "tail request (up to max_model_len, not in the verdict)" in run.stdout
