@@ -15,6 +15,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dspark_cli.core.capacity import (
+    BudgetDecision,
+    CapacityConfig,
+    CapacityManager,
+    allocate,
+    choose_budget,
+    prefix_survival,
+    schedule_paper,
+)
+from dspark_cli.core.saturation import (
     LOAD_RISE,
     LOAD_SETTLE_RISE,
     LOAD_SETTLE_STEPS,
@@ -25,17 +34,10 @@ from dspark_cli.core.capacity import (
     PROBE_TAX,
     STEP_TIME_MEMORY,
     STEP_TIME_STALE,
-    BudgetDecision,
-    CapacityConfig,
-    CapacityManager,
     RequestWeightedMean,
     SaturationPolicy,
     StepTimeCalibration,
     StepTimer,
-    allocate,
-    choose_budget,
-    prefix_survival,
-    schedule_paper,
 )
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.errors import DsparkError
@@ -1551,7 +1553,7 @@ def test_outcomes_pause_a_confidently_wrong_head_that_predictions_never_would() 
 
 
 def test_a_probe_at_low_load_drafts_long_enough_to_judge_and_can_resume() -> None:
-    from dspark_cli.core.capacity import PROBE_MAX_STEPS, PROBE_REQUEST_STEPS
+    from dspark_cli.core.saturation import PROBE_MAX_STEPS, PROBE_REQUEST_STEPS
 
     cfg = CapacityConfig(mode="varlen", saturation_patience=2, resume_every=3)
     mgr = CapacityManager(cfg, _flat_draft_curve(), num_spec_tokens=3, max_slots=4)
@@ -1584,7 +1586,7 @@ def test_a_probe_tax_outside_zero_to_one_is_refused_by_the_config_and_the_policy
 def test_a_due_probe_waits_for_its_load_to_be_timed_but_not_forever() -> None:
     """measured=False holds a due probe, one paused step at a time, for at most PROBE_MEASURE_WAIT steps; a step
     with nothing due starts the count again."""
-    from dspark_cli.core.capacity import PROBE_MEASURE_WAIT
+    from dspark_cli.core.saturation import PROBE_MEASURE_WAIT
 
     pol = SaturationPolicy(patience=1, resume_every=1)
     pol.begin_step(32)

@@ -268,7 +268,8 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
     """Pauses, resumes, probe steps, probes held back by the probe tax and probes by (trigger, verdict), and
     steps by kind: /metrics counts them as the policy and the engine did, and a bench cell's counters see them."""
     from dspark_cli.bench.metrics import dspark_counters
-    from dspark_cli.core.capacity import PROBE_TRIGGERS, PROBE_VERDICTS, CapacityConfig
+    from dspark_cli.core.capacity import CapacityConfig
+    from dspark_cli.core.saturation import PROBE_TRIGGERS, PROBE_VERDICTS
 
     curve = tmp_path / "expensive_draft.json"
     SpsCurve.from_points([(4, 1.0), (8, 1.1), (64, 2.0)], [(1, 500.0), (8, 500.0)], 0.1).save(curve)

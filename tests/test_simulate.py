@@ -246,9 +246,9 @@ def test_a_mispriced_manager_recovers_through_measured_step_times(monkeypatch: p
     cheap = SpsCurve.from_points(true.verify_ms, [(1, 2.0), (64, 2.0)], 0.5)
     opts = sim.SimOptions(families=("nospec", "manager"), num_steps=1500, manager_curve=cheap)
     calibrated = sim.simulate_concurrency(data, true, r, opts).results
-    import dspark_cli.core.capacity as cap
+    from dspark_cli.core.saturation import StepTimeCalibration
 
-    monkeypatch.setattr(cap.StepTimeCalibration, "relative_draft_cost", lambda self, *args: 1.0)
+    monkeypatch.setattr(StepTimeCalibration, "relative_draft_cost", lambda self, *args: 1.0)
     trusting = sim.simulate_concurrency(data, true, r, opts).results
     nospec = calibrated["nospec"].tok_s
     assert trusting["manager"].tok_s < 0.9 * nospec  # believing its curve, it keeps drafting at a loss

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_cli.core.capacity import PLAIN_SAMPLE_EVERY
+from dspark_cli.core.saturation import PLAIN_SAMPLE_EVERY
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.engines.vllm import contract
 from dspark_cli.engines.vllm.config import DsparkVllmSettings

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark_cli.core.capacity import CapacityManager, ProbeVerdict, SaturationCounters, warm_up_allocate
+from dspark_cli.core.capacity import CapacityManager, warm_up_allocate
 from dspark_cli.core.layout import VerifyLayout, build_mask_layout, build_varlen_layout, warm_up_varlen_layout
 from dspark_cli.core.rejection import rejection_sample, sample, warm_up_rejection_sample
+from dspark_cli.core.saturation import ProbeVerdict, SaturationCounters
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.core.sts import OnlineSTS, apply_temperatures, load_sts
 from dspark_cli.core.traces import TraceWriter
@@ -437,7 +438,7 @@ class LLMEngine:
 
     def _decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         # The step's wall time (its one sync included) calibrates the curve's price of drafting against
-        # plain decoding (core.capacity.StepTimeCalibration).
+        # plain decoding (core.saturation.StepTimeCalibration).
         start = time.perf_counter()
         self.stats.num_decode_steps += 1
         num_reqs = len(seqs)

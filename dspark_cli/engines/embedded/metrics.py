@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from dspark_cli.core.capacity import StepTimeCalibration
+from dspark_cli.core.saturation import StepTimeCalibration
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -493,16 +493,13 @@ def build_manager_class(base: type) -> type:
     from vllm.v1.worker.gpu.spec_decode.adaptive_verification import AdmittedDraftCounts
 
     from dspark_cli.core.capacity import (
-        STEP_TIME_CLAMP,
         BudgetDecision,
-        SaturationPolicy,
-        StepTimeCalibration,
-        StepTimer,
         allocate,
         choose_budget,
         prefix_survival,
         warm_up_allocate,
     )
+    from dspark_cli.core.saturation import STEP_TIME_CLAMP, SaturationPolicy, StepTimeCalibration, StepTimer
     from dspark_cli.core.sts import OnlineSTS, apply_temperatures
 
     class DsparkVerificationManager(base):  # type: ignore[misc, valid-type]
@@ -520,7 +517,7 @@ def build_manager_class(base: type) -> type:
             self.saturation = SaturationPolicy.from_config(self.cfg)  # its probe tax reads the step timing
             # Step times (between drafting decisions, in the GPU's stream order on CUDA: step_clock says why):
             # the probe tax, and what a drafting step costs against a paused one, which in vLLM is not plain
-            # decoding (core.capacity.StepTimer).
+            # decoding (core.saturation.StepTimer).
             self.timer = StepTimer(self.saturation)
             # Prefill steps (prompt_heavy, or the step after one) feed no window the policy reads; timed here
             # apart, for the log only, catch-ups included: a paused step that admits prompts also catches the
