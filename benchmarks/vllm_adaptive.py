@@ -454,6 +454,56 @@ def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str,
     return rows
 
 
+def config_specs(base_spec: dict, ours: dict, lossless: bool = False) -> dict[str, dict | None]:
+    """Every config's speculative config (None: no speculation): ``base_spec`` is vLLM's ``draft_model`` spec,
+    ``ours`` the ``--dspark`` settings every config of ours gets (as ``dspark_*`` keys), which a config's own
+    keys override. ``lossless``: the greedy check's variants (mask configs prune to half the drafts)."""
+    dspark_keys = {f"dspark_{k}": v for k, v in ours.items()}
+    varlen = {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "varlen"}
+    specs: dict[str, dict | None] = {
+        "nospec": None,
+        "all": dict(base_spec),
+        "upstream": {**base_spec, "enable_adaptive_verification": True},
+        "varlen": varlen,
+        # mask's paused steps run varlen's compacted batch on varlen graphs (mask_paused_compact, the default);
+        # mask-compact names that explicitly, mask-uniform keeps every paused step the uniform 1 + k batch
+        "mask": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask"},
+        "mask-compact": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask",
+                         "dspark_mask_paused_compact": True},
+        "mask-uniform": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask",
+                         "dspark_mask_paused_compact": False},
+        # one mechanism off at a time (PERFORMANCE: what each contributed)
+        "varlen-nosat": {**varlen, "dspark_saturation_patience": 0},
+        "varlen-nosts": {**{k: v for k, v in varlen.items() if k not in ("dspark_online_sts", "dspark_sts")},
+                         "dspark_online_sts": False},
+        "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
+        "varlen-current": {**varlen, "dspark_draft_catchup_tokens": 0},  # the draft's K/V kept current while paused
+        # a paused step's successor scheduled as plain decoding, no placeholder drafts (plain_paused_steps, off
+        # by default until its greedy outputs match no speculation's on the GPU): what that is worth
+        "varlen-plain": {**varlen, "dspark_plain_paused_steps": True},
+        "varlen-placeholders": {**varlen, "dspark_plain_paused_steps": False},  # the default path, whatever --dspark
+        # For the lossless check with real weights: verification forced on (a survival threshold instead of the
+        # curve, no saturation), and the same with the policy pausing and probing often (patience 1, a probe
+        # every 2 paused steps, backing off): its probes draft right after a catch-up, so their acceptance
+        # against varlen-verify's says whether the caught-up draft drafts as well (varlen-cycle-current: kept
+        # current instead).
+        "varlen-verify": {**varlen, "dspark_saturation_patience": 0, "dspark_confidence_threshold": 0.001},
+        "varlen-cycle": {**varlen, "dspark_confidence_threshold": 0.001, "dspark_saturation_patience": 1,
+                         "dspark_resume_every": 2},
+    }
+    specs["varlen-cycle-current"] = {**specs["varlen-cycle"], "dspark_draft_catchup_tokens": 0}
+    # the lossless check of plain_paused_steps: pausing and probing often, every paused step's successor plain
+    specs["varlen-cycle-plain"] = {**specs["varlen-cycle"], "dspark_plain_paused_steps": True}
+    specs["mask-plain"] = {**specs["mask"], "dspark_plain_paused_steps": True}
+    if lossless:
+        # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
+        # nothing about its padding path: a budget cap makes every mask config prune.
+        for name, spec in specs.items():
+            if spec is not None and spec.get("dspark_capacity_verification_mode") == "mask":
+                specs[name] = {**spec, "dspark_budget_frac": 0.5}
+    return specs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -569,48 +619,7 @@ def main() -> int:
             ap.error("--anatomy records dspark bench cells: drop --lossless / --client vllm")
         engine += ["--worker-extension-cls", ANATOMY_EXTENSION]
         env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /collective_rpc, which the anatomy is driven through
-    dspark_keys = {f"dspark_{k}": v for k, v in ours.items()}
-    varlen = {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "varlen"}
-    specs: dict[str, dict | None] = {
-        "nospec": None,
-        "all": dict(base_spec),
-        "upstream": {**base_spec, "enable_adaptive_verification": True},
-        "varlen": varlen,
-        # mask's paused steps run varlen's compacted batch on varlen graphs (mask_paused_compact, the default);
-        # mask-compact names that explicitly, mask-uniform keeps every paused step the uniform 1 + k batch
-        "mask": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask"},
-        "mask-compact": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask",
-                         "dspark_mask_paused_compact": True},
-        "mask-uniform": {**base_spec, **dspark_keys, "dspark_capacity_verification_mode": "mask",
-                         "dspark_mask_paused_compact": False},
-        # one mechanism off at a time (PERFORMANCE: what each contributed)
-        "varlen-nosat": {**varlen, "dspark_saturation_patience": 0},
-        "varlen-nosts": {**{k: v for k, v in varlen.items() if k not in ("dspark_online_sts", "dspark_sts")},
-                         "dspark_online_sts": False},
-        "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
-        "varlen-current": {**varlen, "dspark_draft_catchup_tokens": 0},  # the draft's K/V kept current while paused
-        # a paused step's successor scheduled as plain decoding, no placeholder drafts (plain_paused_steps, off
-        # by default until its greedy outputs match no speculation's on the GPU): what that is worth
-        "varlen-plain": {**varlen, "dspark_plain_paused_steps": True},
-        "varlen-placeholders": {**varlen, "dspark_plain_paused_steps": False},  # the default path, whatever --dspark
-        # For the lossless check with real weights: verification forced on (a survival threshold instead of the
-        # curve, no saturation), and the same with the policy pausing and probing often (patience 1, a probe
-        # every 2 paused steps, backing off): its probes draft right after a catch-up, so their acceptance
-        # against varlen-verify's says whether the caught-up draft drafts as well (varlen-cycle-current: kept
-        # current instead).
-        "varlen-verify": {**varlen, "dspark_saturation_patience": 0, "dspark_confidence_threshold": 0.001},
-        "varlen-cycle": {**varlen, "dspark_confidence_threshold": 0.001, "dspark_saturation_patience": 1,
-                         "dspark_resume_every": 2},
-    }
-    specs["varlen-cycle-current"] = {**specs["varlen-cycle"], "dspark_draft_catchup_tokens": 0}
-    # the lossless check of plain_paused_steps: pausing and probing often, every paused step's successor plain
-    specs["varlen-cycle-plain"] = {**specs["varlen-cycle"], "dspark_plain_paused_steps": True}
-    specs["mask-plain"] = {**specs["mask"], "dspark_plain_paused_steps": True}
-    if args.lossless:
-        # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
-        # nothing about its padding path: a budget cap makes it prune.
-        for name in ("mask", "mask-compact", "mask-uniform"):
-            specs[name] = {**specs[name], "dspark_budget_frac": 0.5}
+    specs = config_specs(base_spec, ours, args.lossless > 0)
     try:
         unknown = [n for n in args.configs.split(",") if config_parts(n)[0] not in specs]
     except ValueError as exc:

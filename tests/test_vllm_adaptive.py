@@ -235,3 +235,23 @@ def test_the_lossless_check_with_text_questions_compares_every_config_against_no
     assert set(report["tails"]) == {"nospec", "varlen"} and all(report["tails"].values())
     assert report["summary"]["varlen"]["tail"].startswith(("identical", "differs"))
     assert "tail request (up to max_model_len, not in the verdict)" in run.stdout
+
+
+def test_config_specs_keep_each_configs_own_settings_over_the_shared_ones() -> None:
+    """--dspark settings reach every config of ours, a config's own keys win (varlen-placeholders serves the
+    default path even when the queue turns plain_paused_steps on for all), and the lossless check's mask
+    configs -- mask-plain included -- prune to half the drafts, so their padding path is checked too."""
+    base = {"method": "draft_model", "model": "d", "num_speculative_tokens": 7}
+    ours = {"online_sts": True, "plain_paused_steps": True}
+    specs = adaptive.config_specs(base, ours)
+    assert specs["nospec"] is None and specs["all"] == base
+    assert specs["varlen"]["dspark_plain_paused_steps"] is True and specs["varlen"]["dspark_online_sts"] is True
+    assert specs["varlen-placeholders"]["dspark_plain_paused_steps"] is False
+    assert "dspark_online_sts" not in specs["all"] and specs["varlen-nosts"]["dspark_online_sts"] is False
+    assert all("dspark_budget_frac" not in s for s in specs.values() if s)
+    checked = adaptive.config_specs(base, {"online_sts": True}, lossless=True)
+    masks = {n for n, s in checked.items() if s and s.get("dspark_capacity_verification_mode") == "mask"}
+    assert {"mask", "mask-plain", "mask-compact", "mask-uniform"} <= masks
+    assert all(checked[n]["dspark_budget_frac"] == 0.5 for n in masks)
+    assert checked["mask-plain"]["dspark_plain_paused_steps"] is True
+    assert all("dspark_budget_frac" not in s for n, s in checked.items() if s and n not in masks)
