@@ -204,8 +204,13 @@ def _concurrent_smoke(port: int, model: str, n: int) -> dict:
 UPKEEP_LINE = "draft K/V while paused:"  # the manager's periodic saturation log line (engines/vllm/manager.py)
 
 
-def _tail_agreement(tail: list[int], ref: list[int]) -> str:
-    """How a config's tail request compares with no speculation's: identical, or where it first differs."""
+def _tail_agreement(tail: list[int] | str, ref: list[int] | str) -> str:
+    """How a config's tail request compares with no speculation's: identical, or where it first differs (a str
+    is a tail request that was not served, and says why)."""
+    if isinstance(tail, str):
+        return tail
+    if isinstance(ref, str):
+        return f"no reference: no speculation's was {ref}"
     if tail == ref:
         return f"identical ({len(tail)} tokens)"
     first = next((i for i, (a, b) in enumerate(zip(tail, ref, strict=False)) if a != b), min(len(tail), len(ref)))
@@ -213,7 +218,7 @@ def _tail_agreement(tail: list[int], ref: list[int]) -> str:
 
 
 def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], out: Path,
-                     served: dict[str, dict] | None = None, tails: dict[str, list[int]] | None = None) -> int:
+                     served: dict[str, dict] | None = None, tails: dict[str, list[int] | str] | None = None) -> int:
     """Print and write the check; exit code 0 (every config's N outputs match nospec's and it served), 1 (a config
     did not serve, or a concurrent request came back short) or 3 (some output differs). The tail requests are
     reported per config and kept out of the verdict (``_tail_output``)."""
@@ -634,7 +639,7 @@ def main() -> int:
     results: list[dict] = []
     outputs: dict[str, list[list[int]]] = {}
     served: dict[str, dict] = {}  # lossless: per config, acceptance, the concurrent smoke, the upkeep line
-    tails: dict[str, list[int]] = {}  # lossless: per config, the tail request's output (_tail_output)
+    tails: dict[str, list[int] | str] = {}  # lossless: per config, the tail request's output, or why not
     if args.lossless and args.synthetic_rates:
         ap.error("--lossless checks real verification: drop --synthetic-rates")
     if args.rounds < 1 or args.num_prompts % args.rounds:
@@ -674,7 +679,10 @@ def main() -> int:
         check_ready(srv)
         if args.lossless:
             outputs[srv.name] = _greedy_outputs(srv.port, args.model, args.lossless, args.lossless_text)
-            tails[srv.name] = _tail_output(srv.port, args.model)
+            try:
+                tails[srv.name] = _tail_output(srv.port, args.model)
+            except (OSError, ValueError, KeyError) as exc:  # urllib's errors are OSErrors; never fails the check
+                tails[srv.name] = f"not served ({exc})"
             info: dict = {"acceptance": _acceptance(srv.port)}  # of the sequential greedy requests
             if args.smoke:
                 info["smoke"] = _concurrent_smoke(srv.port, args.model, args.smoke)

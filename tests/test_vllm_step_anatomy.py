@@ -369,6 +369,10 @@ def test_lossless_mode_reports_acceptance_the_concurrent_smoke_and_exit_codes(tm
     assert "tail request (up to max_model_len, not in the verdict): differs from token 2 of 4" in out
     assert "identical (4 tokens)" in out and "lossless greedy: OK" in out
     assert json.loads((tmp_path / "lossless.json").read_text())["summary"]["varlen"]["tail"].startswith("differs")
+    # a tail request that was not served is said so, and still leaves the verdict alone
+    tails = {"nospec": [5, 6], "varlen": "not served (HTTP Error 400: Bad Request)"}
+    assert adaptive._report_lossless(same, [], tmp_path, {"varlen": ok}, tails) == 0
+    assert "not in the verdict): not served (HTTP Error 400" in capsys.readouterr().out
     assert adaptive._report_lossless({"nospec": [[1, 2]], "varlen": [[1, 3]]}, [], tmp_path) == 3
     assert adaptive._report_lossless(same, [], tmp_path, {"varlen": {**ok, "smoke": smoke}}) == 1
     assert adaptive._report_lossless(same, [{"config": "mask", "error": "exited"}], tmp_path) == 1
