@@ -306,10 +306,7 @@ def bound_query_len(batch: Any, desc: Any) -> None:
     larger bound than a batch's queries is still a valid one, and a descriptor with none (piecewise, eager)
     leaves the batch as it is."""
     bound = getattr(desc, "max_query_len", None)
-    if bound is None or not hasattr(batch, "max_query_len"):
-        return
-    own = batch.max_query_len
-    if own is None or own < bound:
+    if bound is not None and (batch.max_query_len is None or batch.max_query_len < bound):
         batch.max_query_len = int(bound)
 
 
