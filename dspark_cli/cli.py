@@ -153,7 +153,9 @@ def calibrate(
 def serve(
     ctx: typer.Context,
     engine: str | None = typer.Option(None, "--engine", help="embedded (default, one device) or vllm."),
-    model: str | None = typer.Option(None, "--model", help="Target model: alias or checkpoint path (default smollm2-135m)."),
+    model: str | None = typer.Option(None, "--model", help="Target model: alias or checkpoint path (default "
+                                     "smollm2-135m); with --engine vllm an alias or random:<shape> is served from "
+                                     "a vLLM-ready copy."),
     draft: str | None = typer.Option(
         None, "--draft",
         help="Draft model: alias, path, auto (default), random:small, none, or synthetic[:KEY=VALUE,...] -- a "

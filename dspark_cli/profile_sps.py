@@ -218,6 +218,8 @@ def _engine_args_flags(args: dict[str, Any]) -> list[str]:
 
 def vllm_argv(req: ProfileRequest) -> list[str]:
     """Arguments for ``engines.vllm.profile.build_profile_command``: MODEL, vllm serve flags, profile flags."""
+    from dspark_cli.engines.vllm.models import vllm_models
+
     _check_common(req)
     if req.device is not None:
         raise DsparkError("--device is for the embedded engine; vLLM picks its devices itself")
@@ -232,14 +234,21 @@ def vllm_argv(req: ProfileRequest) -> list[str]:
         comp = dict(args.get("compilation_config") or {})
         comp["cudagraph_capture_sizes"] = list(req.capture_sizes)
         args["compilation_config"] = comp
-    argv = [req.model, *extra, *_engine_args_flags(args)]
+    spec = _json_object("--speculative-config", req.speculative_config)
+    # The toolkit's model names become vLLM-ready copies, as for `dspark serve --engine vllm` (engines.vllm.models).
+    k = req.num_speculative_tokens if req.num_speculative_tokens is not None else spec.get("num_speculative_tokens")
+    draft = req.draft if req.draft is not None else spec.get("model", "auto")
+    models = vllm_models(req.model, draft, speculative=bool(k))
+    argv = [models.model, *extra, *_engine_args_flags(args)]
+    if models.load_format is not None and "load_format" not in args and not any(
+            a.partition("=")[0] == "--load-format" for a in extra):
+        argv += ["--load-format", models.load_format]
     for flag, value in (("--max-num-seqs", req.max_num_seqs), ("--max-model-len", req.max_model_len),
                         ("--dtype", req.dtype)):
         if value is not None:
             argv += [flag, str(value)]
-    spec = _json_object("--speculative-config", req.speculative_config)
-    if req.draft is not None:
-        spec["model"] = req.draft
+    if models.draft is not None:
+        spec["model"] = models.draft
     if req.num_speculative_tokens is not None:
         spec["num_speculative_tokens"] = req.num_speculative_tokens
     if spec:

@@ -28,6 +28,10 @@ PLUGIN_NAME = "dspark"
 PLUGIN_TARGET = "dspark_cli.engines.vllm.plugin:register"
 ADDITIONAL_CONFIG_KEY = "dspark"  # --additional-config '{"dspark": {...}}'
 INVALID_DRAFTS_ATTR = "dspark_invalid_drafts"  # mask mode sets it on InputBatch; the sampler hook reads it
+# SpeculativeConfig.__post_init__ re-derives the method of a speculator other than these from the draft's *path*
+# (lower-cased, anywhere in it): a "draft_model" draft whose path holds a marker runs as that method instead.
+EXPLICIT_METHODS = ("eagle", "eagle3", "dflash", "dspark")
+METHOD_PATH_MARKERS = ("eagle-", "eagle3", "dflash", "dspark")
 
 RUNNER = "vllm.v1.worker.gpu.model_runner"
 AV = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
@@ -108,8 +112,9 @@ CONTRACT: tuple[Assumption, ...] = (
     Assumption(SPEC_CONFIG, "SpeculativeConfig.enable_adaptive_verification", "field",
                why="the launcher switches upstream adaptive verification on; our manager replaces it"),
     Assumption(SPEC_CONFIG, "SpeculativeConfig.__post_init__", "contains",
-               ('"dspark" in self.draft_model_config.model.lower()', '"dflash" in self.draft_model_config.model.lower()'),
-               why="vLLM re-derives the method from the draft's path; the launcher refuses paths that would flip it"),
+               tuple(f'"{m}" in self.draft_model_config.model.lower()' for m in METHOD_PATH_MARKERS),
+               why="vLLM re-derives the method from the draft's path; the launcher refuses paths that would flip it, "
+                   "and engines.vllm.models keeps its copies out of them"),
     Assumption(SPEC_CONFIG, "SpeculativeConfig.draft_sample_method", "field",
                why="example/benchmark flags (probabilistic draft sampling)"),
     Assumption(VLLM_CONFIG, "VllmConfig.additional_config", "field",

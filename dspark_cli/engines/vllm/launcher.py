@@ -31,7 +31,14 @@ from dspark_cli.engines.vllm.config import (
     resolve_paths,
     settings_from_seed_keys,
 )
-from dspark_cli.engines.vllm.contract import ADDITIONAL_CONFIG_KEY, PLUGIN_GROUP, PLUGIN_NAME, VLLM_VERSION
+from dspark_cli.engines.vllm.contract import (
+    ADDITIONAL_CONFIG_KEY,
+    EXPLICIT_METHODS,
+    PLUGIN_GROUP,
+    PLUGIN_NAME,
+    VLLM_VERSION,
+)
+from dspark_cli.engines.vllm.models import VllmModels, describe, method_marker, vllm_models
 from dspark_cli.errors import DsparkError
 
 SPEC_FLAGS = ("--speculative-config", "-sc")
@@ -148,6 +155,8 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
         passthrough.append(tok)
         i += 1
 
+    if spec is not None:
+        _check_draft_named(spec)
     user_dspark = additional.get(ADDITIONAL_CONFIG_KEY)
     if user_dspark is not None and not isinstance(user_dspark, dict):
         raise DsparkError(f"{ADDITIONAL_FLAG} {ADDITIONAL_CONFIG_KEY}: expected a JSON object")
@@ -194,24 +203,27 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
                          speculative_config=new_spec, additional_config=new_additional)
 
 
-# vLLM 0.33 (SpeculativeConfig.__post_init__) re-derives the method of every speculator other than these
-# from the draft's *path*: a "draft_model" whose folder name contains "dspark" runs as a DSpark speculator.
-_EXPLICIT_METHODS = ("eagle", "eagle3", "dflash", "dspark")
-_PATH_MARKERS = ("eagle-", "eagle3", "dflash", "dspark")
+def _check_draft_named(spec: dict[str, Any]) -> None:
+    """A draft count with neither a draft nor a method that needs none: vLLM 0.33 takes the method for
+    ``draft_model`` and stops with "num_speculative_tokens was provided but without speculative model"."""
+    if spec.get("num_speculative_tokens") and spec.get("model") is None and spec.get("method") in (None, "draft_model"):
+        raise DsparkError("--engine vllm drafts with a draft model: pass --draft PATH (a checkpoint sharing the "
+                          "target's tokenizer; --draft auto has a default for smollm2-135m, tiny and random:<shape> "
+                          "only), or name a method that needs none in --speculative-config (ngram, suffix, mtp)")
 
 
 def _check_method_detection(spec: dict[str, Any]) -> None:
-    """Refuse a draft path that would silently change the speculative method vLLM runs."""
+    """Refuse a draft path that would silently change the speculative method vLLM runs
+    (``contract.METHOD_PATH_MARKERS``)."""
     method, model = spec.get("method"), spec.get("model")
-    if method in _EXPLICIT_METHODS or not isinstance(model, str):
+    if method in EXPLICIT_METHODS or not isinstance(model, str):
         return
-    lowered = model.lower()
-    for marker in _PATH_MARKERS:
-        if marker in lowered:
-            raise DsparkError(
-                f"--speculative-config: vLLM {VLLM_VERSION} picks the speculative method from the draft's path, "
-                f"and {model!r} contains {marker!r}, so method {method!r} would not run as asked; move or link the "
-                f"draft to a path without {marker!r}")
+    marker = method_marker(model)
+    if marker is not None:
+        raise DsparkError(
+            f"--speculative-config: vLLM {VLLM_VERSION} picks the speculative method from the draft's path, "
+            f"and {model!r} contains {marker!r}, so method {method!r} would not run as asked; move or link the "
+            f"draft to a path without {marker!r}")
 
 
 def build_vllm_serve_command(argv: list[str]) -> list[str]:
@@ -241,28 +253,39 @@ def _check_plugin_visible() -> None:
                           "or unset it")
 
 
-def argv_from_serve_settings(settings: Any, extra: list[str]) -> list[str]:
+def argv_from_serve_settings(settings: Any, extra: list[str], models: VllmModels | None = None) -> list[str]:
     """Raw ``vllm serve`` arguments from ``serve_config.ServeSettings`` (flags the CLI already parsed) + extras.
 
-    Lets the CLI hand over either the raw argv or its parsed settings; both go through one translation.
+    Lets the CLI hand over either the raw argv or its parsed settings; both go through one translation. The
+    toolkit's model names (``smollm2-135m``, ``tiny``, ``random:<shape>``) become vLLM-ready copies
+    (``engines.vllm.models``), served under the name as given; ``models`` skips that step (tests).
     """
+    if models is None:
+        models = vllm_models(settings.model, settings.draft, speculative=bool(settings.num_speculative_tokens))
     spec: dict[str, Any] = dict(getattr(settings, "vllm_speculative_config", {}) or {})
-    if settings.draft not in (None, "auto"):
-        spec["model"] = settings.draft
+    if models.draft is not None:
+        spec["model"] = models.draft
     if settings.num_speculative_tokens is not None:
         spec["num_speculative_tokens"] = settings.num_speculative_tokens
     if settings.method is not None:
         spec["method"] = settings.method
     if settings.capacity_mode != "none":
         spec.update(settings.dspark_keys())
-    argv = [settings.model, "--host", str(settings.host), "--port", str(settings.port)]
+    argv = [models.model, "--host", str(settings.host), "--port", str(settings.port)]
+    served = settings.served_model_name or models.served_name
     for flag, value in (("--max-num-seqs", settings.max_num_seqs), ("--max-model-len", settings.max_model_len),
-                        ("--seed", settings.seed), ("--served-model-name", settings.served_model_name)):
+                        ("--seed", settings.seed), ("--served-model-name", served)):
         if value is not None:
             argv += [flag, str(value)]
+    if models.load_format is not None and not _has_flag(extra, "--load-format"):
+        argv += ["--load-format", models.load_format]
     if spec:
         argv += [SPEC_FLAGS[0], orjson.dumps(spec).decode()]
     return argv + list(extra)
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a.partition("=")[0] == flag for a in args)
 
 
 def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool = False) -> int:
@@ -272,7 +295,10 @@ def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool =
     with the unparsed ``extra`` arguments.
     """
     if not isinstance(args, (list, tuple)):
-        args = argv_from_serve_settings(args, extra or [])
+        models = vllm_models(args.model, args.draft, speculative=bool(args.num_speculative_tokens))
+        if models.served_name is not None:
+            sys.stderr.write(f"dspark: {describe(models)}\n")
+        args = argv_from_serve_settings(args, extra or [], models)
     elif extra:
         args = [*args, *extra]
     plan = plan_vllm_serve(list(args))
