@@ -250,6 +250,9 @@ def serve(
         if settings.engine_process is not None:
             raise DsparkError("--engine-process is an embedded-engine setting; vLLM runs its engine core in a "
                               "process of its own already")
+        if settings.device != "auto":
+            raise DsparkError("--device is an embedded-engine setting; vLLM picks its devices itself "
+                              "(CUDA_VISIBLE_DEVICES, --tensor-parallel-size)")
         if importlib.util.find_spec("dspark_cli.engines.vllm.launcher") is None:
             raise DsparkError("--engine vllm is not available in this build (no vLLM launcher); use --engine embedded")
         from dspark_cli.engines.vllm.launcher import run_vllm_serve

@@ -50,6 +50,7 @@ def test_bad_flag_is_one_line_error_and_exit_1() -> None:
         (["--phase-timing", "wall"], "--phase-timing"),
         (["--engine", "vllm", "--phase-timing", "host"], "embedded-engine setting"),
         (["--engine", "vllm", "--mixed-prefill"], "embedded-engine setting"),
+        (["--engine", "vllm", "--device", "cuda"], "embedded-engine setting"),
     ],
 )
 def test_errors_raise_dspark_error(args: list[str], match: str) -> None:
