@@ -120,6 +120,13 @@ def test_serve_dry_run_resolves_the_name_and_refuses_a_draft_count_without_a_dra
     ngram = runner.invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t", "-k", "4",
                                 "--speculative-config", '{"method": "ngram"}'])
     assert ngram.exit_code == 0, ngram.output
+    # -k 0 (the bench's nospec column, after --serve-args' -k 7): no speculative config at all, which vLLM
+    # takes for no speculation (it refuses one of 0 tokens), and no draft copied
+    nospec = runner.invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "tiny", "-k", "7", "-k", "0"])
+    assert nospec.exit_code == 0, nospec.output
+    cmd = shlex.split(nospec.stdout.strip().splitlines()[-1])
+    assert "--speculative-config" not in cmd and cmd[cmd.index("--served-model-name") + 1] == "tiny"
+    assert "dspark: tiny: target " in nospec.stderr and ", draft " not in nospec.stderr
 
 
 def test_profile_dry_run_resolves_a_random_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,16 +147,30 @@ from pathlib import Path
 argv = sys.argv[1:]
 assert argv[0] == "serve", argv
 model, port, served = argv[1], argv[argv.index("--port") + 1], argv[argv.index("--served-model-name") + 1]
-spec = json.loads(argv[argv.index("--speculative-config") + 1])
-draft = spec["model"]
-for path in (model, draft):
+spec = json.loads(argv[argv.index("--speculative-config") + 1]) if "--speculative-config" in argv else {}
+assert spec.get("num_speculative_tokens", 1) > 0, spec  # vLLM refuses a speculative config of 0 tokens
+draft = spec.get("model")
+for path in filter(None, (model, draft)):
     assert not any(m in path.lower() for m in ("eagle-", "eagle3", "dflash", "dspark")), path
     assert not [k for k in json.loads((Path(path) / "config.json").read_text()) if k.startswith("dspark_")], path
-print("stand-in vllm: serving " + served, flush=True)
-os.execvp(sys.executable, [sys.executable, "-m", "dspark_cli.cli", "serve", "--model", model, "--draft", draft,
-                           "-k", str(spec["num_speculative_tokens"]), "--device", "cpu", "--max-num-seqs", "2",
+print(f"stand-in vllm: serving {served} with {spec.get('num_speculative_tokens', 0)} speculative tokens", flush=True)
+os.execvp(sys.executable, [sys.executable, "-m", "dspark_cli.cli", "serve", "--model", model, "--draft", draft or "none",
+                           "-k", str(spec.get("num_speculative_tokens", 0)), "--device", "cpu", "--max-num-seqs", "2",
                            "--host", "127.0.0.1", "--port", port, "--served-model-name", served])
 '''
+
+
+def _stand_in_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a process whose `vllm` is the stand-in CLI above, copies under tmp_path/vm."""
+    pkg = tmp_path / "standin" / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for d in (pkg.parents[1], pkg.parent, pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(_STAND_IN_VLLM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "standin"), os.environ.get("PYTHONPATH", "")]),
+           "DSPARK_VLLM_MODELS": str(tmp_path / "vm")}
+    env.pop("VLLM_PLUGINS", None)
+    return env
 
 
 @pytest.mark.slow
@@ -162,15 +183,8 @@ def test_serve_engine_vllm_serves_the_copies_under_the_toolkit_name(tmp_path: Pa
     from dspark_cli.engines.embedded.engine import LLMEngine
     from dspark_cli.engines.embedded.sequence import SamplingParams
 
-    pkg = tmp_path / "standin" / "vllm" / "entrypoints" / "cli"
-    pkg.mkdir(parents=True)
-    for d in (pkg.parents[1], pkg.parent, pkg):
-        (d / "__init__.py").write_text("")
-    (pkg / "main.py").write_text(_STAND_IN_VLLM)
+    env = _stand_in_env(tmp_path)
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "standin"), os.environ.get("PYTHONPATH", "")]),
-           "DSPARK_VLLM_MODELS": str(tmp_path / "vm")}
-    env.pop("VLLM_PLUGINS", None)
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "dspark_cli.cli", "serve", "--engine", "vllm", "--model", "tiny",
@@ -187,8 +201,31 @@ def test_serve_engine_vllm_serves_the_copies_under_the_toolkit_name(tmp_path: Pa
     assert status == 200, body
     served = body["choices"][0]["text"]
     text = log.read_text()
-    assert "dspark: tiny: target " in text and "stand-in vllm: serving tiny" in text
+    assert "dspark: tiny: target " in text and "stand-in vllm: serving tiny with 3 speculative tokens" in text
     with LLMEngine(EngineConfig(model="tiny", num_speculative_tokens=0, device="cpu", max_num_seqs=2)) as engine:
         ids = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
         expected = engine.tokenizer.decode(ids)
     assert served == expected
+
+
+@pytest.mark.slow
+def test_bench_serve_with_engine_vllm_runs_no_speculation_and_verify_all(tmp_path: Path) -> None:
+    """`dspark bench --serve --serve-args "--engine vllm --model tiny -k 3"`: the nospec column's -k 0 reaches vLLM
+    as no speculative config, verify-all's as the copied draft, and every cell is measured."""
+    env = _stand_in_env(tmp_path)
+    out = tmp_path / "bench"
+    run = subprocess.run(
+        [sys.executable, "-m", "dspark_cli.cli", "bench", "--serve", "--serve-args", "--engine vllm --model tiny -k 3",
+         "--configs", "nospec,none", "-c", "1,2", "-n", "4", "--max-tokens", "8", "--warmup-prompts", "0",
+         "-o", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    logs = {name: (out / "logs" / f"{name}.log").read_text() for name in ("nospec", "none")}
+    assert "stand-in vllm: serving tiny with 0 speculative tokens" in logs["nospec"], logs["nospec"]
+    assert "stand-in vllm: serving tiny with 3 speculative tokens" in logs["none"], logs["none"]
+    cells = [json.loads(p.read_text()) for p in (out / "cells").glob("*.json")]
+    assert sorted((c["config"], c["concurrency"]) for c in cells) == [("none", 1), ("none", 2), ("nospec", 1),
+                                                                        ("nospec", 2)]
+    assert all(c["metrics"]["completed"] == 4 and c["metrics"]["failed"] == 0 for c in cells), cells
+    # verify-all's server drafted (its speculative counters moved), no speculation's did not
+    drafted = {c["config"]: (c["spec_decode"] or {}).get("num_draft_tokens", 0) for c in cells}
+    assert drafted["none"] > 0 and drafted["nospec"] == 0, drafted

@@ -115,6 +115,11 @@ CONTRACT: tuple[Assumption, ...] = (
                tuple(f'"{m}" in self.draft_model_config.model.lower()' for m in METHOD_PATH_MARKERS),
                why="vLLM re-derives the method from the draft's path; the launcher refuses paths that would flip it, "
                    "and engines.vllm.models keeps its copies out of them"),
+    Assumption(SPEC_CONFIG, "SpeculativeConfig", "contains", ("num_speculative_tokens: int = Field(default=None, gt=0)",),
+               why="a speculative config of 0 tokens is refused: the launcher serves -k 0 with none at all"),
+    Assumption(SPEC_CONFIG, "SpeculativeConfig.__post_init__", "contains",
+               ('"num_speculative_tokens was provided but without speculative model."',),
+               why="a draft count with no draft and no method that needs none fails; the launcher says so first"),
     Assumption(SPEC_CONFIG, "SpeculativeConfig.draft_sample_method", "field",
                why="example/benchmark flags (probabilistic draft sampling)"),
     Assumption(VLLM_CONFIG, "VllmConfig.additional_config", "field",

@@ -271,6 +271,10 @@ def argv_from_serve_settings(settings: Any, extra: list[str], models: VllmModels
         spec["method"] = settings.method
     if settings.capacity_mode != "none":
         spec.update(settings.dspark_keys())
+    if settings.num_speculative_tokens == 0:
+        # No speculation (the bench's nospec column): vLLM takes no speculative config for it, and refuses one
+        # of 0 tokens (SpeculativeConfig.num_speculative_tokens > 0).
+        spec = {}
     argv = [models.model, "--host", str(settings.host), "--port", str(settings.port)]
     served = settings.served_model_name or models.served_name
     for flag, value in (("--max-num-seqs", settings.max_num_seqs), ("--max-model-len", settings.max_model_len),
