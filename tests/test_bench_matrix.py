@@ -21,6 +21,7 @@ from dspark_cli.bench.matrix import (
     _free_port,
     cell_path,
     check_rounds,
+    check_shared_device,
     interleaved_order,
     interleaved_rounds,
     load_cell,
@@ -458,3 +459,17 @@ def test_a_cell_records_the_cpu_its_client_and_server_used_and_says_when_either_
         "its frontend may be what limits this cell (vLLM: more API servers, --api-server-count)"]
     # cells recorded before the CPU was kept read no note
     assert matrix.measurement_notes({**quiet, "cpu": None}) == []
+
+
+def test_interleaved_vllm_servers_must_each_be_given_a_share_of_the_gpu() -> None:
+    """Kept up together, vLLM servers at their default 90% of the GPU cannot all start: refused before any does."""
+    vllm = ["--engine", "vllm", "-k", "7"]
+    with pytest.raises(DsparkError, match="--gpu-memory-utilization 0.30"):
+        check_shared_device([[*vllm, "-k", "0"], [*vllm, "--capacity-mode", "none"], [*vllm, "--capacity-mode", "varlen"]])
+    # a share for each (either flag, either spelling), one vLLM server, or the embedded engine: nothing to say
+    check_shared_device([[*vllm, "--gpu-memory-utilization", "0.3"], [*vllm, "--kv-cache-memory-bytes=4G"]])
+    check_shared_device([vllm, ["--model", "tiny"]])
+    check_shared_device([["--model", "tiny"], ["--model", "tiny", "-k", "0"]])
+    # the last --engine wins, as the command line parser reads it
+    with pytest.raises(DsparkError, match="--interleave keeps 2 servers up"):
+        check_shared_device([["--engine", "embedded", *vllm], vllm])

@@ -641,12 +641,39 @@ def interleaved_rounds(configs: Sequence[str], concurrencies: Sequence[int],
             for i, c in enumerate(concurrencies) for r in range(rounds) for j in range(n)] if n else []
 
 
+# vLLM flags that size a server's share of the GPU; without one a vLLM server takes 90% of it.
+VLLM_MEMORY_FLAGS = ("--gpu-memory-utilization", "--kv-cache-memory-bytes")
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value ``args`` give ``flag`` (``--flag V`` or ``--flag=V``), as a command line parser reads it."""
+    value = None
+    for i, a in enumerate(args):
+        name, eq, inline = a.partition("=")
+        if name == flag:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def check_shared_device(server_args: Sequence[Sequence[str]]) -> None:
+    """Servers kept up together (``--interleave``) share the device: refuse vLLM servers none of which was given
+    its share, before any starts. By default each takes 90% of the GPU, so the second one's start fails on memory
+    after the first has spent minutes coming up (the embedded engine sizes its KV pool from what is left)."""
+    vllm = [args for args in server_args if _flag_value(args, "--engine") == "vllm"]
+    if len(vllm) > 1 and any(not any(_flag_value(a, f) is not None for f in VLLM_MEMORY_FLAGS) for a in vllm):
+        share = 0.9 / len(server_args)
+        raise DsparkError(f"--interleave keeps {len(server_args)} servers up at once, and a vLLM server takes 90% of "
+                          f"the GPU unless told otherwise: give each its share in --serve-args, e.g. "
+                          f"--gpu-memory-utilization {share:.2f}")
+
+
 def _run_interleaved(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hooks: Hooks) -> None:
     if spec.port is not None:
         raise DsparkError("--interleave runs every config's server at once, each on a free port; drop --port")
     by_name = {cfg.name: cfg for cfg in spec.configs}
     pending = {(cfg.name, c) for cfg, c in todo}
     names = [cfg.name for cfg in spec.configs if any(k == cfg.name for k, _ in pending)]
+    check_shared_device([[*spec.serve_args, *by_name[name].serve_args] for name in names])
     servers: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         for name in names:
