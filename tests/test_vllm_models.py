@@ -129,6 +129,18 @@ def test_serve_dry_run_resolves_the_name_and_refuses_a_draft_count_without_a_dra
     assert "dspark: tiny: target " in nospec.stderr and ", draft " not in nospec.stderr
 
 
+def test_serve_without_vllm_says_so_before_copying_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import shutil
+
+    if shutil.which("vllm") is not None or importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    monkeypatch.setenv("DSPARK_VLLM_MODELS", str(tmp_path / "vm"))
+    result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--model", "tiny", "-k", "3"])
+    assert isinstance(result.exception, DsparkError) and "vLLM is not installed" in str(result.exception)
+    assert not (tmp_path / "vm").exists()
+
+
 def test_profile_dry_run_resolves_a_random_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSPARK_VLLM_MODELS", str(tmp_path / "vm"))
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))

@@ -298,6 +298,8 @@ def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool =
     ``args`` is the raw argv after ``serve`` (minus ``--engine vllm``), or the CLI's parsed ``ServeSettings``
     with the unparsed ``extra`` arguments.
     """
+    # Before any model is converted or copied: a machine without vLLM is told so first.
+    executable = None if dry_run else _vllm_executable()
     if not isinstance(args, (list, tuple)):
         models = vllm_models(args.model, args.draft, speculative=bool(args.num_speculative_tokens))
         if models.served_name is not None:
@@ -312,7 +314,7 @@ def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool =
         return 0
     if plan.settings is not None:
         _check_plugin_visible()
-    cmd = plan.command(_vllm_executable())
+    cmd = plan.command(executable)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvp(cmd[0], cmd)
