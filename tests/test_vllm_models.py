@@ -96,6 +96,8 @@ def test_a_copy_is_named_by_its_source_and_never_under_a_method_marker(tmp_path:
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-6}))
     assert models._copy_dir(tmp_path / "vm", "target", "tiny", src) != first  # a rebuilt source, a new copy
+    # a name holding a marker (a shape named by its config's path) is left out of the folder's name
+    assert models.method_marker(models._copy_dir(tmp_path / "vm", "draft", "random:/x/dspark-shape.json", src)) is None
     for marker in METHOD_PATH_MARKERS:
         with pytest.raises(DsparkError, match="DSPARK_VLLM_MODELS"):
             models.vllm_models("tiny", "auto", speculative=True, root=tmp_path / f"x{marker}y")

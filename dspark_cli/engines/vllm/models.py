@@ -121,7 +121,9 @@ def _copy_dir(root: Path, role: str, name: str, src: Path) -> Path:
     for f in sorted(src.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()).strip("-.") or "model"
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()).strip("-.")
+    if not slug or method_marker(slug) is not None:  # a shape named by a path may hold one; the digest still tells
+        slug = "model"
     out = root / f"{role}-{slug}-{h.hexdigest()[:12]}"
     marker = method_marker(out)
     if marker is not None:
