@@ -219,6 +219,7 @@ def _engine_args_flags(args: dict[str, Any]) -> list[str]:
 def vllm_argv(req: ProfileRequest) -> list[str]:
     """Arguments for ``engines.vllm.profile.build_profile_command``: MODEL, vllm serve flags, profile flags."""
     from dspark_cli.engines.vllm.models import vllm_models
+    from dspark_cli.serve_config import flag_value
 
     _check_common(req)
     if req.device is not None:
@@ -240,8 +241,7 @@ def vllm_argv(req: ProfileRequest) -> list[str]:
     draft = req.draft if req.draft is not None else spec.get("model", "auto")
     models = vllm_models(req.model, draft, speculative=bool(k))
     argv = [models.model, *extra, *_engine_args_flags(args)]
-    if models.load_format is not None and "load_format" not in args and not any(
-            a.partition("=")[0] == "--load-format" for a in extra):
+    if models.load_format is not None and "load_format" not in args and flag_value(extra, "--load-format") is None:
         argv += ["--load-format", models.load_format]
     for flag, value in (("--max-num-seqs", req.max_num_seqs), ("--max-model-len", req.max_model_len),
                         ("--dtype", req.dtype)):

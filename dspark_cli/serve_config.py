@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -406,6 +407,17 @@ def _check_consistency(s: ServeSettings) -> None:
     if s.engine == "embedded" and s.method is not None and s.method not in _EMBEDDED_METHODS:
         raise DsparkError(f"--speculative-config method {s.method!r} is not supported by the embedded engine "
                           f"(use {' or '.join(_EMBEDDED_METHODS)}, or --engine vllm)")
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value raw command line ``args`` give ``flag`` (``--flag V`` or ``--flag=V``), as a parser reads it:
+    for the options ``dspark serve`` passes through to vLLM unparsed (``--load-format``, memory shares)."""
+    value = None
+    for i, a in enumerate(args):
+        name, eq, inline = a.partition("=")
+        if name == flag:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
 
 
 def replace(settings: ServeSettings, **changes: Any) -> ServeSettings:

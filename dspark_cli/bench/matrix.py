@@ -645,22 +645,14 @@ def interleaved_rounds(configs: Sequence[str], concurrencies: Sequence[int],
 VLLM_MEMORY_FLAGS = ("--gpu-memory-utilization", "--kv-cache-memory-bytes")
 
 
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The last value ``args`` give ``flag`` (``--flag V`` or ``--flag=V``), as a command line parser reads it."""
-    value = None
-    for i, a in enumerate(args):
-        name, eq, inline = a.partition("=")
-        if name == flag:
-            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
-    return value
-
-
 def check_shared_device(server_args: Sequence[Sequence[str]]) -> None:
     """Servers kept up together (``--interleave``) share the device: refuse vLLM servers none of which was given
     its share, before any starts. By default each takes 90% of the GPU, so the second one's start fails on memory
     after the first has spent minutes coming up (the embedded engine sizes its KV pool from what is left)."""
-    vllm = [args for args in server_args if _flag_value(args, "--engine") == "vllm"]
-    if len(vllm) > 1 and any(not any(_flag_value(a, f) is not None for f in VLLM_MEMORY_FLAGS) for a in vllm):
+    from dspark_cli.serve_config import flag_value
+
+    vllm = [args for args in server_args if flag_value(args, "--engine") == "vllm"]
+    if len(vllm) > 1 and any(not any(flag_value(a, f) is not None for f in VLLM_MEMORY_FLAGS) for a in vllm):
         share = 0.9 / len(server_args)
         raise DsparkError(f"--interleave keeps {len(server_args)} servers up at once, and a vLLM server takes 90% of "
                           f"the GPU unless told otherwise: give each its share in --serve-args, e.g. "

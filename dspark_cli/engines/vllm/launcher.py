@@ -40,6 +40,7 @@ from dspark_cli.engines.vllm.contract import (
 )
 from dspark_cli.engines.vllm.models import VllmModels, describe, method_marker, vllm_models
 from dspark_cli.errors import DsparkError
+from dspark_cli.serve_config import flag_value
 
 SPEC_FLAGS = ("--speculative-config", "-sc")
 ADDITIONAL_FLAG = "--additional-config"
@@ -253,15 +254,13 @@ def _check_plugin_visible() -> None:
                           "or unset it")
 
 
-def argv_from_serve_settings(settings: Any, extra: list[str], models: VllmModels | None = None) -> list[str]:
+def argv_from_serve_settings(settings: Any, extra: list[str], models: VllmModels) -> list[str]:
     """Raw ``vllm serve`` arguments from ``serve_config.ServeSettings`` (flags the CLI already parsed) + extras.
 
-    Lets the CLI hand over either the raw argv or its parsed settings; both go through one translation. The
-    toolkit's model names (``smollm2-135m``, ``tiny``, ``random:<shape>``) become vLLM-ready copies
-    (``engines.vllm.models``), served under the name as given; ``models`` skips that step (tests).
+    Lets the CLI hand over either the raw argv or its parsed settings; both go through one translation.
+    ``models``: what the settings' model and draft resolved to (``engines.vllm.models``: the toolkit's names
+    become vLLM-ready copies, served under the name as given).
     """
-    if models is None:
-        models = vllm_models(settings.model, settings.draft, speculative=bool(settings.num_speculative_tokens))
     spec: dict[str, Any] = dict(getattr(settings, "vllm_speculative_config", {}) or {})
     if models.draft is not None:
         spec["model"] = models.draft
@@ -281,15 +280,11 @@ def argv_from_serve_settings(settings: Any, extra: list[str], models: VllmModels
                         ("--seed", settings.seed), ("--served-model-name", served)):
         if value is not None:
             argv += [flag, str(value)]
-    if models.load_format is not None and not _has_flag(extra, "--load-format"):
+    if models.load_format is not None and flag_value(extra, "--load-format") is None:
         argv += ["--load-format", models.load_format]
     if spec:
         argv += [SPEC_FLAGS[0], orjson.dumps(spec).decode()]
     return argv + list(extra)
-
-
-def _has_flag(args: list[str], flag: str) -> bool:
-    return any(a.partition("=")[0] == flag for a in args)
 
 
 def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool = False) -> int:
