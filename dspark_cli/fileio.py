@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
+
+from dspark_cli.errors import DsparkError
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temporary file in the same folder and an atomic rename."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+    # os.open with 0o666 lets the umask set the mode, as for any file the user creates (mkstemp's 0600
+    # would leave results unreadable to the group that shares them).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -27,6 +32,38 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return target
 
 
+def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """Refuse, in one line, an output path that cannot be written, before the work that fills it: a bad path
+    found after a long profile or eval would lose the result. Creates the missing parent folders."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise DsparkError(f"{flag} {path} is a folder; name the file to write")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        probe.unlink()
+        if target.exists() and not os.access(target, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise DsparkError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); pass another path") from None
+    return target
+
+
+def check_figure_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """:func:`check_output_file` for a plot, whose suffix must name a format matplotlib writes (none: PNG)."""
+    target = check_output_file(path, flag)
+    fmt = target.suffix.lstrip(".").lower()
+    if fmt:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if fmt not in formats:
+            raise DsparkError(f"{flag} {path}: matplotlib cannot write .{fmt}; use one of "
+                              f"{', '.join('.' + f for f in sorted(formats))}")
+    return target
+
+
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     """Serialise ``obj`` with orjson (indented, numpy-aware) and write it atomically."""
     data = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE)
@@ -35,6 +72,42 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> Path:
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+class Figure(Protocol):
+    def savefig(self, fname: Any, **kwargs: Any) -> None: ...
+
+
+def atomic_write_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> Path:
+    """Render a matplotlib figure as the format ``path``'s suffix names and write it atomically."""
+    import io
+
+    target = Path(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=target.suffix.lstrip(".") or "png", dpi=dpi)
+    return atomic_write_bytes(target, buf.getvalue())
+
+
+def parse_non_finite_json(data: bytes) -> tuple[Any, list[str]] | None:
+    """``data`` parsed, with the NaN / Infinity constants it holds, when those are why a strict parser
+    (orjson) refuses it; None when it holds none or is broken JSON anyway.
+
+    Python's json writes non-finite floats as bare ``NaN`` / ``Infinity``, and orjson's "unexpected character"
+    would hide that the real problem is a non-finite number; the stdlib parser reads them, which tells the
+    two cases apart."""
+    import json
+
+    found: list[str] = []
+
+    def constant(name: str) -> float:
+        found.append(name)
+        return float(name.replace("Infinity", "inf"))
+
+    try:
+        obj = json.loads(data, parse_constant=constant)
+    except ValueError:  # JSONDecodeError and bad UTF-8 alike
+        return None
+    return (obj, found) if found else None
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

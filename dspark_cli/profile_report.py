@@ -7,14 +7,13 @@ curve actually rises -- the property everything downstream depends on.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
 from dspark_cli.core.sps import SpsCurve
-from dspark_cli.fileio import atomic_write_bytes
+from dspark_cli.fileio import atomic_write_figure
 
 __all__ = ["curve_tables", "plot_curve"]
 
@@ -138,7 +137,6 @@ def plot_curve(curve: SpsCurve, path: str | Path) -> Path:
     fig.suptitle(" / ".join(str(meta[key]) for key in ("engine", "model", "device", "dtype") if meta.get(key)) or "SPS curve",
                  fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
+    out = atomic_write_figure(fig, path)
     plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return out

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_cli.bench.report import header
+from dspark_cli.fileio import atomic_write_figure
 
 
 def _pyplot():  # type: ignore[no-untyped-def]
@@ -63,7 +64,7 @@ def plot_matrix(cells: Sequence[dict[str, Any]], configs: Sequence[str], out_dir
     ax.legend()
     fig.tight_layout()
     paths.append(out_dir / "throughput.png")
-    fig.savefig(paths[-1], dpi=120)
+    atomic_write_figure(fig, paths[-1])
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -78,7 +79,7 @@ def plot_matrix(cells: Sequence[dict[str, Any]], configs: Sequence[str], out_dir
             ax.annotate(f"c{conc}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
         all_points += [(p[0], p[1]) for p in pts]
     front = pareto_front(all_points)
-    if front:
+    if len(front) > 1:  # one point is no front: a step through it draws nothing, so leave it out of the legend
         ax.step([p[0] for p in front], [p[1] for p in front], where="pre", color="black", alpha=0.4,
                 linestyle="--", label="Pareto front")
     ax.set_xlabel("per-user tok/s (1000 / median TPOT)")
@@ -88,6 +89,6 @@ def plot_matrix(cells: Sequence[dict[str, Any]], configs: Sequence[str], out_dir
     ax.legend()
     fig.tight_layout()
     paths.append(out_dir / "pareto.png")
-    fig.savefig(paths[-1], dpi=120)
+    atomic_write_figure(fig, paths[-1])
     plt.close(fig)
     return paths

@@ -62,7 +62,7 @@ from dspark_cli.core.sps import SpsCurve
 from dspark_cli.core.sts import OnlineSTS, apply_temperatures, load_sts
 from dspark_cli.core.traces import read_traces
 from dspark_cli.errors import DsparkError
-from dspark_cli.fileio import atomic_write_json, atomic_write_text
+from dspark_cli.fileio import atomic_write_figure, atomic_write_json, atomic_write_text
 
 SIMULATE_FORMAT = 1
 # Long enough for the stateful parts to act at any concurrency: online STS refits (every 64 steps) and
@@ -635,8 +635,7 @@ def plot_throughput(cells: Sequence[SimCell], names: Sequence[str], path: Path, 
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic_write_figure(fig, path)
     plt.close(fig)
     return path
 
