@@ -87,10 +87,25 @@ def test_load_refuses_with_one_line_naming_the_file(tmp_path: Path, name: str, o
 def test_load_refuses_unreadable_and_invalid_json(tmp_path: Path) -> None:
     with pytest.raises(SpsCurveError, match="cannot read"):
         SpsCurve.load(tmp_path / "missing.json")
-    bad = write(tmp_path, None, raw=b'{"version": 1, "verify_curve_ms": [[8, NaN]]}')
+    bad = write(tmp_path, None, raw=b'{"version": 1, "verify_curve_ms": [[8, 10.0], [16, 12.0]],}')
     with pytest.raises(SpsCurveError, match="not valid JSON") as info:
         SpsCurve.load(bad)
     assert str(bad) in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("token", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_or_infinity_in_a_file_is_named_as_such(tmp_path: Path, token: bytes) -> None:
+    # Python's json writes these for non-finite floats; orjson refuses them as "unexpected character".
+    bad = write(tmp_path, None, raw=b'{"version": 1, "verify_curve_ms": [[8, 10.0], [16, ' + token + b"]]}")
+    with pytest.raises(SpsCurveError, match="holds NaN or Infinity; step costs must be finite numbers") as info:
+        SpsCurve.load(bad)
+    assert str(bad) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_nan_inside_a_string_does_not_hide_the_real_json_error(tmp_path: Path) -> None:
+    bad = write(tmp_path, None, raw=b'{"version": 1, "meta": {"note": "NaN"}, "verify_curve_ms": [[8, 10.0]],}')
+    with pytest.raises(SpsCurveError, match="not valid JSON"):
+        SpsCurve.load(bad)
 
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
@@ -325,3 +340,116 @@ def test_monotone_fit_averages_a_spike_where_a_running_max_would_keep_it() -> No
     # vLLM's start-up profile on an H200: one slow replay at 288 tokens, then faster larger batches
     assert monotone_fit([(8, 2.0), (288, 24.9), (496, 18.5), (1024, 30.0)]) == [
         (8, 2.0), (288, 21.7), (496, 21.7), (1024, 30.0)]
+
+
+# ---------------------------------------------------------------------------------------------- both curve keys
+
+
+def test_editing_only_dspark_sps_curve_in_a_full_file_is_refused_not_ignored(tmp_path: Path) -> None:
+    obj = spec_obj()
+    obj["dspark_sps_curve"] = [[t, 2 * s] for t, s in obj["dspark_sps_curve"]]  # the user's edit
+    path = write(tmp_path, obj)
+    with pytest.raises(SpsCurveError) as info:
+        SpsCurve.load(path)
+    msg = str(info.value)
+    assert "\n" not in msg and str(path) in msg
+    assert "dspark_sps_curve and verify_curve_ms disagree" in msg
+    assert f"{2 * 1000.0 / 11.0:g} steps/s at x=8" in msg  # the user's own number, in the user's units
+    assert "edit verify_curve_ms" in msg and "delete verify_curve_ms so dspark_sps_curve is used" in msg
+
+
+def test_dspark_sps_curve_with_other_batch_sizes_than_verify_curve_ms_is_refused() -> None:
+    obj = spec_obj()
+    obj["dspark_sps_curve"] = obj["dspark_sps_curve"][:-1] + [[256, 10.0]]
+    with pytest.raises(SpsCurveError, match=r"disagree on batch sizes \(x=256 only in dspark_sps_curve; "
+                                            r"x=128 only in verify_curve_ms\)"):
+        SpsCurve.from_dict(obj, source="c.json")
+
+
+def test_deleting_verify_curve_ms_makes_the_edited_dspark_sps_curve_count() -> None:
+    obj = spec_obj()
+    obj["dspark_sps_curve"] = [[t, 2 * s] for t, s in obj["dspark_sps_curve"]]
+    del obj["verify_curve_ms"]
+    c = SpsCurve.from_dict(obj, source="c.json")
+    assert c.step_cost_ms(1, 8, drafting=False) == pytest.approx(11.0 / 2)
+
+
+def test_agreeing_keys_load_within_float_round_trip_tolerance(tmp_path: Path, curve: SpsCurve) -> None:
+    obj = curve.to_dict()
+    # A writer that prints floats with 12 significant digits (not the shortest round-trip form).
+    obj["dspark_sps_curve"] = [[x, float(f"{s:.12g}")] for x, s in obj["dspark_sps_curve"]]
+    assert SpsCurve.from_dict(obj, source="c.json") == curve
+    # json (not orjson) round trip of a saved file, with overhead, draft and sampling keys.
+    sampled = SpsCurve.from_points([(8, 0.7), (16, 0.9), (64, 3.3)], [(1, 0.1)], 0.37, (8, 16),
+                                   draft_sampling_ms=[(1, 0.2)])
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(json.loads(orjson.dumps(sampled.to_dict()))))
+    assert SpsCurve.load(path) == sampled
+
+
+def _committed_curve_files() -> list[Path]:
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    out = []
+    for path in sorted(results.rglob("*.json")) if results.is_dir() else []:
+        raw = path.read_bytes()
+        if b"dspark_sps_curve" not in raw:
+            continue
+        obj = orjson.loads(raw)
+        # Only whole curve files: other results (e.g. an engine report) may quote a curve inside them.
+        if isinstance(obj, list) or (isinstance(obj, dict) and ("dspark_sps_curve" in obj or "verify_curve_ms" in obj)):
+            out.append(path)
+    return out
+
+
+def test_every_committed_curve_file_still_loads() -> None:
+    files = _committed_curve_files()
+    if not files:
+        pytest.skip("no committed sps curves under benchmarks/results")
+    for path in files:
+        SpsCurve.load(path)
+
+
+# ---------------------------------------------------------------------------------------------- user's units
+
+
+def test_dspark_sps_curve_refusals_quote_the_point_the_user_wrote() -> None:
+    with pytest.raises(SpsCurveError, match=r"dspark_sps_curve\[0\] must hold numbers, got \['a', 1\]"):
+        SpsCurve.from_dict({"dspark_sps_curve": [["a", 1], [8, 100]]}, source="c.json")
+    with pytest.raises(SpsCurveError, match=r"dspark_sps_curve\[0\] has x=8.5; x must be a positive integer"):
+        SpsCurve.from_dict([[8.5, 100.0], [16, 50.0]], source="c.json")
+    with pytest.raises(SpsCurveError, match=r"x=8 twice with different values \(100 and 90 steps/s\)"):
+        SpsCurve.from_dict([[8, 100.0], [8, 90.0], [16, 50.0]], source="c.json")
+
+
+def test_a_rising_steps_per_sec_curve_is_refused_in_steps_per_sec() -> None:
+    with pytest.raises(SpsCurveError) as info:
+        SpsCurve.from_dict({"dspark_sps_curve": [[1, 10], [8, 100]]}, source="c.json")
+    msg = str(info.value)
+    assert "100 steps/s at x=8 is 900% above 10 steps/s at x=1" in msg
+    assert " ms" not in msg
+    with pytest.raises(SpsCurveError) as info:
+        SpsCurve.from_dict([[8, 100.0], [16, 99.9], [64, 99.8]], source="c.json")
+    assert "steps/s falls only 0.20% from 8 to 64 tokens" in str(info.value) and " ms" not in str(info.value)
+
+
+def test_a_steps_per_sec_point_faster_than_the_overhead_is_quoted_as_written() -> None:
+    with pytest.raises(SpsCurveError, match=r"says 100 steps/s at x=8, a step of 10 ms: faster than "
+                                            r"overhead_ms=15 alone"):
+        SpsCurve.from_dict({"dspark_sps_curve": [[8, 100.0], [16, 50.0]], "overhead_ms": 15.0}, source="c.json")
+
+
+# ---------------------------------------------------------------------------------------------- fix hints
+
+
+def test_the_fix_hint_fits_where_the_curve_came_from(tmp_path: Path) -> None:
+    flat = [[8, 100.0], [16, 100.0]]
+    with pytest.raises(SpsCurveError) as info:
+        SpsCurve.from_dict(flat, source="--speculative-config dspark_sps_curve")
+    assert "fix the file" not in str(info.value) and "fix the inline curve" in str(info.value)
+    with pytest.raises(SpsCurveError, match="or fix the file"):
+        SpsCurve.load(write(tmp_path, flat))
+    with pytest.raises(SpsCurveError, match="or fix the file"):
+        SpsCurve.from_dict(flat, source="sps_curve.json")
+    with pytest.raises(SpsCurveError) as info:
+        SpsCurve.from_points([(8, 10.0), (16, 10.0)], source="profiled SPS curve")
+    assert str(info.value).endswith("re-profile with `dspark profile-sps`")

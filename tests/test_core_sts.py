@@ -120,7 +120,13 @@ def test_nan_metrics_are_written_as_null(tmp_path: Path) -> None:
         ('{"ece": [0.1]}', "non-empty"),
         ('{"temperatures": [1.0], "sts_temperatures": [2.0]}', "differ"),
         ('[1.0, 2.0]', "JSON object"),
-        ('{"temperatures": [NaN]}', "not valid JSON"),
+        ('{"temperatures": [NaN]}', "temperature 1 is nan, which JSON does not allow; temperatures must be finite"),
+        ('{"temperatures": [1.0, -Infinity]}', "temperature 2 is -inf"),
+        ('{"temperatures": [1.0], "ece_before": [Infinity]}', "holds Infinity, which JSON does not allow"),
+        ('{"temperatures": [1.0', "not valid JSON"),
+        ('{"version": 2, "temperatures": [1.0]}', "unsupported version 2 (this build reads version 1)"),
+        ('{"version": "1", "temperatures": [1.0]}', "unsupported version '1'"),
+        ('{"version": true, "temperatures": [1.0]}', "unsupported version True"),
     ],
 )
 def test_load_sts_refusals_name_the_file(tmp_path: Path, content: str, needle: str) -> None:
@@ -138,6 +144,47 @@ def test_load_sts_missing_file_and_short_table(tmp_path: Path) -> None:
     p.write_text('{"temperatures": [1.0, 2.0]}')
     with pytest.raises(DsparkError, match="drafts 4 tokens"):
         load_sts(p, num_positions=4)
+
+
+def test_load_sts_accepts_version_1_or_none(tmp_path: Path) -> None:
+    p = tmp_path / "sts.json"
+    p.write_text('{"version": 1, "temperatures": [1.5]}')
+    assert load_sts(p) == (1.5,)
+    # The seed and other tools write only the list; version 1 is the only format there has been.
+    p.write_text('{"temperatures": [1.5]}')
+    assert load_sts(p) == (1.5,)
+
+
+def test_load_sts_names_a_folder_as_a_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    with pytest.raises(DsparkError) as info:
+        load_sts(folder)
+    msg = str(info.value)
+    assert f"{folder}: is a folder" in msg and str(folder / "sts.json") in msg and "\n" not in msg
+
+
+def test_fit_warns_on_temperatures_the_data_cannot_pin_down() -> None:
+    # Plenty of well-spread rows: nothing to warn about.
+    conf, v, a = synth(0, 30000, T_STAR)
+    fit = fit_sts(conf, v, a)
+    assert fit.warnings() == [] and fit.flat_to_edge == [False, False, False]
+    # Three rows: too few to trust (and one position was never verified, so T stays 1.0).
+    few = fit_sts(np.array([[0.9, 0.8], [0.7, 0.6], [0.5, 0.4]]), np.array([1, 1, 1]), np.array([1, 0, 0]))
+    w = few.warnings()
+    assert len(w) == 2 and w[0].startswith("position 1: ") and "only 3 verified rows (fewer than 100)" in w[0]
+    assert w[1].startswith("position 2: no trace row verified this position, so T stays 1.0")
+    # Saturated confidences with mixed outcomes: the fit runs to the top of the grid.
+    sat = fit_sts(np.ones((300, 1)), np.ones(300), np.arange(300) % 2)
+    assert sat.temperatures == [20.0]
+    assert "T=20 is at the edge of the searched range [0.05, 20]" in sat.warnings()[0]
+    # Every row accepted: any T small enough puts all probabilities in the top bin, so the chosen T is
+    # only the plateau's end nearest 1, not an edge value -- still flagged.
+    flat = fit_sts(np.full((300, 1), 0.9), np.ones(300), np.ones(300))
+    assert flat.temperatures[0] > 0.05 and flat.flat_to_edge == [True]
+    assert "fits no better than the edge of the searched range" in flat.warnings()[0]
+    # Warnings are for the person running calibrate, not part of the stable sts.json format.
+    assert "flat_to_edge" not in flat.to_dict() and "grid_bounds" not in flat.to_dict()
 
 
 def test_apply_temperatures() -> None:

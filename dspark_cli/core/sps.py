@@ -22,6 +22,7 @@ would pin the argmax to verify-all and the scheduler would silently do nothing.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -32,7 +33,7 @@ import numpy as np
 import orjson
 
 from dspark_cli.errors import DsparkError
-from dspark_cli.fileio import atomic_write_json
+from dspark_cli.fileio import atomic_write_json, parse_non_finite_json
 
 SPS_CURVE_VERSION = 1
 # A point this far below the running maximum is a measurement error, not timing noise to smooth away.
@@ -45,25 +46,41 @@ MIN_VERIFY_MS = 1e-6
 # a bound keeps a long-lived server's cache small.
 STEP_COST_CACHE = 1 << 14
 
-_FIX_HINT = "re-profile with `dspark profile-sps` or fix the file"
+# dspark_sps_curve must equal 1000 / (verify_curve_ms + overhead_ms) point by point when a file has both. Loose
+# enough for a writer that rounds steps/s to four significant digits, tight enough that any edit that moves a
+# decision (0.1% of a step's cost) does not slip through as "the same".
+SPS_AGREE_REL_TOL = 1e-3
 
 
 class SpsCurveError(DsparkError):
     """A step-cost curve that cannot be used; the message names the source and the problem on one line."""
 
 
+def _fix_hint(source: str) -> str:
+    """How to fix a bad curve, worded for where it came from: a flag has no file to fix, a measurement no text."""
+    if source.startswith("--") or "inline" in source:
+        return "fix the inline curve, or pass an sps_curve.json written by `dspark profile-sps`"
+    if "/" in source or os.sep in source or Path(source).suffix:
+        return "re-profile with `dspark profile-sps` or fix the file"
+    return "re-profile with `dspark profile-sps`"
+
+
 def _fail(source: str, problem: str) -> SpsCurveError:
-    return SpsCurveError(f"{source}: {problem}; {_FIX_HINT}")
+    return SpsCurveError(f"{source}: {problem}; {_fix_hint(source)}")
 
 
 def _clean_points(
-    points: Any, what: str, source: str, *, require_rise: bool, allow_empty: bool
+    points: Any, what: str, source: str, *, require_rise: bool, allow_empty: bool,
+    sps: dict[int, float] | None = None,
 ) -> tuple[tuple[int, float], ...]:
     """Validate ``[[x, ms], ...]``, sort by x, drop exact duplicates and repair noise with a running max.
 
     Refuses (with :class:`SpsCurveError`) anything the repair would have to invent rather than smooth:
     non-integer or non-positive x, non-finite or non-positive costs, conflicting duplicates, a point far
     below its predecessor, and -- for the verify curve -- a curve that barely rises at all.
+
+    ``sps``: the steps/s the user wrote, by x, when ``points`` were converted from ``dspark_sps_curve``; the
+    shape refusals then quote those, since milliseconds derived from them are numbers the user never saw.
     """
     if points is None or (isinstance(points, Sequence) and len(points) == 0):
         if allow_empty:
@@ -101,6 +118,13 @@ def _clean_points(
     for x in xs:
         y = by_x[x]
         if running > 0 and y < (1.0 - MAX_DROP_FRACTION) * running:
+            if sps is not None:
+                raise _fail(
+                    source,
+                    f"{what} is not monotone: {sps[x]:g} steps/s at x={x} is {100 * (sps[x] / sps[prev_x] - 1):.0f}% "
+                    f"above {sps[prev_x]:g} steps/s at x={prev_x} (more than noise; steps/s must not rise with "
+                    "batch size)",
+                )
             raise _fail(
                 source,
                 f"{what} is not monotone: {y:.4g} ms at x={x} is {100 * (1 - y / running):.0f}% below "
@@ -113,6 +137,13 @@ def _clean_points(
         costs = [y for _, y in repaired]
         ratio = max(costs) / min(costs)
         if ratio < MIN_COST_RATIO:
+            if sps is not None:
+                fastest, slowest = max(sps.values()), min(sps.values())
+                raise _fail(
+                    source,
+                    f"{what} is flat (steps/s falls only {100 * (1 - slowest / fastest):.2f}% from {xs[0]} to "
+                    f"{xs[-1]} tokens), so the budget argmax would always verify every draft",
+                )
             raise _fail(
                 source,
                 f"{what} is flat (cost rises only {100 * (ratio - 1):.2f}% from {xs[0]} to {xs[-1]} tokens), "
@@ -320,7 +351,6 @@ class SpsCurve:
         """
         if isinstance(obj, list):
             verify = _sps_to_ms(obj, "dspark_sps_curve", source, overhead_ms=0.0)
-            verify = _clean_points(verify, "dspark_sps_curve", source, require_rise=True, allow_empty=False)
             caps = [x for x, _ in verify]
             return cls.from_points(verify, (), 0.0, caps, {"format": "seed-list"}, source)
         if not isinstance(obj, dict):
@@ -330,14 +360,14 @@ class SpsCurve:
             raise _fail(source, f"unsupported version {version!r} (this build reads version {SPS_CURVE_VERSION})")
         overhead = _clean_overhead(obj.get("overhead_ms", 0.0), source)
         if obj.get("verify_curve_ms") is not None:
-            verify = obj["verify_curve_ms"]
-            what = "verify_curve_ms"
+            verify = _clean_points(obj["verify_curve_ms"], "verify_curve_ms", source, require_rise=True,
+                                   allow_empty=False)
+            if obj.get("dspark_sps_curve") is not None:
+                _check_sps_agrees(obj, overhead, source)
         elif obj.get("dspark_sps_curve") is not None:
             verify = _sps_to_ms(obj["dspark_sps_curve"], "dspark_sps_curve", source, overhead_ms=overhead)
-            what = "dspark_sps_curve"
         else:
             raise _fail(source, "has neither verify_curve_ms nor dspark_sps_curve")
-        verify = _clean_points(verify, what, source, require_rise=True, allow_empty=False)
         meta = obj.get("meta") or {}
         if not isinstance(meta, dict):
             raise _fail(source, "meta must be an object")
@@ -358,6 +388,8 @@ class SpsCurve:
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
+            if parse_non_finite_json(raw) is not None:
+                raise _fail(str(p), "holds NaN or Infinity; step costs must be finite numbers") from None
             raise _fail(str(p), f"not valid JSON ({exc})") from None
         return cls.from_dict(obj, source=str(p))
 
@@ -442,31 +474,78 @@ class SpsCurve:
         return 1000.0 / self.step_cost_ms(num_reqs, tokens, drafting, sampling)
 
 
-def _sps_to_ms(points: Any, what: str, source: str, overhead_ms: float) -> list[tuple[int, float]]:
-    """Turn ``[[tokens, steps_per_sec]]`` into verify ``[[tokens, ms]]`` (minus the step overhead)."""
+def _sps_to_ms(points: Any, what: str, source: str, overhead_ms: float) -> tuple[tuple[int, float], ...]:
+    """Turn ``[[tokens, steps_per_sec]]`` into a validated verify ``((tokens, ms), ...)`` (minus the step overhead).
+
+    Every refusal quotes the steps/s the user wrote, not the milliseconds derived from them.
+    """
     clean = _clean_sps_values(points, what, source)
     out = []
     for x, sps in clean:
         ms = 1000.0 / sps - overhead_ms
         if ms <= 0:
-            raise _fail(source, f"{what} at {x} tokens implies a step faster than overhead_ms={overhead_ms}")
+            raise _fail(source, f"{what} says {sps:g} steps/s at x={x}, a step of {1000.0 / sps:.4g} ms: faster than "
+                                f"overhead_ms={overhead_ms:g} alone")
         out.append((x, ms))
-    return out
+    return _clean_points(out, what, source, require_rise=True, allow_empty=False, sps=dict(clean))
 
 
-def _clean_sps_values(points: Any, what: str, source: str) -> list[tuple[Any, float]]:
+def _clean_sps_values(points: Any, what: str, source: str) -> list[tuple[int, float]]:
+    """Check ``[[tokens, steps_per_sec], ...]`` point by point, in the user's own terms, before any conversion."""
     if not isinstance(points, list) or len(points) == 0:
         raise _fail(source, f"{what} is empty" if isinstance(points, list) else f"{what} must be a list")
-    out = []
+    out: list[tuple[int, float]] = []
+    by_x: dict[int, float] = {}
     for i, item in enumerate(points):
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise _fail(source, f"{what}[{i}] must be a [tokens, steps_per_sec] pair, got {item!r}")
-        x, s = item
-        if isinstance(s, bool) or not isinstance(s, (int, float)):
+        x_raw, s = item
+        if isinstance(x_raw, bool) or isinstance(s, bool):
+            raise _fail(source, f"{what}[{i}] holds a boolean, expected numbers: {item!r}")
+        if not isinstance(x_raw, numbers.Real) or not isinstance(s, numbers.Real):
             raise _fail(source, f"{what}[{i}] must hold numbers, got {item!r}")
+        if not math.isfinite(x_raw) or x_raw != int(x_raw) or x_raw <= 0:
+            raise _fail(source, f"{what}[{i}] has x={x_raw!r}; x must be a positive integer")
         if not math.isfinite(s):
             raise _fail(source, f"{what}[{i}] has a non-finite value {s!r}")
         if s <= 0:
             raise _fail(source, f"{what}[{i}] has a non-positive value {s!r}")
-        out.append((x, float(s)))
+        x = int(x_raw)
+        if x in by_x and by_x[x] != float(s):
+            raise _fail(source, f"{what} lists x={x} twice with different values ({by_x[x]:g} and {s:g} steps/s)")
+        s = float(s)
+        by_x[x] = s
+        out.append((x, s))
     return out
+
+
+def _check_sps_agrees(obj: dict[str, Any], overhead_ms: float, source: str) -> None:
+    """Refuse a file whose ``dspark_sps_curve`` is not ``1000 / (verify_curve_ms + overhead_ms)``.
+
+    The full format prices from ``verify_curve_ms``, yet the seed's recipe presents ``dspark_sps_curve`` as the
+    interface: a user who edits only that key would otherwise see the edit silently ignored. Called after
+    ``verify_curve_ms`` validated, so its pairs are numbers with integer x and no conflicting duplicates.
+    """
+    what = "dspark_sps_curve and verify_curve_ms disagree"
+    fix = ("edit verify_curve_ms to match (steps/s = 1000 / (verify ms + overhead_ms)), "
+           "or delete verify_curve_ms so dspark_sps_curve is used")
+    sps = dict(_clean_sps_values(obj["dspark_sps_curve"], "dspark_sps_curve", source))
+    verify = {int(float(x)): float(y) for x, y in obj["verify_curve_ms"]}
+    if set(sps) != set(verify):
+        only_sps, only_verify = sorted(set(sps) - set(verify)), sorted(set(verify) - set(sps))
+        where = "; ".join(
+            f"x={', '.join(map(str, xs))} only in {key}"
+            for xs, key in ((only_sps, "dspark_sps_curve"), (only_verify, "verify_curve_ms")) if xs
+        )
+        raise SpsCurveError(f"{source}: {what} on batch sizes ({where}); {fix}")
+    for x in sorted(sps):
+        implied = 1000.0 / (verify[x] + overhead_ms)
+        if not math.isclose(sps[x], implied, rel_tol=SPS_AGREE_REL_TOL):
+            # Enough digits that the two quoted numbers differ on screen (a small edit must not read "x vs x").
+            digits = 6
+            while digits < 17 and f"{sps[x]:.{digits}g}" == f"{implied:.{digits}g}":
+                digits += 1
+            raise SpsCurveError(
+                f"{source}: {what}: dspark_sps_curve says {sps[x]:.{digits}g} steps/s at x={x} but verify_curve_ms "
+                f"{verify[x]:g} ms + overhead_ms {overhead_ms:g} give {implied:.{digits}g} steps/s; {fix}"
+            )

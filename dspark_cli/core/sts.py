@@ -55,15 +55,20 @@ import orjson
 import torch
 
 from dspark_cli.errors import DsparkError
-from dspark_cli.fileio import atomic_write_json
+from dspark_cli.fileio import atomic_write_json, parse_non_finite_json
 
 STS_VERSION = 1
 PROB_EPS = 1e-6
+GRID_MIN, GRID_MAX = 0.05, 20.0
+# Fewer verified rows than this at a position and its fitted T is mostly noise: ECE compares per-bin
+# sums over 20 bins, so 100 rows is ~5 a bin, and the observed rate of a bin's handful of rows still
+# swings by 0.2 or more -- larger than the miscalibration the temperature is meant to correct.
+MIN_TRUSTED_ROWS = 100
 
 
 def default_grid() -> np.ndarray:
     """256 log-spaced temperatures in [0.05, 20] plus exactly 1.0 (so calibration can be a no-op)."""
-    return np.unique(np.concatenate([np.geomspace(0.05, 20.0, 256), [1.0]]))
+    return np.unique(np.concatenate([np.geomspace(GRID_MIN, GRID_MAX, 256), [1.0]]))
 
 
 def _grid_by_closeness_to_one(grid: np.ndarray | Sequence[float] | None) -> np.ndarray:
@@ -132,6 +137,39 @@ class StsFit:
     num_rows: int
     rows_per_position: list[int] = field(default_factory=list)
     bins: int = 20
+    grid_bounds: tuple[float, float] = (GRID_MIN, GRID_MAX)  # the searched range; not written to sts.json
+    # Per position: the ECE is as low at an end of the searched range as at the chosen T (not in sts.json).
+    flat_to_edge: list[bool] = field(default_factory=list)
+
+    def warnings(self, min_rows: int = MIN_TRUSTED_ROWS) -> list[str]:
+        """One line per position whose temperature should not be trusted (too few rows, or at the grid's edge).
+
+        An edge value -- or an ECE that is just as low all the way to an edge, as when every probability
+        already saturates into the top bin -- means the data cannot pin T down (labels all alike, confidences
+        all near 0 or 1, or a handful of rows): the real optimum may lie beyond the range, and the value is an
+        artefact of the grid.
+        """
+        lo, hi = self.grid_bounds
+        out: list[str] = []
+        for j, t in enumerate(self.temperatures):
+            n = self.rows_per_position[j] if j < len(self.rows_per_position) else 0
+            if n == 0:
+                out.append(f"position {j + 1}: no trace row verified this position, so T stays 1.0 (uncalibrated); "
+                           "record traces in which the engine verifies this many drafts")
+                continue
+            why = []
+            if math.isclose(t, lo) or math.isclose(t, hi):
+                why.append(f"T={t:g} is at the edge of the searched range [{lo:g}, {hi:g}] (the best fit may lie "
+                           "beyond it)")
+            elif j < len(self.flat_to_edge) and self.flat_to_edge[j]:
+                why.append(f"T={t:g} fits no better than the edge of the searched range [{lo:g}, {hi:g}] (the data "
+                           "does not pin T down)")
+            if n < min_rows:
+                why.append(f"only {n} verified rows (fewer than {min_rows})")
+            if why:
+                out.append(f"position {j + 1}: " + "; ".join(why) + " -- do not trust this temperature: record more "
+                           "traces with varied outcomes and re-run `dspark calibrate`")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         temps = [float(t) for t in self.temperatures]
@@ -205,6 +243,8 @@ def fit_sts(
     ece_after = np.full(k_pos, np.nan)
     auc = np.full(k_pos, np.nan)
     rows = np.zeros(k_pos, dtype=np.int64)
+    flat = np.zeros(k_pos, dtype=bool)
+    edges = np.flatnonzero((grid_sorted == grid_sorted.min()) | (grid_sorted == grid_sorted.max()))
     raw_cum = np.ones(n_rows)
     cal_cum = np.ones(n_rows)
     # Bound the [G, n] working set so a million-row fit stays within a few hundred MB.
@@ -227,6 +267,8 @@ def fit_sts(
                 p = prev[None, :] * _sigmoid_np(lk[None, :] / t[:, None])
                 scores[s : s + chunk] = _ece_grid(p, y, bins)
             temps[k] = grid_sorted[int(np.argmin(scores))]
+            # ECE gaps below 1e-9 are float noise (saturated probabilities), not a better fit.
+            flat[k] = bool(np.any(scores[edges] <= scores.min() + 1e-9))
         cal_cum = cal_cum * _sigmoid_np(logits[:, k] / temps[k])
         if rows[k] > 0:
             ece_after[k] = ece(cal_cum[m], label_cum[m, k], bins)
@@ -238,6 +280,8 @@ def fit_sts(
         num_rows=n_rows,
         rows_per_position=rows.tolist(),
         bins=bins,
+        grid_bounds=(float(grid_sorted.min()), float(grid_sorted.max())),
+        flat_to_edge=flat.tolist(),
     )
 
 
@@ -248,14 +292,26 @@ def load_sts(path: str | os.PathLike[str], num_positions: int | None = None) -> 
     ``num_positions`` (positions mean the same thing whatever K the engine runs).
     """
     p = Path(path)
+    if p.is_dir():
+        raise DsparkError(f"{p}: is a folder, not an sts.json file; pass the file `dspark calibrate -o` wrote "
+                          f"(e.g. {p / 'sts.json'})")
     try:
-        obj = orjson.loads(p.read_bytes())
+        data = p.read_bytes()
     except OSError as exc:
         raise DsparkError(f"{p}: cannot read STS temperatures ({exc.strerror or exc})") from None
+    try:
+        obj = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise DsparkError(f"{p}: not valid JSON ({exc}); re-run `dspark calibrate`") from None
+        raise DsparkError(_non_finite_reason(p, data) or f"{p}: not valid JSON ({exc}); re-run `dspark calibrate`") \
+            from None
     if not isinstance(obj, dict):
         raise DsparkError(f"{p}: expected a JSON object with a 'temperatures' list; re-run `dspark calibrate`")
+    # A missing version is accepted: the seed and other tools write only the temperatures list, and version
+    # 1 is the only format there has been. A different version is a format this build cannot know.
+    version = obj.get("version", STS_VERSION)
+    if isinstance(version, bool) or version != STS_VERSION:
+        raise DsparkError(f"{p}: unsupported version {version!r} (this build reads version {STS_VERSION}); "
+                          "re-run `dspark calibrate` with this build")
     a, b = obj.get("temperatures"), obj.get("sts_temperatures")
     if a is not None and b is not None and a != b:
         raise DsparkError(f"{p}: 'temperatures' and 'sts_temperatures' differ; keep one of them")
@@ -275,6 +331,24 @@ def load_sts(path: str | os.PathLike[str], num_positions: int | None = None) -> 
             )
         out = out[:num_positions]
     return tuple(out)
+
+
+def _non_finite_reason(p: Path, data: bytes) -> str | None:
+    """The message for JSON that fails only because it holds NaN/Infinity (Python's json.dump writes them).
+
+    orjson reports those as a bare "unexpected character"; the stdlib parser accepts them, so it tells
+    this case apart from truly broken JSON and which entry is affected.
+    """
+    parsed = parse_non_finite_json(data)
+    if parsed is None:  # really broken, or no non-finite number: the caller's message stands
+        return None
+    obj, found = parsed
+    temps = obj.get("temperatures", obj.get("sts_temperatures")) if isinstance(obj, dict) else None
+    bad = [i + 1 for i, t in enumerate(temps)
+           if isinstance(t, float) and not math.isfinite(t)] if isinstance(temps, list) else []
+    where = f"temperature {bad[0]} is {temps[bad[0] - 1]}" if bad else f"it holds {found[0]}"
+    return (f"{p}: {where}, which JSON does not allow; temperatures must be finite numbers > 0 (and missing "
+            "metrics null), re-run `dspark calibrate`")
 
 
 def _logit_t(conf: torch.Tensor) -> torch.Tensor:
