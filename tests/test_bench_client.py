@@ -194,3 +194,15 @@ def test_aggregate_math() -> None:
     assert m["tpot_ms"]["median"] == pytest.approx(100.0)  # both requests: 1.0 s / 10 and 2.0 s / 20
     assert m["per_user_tok_s"] == pytest.approx(10.0)
     assert m["tokens_per_chunk"] == pytest.approx(32 / 6)
+
+
+def test_a_base_url_may_end_in_v1_as_the_openai_clients_write_it() -> None:
+    from dspark_cli.bench.client import server_root
+    from dspark_cli.errors import DsparkError
+
+    for url in ("http://127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1",
+                "http://127.0.0.1:8000/v1/", " http://127.0.0.1:8000/v1 "):
+        assert server_root(url) == "http://127.0.0.1:8000"
+    assert server_root("https://host/prefix/v1") == "https://host/prefix"
+    with pytest.raises(DsparkError, match="must start with http"):
+        server_root("127.0.0.1:8000")

@@ -193,6 +193,7 @@ def test_cell_where_every_request_failed_is_not_saved(tmp_path: Path) -> None:
 
     port = _free_port("127.0.0.1")  # nothing listens there
     spec = _spec(tmp_path)
+    spec.concurrencies = [1]
     spec.load = LoadConfig(base_url="", model="m", request_timeout_s=5)
     # the warm-up before the first cell finds the server down first, and says so
     with pytest.raises(DsparkError, match="srv: every warm-up request failed"):
@@ -473,3 +474,66 @@ def test_interleaved_vllm_servers_must_each_be_given_a_share_of_the_gpu() -> Non
     # the last --engine wins, as the command line parser reads it
     with pytest.raises(DsparkError, match="--interleave keeps 2 servers up"):
         check_shared_device([["--engine", "embedded", *vllm], vllm])
+
+
+def _served_spec(tmp_path: Path, common: list[str]) -> MatrixSpec:
+    return MatrixSpec(configs=[BenchConfig("none", ("--capacity-mode", "none"))], concurrencies=[1],
+                      prompts=[Prompt(text="x")], load=LoadConfig(base_url=""), results_dir=tmp_path,
+                      workload={"num_prompts": 1}, serve=True, serve_args=common)
+
+
+def test_cells_served_with_other_settings_are_refused_not_resumed(tmp_path: Path) -> None:
+    """Another model, K or batch limit under the same config name: resuming would table the old server's
+    numbers as this run's (its port differs on every start, so that alone does not count)."""
+    atomic_write_json(cell_path(tmp_path, "none", 1), {
+        "dspark_bench_cell": CELL_FORMAT, "config": "none", "concurrency": 1, "metrics": {"failed": 0},
+        "workload": {"num_prompts": 1},
+        "server": {"mode": "serve", "serve_args": ["--model", "tiny", "--capacity-mode", "none", "--host",
+                                                   "127.0.0.1", "--port", "40123"]}})
+    assert pending_cells(_served_spec(tmp_path, ["--model", "tiny"])) == []
+    with pytest.raises(DsparkError, match="served with other settings .*--model smollm2-135m -k 2"):
+        pending_cells(_served_spec(tmp_path, ["--model", "smollm2-135m", "-k", "2"]))
+    forced = _served_spec(tmp_path, ["--model", "smollm2-135m"])
+    forced.force = True
+    assert len(pending_cells(forced)) == 1
+
+
+def test_a_cell_with_failed_requests_is_kept_aside_and_measured_again(tmp_path: Path) -> None:
+    from dspark_cli.bench.matrix import Hooks, _write_cell, failed_cell_path
+
+    spec = _spec(tmp_path)
+    cell = {"dspark_bench_cell": CELL_FORMAT, "config": "none", "concurrency": 4, "workload": spec.workload,
+            "metrics": {"completed": 1, "failed": 3, "errors": ["HTTP 500: engine died"]}}
+    with pytest.raises(DsparkError, match=r"3 of 4 requests of cell none c=4 failed \(HTTP 500: engine died\)"):
+        _write_cell(spec, cell, Hooks())
+    assert not cell_path(tmp_path, "none", 4).exists()
+    assert load_cell(failed_cell_path(tmp_path, "none", 4)) is not None  # kept for a look, not as a cell
+    # a cell some of whose requests failed, saved by an older version, is measured again
+    atomic_write_json(cell_path(tmp_path, "mask", 1), {**cell, "config": "mask", "concurrency": 1})
+    assert ("mask", 1) in [(k.name, c) for k, c in pending_cells(spec)]
+
+
+def test_a_cell_that_cannot_fill_its_concurrency_is_refused(tmp_path: Path) -> None:
+    from dspark_cli.bench.matrix import check_loads
+
+    spec = _spec(tmp_path)  # one prompt per cell, at c=1 and c=4
+    with pytest.raises(DsparkError, match="a cell at c=4 sends 1 requests"):
+        check_loads(spec)
+    spec.waves = 1
+    spec.prompts = [Prompt(text=str(i)) for i in range(4)]
+    check_loads(spec)
+
+
+def test_an_unusable_results_dir_is_one_line_before_any_work(tmp_path: Path) -> None:
+    from dspark_cli.bench.matrix import prepare_results_dir
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for bad in (afile, afile / "sub"):
+        with pytest.raises(DsparkError, match="cannot write results to"):
+            prepare_results_dir(bad)
+    good = tmp_path / "new" / "dir"
+    (good / "cells").mkdir(parents=True)
+    (good / "cells" / ".none__c1.json.abc.tmp").write_text("{")  # a killed run's half-written cell
+    prepare_results_dir(good)
+    assert good.is_dir() and not list((good / "cells").glob(".*.tmp"))

@@ -109,3 +109,35 @@ def test_compare_uses_shared_questions(tmp_path: Path) -> None:
     assert "n=5 shared questions" in note and "band" in note
     with pytest.raises(DsparkError, match="no such file"):
         compare([a, tmp_path / "missing.jsonl"])
+
+
+def test_compare_says_when_files_were_scored_differently(tmp_path: Path) -> None:
+    """Shots and output length move accuracy by themselves: a comparison across them is flagged."""
+    a, b = tmp_path / "five.jsonl", tmp_path / "one.jsonl"
+    one_shot = EvalConfig(base_url="http://x", num_shots=1, max_tokens=8).settings()
+    for i in range(4):
+        append_row(a, EvalRow.score(_row(i), "The answer is 5.", SETTINGS))
+        append_row(b, EvalRow.score(_row(i), "The answer is 5.", one_shot))
+    _, _, note = compare([a, b])
+    assert "warning: the files were scored with different settings" in note
+    assert "num_shots=5, max_tokens=512 (five.jsonl)" in note and "num_shots=1, max_tokens=8 (one.jsonl)" in note
+    _, _, same = compare([a])
+    assert "one file" in same and "band" not in same
+    with pytest.raises(DsparkError, match="is not a file"):
+        compare([a, tmp_path])
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello\n")
+    with pytest.raises(DsparkError, match="pass files that `dspark eval gsm8k -o` wrote"):
+        compare([a, bad])
+
+
+def test_an_unwritable_output_is_refused_before_any_question(tmp_path: Path) -> None:
+    from dspark_cli.evals.gsm8k import run_eval
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    # nothing listens at this URL: the output is checked first, so the error is about it, not the server
+    cfg = EvalConfig(base_url="http://127.0.0.1:9", limit=1)
+    for bad in (afile / "r.jsonl", tmp_path):
+        with pytest.raises(DsparkError, match="cannot write results to"):
+            run_eval(cfg, bad)

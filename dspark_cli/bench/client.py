@@ -92,6 +92,17 @@ class RequestResult:
         return [gap * scale for gap in self.itl]
 
 
+def server_root(url: str) -> str:
+    """A server's base URL as the clients join paths to it: ``http://host:port``. The OpenAI clients' form,
+    ending in ``/v1`` (what ``dspark serve`` prints), is accepted too."""
+    root = url.strip().rstrip("/")
+    if not root.startswith(("http://", "https://")):
+        raise DsparkError(f"--base-url must start with http:// or https://, got {url!r}")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return root
+
+
 def _has_output(choice: dict[str, Any]) -> bool:
     if "delta" in choice:
         delta = choice.get("delta") or {}

@@ -28,6 +28,7 @@ import contextlib
 import datetime as _dt
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -158,6 +159,11 @@ def safe_name(config: str) -> str:
 
 def cell_path(results_dir: Path, config: str, concurrency: int) -> Path:
     return results_dir / "cells" / f"{safe_name(config)}__c{concurrency}.json"
+
+
+def failed_cell_path(results_dir: Path, config: str, concurrency: int) -> Path:
+    """Where a cell some of whose requests failed is kept: beside the cells, never read as one."""
+    return results_dir / "cells" / "failed" / f"{safe_name(config)}__c{concurrency}.json"
 
 
 def load_cell(path: Path) -> dict[str, Any] | None:
@@ -295,9 +301,62 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
                 raise DsparkError(
                     f"{cell_path(spec.results_dir, cfg.name, c)} was measured with a different workload; "
                     "use another --results-dir or --force to remeasure")
-            if cell is None:
+            if cell is not None and spec.serve:
+                served = setup_args(list((cell.get("server") or {}).get("serve_args") or []))
+                if served != served_args(spec, cfg):
+                    # Another model, K or batch limit under the same config name: resuming would table its numbers
+                    # as this run's.
+                    raise DsparkError(
+                        f"{cell_path(spec.results_dir, cfg.name, c)} was served with other settings "
+                        f"({shlex.join(served)!r}, now {shlex.join(served_args(spec, cfg))!r}); use another "
+                        "--results-dir or --force to remeasure")
+            if cell is None or int(cell["metrics"].get("failed") or 0) > 0:
+                # A cell some of whose requests failed measured less work than its name says: measure it again
+                # (cells saved before failed cells were refused can hold failures).
                 todo.append((cfg, c))
     return todo
+
+
+def served_args(spec: MatrixSpec, cfg: BenchConfig) -> list[str]:
+    """What a config's server is started with, but where it listens: what makes its cells its own."""
+    return [*spec.serve_args, *cfg.serve_args]
+
+
+def setup_args(args: Sequence[str]) -> list[str]:
+    """A started server's recorded command line without its --host and --port (a free port per start)."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("--host", "--port"):
+            skip = True
+        elif not arg.startswith(("--host=", "--port=")):
+            out.append(arg)
+    return out
+
+
+def check_loads(spec: MatrixSpec) -> None:
+    """A cell at concurrency c must send at least c requests: fewer never has c in flight, so its row would
+    name a load it did not measure."""
+    for c in spec.concurrencies:
+        n = len(spec.cell_prompts(c))
+        if n < c:
+            raise DsparkError(f"a cell at c={c} sends {n} requests, so it never has {c} in flight; raise "
+                              f"--num-prompts to {c} or more, or use --waves")
+
+
+def prepare_results_dir(results_dir: Path) -> None:
+    """Create the results folder up front, so an unusable path fails in one line before any work."""
+    try:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        probe = results_dir / f".write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise DsparkError(f"cannot write results to {results_dir}: {exc.strerror or exc}; pass another "
+                          "--results-dir") from exc
+    for stale in (results_dir / "cells").glob(".*.tmp"):
+        stale.unlink(missing_ok=True)  # a write a killed run left half-done; the cell itself is measured again
 
 
 def _free_port(host: str) -> int:
@@ -502,6 +561,15 @@ def _write_cell(spec: MatrixSpec, cell: dict[str, Any], hooks: Hooks) -> None:
         first = m["errors"][0] if m["errors"] else "unknown error"
         raise DsparkError(f"every request of cell {cell['config']} c={cell['concurrency']} failed ({first}); "
                           "the cell was not saved")
+    if m["failed"]:
+        # Fewer requests finished than the cell's name promises (a server that died or refused some): its numbers
+        # are not this load's. Kept for a look, out of the cells the table and a resumed run read.
+        aside = failed_cell_path(spec.results_dir, cell["config"], cell["concurrency"])
+        atomic_write_json(aside, cell)
+        first = m["errors"][0] if m["errors"] else "unknown error"
+        raise DsparkError(f"{m['failed']} of {m['failed'] + m['completed']} requests of cell {cell['config']} "
+                          f"c={cell['concurrency']} failed ({first}); the cell was not counted (its record: "
+                          f"{aside}); fix the cause and rerun the same command to resume")
     atomic_write_json(cell_path(spec.results_dir, cell["config"], cell["concurrency"]), cell)
     for note in measurement_notes(cell):
         hooks.log(f"{cell['config']} c={cell['concurrency']}: {note}")
@@ -566,12 +634,16 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
     the summary reports the median of those ratios beside the cells' totals.
     """
     hooks = hooks or Hooks()
-    spec.results_dir.mkdir(parents=True, exist_ok=True)
     if not spec.serve:
         if base_url is None:
             raise DsparkError("pass --base-url URL of a running server, or --serve to start one per config")
         spec.configs = [BenchConfig(label)]
     check_rounds(spec)
+    check_loads(spec)
+    prepare_results_dir(spec.results_dir)
+    for path in (cell_path(spec.results_dir, cfg.name, c) for cfg in spec.configs for c in spec.concurrencies):
+        if path.is_file() and load_cell(path) is None:
+            hooks.log(f"{path} is not a finished cell (unreadable or another format): measuring it again")
     todo = pending_cells(spec)
     total = len(spec.configs) * len(spec.concurrencies)
     if len(todo) < total:
@@ -761,7 +833,7 @@ def _served_process(spec: MatrixSpec, cfg: BenchConfig, hooks: Hooks) -> tuple[s
     """A config's server (not started yet: enter it), its URL and what its cells record about it."""
     port = spec.port or _free_port(spec.host)
     base_url = f"http://{spec.host}:{port}"
-    args = [*spec.serve_args, *cfg.serve_args, "--host", spec.host, "--port", str(port)]
+    args = [*served_args(spec, cfg), "--host", spec.host, "--port", str(port)]
     log_path = spec.results_dir / "logs" / f"{safe_name(cfg.name)}.log"
     hooks.log(f"{cfg.name}: starting server ({' '.join(args)})")
     server = {"mode": "serve", "base_url": base_url, "serve_args": args, "log": str(log_path)}

@@ -125,9 +125,9 @@ def summarize(rows: Sequence[EvalRow]) -> Summary:
                    sum(r.invalid for r in rows) / n)
 
 
-def read_results(path: Path, repair: bool = False) -> list[EvalRow]:
+def read_results(path: Path, repair: bool = False, hint: str = "use another --output") -> list[EvalRow]:
     """Rows of a result file. A last line cut by a crash is dropped (and, with ``repair``, truncated away so
-    appends continue on a clean line); any other bad line is an error naming file:line."""
+    appends continue on a clean line); any other bad line is an error naming file:line, ending in ``hint``."""
     if not path.is_file():
         return []
     data = path.read_bytes()
@@ -145,8 +145,18 @@ def read_results(path: Path, repair: bool = False) -> list[EvalRow]:
             obj = orjson.loads(line)
             rows.append(EvalRow(**obj))
         except (orjson.JSONDecodeError, TypeError) as exc:
-            raise DsparkError(f"{path}:{lineno}: not a gsm8k result row ({exc}); use another --output") from exc
+            raise DsparkError(f"{path}:{lineno}: not a gsm8k result row ({exc}); {hint}") from exc
     return rows
+
+
+def check_output(path: Path) -> None:
+    """Make sure rows can be appended to ``path`` before any question is sent: a bad --output found after the
+    first answer would lose it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+    except OSError as exc:
+        raise DsparkError(f"cannot write results to {path}: {exc.strerror or exc}; pass another --output") from exc
 
 
 def append_row(path: Path, row: EvalRow) -> None:
@@ -227,7 +237,7 @@ def run_eval(cfg: EvalConfig, output: Path | None = None, on_start: Callable[[in
     rows = load_gsm8k(limit=cfg.limit, path=cfg.data)
     previous: dict[int, EvalRow] = {}
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
+        check_output(output)
         for r in read_results(output, repair=True):
             if r.settings != cfg.settings():
                 theirs = ", ".join(f"{k}={r.settings.get(k)}" for k in ("num_shots", "max_tokens"))
@@ -254,13 +264,18 @@ def compare(paths: Sequence[Path]) -> tuple[list[CompareRow], int, str]:
     if len(paths) < 1:
         raise DsparkError("--compare needs at least one result file")
     loaded = []
+    setups: dict[str, list[str]] = {}
     for p in paths:
-        if not p.is_file():
+        if not p.exists():
             raise DsparkError(f"--compare: no such file {p}")
-        rows = read_results(p)
+        if not p.is_file():
+            raise DsparkError(f"--compare: {p} is not a file; pass the result files (JSONL) `eval gsm8k -o` wrote")
+        rows = read_results(p, hint="pass files that `dspark eval gsm8k -o` wrote")
         if not rows:
             raise DsparkError(f"--compare: {p} holds no results")
         loaded.append((p, {r.id: r for r in rows}))
+        for setup in {_setup_label(r.settings) for r in rows}:
+            setups.setdefault(setup, []).append(p.name)
     shared = set.intersection(*(set(d) for _, d in loaded))
     if not shared:
         raise DsparkError("--compare: the files share no question; run them over the same --limit")
@@ -270,6 +285,8 @@ def compare(paths: Sequence[Path]) -> tuple[list[CompareRow], int, str]:
         label = p.stem if stems.count(p.stem) == 1 else str(p)
         out.append(CompareRow(label, summarize([d[i] for i in sorted(shared)])))
     n = len(shared)
+    if len(out) == 1:
+        return out, n, f"n={n} questions in one file; pass two or more to compare them"
     accs = [r.summary.strict for r in out]
     p_mean = sum(accs) / len(accs)
     band = 2 * math.sqrt(2) * Summary.stderr(p_mean, n)
@@ -277,4 +294,13 @@ def compare(paths: Sequence[Path]) -> tuple[list[CompareRow], int, str]:
     verdict = "within" if spread <= band else "OUTSIDE"
     note = (f"n={n} shared questions; strict accuracies differ by {spread:.3f}, {verdict} the ±{band:.3f} band "
             "(2 standard errors of a difference) that sampling noise alone produces")
+    if len(setups) > 1:
+        # Shots and output length move accuracy by themselves: a difference here is not the servers' alone.
+        note += "\nwarning: the files were scored with different settings: " + "; ".join(
+            f"{setup} ({', '.join(names)})" for setup, names in setups.items())
     return out, n, note
+
+
+def _setup_label(settings: dict[str, Any]) -> str:
+    extra = "" if settings.get("stop") == STOP else ", other stop strings"
+    return f"num_shots={settings.get('num_shots')}, max_tokens={settings.get('max_tokens')}{extra}"
