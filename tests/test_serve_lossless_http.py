@@ -52,6 +52,17 @@ def _complete(url: str, prompt: str) -> str:
     return out["choices"][0]["text"]
 
 
+def _complete_until(url: str, prompt: str, stop: str) -> tuple[str, int, str | None]:
+    """Text, completion tokens and stop_reason of a greedy request ended by a stop string."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stop": stop}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    choice = out["choices"][0]
+    return choice["text"], out["usage"]["completion_tokens"], choice["stop_reason"]
+
+
 def _counter(metrics: dict, name: str) -> float:
     return sum(v for (n, _labels), v in metrics.items() if n == name)
 
@@ -81,11 +92,18 @@ def test_greedy_outputs_identical_across_capacity_modes_over_http(tmp_path: Path
         "varlen": ["-k", str(K), "--capacity-mode", "varlen", "--sps-curve", str(curve), *never_pause],
     }
     texts: dict[str, list[str]] = {}
+    stopped: dict[str, list[tuple[str, int, str | None]]] = {}
     counters: dict[str, tuple[float, float, float]] = {}
+    stops: list[str] = []
     for name, args in configs.items():
         with _server(args, tmp_path / f"{name}.log") as server:
             url = server.base_url
             texts[name] = [_complete(url, p) for p in PROMPTS]
+            if not stops:  # a piece of each greedy output, from the middle: where a stop string cuts it
+                stops = [t[len(t) // 2: len(t) // 2 + 3] for t in texts[name]]
+            # A speculative step may accept tokens past the one that completes a stop string: usage counts
+            # only the output's tokens, as decoding without speculation does.
+            stopped[name] = [_complete_until(url, p, stop) for p, stop in zip(PROMPTS, stops, strict=True)]
             status, body = _get(url + "/metrics")
             assert status == 200
             m = parse_metrics(body.decode())
@@ -95,6 +113,8 @@ def test_greedy_outputs_identical_across_capacity_modes_over_http(tmp_path: Path
 
     for name in ("none", "mask", "varlen"):
         assert texts[name] == texts["nospec"], f"{name} differs from no speculation"
+        assert stopped[name] == stopped["nospec"], f"{name}: a stop string's text, usage or stop_reason differs"
+    assert all(reason == stop for (_, _, reason), stop in zip(stopped["nospec"], stops, strict=True))
     drafted, verified, accepted = counters["none"]
     assert drafted > 0 and verified == drafted
     assert 0 < accepted < drafted, "the tiny pair's acceptance must lie strictly between 0 and 1"

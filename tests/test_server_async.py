@@ -401,3 +401,33 @@ def test_an_error_behind_waiting_tokens_comes_after_them(front: str) -> None:
         await ae.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_server_stopped_while_its_engine_thread_loads_does_not_wait_for_the_load() -> None:
+    """Ctrl-C during a long load (a start-up profile): serve_async returns with the load still running on its
+    thread, and says so, so the CLI can end the process instead of waiting minutes for it."""
+    import threading
+
+    from dspark_cli.engines.embedded.server import ServerOptions, serve_async
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_factory() -> Any:
+        started.set()
+        release.wait(60)
+        return scripted()()
+
+    async def main() -> bool:
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(serve_async(slow_factory, ServerOptions("127.0.0.1", 0, "m"),
+                                                    stop_event=stop))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        stop.set()
+        return await serving
+
+    try:
+        assert asyncio.run(main()) is True
+        assert not release.is_set()  # returned while the factory was still inside the load
+    finally:
+        release.set()

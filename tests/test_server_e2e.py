@@ -298,11 +298,13 @@ def test_stop_string_cuts_text_and_finishes_with_stop(server: Server) -> None:
     status, out = server.post("/v1/completions", {**body, "stop": [stop, "\x00never"]})
     assert status == 200
     assert out["choices"][0]["text"] == cut and out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["stop_reason"] == stop  # which stop fired, as vLLM says it
     assert out["usage"]["completion_tokens"] <= 40
     events = server.stream("/v1/completions", {**body, "stop": stop})
     chunks = [e for e in events[:-1] if e["choices"]]
     assert "".join(e["choices"][0]["text"] for e in chunks) == cut
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["choices"][0]["stop_reason"] == stop
+    assert all(e["choices"][0]["stop_reason"] is None for e in chunks[:-1])
     # Finishing on a stop string frees the engine request and counts as vLLM's "stop", not "abort".
     _wait_idle(server)
 
@@ -319,8 +321,16 @@ def test_stop_string_cuts_text_and_finishes_with_stop(server: Server) -> None:
         ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n=1"),
         ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
-        ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "does not exist"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs"),
+        # fields vLLM honours: served without them, the output would not be what the client asked for
+        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9]+"}, "guided_regex"),
+        ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ("/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
+         "add_generation_prompt"),
         ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "batched prompts"),
         ("/v1/completions", {"prompt": [10**9]}, "out of range"),
@@ -338,6 +348,15 @@ def test_bad_requests_get_openai_400(server: Server, path: str, body: Any, needl
     err = out["error"]
     assert err["type"] == "invalid_request_error" and needle in err["message"], err
     assert "\n" not in err["message"]
+
+
+def test_an_unknown_model_is_404_and_the_off_values_of_unsupported_fields_pass(server: Server) -> None:
+    status, out = server.post("/v1/completions", {"prompt": "hi", "model": "gpt-4"})
+    assert status == 404 and "does not exist" in out["error"]["message"]
+    off = {"response_format": {"type": "text"}, "bad_words": [], "skip_special_tokens": True,
+           "include_stop_str_in_output": False, "presence_penalty": 0, "logprobs": None}
+    status, out = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, **GREEDY, **off})
+    assert status == 200, out
 
 
 def test_malformed_json_is_400(server: Server) -> None:

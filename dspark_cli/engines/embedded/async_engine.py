@@ -322,6 +322,8 @@ class EngineFront:
         self._fail_all(EngineDeadError(f"engine failed: {error_type(exc)}: {exc}"))
 
     def _on_ready(self) -> None:
+        if self.state != "loading":  # shut down while it loaded: it stays stopped
+            return
         self.state = "ready"
         assert self._ready is not None
         if not self._ready.done():
@@ -370,6 +372,7 @@ class AsyncEngine(EngineFront):
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._engine: Any = None
+        self.abandoned_load = False  # shut down while loading: the thread may still be inside the load
 
     async def start(self) -> None:
         """Load the engine on its thread; return when it is ready to take requests."""
@@ -379,11 +382,21 @@ class AsyncEngine(EngineFront):
         await ready
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread after its current step; pending requests fail with EngineDeadError."""
+        """Stop the thread after its current step; pending requests fail with EngineDeadError.
+
+        A load in progress (weights, graph capture, a start-up profile: up to minutes) cannot be interrupted
+        from here, and waiting for it would keep Ctrl-C from acting: the thread is left to read its stop once
+        loaded, and ``abandoned_load`` tells the process it may exit without it (``exit_now``)."""
         if self._thread is None:
             return
         self._stopping = True
         self._commands.put(_Stop())
+        if self.state == "loading":
+            self.abandoned_load = True
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(EngineDeadError("the server shut down while the engine was loading"))
+            self.state = "stopped"
+            return
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
         self._fail_all(EngineDeadError("the server is shutting down"))
         if self.state != "failed":

@@ -396,6 +396,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_positions // self.block_size)
         models = (target_path, draft_path) if self.num_spec > 0 else (target_path,)
         head_dims = tuple(read_llama_args(path).head_dim for path in models)
+        trained = read_llama_args(target_path).max_position_embeddings
+        if config.max_model_len > trained:
+            # Positions past the trained range decode on silently, and worse (vLLM refuses them too).
+            raise DsparkError(f"max_model_len={config.max_model_len} is more than the model's "
+                              f"max_position_embeddings={trained}; pass --max-model-len {trained} or less")
         self.backend: AttentionBackend = get_backend(config.attention_backend, device, dtype, head_dims)
 
         self.target = load_llama(target_path, self.backend, self.max_positions, dtype, device)

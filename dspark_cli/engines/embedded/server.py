@@ -149,10 +149,16 @@ class StopTextBuffer:
         # a start at ``j`` is open only while ``text[j:]`` is shorter than the longest stop.
         self._scan = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string the text was cut at (vLLM's stop_reason)
 
     def _earliest_match(self) -> int:
-        hits = [i for i in (self.text.find(s, self._scan) for s in self.stops) if i >= 0]
-        return min(hits, default=-1)
+        """Where the earliest-starting stop string starts (-1: none); ``_match`` is that string."""
+        first, self._match = -1, None
+        for stop in self.stops:
+            i = self.text.find(stop, self._scan)
+            if i >= 0 and (first < 0 or i < first):
+                first, self._match = i, stop
+        return first
 
     def _open_start_before(self, end: int) -> bool:
         """Could a stop string still start at some ``j < end`` (``text[j:]`` a proper prefix of it)?"""
@@ -162,7 +168,7 @@ class StopTextBuffer:
 
     def _cut(self, at: int) -> str:
         self.text = self.text[:at]
-        self.stopped = True
+        self.stopped, self.matched = True, self._match
         return self.flush()
 
     def add(self, delta: str) -> str:
@@ -190,7 +196,7 @@ class StopTextBuffer:
             first = self._earliest_match()
             if first >= 0:
                 self.text = self.text[:first]
-                self.stopped = True
+                self.stopped, self.matched = True, self._match
         out = self.text[self._sent:]
         self._sent = len(self.text)
         return out
@@ -225,6 +231,26 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "use_beam_search": (None, False),
     "tools": (None,),
+    # vLLM honours these; silently serving without them would return output the client did not ask for
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None,),
+    "logits_processors": (None,),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    "return_token_ids": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None,),
 }
 
 
@@ -305,7 +331,7 @@ def parse_common(ctx: ServerContext, body: Any) -> tuple[dict[str, Any], list[st
         raise BadRequest("'model' must be a string", "model")
     if model is not None and model not in ctx.names:
         raise BadRequest(f"The model `{model}` does not exist; this server serves `{ctx.served_model_name}`",
-                         "model")
+                         "model", status=404)
     for key in ("stream", "ignore_eos"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise BadRequest(f"'{key}' must be true or false", key)
@@ -337,11 +363,12 @@ def parse_common(ctx: ServerContext, body: Any) -> tuple[dict[str, Any], list[st
     sti = body.get("stop_token_ids")
     if sti is not None and not (isinstance(sti, list) and all(_is_int(x) and x >= 0 for x in sti)):
         raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-    if body.get("logprobs") not in (None, False):
+    if body.get("logprobs") is not None and body["logprobs"] is not False:  # completions' 0 asks for them too
         raise BadRequest("logprobs are not supported by the embedded engine", "logprobs")
     for key, off in _UNSUPPORTED_DEFAULTS.items():
         v = body.get(key)
-        if v is not None and v not in off and not (key in ("logit_bias", "tools") and not v):
+        empty = isinstance(v, (list, dict)) and not v  # an empty list or object asks for nothing
+        if v is not None and not empty and not any(v == o and type(v) is type(o) for o in off if o is not None):
             raise BadRequest(f"'{key}' is not supported by the embedded engine (got {v!r})", key)
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
@@ -472,16 +499,35 @@ class _Generation:
         self.text = StopTextBuffer(req.stops)
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
+
+    def _push(self, ids: list[int]) -> str:
+        """Detokenize ``ids`` through the stop strings; count the tokens the output is made of.
+
+        With stop strings, token by token: a speculative step hands over several tokens at once, and the ones
+        after the token that completed a stop string are not part of the output. Counted one by one, usage is
+        what decoding without speculation reports (and it no longer depends on how a lagging stream merged
+        steps)."""
+        if not self.req.stops:
+            self.num_tokens += len(ids)
+            return self.text.add(self.detok.push(ids))
+        delta = ""
+        for token in ids:
+            self.num_tokens += 1
+            delta += self.text.add(self.detok.push([token]))
+            if self.text.stopped:
+                break
+        return delta
 
     async def deltas(self) -> Any:
         """Yield text deltas (possibly empty); ``finish_reason`` is set before the last one."""
         gen = self.ctx.engine.generate(self.request_id, self.req.prompt_ids, self.req.params)
         async with contextlib.aclosing(gen):
             async for out in gen:
-                self.num_tokens += len(out.new_token_ids)
-                delta = self.text.add(self.detok.push(list(out.new_token_ids)))
+                new_ids = list(out.new_token_ids)
+                delta = self._push(new_ids)
                 if self.text.stopped:
-                    self.finish_reason = "stop"
+                    self.finish_reason, self.stop_reason = "stop", self.text.matched
                     # Finished by us, not by the engine: free its KV blocks now, count it as "stop".
                     self.ctx.engine.abort(self.request_id, reason="stop")
                     yield delta
@@ -491,6 +537,10 @@ class _Generation:
                     if not self.text.stopped:
                         delta += self.text.flush()
                     self.finish_reason = "stop" if self.text.stopped else (out.finish_reason or "stop")
+                    if self.text.stopped:
+                        self.stop_reason = self.text.matched
+                    elif out.finish_reason == "stop" and new_ids and new_ids[-1] in self.req.params.stop_token_ids:
+                        self.stop_reason = new_ids[-1]
                     yield delta
                     return
                 yield delta
@@ -523,7 +573,7 @@ async def _run(ctx: ServerContext, request: web.Request, chat: bool) -> web.Stre
         return _engine_error(exc)
     text = "".join(text_parts)
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason,
-                              "stop_reason": None}
+                              "stop_reason": gen.stop_reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -548,6 +598,7 @@ async def _stream(request: web.Request, gen: _Generation, rid: str, created: int
             choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        choice["stop_reason"] = gen.stop_reason if finish is not None else None
         payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
                                    "choices": [choice]}
         if req.include_usage:
@@ -672,8 +723,11 @@ def engine_front(engine_factory: Callable[[], Any], engine_process: bool) -> Eng
 
 async def serve_async(engine_factory: Callable[[], Any], opts: ServerOptions,
                       on_ready: Callable[[str], None] | None = None,
-                      stop_event: asyncio.Event | None = None) -> None:
-    """Bind the port, load the engine (``/health`` is 503 meanwhile), serve until SIGINT/SIGTERM or stop."""
+                      stop_event: asyncio.Event | None = None) -> bool:
+    """Bind the port, load the engine (``/health`` is 503 meanwhile), serve until SIGINT/SIGTERM or stop.
+
+    Returns whether the engine was left loading on a thread of this process (stopped before it was ready):
+    the caller should then end the process without waiting for that thread."""
     engine = engine_front(engine_factory, opts.engine_process)
     ctx = ServerContext(engine, opts.served_model_name, opts.model_aliases, opts.num_speculative_tokens)
     # shutdown_timeout: in-flight streams end as soon as the engine stops (they get an error event), so a
@@ -718,9 +772,10 @@ async def serve_async(engine_factory: Callable[[], Any], opts: ServerOptions,
                 asyncio.get_running_loop().remove_signal_handler(sig)
         await engine.shutdown()  # first: pending requests fail fast instead of holding connections open
         await runner.cleanup()
+    return bool(getattr(engine, "abandoned_load", False))
 
 
 def run_server(engine_factory: Callable[[], Any], opts: ServerOptions,
-               on_ready: Callable[[str], None] | None = None) -> None:
-    """Blocking entry point for the CLI."""
-    asyncio.run(serve_async(engine_factory, opts, on_ready))
+               on_ready: Callable[[str], None] | None = None) -> bool:
+    """Blocking entry point for the CLI; returns what :func:`serve_async` returns."""
+    return asyncio.run(serve_async(engine_factory, opts, on_ready))
