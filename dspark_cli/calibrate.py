@@ -1,5 +1,5 @@
-"""``dspark calibrate``: fit Sequential Temperature Scaling from recorded traces, write ``sts.json`` and a
-reliability diagram.
+"""``dspark calibrate``: fit Sequential Temperature Scaling from recorded traces, write ``sts.json`` and
+(with ``--plot``) a reliability diagram.
 
 The fit itself is :func:`dspark_cli.core.sts.fit_sts` (the same code the engines' offline STS reads back);
 this module reads traces from either engine, refuses input it cannot trust with ``file:line``, and draws
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ import numpy as np
 from dspark_cli.core.sts import StsFit, cumulative_labels, cumulative_survival, fit_sts
 from dspark_cli.core.traces import read_traces
 from dspark_cli.errors import DsparkError
+from dspark_cli.fileio import atomic_write_figure, check_figure_file, check_output_file
 
 MAX_PLOTTED_POSITIONS = 4
 
@@ -31,6 +32,20 @@ class CalibrationResult:
     num_records: int
     skipped: int
     num_positions: int
+    warnings: list[str] = field(default_factory=list)  # positions whose temperature is not to be trusted
+
+
+def check_trace_folders(traces: Sequence[str | os.PathLike[str]]) -> None:
+    """A folder argument is read for its own ``*.jsonl`` only (core/traces.py); say so when that finds none."""
+    for item in traces:
+        folder = Path(item)
+        if not folder.is_dir() or any(folder.glob("*.jsonl")):
+            continue
+        nested = next(folder.rglob("*.jsonl"), None)
+        if nested is not None:
+            raise DsparkError(f"no *.jsonl files in {folder} (sub-folders are not searched); pass the files or "
+                              f"their folder instead, e.g. {nested.parent}")
+        raise DsparkError(f"no *.jsonl files in {folder}; record traces with `dspark serve --record-traces FILE`")
 
 
 def plotted_positions(num_positions: int, limit: int = MAX_PLOTTED_POSITIONS) -> list[int]:
@@ -94,10 +109,12 @@ def plot_reliability(
     axes[0][0].set_ylabel("observed: token k inside the accepted prefix")
     fig.suptitle("Reliability of the cumulative survival, before and after STS")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        out = atomic_write_figure(fig, path)
+    except OSError as exc:
+        raise DsparkError(f"cannot write the reliability diagram {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -108,11 +125,23 @@ def run_calibration(
     bins: int = 20,
     skip_invalid: bool = False,
 ) -> CalibrationResult:
-    """Read traces, fit STS, write ``sts.json`` (atomic) and optionally the reliability diagram."""
+    """Read traces, fit STS, write ``sts.json`` (atomic) and optionally the reliability diagram.
+
+    Both output paths are checked before the traces are read, so a bad ``-o``/``--plot`` costs no fit and
+    never leaves one file written without the other. ``warnings`` lists the positions whose temperature
+    the data could not pin down; the file is written all the same.
+    """
     if not traces:
         raise DsparkError("no trace files given; pass TRACES.jsonl (recorded with `dspark serve --record-traces`)")
     if bins < 2:
         raise DsparkError(f"--bins must be >= 2, got {bins}")
+    output = Path(output)
+    check_output_file(output, "-o/--output")
+    if plot is not None:
+        plot = check_figure_file(plot, "--plot")
+        if plot.resolve() == output.resolve():
+            raise DsparkError(f"--plot and -o/--output are both {output}; give the diagram its own path")
+    check_trace_folders(traces)
     ts = read_traces(list(traces), skip_invalid=skip_invalid)
     names = ", ".join(str(t) for t in traces)
     if not ts.records:
@@ -123,6 +152,9 @@ def run_calibration(
         raise DsparkError(f"no trace record in {names} verified any draft, so nothing can be calibrated; record "
                           "traces with drafts verified (e.g. --capacity-mode none)")
     fit = fit_sts(conf, verified, accepted, bins=bins)
-    out = fit.save(output)
+    try:
+        out = fit.save(output)
+    except OSError as exc:
+        raise DsparkError(f"cannot write {output}: {exc.strerror or exc}") from None
     plot_path = plot_reliability(conf, verified, accepted, fit, plot, bins) if plot is not None else None
-    return CalibrationResult(fit, out, plot_path, len(ts.records), ts.skipped, conf.shape[1])
+    return CalibrationResult(fit, out, plot_path, len(ts.records), ts.skipped, conf.shape[1], fit.warnings())

@@ -6,6 +6,7 @@ becomes one line on stderr and exit status 1 -- never a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,13 @@ def _not_built(command: str) -> None:
     raise typer.Exit(2)
 
 
+def _warn(message: str) -> None:
+    """One grep-able stderr line for what the user should know but that does not stop the command."""
+    from rich.markup import escape
+
+    err_console.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def _version_callback(value: bool) -> None:
     if value:
         console.print(f"dspark {__version__}")
@@ -59,7 +67,9 @@ def profile_sps(
     num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", "-k",
                                                       help="Drafted tokens per step (default 4)."),
     capture_sizes: str | None = typer.Option(None, "--capture-sizes",
-                                             help="Verify sizes to capture and profile, e.g. 1,2,4,8,16,32."),
+                                             help="Verify sizes to capture and profile, e.g. 1,2,4,8,16,32 (on a "
+                                                  "CPU, which captures no graphs, the sizes sampled; larger sizes "
+                                                  "up to the largest verify batch are added)."),
     overhead_ms: str = typer.Option("auto", "--overhead-ms", help="Per-step overhead: auto (measure) or a number of ms."),
     speculative_config: str | None = typer.Option(None, "--speculative-config",
                                                   help="JSON as for vllm serve (model, num_speculative_tokens)."),
@@ -84,6 +94,7 @@ def profile_sps(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from dspark_cli import profile_sps as ps
+    from dspark_cli.fileio import check_figure_file, check_output_file
     from dspark_cli.profile_report import curve_tables, plot_curve
 
     req = ps.ProfileRequest(
@@ -93,6 +104,10 @@ def profile_sps(
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, context_len=context_len, warmup=warmup,
         replays=replays, extra=[a for a in ctx.args if a != "--"],
     )
+    if not dry_run:  # a path that cannot be written would lose a finished profile
+        check_output_file(output, "--output")
+        if plot is not None:
+            check_figure_file(plot, "--plot")
     if engine == "vllm":
         curve = ps.run_vllm(req, dry_run=dry_run)
         if curve is None:
@@ -117,7 +132,8 @@ def calibrate(
     traces: list[Path] = typer.Argument(..., help="Trace JSONL files (or folders of *.jsonl) from either engine.",
                                         show_default=False),
     output: Path = typer.Option(Path("sts.json"), "--output", "-o", help="Where to write the temperatures."),
-    plot: Path = typer.Option(None, "--plot", help="Also write a reliability diagram PNG here."),
+    plot: Path = typer.Option(None, "--plot", help="Also write a reliability diagram here (.png, .pdf, .svg; "
+                              "no suffix writes PNG)."),
     bins: int = typer.Option(20, "--bins", help="Equal-width ECE bins."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="Skip malformed lines instead of failing."),
 ) -> None:
@@ -145,8 +161,11 @@ def calibrate(
         table.add_row(str(j + 1), str(fit.rows_per_position[j]), f"{fit.temperatures[j]:.3f}",
                       num(fit.ece_before[j], ".4f"), num(fit.ece_after[j], ".4f"), num(fit.auc[j], ".3f"))
     console.print(table)
+    # After the table, so they sit next to the numbers they doubt; soft_wrap keeps each one grep-able line.
+    for warning in res.warnings:
+        _warn(warning)
     written = [res.output] + ([res.plot] if res.plot is not None else [])
-    console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
+    console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -221,7 +240,7 @@ def serve(
     import importlib.util
     import logging
 
-    from dspark_cli.serve_config import build_settings
+    from dspark_cli.serve_config import build_settings, ineffective_settings
 
     flags = {
         "engine": engine, "model": model, "draft": draft, "num_speculative_tokens": num_speculative_tokens,
@@ -234,6 +253,12 @@ def serve(
         "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
     }
     settings = build_settings(flags, speculative_config)
+    for warning in ineffective_settings(settings):
+        _warn(warning)
+    if settings.record_traces is not None and not dry_run:
+        from dspark_cli.fileio import check_output_file
+
+        check_output_file(settings.record_traces, "--record-traces")  # before any weights load
     extra = [a for a in ctx.args if a != "--"]
     if settings.engine == "vllm":
         if settings.scheduler_delay_factor is not None:
@@ -280,6 +305,8 @@ def serve(
         banner.add_row(key, value)
     console.print("[bold]dspark serve[/] (embedded engine)")
     console.print(banner)
+    for warning in launch.warnings:
+        _warn(warning)
 
     def _ready(url: str) -> None:
         front = "its own process" if launch.options.engine_process else "a thread of the server"
@@ -287,9 +314,15 @@ def serve(
                       f"(metrics at {url}/metrics; engine in {front})", highlight=False, soft_wrap=True)
 
     try:
-        run_server(launch.engine_factory, launch.options, on_ready=_ready)
+        abandoned_load = run_server(launch.engine_factory, launch.options, on_ready=_ready)
     finally:
         launch.cleanup()
+    if abandoned_load:
+        # Stopped while the engine thread was still loading (a start-up profile can take minutes): nothing is
+        # lost by not waiting, and an interpreter exit under a thread inside torch aborts ("terminate called").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @app.command("bench")
@@ -376,11 +409,15 @@ def bench(
 
     from dspark_cli.bench import matrix as mx
     from dspark_cli.bench import report
-    from dspark_cli.bench.client import LoadConfig
+    from dspark_cli.bench.client import LoadConfig, server_root
     from dspark_cli.bench.datasets import load_prompts
 
     if simulate:
         from dspark_cli.bench import simulate as sim
+
+        if serve or base_url is not None:
+            raise DsparkError("--simulate replays traces without a server; leave out --serve and --base-url")
+        mx.prepare_results_dir(results_dir)
 
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
@@ -397,6 +434,8 @@ def bench(
         return
     if serve == (base_url is not None):
         raise DsparkError("pass exactly one of --serve (start a server per config) or --base-url URL")
+    if base_url is not None:
+        base_url = server_root(base_url)
     if interleave and not serve:
         raise DsparkError("--interleave starts the configs' servers itself; it needs --serve")
     if server_pid is not None:
@@ -441,6 +480,8 @@ def bench(
                          sts_warmup_prompts=sts_warmup_prompts, waves=waves, interleave=interleave, rounds=rounds,
                          server_pid=server_pid)
     mx.check_rounds(spec)  # before pending_cells reads the folder: a bad --rounds is the first thing to say
+    mx.check_loads(spec)
+    mx.prepare_results_dir(results_dir)
     total = len(cfgs) * len(concs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
@@ -509,6 +550,7 @@ def eval_gsm8k(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from dspark_cli.bench.client import server_root
     from dspark_cli.evals import gsm8k as ev
 
     if files and not compare:
@@ -525,7 +567,7 @@ def eval_gsm8k(
         console.print(table)
         console.print(note, highlight=False)
         return
-    url = (base_url or f"http://127.0.0.1:{port}").rstrip("/")
+    url = server_root(base_url or f"http://127.0.0.1:{port}")
     if limit is not None and limit < 1:
         raise DsparkError(f"--limit must be >= 1, got {limit}")
     cfg = ev.EvalConfig(base_url=url, num_shots=num_shots, limit=limit, concurrency=concurrency,

@@ -127,7 +127,7 @@ def _check_common(req: ProfileRequest) -> None:
     if req.context_len < 2:
         raise DsparkError(f"--context-len: expected >= 2, got {req.context_len}")
     if req.output.exists() and req.output.is_dir():
-        raise DsparkError(f"--output {req.output} is a directory; name the JSON file to write")
+        raise DsparkError(f"--output {req.output} is a folder; name the file to write")
 
 
 # ---------------------------------------------------------------------------------------------- embedded
@@ -142,6 +142,12 @@ def embedded_config(req: ProfileRequest) -> Any:
         raise DsparkError(f"unknown option(s) for the embedded engine: {' '.join(req.extra)} "
                           "(only --engine vllm passes vllm flags through); see dspark profile-sps --help")
     spec = _json_object("--speculative-config", req.speculative_config)
+    if req.speculative_config is not None:
+        from dspark_cli.serve_config import build_settings
+
+        # Its dspark_* keys are serving settings that do not change step cost, but a typo or a bad value is
+        # refused here as `dspark serve` would refuse it, not carried into a curve's provenance unnoticed.
+        build_settings({}, req.speculative_config)
     args = _json_object("--engine-args", req.engine_args)
     kwargs: dict[str, Any] = {"model": req.model}
     unknown = []

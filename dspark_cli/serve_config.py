@@ -69,7 +69,11 @@ DSPARK_KEYS = (
     "dspark_saturation_patience",
     "dspark_resume_every",
     "dspark_sts_refit_interval",
+    *(f"dspark_{name}" for name in ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps")),
 )
+# Settings of the vLLM plugin alone: how a paused vLLM server keeps its draft and schedules its steps
+# (engines.vllm.config says what each does). The embedded engine's paused step is a plain step already.
+VLLM_ONLY_FIELDS = ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps")
 # Keys of vLLM's own SpeculativeConfig that this module reads; the rest are vLLM engine details that the
 # embedded engine has no use for (attention_backend, draft_sample_method, ...).
 _SPEC_KEYS_READ = ("model", "num_speculative_tokens", "method")
@@ -105,6 +109,9 @@ class ServeSettings:
     saturation_patience: int | None = None
     resume_every: int | None = None
     sts_refit_interval: int | None = None
+    draft_catchup_tokens: int | None = None  # vLLM engine only (VLLM_ONLY_FIELDS)
+    mask_paused_compact: bool | None = None  # vLLM engine only
+    plain_paused_steps: bool | None = None  # vLLM engine only
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     scheduler_delay_factor: float | None = None  # embedded engine only (EngineConfig)
@@ -145,7 +152,7 @@ class ServeSettings:
             out["dspark_confidence_temperature"] = self.confidence_temperature
         if self.record_traces is not None:
             out["dspark_record_traces"] = self.record_traces
-        for key in ("saturation_patience", "resume_every", "sts_refit_interval"):
+        for key in ("saturation_patience", "resume_every", "sts_refit_interval", *VLLM_ONLY_FIELDS):
             if getattr(self, key) is not None:
                 out[f"dspark_{key}"] = getattr(self, key)
         return out
@@ -202,9 +209,12 @@ def _as_str(where: str, value: Any) -> str:
 
 
 def _existing_file(where: str, value: str) -> str:
-    if not Path(value).expanduser().is_file():
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise _err(where, f"{value!r} is a folder; name the file")
+    if not path.is_file():
         raise _err(where, f"file {value!r} does not exist")
-    return str(Path(value).expanduser())
+    return str(path)
 
 
 def _curve_points(where: str, value: Any) -> tuple[tuple[int, float], ...]:
@@ -294,6 +304,12 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
     if "dspark_sts_refit_interval" in obj:
         out["sts_refit_interval"] = _as_int(f"{w} dspark_sts_refit_interval", obj["dspark_sts_refit_interval"],
                                             minimum=1)
+    if "dspark_draft_catchup_tokens" in obj:
+        out["draft_catchup_tokens"] = _as_int(f"{w} dspark_draft_catchup_tokens", obj["dspark_draft_catchup_tokens"],
+                                              minimum=0)
+    for name in ("mask_paused_compact", "plain_paused_steps"):
+        if f"dspark_{name}" in obj:
+            out[name] = _as_bool(f"{w} dspark_{name}", obj[f"dspark_{name}"])
     return out
 
 
@@ -381,12 +397,31 @@ def build_settings(flags: dict[str, Any], speculative_config: str | None = None)
         # --confidence-threshold alone selects the threshold policy (or, at 0, the SPS-driven default).
         merged["capacity_policy"] = "threshold" if from_flags["confidence_threshold"] > 0 else "argmax"
     wants_capacity = any(k in from_flags for k in _CAPACITY_FLAGS) or any(k in obj for k in _CAPACITY_JSON_KEYS)
-    if "capacity_mode" not in merged and wants_capacity:
+    speculative = merged.get("draft", "auto") is not None and merged.get("num_speculative_tokens") != 0
+    if "capacity_mode" not in merged and wants_capacity and speculative:
+        # Without speculation (-k 0: bench's nospec column, whose server shares the other columns' flags) the
+        # capacity settings are moot, not a request for capacity management: ineffective_settings names them.
         merged["capacity_mode"] = "varlen"
     merged["vllm_speculative_config"] = {k: v for k, v in obj.items() if not k.startswith("dspark_")}
     settings = ServeSettings(**merged)
     _check_consistency(settings)
     return settings
+
+
+def ineffective_settings(s: ServeSettings) -> list[str]:
+    """Settings given that cannot act on this server, each a sentence to warn with (not an error: a bench
+    matrix hands every column's server the same common flags, its no-speculation column included)."""
+    out = []
+    if not s.speculative:
+        moot = [flag for flag, on in (("--sps-curve", s.sps_curve is not None or s.sps_curve_points is not None),
+                                      ("--sts", s.sts is not None), ("--online-sts", s.online_sts),
+                                      ("--record-traces", s.record_traces is not None)) if on]
+        if moot:
+            out.append(f"{', '.join(moot)}: no effect without speculation (-k 0 or --draft none)")
+    elif s.capacity_mode == "none" and s.sts is not None:
+        out.append("--sts: no effect with --capacity-mode none, which verifies every draft whatever its "
+                   "confidence (traces record the head's raw confidences)")
+    return out
 
 
 def _check_consistency(s: ServeSettings) -> None:
@@ -398,6 +433,11 @@ def _check_consistency(s: ServeSettings) -> None:
     if s.online_sts and s.sts is not None:
         raise DsparkError("--online-sts and --sts are exclusive: online STS fits its own temperatures "
                           "(drop one of them)")
+    vllm_only = [f"dspark_{name}" for name in VLLM_ONLY_FIELDS if getattr(s, name) is not None]
+    if s.engine == "embedded" and vllm_only:
+        raise DsparkError(f"--speculative-config {', '.join(vllm_only)}: a setting of the vLLM plugin (how a paused "
+                          "vLLM server drafts and schedules); the embedded engine's paused steps are plain steps "
+                          "already: drop it, or serve with --engine vllm")
     if s.engine == "embedded" and s.sts_refit_interval is not None:
         raise DsparkError("--speculative-config dspark_sts_refit_interval is only supported by --engine vllm "
                           "(the embedded engine refits online STS on its own schedule)")
@@ -438,6 +478,7 @@ class EmbeddedLaunch:
     options: Any  # engines.embedded.server.ServerOptions
     banner: list[tuple[str, str]]
     tmpdir: Path | None = None
+    warnings: list[str] = field(default_factory=list)  # what the user should know before trusting the run
 
     def engine_factory(self) -> Any:
         # A bound method of plain data, so it pickles: --engine-process calls it in the engine process.
@@ -523,6 +564,15 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
     launch: EmbeddedLaunch | None = None
     try:
         curve_path, curve_label = _materialise_curve(s, tmp)
+        warnings = []
+        if curve_path not in (None, "auto") and k:
+            from dspark_cli.core.sps import SpsCurve
+
+            profiled_k = SpsCurve.load(curve_path).meta.get("k")
+            if isinstance(profiled_k, int) and profiled_k != k:
+                # The draft pass's cost grows with K: a curve of another K prices drafting wrongly.
+                warnings.append(f"the SPS curve was profiled at k={profiled_k} and this server drafts k={k}; "
+                                f"profile it again with `dspark profile-sps ... -k {k}`")
         sts_path = s.sts
         sts_label = "online" if s.online_sts else "none"
         if s.sts is not None:
@@ -586,7 +636,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         banner.append(("engine front", "its own process" if options.engine_process else "a thread of the server"))
         if s.phase_timing:
             banner.append(("phase timing", f"{s.phase_timing} (dspark:step_phase_seconds_total)"))
-        launch = EmbeddedLaunch(cfg, options, banner, tmp)
+        launch = EmbeddedLaunch(cfg, options, banner, tmp, warnings)
         return launch
     finally:
         if launch is None:

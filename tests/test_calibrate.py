@@ -159,3 +159,117 @@ def test_reliability_helpers() -> None:
     assert plotted_positions(8) == [1, 3, 6, 8]
     x, y, n = reliability_curve(np.array([0.1, 0.12, 0.9]), np.array([0.0, 1.0, 1.0]), bins=10)
     assert np.allclose(x, [0.11, 0.9]) and np.allclose(y, [0.5, 1.0]) and n.tolist() == [2, 1]
+
+
+def three_records(path: Path) -> Path:
+    path.write_text('{"conf": [0.9, 0.8], "verified": 2, "accepted": 2}\n'
+                    '{"conf": [0.7, 0.6], "verified": 2, "accepted": 1}\n'
+                    '{"conf": [0.5, 0.4], "verified": 1, "accepted": 0}\n')
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["-o", "cdir"], "-o/--output cdir is a folder; name the file to write"),
+        (["-o", "afile/s.json"], "-o/--output afile/s.json: cannot write there"),
+        (["-o", "afile/deeper/s.json"], "-o/--output afile/deeper/s.json: cannot write there"),
+        (["--plot", "cdir"], "--plot cdir is a folder; name the file to write"),
+        (["--plot", "afile/r.png"], "--plot afile/r.png: cannot write there"),
+        (["--plot", "rel.xyz"], "--plot rel.xyz: matplotlib cannot write .xyz; use one of"),
+        (["-o", "same.png", "--plot", "same.png"], "--plot and -o/--output are both same.png"),
+    ],
+    ids=["output-folder", "output-under-file", "output-deep-under-file", "plot-folder", "plot-under-file",
+         "plot-bad-suffix", "same-path"],
+)
+def test_bad_output_paths_are_refused_before_reading_traces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cdir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    traces = three_records(tmp_path / "t.jsonl")
+
+    def no_reading(*_: object, **__: object) -> None:
+        raise AssertionError("traces were read before the output paths were checked")
+
+    monkeypatch.setattr("dspark_cli.calibrate.read_traces", no_reading)
+    if "-o" not in args:
+        args = [*args, "-o", "s.json"]
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(traces), *args)
+    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+    assert "Traceback" not in err and not (tmp_path / "s.json").exists()
+    assert sorted(p.name for p in (tmp_path / "cdir").iterdir()) == []
+
+
+@pytest.mark.parametrize(("name", "magic"), [("relnoext", b"\x89PNG"), ("rel.pdf", b"%PDF"), ("rel.svg", b"<?xml")])
+def test_plot_path_printed_is_the_file_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str], name: str, magic: bytes) -> None:
+    conf, v, a = synth_traces(2, 400, [1.0, 1.0])
+    traces = write_traces(tmp_path / "t.jsonl", conf, v, a)
+    out = tmp_path / "s.json"
+    code, stdout, err = run_cli(monkeypatch, capsys, "calibrate", str(traces), "-o", str(out),
+                                "--plot", str(tmp_path / name))
+    assert code == 0, err
+    wrote = next(line for line in stdout.splitlines() if line.startswith("wrote "))
+    printed = [Path(p) for p in wrote.removeprefix("wrote ").split(", ")]
+    assert printed[0] == out and len(printed) == 2
+    assert printed[1].is_file() and printed[1].read_bytes().startswith(magic)
+    # Nothing else was written next to it (no silently added suffix).
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "s.json", "t.jsonl"])
+
+
+def test_untrusted_fits_warn_but_still_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "s.json"
+    code, stdout, err = run_cli(monkeypatch, capsys, "calibrate", str(three_records(tmp_path / "t.jsonl")),
+                                "-o", str(out))
+    assert code == 0 and out.is_file() and "wrote" in stdout
+    assert "warning: position 1: only 3 verified rows (fewer than 100)" in err
+    assert "warning: position 2: only 2 verified rows" in err
+    # All-0/1 confidences with mixed outcomes drive T to the grid's top edge.
+    sat = tmp_path / "sat.jsonl"
+    sat.write_text("".join(f'{{"conf": [1.0], "verified": 1, "accepted": {i % 2}}}\n' for i in range(300)))
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(sat), "-o", str(out))
+    assert code == 0 and json.loads(out.read_text())["temperatures"] == [20.0]
+    assert "warning: position 1: T=20 is at the edge of the searched range [0.05, 20]" in err
+    assert "do not trust this temperature" in err and err.count("\n") == 1
+    # A healthy fit stays quiet.
+    conf, v, a = synth_traces(3, 3000, [1.0, 1.0])
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(write_traces(tmp_path / "ok.jsonl", conf, v, a)),
+                           "-o", str(out))
+    assert code == 0 and "warning" not in err
+
+
+def test_folders_without_jsonl_say_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    nest = tmp_path / "nest"
+    (nest / "sub").mkdir(parents=True)
+    three_records(nest / "sub" / "a.jsonl")
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(nest), "-o", str(tmp_path / "s.json"))
+    assert code == 1 and err.count("\n") == 1
+    assert f"no *.jsonl files in {nest} (sub-folders are not searched)" in err and str(nest / "sub") in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(empty), "-o", str(tmp_path / "s.json"))
+    assert code == 1 and f"no *.jsonl files in {empty}; record traces" in err
+    # The folder the hint names does work.
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(nest / "sub"), "-o", str(tmp_path / "s.json"))
+    assert code == 0, err
+
+
+def test_write_failure_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    def full_disk(*_: object, **__: object) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("dspark_cli.core.sts.atomic_write_json", full_disk)
+    out = tmp_path / "s.json"
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(three_records(tmp_path / "t.jsonl")), "-o", str(out))
+    assert code == 1 and err == f"error: cannot write {out}: No space left on device\n"
+
+
+def test_readme_says_the_diagram_needs_plot() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `dspark calibrate`"))
+    assert "`--plot" in row and "plus a reliability diagram" not in row

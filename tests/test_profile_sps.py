@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -183,7 +184,7 @@ def test_bad_input_is_refused_before_anything_runs(args: list[str], match: str, 
 
 def test_output_that_is_a_directory_is_refused(tmp_path: Path) -> None:
     result = _invoke(["tiny", "-o", str(tmp_path)])
-    assert isinstance(result.exception, DsparkError) and "is a directory" in str(result.exception)
+    assert isinstance(result.exception, DsparkError) and "is a folder" in str(result.exception)
 
 
 def test_vllm_without_vllm_installed_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,3 +288,24 @@ def test_graph_replay_path_profiles_the_staircase_and_eager_points_beyond() -> N
     assert curve.meta["cuda_graphs"] is True and curve.meta["capture_limit"] == 12
     # priced as a staircase that rounds up to the next captured size
     assert curve.verify_cost_ms(3) == curve.verify_cost_ms(4)
+
+
+def test_the_speculative_configs_dspark_keys_are_checked_as_serve_checks_them(tmp_path: Path) -> None:
+    out = tmp_path / "x.json"
+    for spec, match in (('{"num_speculative_tokens": 3, "dspark_typo": 1}', "unknown key"),
+                        ('{"dspark_capacity_verification_mode": "bogus"}', "expected one of none, mask, varlen")):
+        result = _invoke(["tiny", "--speculative-config", spec, "-o", str(out)])
+        assert isinstance(result.exception, DsparkError) and match in str(result.exception)
+    assert not out.exists()
+
+
+def test_output_paths_are_checked_before_the_profile_runs(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for args, match in ((["-o", str(afile / "x.json")], "--output .*cannot write there"),
+                        (["-o", str(tmp_path / "c.json"), "--plot", str(afile / "p.png")], "--plot .*cannot write"),
+                        (["-o", str(tmp_path / "c.json"), "--plot", str(tmp_path / "p.xyz")], r"cannot write \.xyz")):
+        result = _invoke(["tiny", *args])
+        assert isinstance(result.exception, DsparkError), result.output
+        assert re.search(match, str(result.exception))
+    assert not (tmp_path / "c.json").exists()  # refused before any measurement, nothing half-done

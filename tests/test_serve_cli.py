@@ -51,6 +51,8 @@ def test_bad_flag_is_one_line_error_and_exit_1() -> None:
         (["--engine", "vllm", "--phase-timing", "host"], "embedded-engine setting"),
         (["--engine", "vllm", "--mixed-prefill"], "embedded-engine setting"),
         (["--engine", "vllm", "--device", "cuda"], "embedded-engine setting"),
+        # checked before any weights load (a file where a folder should be)
+        (["--record-traces", "/proc/version/t.jsonl"], "--record-traces /proc/version/t.jsonl: cannot write there"),
     ],
 )
 def test_errors_raise_dspark_error(args: list[str], match: str) -> None:

@@ -272,3 +272,44 @@ def test_static_confidence_temperature_becomes_uniform_sts(tmp_path: Path) -> No
         assert load_sts(launch.engine_config.sts, num_positions=3) == (2.0, 2.0, 2.0)
     finally:
         launch.cleanup()
+
+
+def test_without_speculation_capacity_settings_are_moot_not_an_error(tmp_path: Path) -> None:
+    """bench's nospec column shares the other columns' --serve-args (a curve, traces): -k 0 must still serve,
+    saying what will not act; an explicit capacity mode without speculation stays an error."""
+    from dspark_cli.serve_config import ineffective_settings
+
+    curve = tmp_path / "c.json"
+    curve.write_text(json.dumps({"dspark_sps_curve": SEED_CURVE}))
+    s = build_settings(_flags(num_speculative_tokens=0, sps_curve=str(curve), record_traces="t.jsonl"))
+    assert s.capacity_mode == "none"
+    assert ineffective_settings(s) == ["--sps-curve, --record-traces: no effect without speculation "
+                                       "(-k 0 or --draft none)"]
+    with pytest.raises(DsparkError, match="--capacity-mode varlen needs speculation"):
+        build_settings(_flags(num_speculative_tokens=0, capacity_mode="varlen"))
+    sts = tmp_path / "sts.json"
+    sts.write_text('{"version": 1, "temperatures": [1, 1, 1, 1]}')
+    assert "--sts: no effect with --capacity-mode none" in ineffective_settings(build_settings(_flags(sts=str(sts))))[0]
+    assert ineffective_settings(build_settings(_flags(sts=str(sts), capacity_mode="varlen"))) == []
+
+
+def test_a_folder_given_for_a_file_is_named_as_one(tmp_path: Path) -> None:
+    with pytest.raises(DsparkError, match="--sps-curve: .* is a folder; name the file"):
+        build_settings(_flags(sps_curve=str(tmp_path)))
+    with pytest.raises(DsparkError, match="dspark_sts: .* is a folder"):
+        build_settings({}, json.dumps({"dspark_sts": str(tmp_path)}))
+
+
+def test_a_curve_profiled_at_another_k_is_flagged(tmp_path: Path) -> None:
+    from dspark_cli.core.sps import SpsCurve
+
+    curve = SpsCurve.from_dict(SEED_CURVE)
+    path = tmp_path / "c.json"
+    SpsCurve(curve.verify_ms, overhead_ms=curve.overhead_ms, meta={"k": 4}).save(path)
+    launch = prepare_embedded(build_settings(_flags(num_speculative_tokens=7, sps_curve=str(path))))
+    launch.cleanup()
+    assert launch.warnings == ["the SPS curve was profiled at k=4 and this server drafts k=7; profile it again "
+                               "with `dspark profile-sps ... -k 7`"]
+    launch = prepare_embedded(build_settings(_flags(num_speculative_tokens=4, sps_curve=str(path))))
+    launch.cleanup()
+    assert launch.warnings == []

@@ -122,7 +122,7 @@ def test_dry_run_prints_the_exact_shell_line(capsys: pytest.CaptureFixture[str])
 def test_seed_translation_covers_every_key_the_cli_knows() -> None:
     """serve_config (the embedded engine's reader) and the vLLM launcher must accept the same dspark_* keys."""
     serve_config = pytest.importorskip("dspark_cli.serve_config")
-    assert set(serve_config.DSPARK_KEYS) <= set(SEED_KEYS)
+    assert set(serve_config.DSPARK_KEYS) == set(SEED_KEYS)
     out = settings_from_seed_keys({"dspark_sps_curve": "auto", "dspark_confidence_threshold": 0.0})
     assert out["sps_curve"] is None and "policy" not in out
 
@@ -280,3 +280,32 @@ def test_profiler_times_dummy_steps_and_never_replays_a_captured_graph_by_hand()
     out = profile_worker(SimpleNamespace(model_runner=runner(varlen=False)), replays=2, warmup=0)
     assert {n for n, u in runs if u} == {8, 16} and {n for n, u in runs if not u} == {24, 32, 64}
     assert out["draft_ms"] == [(1, 0.2), (2, 0.2)]
+
+
+def test_the_plugins_own_settings_travel_from_dspark_serve_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """The vLLM-only keys (paused-step handling) in `dspark serve --engine vllm --speculative-config` reach the
+    workers as the raw vLLM path's do; the embedded engine refuses them by name."""
+    serve_config = pytest.importorskip("dspark_cli.serve_config")
+    spec = _spec(dspark_capacity_verification_mode="varlen", dspark_plain_paused_steps=True,
+                 dspark_mask_paused_compact=False, dspark_draft_catchup_tokens=512)
+    settings = serve_config.build_settings({"engine": "vllm", "model": "m"}, spec)
+    assert run_vllm_serve(settings, [], dry_run=True) == 0
+    dspark = _flag(shlex.split(capsys.readouterr().out), "--additional-config")["dspark"]
+    assert (dspark["plain_paused_steps"], dspark["mask_paused_compact"], dspark["draft_catchup_tokens"]) == (
+        True, False, 512)
+    with pytest.raises(DsparkError, match="dspark_plain_paused_steps: a setting of the vLLM plugin"):
+        serve_config.build_settings({"model": "m"}, spec)
+    with pytest.raises(DsparkError, match="dspark_plain_paused_steps: expected true or false"):
+        serve_config.build_settings({"engine": "vllm"}, _spec(dspark_plain_paused_steps="yes"))
+
+
+def test_an_sts_table_shorter_than_the_draft_is_refused_before_vllm_starts(tmp_path: Path) -> None:
+    sts = tmp_path / "sts.json"
+    sts.write_text('{"version": 1, "temperatures": [1.0, 1.2], "sts_temperatures": [1.0, 1.2]}')
+    with pytest.raises(DsparkError, match="has 2 temperatures but the engine drafts 7 tokens"):
+        plan_vllm_serve(["m", "--speculative-config", _spec(dspark_capacity_verification_mode="varlen",
+                                                            dspark_sts=str(sts))])
+    plan = plan_vllm_serve(["m", "--speculative-config", _spec(num_speculative_tokens=2,
+                                                               dspark_capacity_verification_mode="varlen",
+                                                               dspark_sts=str(sts))])
+    assert plan.settings.sts == str(sts)

@@ -116,6 +116,7 @@ def test_serve_dry_run_resolves_the_name_and_refuses_a_draft_count_without_a_dra
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert Path(spec["model"]).parent == tmp_path / "vm" and spec["num_speculative_tokens"] == 4
     assert spec["enable_adaptive_verification"] is True
+    assert not (tmp_path / "vm").exists()  # a dry run names the copies, and makes none
     # a checkpoint path with a draft count and no draft: vLLM 0.33 would stop "without speculative model"
     refused = runner.invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t", "-k", "4"])
     assert isinstance(refused.exception, DsparkError) and "--draft PATH" in str(refused.exception)

@@ -201,11 +201,13 @@ def settings_from_seed_keys(spec: dict[str, Any], base: dict[str, Any] | None = 
     return out
 
 
-def resolve_paths(settings: DsparkVllmSettings, cwd: Path | None = None) -> DsparkVllmSettings:
+def resolve_paths(settings: DsparkVllmSettings, cwd: Path | None = None,
+                  num_positions: int | None = None) -> DsparkVllmSettings:
     """Make file paths absolute (vLLM workers may not share the caller's working directory) and check them.
 
     The curve and the STS table are parsed with the core's readers, so a broken file fails here with the
-    core's one-line message instead of deep inside a worker minutes later.
+    core's one-line message instead of deep inside a worker minutes later; with ``num_positions`` (the
+    draft length) the table must cover it, as the plugin will require.
     """
     base = cwd or Path.cwd()
     changes: dict[str, Any] = {}
@@ -223,7 +225,7 @@ def resolve_paths(settings: DsparkVllmSettings, cwd: Path | None = None) -> Dspa
         path = (base / Path(settings.sts).expanduser()).resolve()
         from dspark_cli.core.sts import load_sts
 
-        load_sts(path)
+        load_sts(path, num_positions)
         changes["sts"] = str(path)
     if settings.record_traces is not None:
         changes["record_traces"] = str((base / Path(settings.record_traces).expanduser()).resolve())

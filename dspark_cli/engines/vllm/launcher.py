@@ -181,7 +181,8 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     if "sps_curve" in fields_ and fields_["sps_curve"] == "auto":
         fields_["sps_curve"] = None
     settings = DsparkVllmSettings.from_dict(fields_, where="dspark settings")
-    settings = resolve_paths(settings, cwd)
+    k = None if spec is None else spec.get("num_speculative_tokens")
+    settings = resolve_paths(settings, cwd, num_positions=k if isinstance(k, int) and not isinstance(k, bool) else None)
 
     if spec is None:
         raise DsparkError("dspark settings need speculative decoding: pass --speculative-config "
@@ -296,7 +297,7 @@ def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool =
     # Before any model is converted or copied: a machine without vLLM is told so first.
     executable = None if dry_run else _vllm_executable()
     if not isinstance(args, (list, tuple)):
-        models = vllm_models(args.model, args.draft, speculative=bool(args.num_speculative_tokens))
+        models = vllm_models(args.model, args.draft, speculative=bool(args.num_speculative_tokens), build=not dry_run)
         if models.served_name is not None:
             sys.stderr.write(f"dspark: {describe(models)}\n")
         args = argv_from_serve_settings(args, extra or [], models)

@@ -72,11 +72,13 @@ def is_toolkit_name(name: str | None) -> bool:
     return name is not None and (str(name).strip().lower() in assets.ALIASES or shapes.is_random_name(name))
 
 
-def vllm_models(model: str, draft: str | None, *, speculative: bool, root: Path | None = None) -> VllmModels:
+def vllm_models(model: str, draft: str | None, *, speculative: bool, root: Path | None = None,
+                build: bool = True) -> VllmModels:
     """The checkpoints ``vllm serve`` gets for ``model`` and ``draft`` (``"auto"``: the model's default draft;
     None: no draft). ``speculative``: whether the server drafts at all (a draft count was given); without it no
     draft is resolved. Toolkit names become vLLM-ready copies (module docstring); anything else passes through,
-    ``"auto"`` then leaving the draft to the user's ``--speculative-config``."""
+    ``"auto"`` then leaving the draft to the user's ``--speculative-config``. ``build=False`` (a dry run) names
+    the copies without making them."""
     from dspark_cli.engines.embedded import assets, shapes
 
     random_target = shapes.is_random_name(model)
@@ -88,8 +90,13 @@ def vllm_models(model: str, draft: str | None, *, speculative: bool, root: Path 
     name = str(model).strip()
     paths = assets.resolve_model(name, draft=draft if speculative else None)
     root = (root or models_dir()).expanduser()
-    target = plain_llama_copy(paths.target, _copy_dir(root, "target", name, paths.target))
-    draft_dir = None if paths.draft is None else plain_llama_copy(paths.draft, _copy_dir(root, "draft", name, paths.draft))
+
+    def copy(role: str, src: Path) -> Path:
+        dst = _copy_dir(root, role, name, src)
+        return plain_llama_copy(src, dst) if build else dst
+
+    target = copy("target", paths.target)
+    draft_dir = None if paths.draft is None else copy("draft", paths.draft)
     return VllmModels(model=str(target), draft=None if draft_dir is None else str(draft_dir),
                       load_format=DUMMY_LOAD_FORMAT if random_target else None, served_name=name)
 
