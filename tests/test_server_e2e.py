@@ -193,9 +193,9 @@ def stop_server(srv: Server) -> set[int]:
     return children
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory)
+def _serving(tmp_path_factory: pytest.TempPathFactory, *args: str) -> Iterator[Server]:
+    """A healthy server for a module's tests; it must shut down cleanly after them."""
+    srv = start_server(tmp_path_factory, *args)
     try:
         wait_healthy(srv)
         yield srv
@@ -203,6 +203,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         stop_server(srv)
     assert srv.proc.returncode == 0, srv.log.read_text()
     assert "ready" in srv.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _serving(tmp_path_factory)
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -241,6 +246,27 @@ def test_completion_shape_usage_and_stream_equivalence(server: Server) -> None:
     # the same prompt as token ids gives the same greedy text
     status, again = server.post("/v1/completions", {**body, "prompt": _prompt_ids(server, body["prompt"])})
     assert status == 200 and again["choices"][0]["text"] == choice["text"]
+
+
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids_as_vllm_does(server: Server) -> None:
+    body = {"model": "test-model", "prompt": "The quick brown", "max_tokens": 12, **GREEDY, "return_token_ids": True}
+    prompt = _prompt_ids(server, body["prompt"])
+    status, out = server.post("/v1/completions", body)
+    assert status == 200, out
+    (choice,) = out["choices"]
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == out["usage"]["completion_tokens"]
+    # the ids are the output: sent back as a prompt after the original one, greedy continues from them
+    events = server.stream("/v1/completions", body)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in e["choices"][0] for e in chunks[1:])
+    assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == choice["token_ids"]
+    status, chat = server.post("/v1/chat/completions", {"model": "test-model", "max_tokens": 5, **GREEDY,
+                                                        "messages": [{"role": "user", "content": "hi"}],
+                                                        "return_token_ids": True})
+    assert status == 200 and len(chat["prompt_token_ids"]) > 0 and len(chat["choices"][0]["token_ids"]) == 5
+    status, plain = server.post("/v1/completions", {**body, "return_token_ids": False})
+    assert status == 200 and "token_ids" not in plain["choices"][0]
 
 
 def test_continuous_usage_counts_every_token_in_every_chunk(server: Server) -> None:
@@ -444,3 +470,73 @@ def test_requests_beyond_max_num_seqs_queue_and_all_complete(server: Server) -> 
         assert r["choices"][0]["finish_reason"] == "length"
     _wait_idle(server)
     assert server.get("/health")[0] == 200
+
+
+@pytest.fixture(scope="module")
+def process_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _serving(tmp_path_factory, "--engine-process")
+
+
+REQUEST_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                      "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+                      "vllm:request_prompt_tokens", "vllm:request_generation_tokens")
+
+
+@pytest.mark.parametrize("front", ["thread", "process"])
+def test_request_histograms_count_every_finished_request(request: pytest.FixtureRequest, front: str) -> None:
+    srv: Server = request.getfixturevalue("server" if front == "thread" else "process_server")
+    hist_labels = {"model_name": srv.name, "engine": "0"}
+
+    def key(name: str, **extra: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return name, tuple(sorted({**hist_labels, **extra}.items()))
+
+    before = srv.metrics()
+    usages: list[dict[str, int]] = []
+    status, out = srv.post("/v1/completions", {"prompt": "The quick brown", "max_tokens": 10, **GREEDY})
+    assert status == 200
+    usages.append(out["usage"])
+    events = srv.stream("/v1/completions", {"prompt": "Once upon", "max_tokens": 7, **GREEDY,
+                                            "stream_options": {"include_usage": True}})
+    usages.append(events[-2]["usage"])
+    chat = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 6, **GREEDY}
+    status, out = srv.post("/v1/chat/completions", chat)
+    assert status == 200
+    usages.append(out["usage"])
+    events = srv.stream("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
+    usages.append(events[-2]["usage"])
+    # finished by a stop string (the server's own finish): counted like any other, with the usage's tokens
+    body = {"prompt": "The lazy dog", "max_tokens": 40, **GREEDY}
+    full = srv.post("/v1/completions", body)[1]
+    usages.append(full["usage"])
+    status, out = srv.post("/v1/completions", {**body, "stop": full["choices"][0]["text"][3:6]})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop"
+    usages.append(out["usage"])
+    _wait_idle(srv)
+    after = srv.metrics()
+    n = len(usages)
+
+    def delta(k: tuple[str, tuple[tuple[str, str], ...]]) -> float:
+        return after[k] - before.get(k, 0.0)
+
+    finished = sum(delta(k) for k in after if k[0] == "vllm:request_success_total")
+    assert finished == n
+    for name in REQUEST_HISTOGRAMS:
+        buckets = [v for k, v in after.items() if k[0] == name + "_bucket" and dict(k[1])["model_name"] == srv.name]
+        assert buckets == sorted(buckets) and buckets[-1] == after[key(name + "_count")], name
+        assert after[key(name + "_bucket", le="+Inf")] == after[key(name + "_count")]
+        if name != "vllm:inter_token_latency_seconds":
+            assert delta(key(name + "_count")) == n, name
+    assert delta(key("vllm:request_generation_tokens_sum")) == sum(u["completion_tokens"] for u in usages)
+    assert delta(key("vllm:request_prompt_tokens_sum")) == sum(u["prompt_tokens"] for u in usages)
+    # token buckets: vLLM's 1-2-5 series up to max_model_len
+    les = [dict(k[1])["le"] for k in after if k[0] == "vllm:request_prompt_tokens_bucket"]
+    assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+    ttft = delta(key("vllm:time_to_first_token_seconds_sum"))
+    e2e = delta(key("vllm:e2e_request_latency_seconds_sum"))
+    assert 0 < ttft <= e2e
+    assert delta(key("vllm:inter_token_latency_seconds_sum")) <= e2e
+    # One inter-token latency per engine output after the first: a speculative step of up to K + 1 tokens is
+    # one output, and an output carries at least one token (what the engine counted, stop-string surplus too).
+    itl = delta(key("vllm:inter_token_latency_seconds_count"))
+    engine_tokens = delta(("vllm:generation_tokens_total", (("model_name", srv.name),)))
+    assert sum(-(-(u["completion_tokens"] - 1) // (K + 1)) for u in usages) <= itl <= engine_tokens - n

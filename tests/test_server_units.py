@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dspark_cli.engines.embedded.metrics import MetricsSnapshot, parse_metrics, render_metrics
+from dspark_cli.engines.embedded.metrics import (
+    MetricsSnapshot,
+    RequestMetrics,
+    parse_metrics,
+    render_metrics,
+    request_token_buckets,
+)
 from dspark_cli.engines.embedded.server import IncrementalDetokenizer, StopTextBuffer, fast_decoder
 
 # ----------------------------------------------------------------------------------------- /metrics
@@ -184,3 +193,138 @@ def test_the_fast_decoder_keeps_the_wrapper_where_it_cleans_up_spaces(byte_token
             return "cleaned"
 
     assert fast_decoder(Cleaning())([1, 2]) == "cleaned" and calls == [[1, 2]]
+
+
+# ------------------------------------------------------------------------------- request histograms
+
+
+class _Clock:
+    """A settable clock, so the request histograms see exact times."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _Out:
+    request_id: str
+    new_token_ids: list[int]
+
+
+def _hist(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
+          model: str = "m") -> tuple[dict[str, float], float, float]:
+    """(cumulative bucket counts by ``le``, ``_count``, ``_sum``) of one rendered request histogram."""
+    labels = (("engine", "0"), ("model_name", model))
+    buckets = {dict(k[1])["le"]: v for k, v in m.items()
+               if k[0] == name + "_bucket" and dict(k[1]).get("model_name") == model}
+    return buckets, m[(name + "_count", labels)], m[(name + "_sum", labels)]
+
+
+def test_request_token_buckets_are_vllms_1_2_5_series_up_to_max_model_len() -> None:
+    assert request_token_buckets(192) == (1, 2, 5, 10, 20, 50, 100)
+    assert request_token_buckets(200) == (1, 2, 5, 10, 20, 50, 100, 200)
+    assert request_token_buckets(2_000_000)[-3:] == (500_000, 1_000_000, 2_000_000)
+
+
+def test_a_histogram_renders_cumulative_buckets_inf_count_and_sum() -> None:
+    req = RequestMetrics()
+    req.bind(60)  # token buckets 1, 2, 5, 10, 20, 50
+    assert req.prompt_tokens is not None
+    for value in (1, 2, 2, 3, 10, 11, 50, 51, 1000):
+        req.prompt_tokens.observe(value)
+    text = render_metrics(MetricsSnapshot(), "m", requests=req)
+    buckets, count, total = _hist(parse_metrics(text), "vllm:request_prompt_tokens")
+    # le is inclusive: 2 counts in le="2.0", 10 in le="10.0"
+    assert buckets == {"1.0": 1, "2.0": 3, "5.0": 4, "10.0": 5, "20.0": 6, "50.0": 7, "+Inf": 9}
+    assert count == buckets["+Inf"] == 9 and total == 1130
+    assert list(buckets) == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "+Inf"]  # rendered in order
+    assert "# HELP vllm:request_prompt_tokens Number of prefill tokens processed.\n" in text
+    assert "# TYPE vllm:request_prompt_tokens histogram\n" in text
+
+
+def test_request_histograms_have_vllms_names_help_buckets_and_labels() -> None:
+    text = render_metrics(MetricsSnapshot(), "m", requests=RequestMetrics())
+    m = parse_metrics(text)
+    helps = {
+        "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+        "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+        "vllm:request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds per request.",
+        "vllm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    }
+    for name, help_text in helps.items():
+        assert f"# HELP {name} {help_text}\n# TYPE {name} histogram\n" in text
+        buckets, count, total = _hist(m, name)
+        assert count == total == 0 and set(buckets.values()) == {0}
+    assert list(_hist(m, "vllm:time_to_first_token_seconds")[0])[:3] == ["0.001", "0.005", "0.01"]
+    assert list(_hist(m, "vllm:time_to_first_token_seconds")[0])[-3:] == ["640.0", "2560.0", "+Inf"]
+    assert list(_hist(m, "vllm:inter_token_latency_seconds")[0])[-2:] == ["80.0", "+Inf"]
+    assert list(_hist(m, "vllm:e2e_request_latency_seconds")[0])[-3:] == ["1920.0", "7680.0", "+Inf"]
+    # the token-count histograms wait for max_model_len
+    assert not any(k[0].startswith("vllm:request_prompt_tokens") for k in m)
+    # every sample of a histogram carries exactly vLLM's labels (model_name, engine; le on buckets)
+    for (name, labels) in m:
+        if name.startswith(tuple(helps)):
+            keys = {k for k, _ in labels}
+            assert keys == ({"engine", "model_name", "le"} if name.endswith("_bucket") else {"engine", "model_name"})
+
+
+def test_bucket_bounds_of_a_million_token_context_are_written_as_prometheus_client_writes_them() -> None:
+    req = RequestMetrics()
+    req.bind(2_000_000)
+    text = render_metrics(MetricsSnapshot(), "m", requests=req)
+    assert 'le="500000.0"' in text and 'le="1e+06"' in text and 'le="2e+06"' in text
+
+
+def test_request_timings_follow_vllms_per_output_and_per_finished_request_semantics() -> None:
+    clock = _Clock()
+    req = RequestMetrics(clock)
+    req.start("a", prompt_tokens=7, max_model_len=100)
+    clock.now = 0.2
+    req.on_outputs([_Out("a", [1]), _Out("nobody", [9])])  # first output: TTFT 0.2; unknown ids ignored
+    clock.now = 0.25
+    req.on_outputs([_Out("a", [2])])  # ITL 0.05
+    clock.now = 0.45
+    req.on_outputs([_Out("a", [3, 4, 5])])  # a speculative step: one ITL (0.2), not one per token
+    clock.now = 0.5
+    req.finish("a", generation_tokens=5)
+    assert req.time_to_first_token.count == 1 and req.time_to_first_token.sum == pytest.approx(0.2)
+    assert req.inter_token_latency.count == 2 and req.inter_token_latency.sum == pytest.approx(0.25)
+    assert req.e2e_latency.count == 1 and req.e2e_latency.sum == pytest.approx(0.5)
+    # (last output - first output) / (generation tokens - 1)
+    assert req.time_per_output_token.sum == pytest.approx((0.45 - 0.2) / 4)
+    assert req.prompt_tokens is not None and req.prompt_tokens.sum == 7
+    assert req.generation_tokens is not None and req.generation_tokens.sum == 5
+
+    # One token: time per output token is 0, as vLLM observes it.
+    req.start("one", 3, 100)
+    clock.now = 0.6
+    req.on_outputs([_Out("one", [1])])
+    req.finish("one", 1)
+    assert req.time_per_output_token.count == 2 and req.time_per_output_token.sum == pytest.approx(0.0625)
+
+    # A request that ends without a finish (client gone): its TTFT stays, no finished-request observation.
+    req.start("gone", 3, 100)
+    clock.now = 0.7
+    req.on_outputs([_Out("gone", [1])])
+    req.discard("gone")
+    req.finish("gone", 1)  # too late: ignored
+    assert req.time_to_first_token.count == 3 and req.e2e_latency.count == 2
+    assert req.generation_tokens.count == 2 and req.num_live == 0
+
+
+def test_track_forgets_a_request_however_its_stream_ends() -> None:
+    req = RequestMetrics()
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError):
+            async with req.track("x", 1, 10):
+                assert req.num_live == 1
+                raise RuntimeError("client gone")
+        async with req.track("y", 1, 10):
+            req.finish("y", 0)
+
+    asyncio.run(main())
+    assert req.num_live == 0 and req.e2e_latency.count == 1

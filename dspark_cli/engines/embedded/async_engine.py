@@ -196,6 +196,9 @@ class EngineFront:
         self._error: BaseException | None = None
         self._stopping = False
         self.state = "new"  # new -> loading -> ready -> (failed | stopped)
+        # Sees every step's outputs on the loop as they arrive, before ``generate`` merges the ones a slow
+        # consumer left waiting: per-step latencies (the server's inter-token histogram) need each step's time.
+        self.on_outputs: Callable[[list[Any]], None] | None = None
 
     async def start(self) -> None:
         """Load the engine; return when it is ready to take requests (or raise what loading raised)."""
@@ -302,6 +305,8 @@ class EngineFront:
     # ----------------------------------------------------------------------------- loop-side delivery
 
     def _deliver(self, outputs: list[Any]) -> None:
+        if self.on_outputs is not None:
+            self.on_outputs(outputs)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:

@@ -6,13 +6,22 @@ keys (``model_name``, ``position``, ``finished_reason``) and sample suffixes let
 embedded engine as if it were a vLLM server, so a benchmark can compare the two engines without a second
 parser. The format is the classic text format 0.0.4 as ``prometheus_client`` writes it (counters carry the
 ``_total`` suffix in ``# HELP``/``# TYPE`` too); writing it by hand avoids a dependency for ~10 series.
+
+The per-request histograms (time to first token, inter-token latency, end-to-end latency, tokens per request)
+are measured by the HTTP server, not the engine: :class:`RequestMetrics` holds them as fixed bucket counters
+with vLLM 0.33's names, labels and default bucket boundaries, so ``histogram_quantile`` panels built for vLLM
+read them unchanged.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import math
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from dspark_cli.core.saturation import StepTimeCalibration
 
@@ -20,6 +29,153 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM always exports these finish reasons (zero until they happen) so that rate() works from the start.
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# vLLM 0.33's default bucket boundaries (vllm/v1/metrics/buckets.py): quantiles interpolated within the same
+# buckets are what make a dashboard's numbers for the two engines comparable.
+TIME_TO_FIRST_TOKEN_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0)
+
+# vLLM labels its engine-level series with the data-parallel engine's index as well; this server runs one.
+ENGINE_INDEX = "0"
+
+
+def request_token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's token-count buckets: the 1-2-5 series (1, 2, 5, 10, 20, 50, ...) up to ``max_model_len``."""
+    bounds: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            bound = mantissa * scale
+            if bound > max_model_len:
+                return tuple(bounds)
+            bounds.append(float(bound))
+        scale *= 10
+
+
+@dataclass
+class Histogram:
+    """One Prometheus histogram's state: a count per bucket (not cumulative; the last is above every bound)
+    and the sum of the observations. Fixed size, so observing never allocates."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(init=False)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        # bisect_left: a value equal to a bound belongs to that bound's bucket (Prometheus' ``le`` is <=).
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """What the server remembers of one request in flight (monotonic seconds)."""
+
+    arrival: float
+    prompt_tokens: int
+    first_output: float | None = None
+    last_output: float = 0.0
+
+
+class RequestMetrics:
+    """vLLM's per-request histograms, observed where the server sees a request, on its event loop only.
+
+    Semantics follow vLLM 0.33's ``IterationStats`` / ``FinishedRequestStats``:
+
+    * time to first token: from arrival (the request parsed and tokenized, as vLLM's ``arrival_time``) to the
+      arrival of its first engine output;
+    * inter-token latency: one observation per later engine output -- per step, however many tokens a
+      speculative step carried -- the time since the request's previous output;
+    * at a finish with a reason (stop, length, a stop string): end-to-end latency, prompt and generation tokens,
+      and time per output token, ``(last output - first output) / (generation tokens - 1)`` (0 for one token).
+      A request the client abandons or that an engine failure ends gets none of these, as in vLLM (whose
+      ``abort_requests`` records no finished-request stats); its first-token and inter-token observations
+      stay, as vLLM's do.
+
+    The token-count buckets depend on ``max_model_len``, known once the engine has loaded (``bind``).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.time_to_first_token = Histogram(TIME_TO_FIRST_TOKEN_BUCKETS)
+        self.inter_token_latency = Histogram(INTER_TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = Histogram(INTER_TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens: Histogram | None = None
+        self.generation_tokens: Histogram | None = None
+        self._live: dict[str, RequestTimes] = {}
+
+    def bind(self, max_model_len: int) -> None:
+        """Size the token-count histograms (once; later calls are no-ops)."""
+        if self.prompt_tokens is None:
+            bounds = request_token_buckets(max_model_len)
+            self.prompt_tokens = Histogram(bounds)
+            self.generation_tokens = Histogram(bounds)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def start(self, request_id: str, prompt_tokens: int, max_model_len: int) -> None:
+        """A request arrives (before it is handed to the engine)."""
+        self.bind(max_model_len)
+        self._live[request_id] = RequestTimes(self._clock(), prompt_tokens)
+
+    @contextlib.asynccontextmanager
+    async def track(self, request_id: str, prompt_tokens: int, max_model_len: int) -> AsyncIterator[None]:
+        """``start`` on entry; on exit, ``discard`` (a no-op after ``finish``). Async only so that it shares
+        one ``async with`` with the engine stream it times: no wrapper around the per-output loop."""
+        self.start(request_id, prompt_tokens, max_model_len)
+        try:
+            yield
+        finally:
+            self.discard(request_id)
+
+    def on_outputs(self, outputs: Iterable[Any]) -> None:
+        """One engine step's outputs as they reach the loop: before a consumer that fell behind merges them,
+        so every step keeps its own arrival time."""
+        now = self._clock()
+        live = self._live
+        for out in outputs:
+            times = live.get(out.request_id)
+            if times is None:
+                continue
+            if times.first_output is None:
+                times.first_output = now
+                self.time_to_first_token.observe(now - times.arrival)
+            else:
+                self.inter_token_latency.observe(now - times.last_output)
+            times.last_output = now
+
+    def finish(self, request_id: str, generation_tokens: int) -> None:
+        """The request finished with a reason; ``generation_tokens`` is what its usage reports."""
+        times = self._live.pop(request_id, None)
+        if times is None:
+            return
+        self.e2e_latency.observe(self._clock() - times.arrival)
+        if self.prompt_tokens is not None and self.generation_tokens is not None:
+            self.prompt_tokens.observe(times.prompt_tokens)
+            self.generation_tokens.observe(generation_tokens)
+        first = times.first_output
+        decode_s = times.last_output - first if first is not None else 0.0
+        self.time_per_output_token.observe(decode_s / (generation_tokens - 1) if generation_tokens > 1 else 0.0)
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request that ends without a finish (client gone, engine failure); no-op after ``finish``."""
+        self._live.pop(request_id, None)
 
 
 @dataclass(frozen=True)
@@ -128,6 +284,19 @@ def _escape_help(text: str) -> str:
     return text.replace("\\", r"\\").replace("\n", r"\n")
 
 
+def _format_le(bound: float) -> str:
+    """A bucket bound as prometheus_client writes it (Go's float format): ``1e+06`` where Python says
+    ``1000000.0``, so series keys match vLLM's for any max_model_len."""
+    if math.isinf(bound):
+        return "+Inf"
+    text = repr(float(bound))
+    whole, _, frac = text.partition(".")
+    if bound > 0 and "e" not in text and len(whole) > 6:
+        mantissa = f"{whole[0]}.{whole[1:]}{frac}".rstrip("0").rstrip(".")
+        return f"{mantissa}e+{len(whole) - 1:02d}"
+    return text
+
+
 def _format_value(value: float) -> str:
     # prometheus_client writes floats with repr(); vLLM's scrapers accept any float literal.
     if math.isnan(value):
@@ -151,8 +320,38 @@ def _family(lines: list[str], name: str, kind: str, help_text: str,
         lines.append(f"{name}{_labels(labels)} {_format_value(value)}")
 
 
-def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_tokens: int = 0) -> str:
-    """The full ``/metrics`` body. Per-position acceptance has ``max(k, len(accepted_per_pos))`` series."""
+def _histogram(lines: list[str], name: str, help_text: str, labels: Mapping[str, str], hist: Histogram) -> None:
+    lines.append(f"# HELP {name} {_escape_help(help_text)}")
+    lines.append(f"# TYPE {name} histogram")
+    cumulative = 0
+    for bound, n in zip((*hist.bounds, math.inf), hist.counts, strict=True):
+        cumulative += n
+        lines.append(f"{name}_bucket{_labels({**labels, 'le': _format_le(bound)})} {_format_value(cumulative)}")
+    lines.append(f"{name}_count{_labels(labels)} {_format_value(cumulative)}")
+    lines.append(f"{name}_sum{_labels(labels)} {_format_value(hist.sum)}")
+
+
+def _request_histograms(lines: list[str], req: RequestMetrics, model_name: str) -> None:
+    labels = {"model_name": model_name, "engine": ENGINE_INDEX}
+    if req.prompt_tokens is not None and req.generation_tokens is not None:
+        _histogram(lines, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
+                   req.prompt_tokens)
+        _histogram(lines, "vllm:request_generation_tokens", "Number of generation tokens processed.", labels,
+                   req.generation_tokens)
+    _histogram(lines, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels,
+               req.time_to_first_token)
+    _histogram(lines, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels,
+               req.inter_token_latency)
+    _histogram(lines, "vllm:request_time_per_output_token_seconds",
+               "Histogram of time_per_output_token_seconds per request.", labels, req.time_per_output_token)
+    _histogram(lines, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", labels,
+               req.e2e_latency)
+
+
+def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_tokens: int = 0,
+                   requests: RequestMetrics | None = None) -> str:
+    """The full ``/metrics`` body. Per-position acceptance has ``max(k, len(accepted_per_pos))`` series;
+    ``requests`` adds the per-request histograms."""
     base = {"model_name": model_name}
     lines: list[str] = []
     _family(lines, "vllm:num_requests_running", "gauge",
@@ -184,6 +383,8 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
                 "KV-cache usage. 1 means 100 percent usage.", [(base, used)])
     _family(lines, "vllm:num_preemptions_total", "counter",
             "Cumulative number of preemption from the engine.", [(base, snap.num_preemptions)])
+    if requests is not None:
+        _request_histograms(lines, requests, model_name)
     # Toolkit-specific series (no vLLM equivalent): what the capacity manager actually verified.
     _family(lines, "dspark:engine_steps_total", "counter",
             "Number of engine steps (one prefill or draft+verify iteration each).", [(base, snap.num_steps)])

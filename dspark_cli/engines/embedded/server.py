@@ -44,7 +44,7 @@ from dspark_cli.engines.embedded.async_engine import (
     engine_max_model_len,
     error_type,
 )
-from dspark_cli.engines.embedded.metrics import CONTENT_TYPE, render_metrics
+from dspark_cli.engines.embedded.metrics import CONTENT_TYPE, RequestMetrics, render_metrics
 from dspark_cli.errors import DsparkError
 
 log = logging.getLogger("dspark.serve")
@@ -214,6 +214,7 @@ class ParsedRequest:
     include_usage: bool
     model: str
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids beside the text
 
 
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
@@ -243,7 +244,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "logits_processors": (None,),
     "truncate_prompt_tokens": (None,),
     "prompt_logprobs": (None,),
-    "return_token_ids": (None, False),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
@@ -272,6 +272,7 @@ class ServerContext:
     num_speculative_tokens: int = 0
     max_model_len_override: int | None = None
     started: float = field(default_factory=time.time)
+    requests: RequestMetrics = field(default_factory=RequestMetrics)  # vLLM's per-request histograms
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -332,7 +333,7 @@ def parse_common(ctx: ServerContext, body: Any) -> tuple[dict[str, Any], list[st
     if model is not None and model not in ctx.names:
         raise BadRequest(f"The model `{model}` does not exist; this server serves `{ctx.served_model_name}`",
                          "model", status=404)
-    for key in ("stream", "ignore_eos"):
+    for key in ("stream", "ignore_eos", "return_token_ids"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise BadRequest(f"'{key}' must be true or false", key)
     n = body.get("n")
@@ -416,7 +417,7 @@ def parse_completion(ctx: ServerContext, body: Any) -> ParsedRequest:
         raise BadRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
     max_tokens = _check_length(ctx, ids, body)
     return ParsedRequest(ids, _make_params(body, max_tokens), stops, bool(body.get("stream")),
-                         _include_usage(body), model, _continuous_usage(body))
+                         _include_usage(body), model, _continuous_usage(body), body.get("return_token_ids") is True)
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -470,7 +471,7 @@ def parse_chat(ctx: ServerContext, body: Any) -> ParsedRequest:
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
     max_tokens = _check_length(ctx, ids, body)
     return ParsedRequest(ids, _make_params(body, max_tokens), stops, bool(body.get("stream")),
-                         _include_usage(body), model, _continuous_usage(body))
+                         _include_usage(body), model, _continuous_usage(body), body.get("return_token_ids") is True)
 
 
 # --------------------------------------------------------------------------------------------- handlers
@@ -498,6 +499,7 @@ class _Generation:
         self.detok = IncrementalDetokenizer(ctx.tokenizer, req.prompt_ids)
         self.text = StopTextBuffer(req.stops)
         self.num_tokens = 0
+        self.token_ids: list[int] = []  # the output's tokens (those ``num_tokens`` counts)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
 
@@ -510,10 +512,12 @@ class _Generation:
         steps)."""
         if not self.req.stops:
             self.num_tokens += len(ids)
+            self.token_ids += ids
             return self.text.add(self.detok.push(ids))
         delta = ""
         for token in ids:
             self.num_tokens += 1
+            self.token_ids.append(token)
             delta += self.text.add(self.detok.push([token]))
             if self.text.stopped:
                 break
@@ -522,7 +526,8 @@ class _Generation:
     async def deltas(self) -> Any:
         """Yield text deltas (possibly empty); ``finish_reason`` is set before the last one."""
         gen = self.ctx.engine.generate(self.request_id, self.req.prompt_ids, self.req.params)
-        async with contextlib.aclosing(gen):
+        timed = self.ctx.requests.track(self.request_id, len(self.req.prompt_ids), self.ctx.max_model_len)
+        async with timed, contextlib.aclosing(gen):
             async for out in gen:
                 new_ids = list(out.new_token_ids)
                 delta = self._push(new_ids)
@@ -530,6 +535,7 @@ class _Generation:
                     self.finish_reason, self.stop_reason = "stop", self.text.matched
                     # Finished by us, not by the engine: free its KV blocks now, count it as "stop".
                     self.ctx.engine.abort(self.request_id, reason="stop")
+                    self.ctx.requests.finish(self.request_id, self.num_tokens)
                     yield delta
                     return
                 if out.finished:
@@ -541,6 +547,7 @@ class _Generation:
                         self.stop_reason = self.text.matched
                     elif out.finish_reason == "stop" and new_ids and new_ids[-1] in self.req.params.stop_token_ids:
                         self.stop_reason = new_ids[-1]
+                    self.ctx.requests.finish(self.request_id, self.num_tokens)
                     yield delta
                     return
                 yield delta
@@ -578,17 +585,23 @@ async def _run(ctx: ServerContext, request: web.Request, chat: bool) -> web.Stre
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    return json_response({
+    out: dict[str, Any] = {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
         "model": req.model, "choices": [choice], "usage": _usage(len(req.prompt_ids), gen.num_tokens),
-    })
+    }
+    if req.return_token_ids:
+        choice["token_ids"] = gen.token_ids
+        # vLLM puts the prompt's ids on a completion's choice and on a chat response
+        (out if chat else choice)["prompt_token_ids"] = req.prompt_ids
+    return json_response(out)
 
 
 async def _stream(request: web.Request, gen: _Generation, rid: str, created: int, chat: bool) -> web.StreamResponse:
     req = gen.req
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish: str | None, first: bool = False) -> bytes:
+    def chunk(delta: str | None, finish: str | None, first: bool = False, ids: list[int] | None = None) -> bytes:
+        """One SSE event; ``ids``: the output tokens since the last event (with return_token_ids)."""
         if chat:
             d: dict[str, Any] = {}
             if first:
@@ -601,6 +614,10 @@ async def _stream(request: web.Request, gen: _Generation, rid: str, created: int
         choice["stop_reason"] = gen.stop_reason if finish is not None else None
         payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
                                    "choices": [choice]}
+        if req.return_token_ids:
+            choice["token_ids"] = ids or []
+            if first:  # the prompt's ids ride on the first event only, as vLLM sends them
+                (payload if chat else choice)["prompt_token_ids"] = req.prompt_ids
         if req.include_usage:
             payload["usage"] = _usage(len(req.prompt_ids), gen.num_tokens) if req.continuous_usage else None
         return b"data: " + orjson.dumps(payload) + b"\n\n"
@@ -618,14 +635,16 @@ async def _stream(request: web.Request, gen: _Generation, rid: str, created: int
                     await resp.prepare(request)
                     if chat:
                         await resp.write(chunk("", None, first=True))
+                first = not chat and sent_tokens == 0
+                ids = gen.token_ids[sent_tokens:]
                 if gen.finish_reason is not None:
-                    await resp.write(chunk(delta if (delta or not chat) else None, gen.finish_reason))
+                    await resp.write(chunk(delta if (delta or not chat) else None, gen.finish_reason, first, ids))
                 elif delta or gen.num_tokens > sent_tokens:
                     # One chunk per engine output (a step, or the steps merged while this stream was
                     # behind) that produced tokens, even when they produced no text yet
                     # (a partial UTF-8 sequence, text held back by a stop string, ids a random model's
                     # tokenizer cannot spell): timing clients see every output, usage counts every token.
-                    await resp.write(chunk(delta, None))
+                    await resp.write(chunk(delta, None, first, ids))
                 sent_tokens = gen.num_tokens
     except (EngineDeadError, RequestRejectedError) as exc:
         if resp is None:
@@ -649,6 +668,7 @@ async def _stream(request: web.Request, gen: _Generation, rid: str, created: int
 
 def create_app(ctx: ServerContext) -> web.Application:
     """The aiohttp application (routes and a JSON error middleware) around a started or starting engine."""
+    ctx.engine.on_outputs = ctx.requests.on_outputs
 
     @web.middleware
     async def json_errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
@@ -681,7 +701,11 @@ def create_app(ctx: ServerContext) -> web.Application:
                               "error": f"{error_type(err)}: {err}" if err is not None else None}, 503)
 
     async def metrics(request: web.Request) -> web.Response:
-        text = render_metrics(ctx.engine.metrics(), ctx.served_model_name, ctx.k)
+        if ctx.engine.healthy:
+            # Sized here too, so a scrape before the first request already lists the token histograms.
+            with contextlib.suppress(EngineDeadError):  # an engine that reports no max_model_len: wait for one
+                ctx.requests.bind(ctx.max_model_len)
+        text = render_metrics(ctx.engine.metrics(), ctx.served_model_name, ctx.k, requests=ctx.requests)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def version(request: web.Request) -> web.Response:
