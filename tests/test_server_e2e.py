@@ -269,6 +269,35 @@ def test_return_token_ids_gives_the_prompts_and_the_outputs_ids_as_vllm_does(ser
     assert status == 200 and "token_ids" not in plain["choices"][0]
 
 
+def test_batched_prompts_and_n_samples_are_choices_in_vllms_order(server: Server) -> None:
+    """A list of prompts times n: one choice per (prompt, sample), indexed prompt by prompt; the j-th sample is
+    seeded seed + j as vLLM seeds it; usage counts each prompt once; the stream carries the same choices."""
+    prompts = ["The quick brown", "A lazy dog"]
+    body = {"model": "test-model", "prompt": prompts, "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 5,
+            "ignore_eos": True}
+    status, out = server.post("/v1/completions", body)
+    assert status == 200, out
+    texts = [c["text"] for c in out["choices"]]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        for j in range(2):  # each choice is the single request with its own seed
+            single = server.post("/v1/completions", {**body, "prompt": prompt, "n": 1, "seed": 5 + j})[1]
+            assert single["choices"][0]["text"] == texts[2 * i + j]
+    prompt_tokens = sum(len(_prompt_ids(server, p)) for p in prompts)
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 32, "total_tokens": prompt_tokens + 32}
+    events = server.stream("/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    streamed = ["", "", "", ""]
+    for e in events[:-2]:
+        (choice,) = e["choices"]
+        streamed[choice["index"]] += choice["text"]
+    assert streamed == texts and events[-2]["usage"] == out["usage"]
+    status, chat = server.post("/v1/chat/completions", {"model": "test-model", "n": 3, "max_tokens": 4, **GREEDY,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and len({c["message"]["content"] for c in chat["choices"]}) == 1  # greedy: alike
+    assert chat["usage"]["completion_tokens"] == 12
+    _wait_idle(server)
+
+
 def test_continuous_usage_counts_every_token_in_every_chunk(server: Server) -> None:
     body = {"model": "test-model", "prompt": "The quick brown", "max_tokens": 12, **GREEDY,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -345,7 +374,9 @@ def test_stop_string_cuts_text_and_finishes_with_stop(server: Server) -> None:
         ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
-        ("/v1/completions", {"prompt": "hi", "n": 2}, "n=1"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "'n' must be an integer in [1, 128]"),
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 100}, "more than 128 choices"),
+        ("/v1/completions", {"prompt": ["a", []]}, "'prompt' must be"),
         ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 3}, "logprobs"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs"),
@@ -358,7 +389,6 @@ def test_stop_string_cuts_text_and_finishes_with_stop(server: Server) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
          "add_generation_prompt"),
         ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, "batched prompts"),
         ("/v1/completions", {"prompt": [10**9]}, "out of range"),
         ("/v1/completions", {"prompt": "hi " * 400, "max_tokens": 4}, "maximum context length"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "maximum context length"),
@@ -428,13 +458,16 @@ def _wait_idle(server: Server, timeout_s: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server, n: int) -> None:
+    """Every choice's engine request is aborted when the client goes away (n > 1: one per sample)."""
     abort = tuple(sorted({"model_name": "test-model", "finished_reason": "abort"}.items()))
     aborted_before = server.metrics()[("vllm:request_success_total", abort)]
 
     async def run() -> None:
         async with aiohttp.ClientSession() as session:
-            body = {"prompt": "Once upon a time", "max_tokens": MAX_MODEL_LEN - 20, "stream": True, **GREEDY}
+            body = {"prompt": "Once upon a time", "max_tokens": MAX_MODEL_LEN - 20, "stream": True, "n": n,
+                    **GREEDY}
             resp = await session.post(server.url + "/v1/completions", json=body)
             assert resp.status == 200
             got = 0
@@ -447,7 +480,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) ->
 
     asyncio.run(run())
     _wait_idle(server)
-    assert server.metrics()[("vllm:request_success_total", abort)] == aborted_before + 1
+    assert server.metrics()[("vllm:request_success_total", abort)] == aborted_before + n
 
 
 def test_requests_beyond_max_num_seqs_queue_and_all_complete(server: Server) -> None:

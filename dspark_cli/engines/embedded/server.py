@@ -28,7 +28,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,6 +215,7 @@ class ParsedRequest:
     model: str
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids beside the text
+    prompt_index: int = 0  # which prompt of a batch (several choices of one prompt share it: n > 1)
 
 
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
@@ -306,7 +307,12 @@ class ServerContext:
         return self.num_speculative_tokens
 
 
-def _make_params(body: dict[str, Any], max_tokens: int) -> Any:
+# Choices one request may ask for (prompts x n): each is an engine request, so a bound keeps one HTTP request
+# from queueing thousands of them.
+MAX_CHOICES = 128
+
+
+def _make_params(body: dict[str, Any], max_tokens: int, sample: int = 0) -> Any:
     from dspark_cli.engines.embedded.sequence import SamplingParams
 
     kwargs: dict[str, Any] = {"max_tokens": max_tokens}
@@ -317,7 +323,8 @@ def _make_params(body: dict[str, Any], max_tokens: int) -> Any:
     if body.get("ignore_eos") is not None:
         kwargs["ignore_eos"] = bool(body["ignore_eos"])
     if body.get("seed") is not None:
-        kwargs["seed"] = int(body["seed"])
+        # vLLM's parallel sampling: the j-th of n samples is seeded seed + j, so they differ and each repeats
+        kwargs["seed"] = int(body["seed"]) + sample
     if body.get("stop_token_ids"):
         kwargs["stop_token_ids"] = tuple(int(t) for t in body["stop_token_ids"])
     return SamplingParams(**kwargs)
@@ -337,8 +344,8 @@ def parse_common(ctx: ServerContext, body: Any) -> tuple[dict[str, Any], list[st
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise BadRequest(f"'{key}' must be true or false", key)
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise BadRequest("only n=1 is supported", "n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
+        raise BadRequest(f"'n' must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
         if v is not None and (not _is_int(v) or v <= 0):
@@ -396,28 +403,45 @@ def _check_length(ctx: ServerContext, prompt_ids: list[int], body: dict[str, Any
     return int(requested)
 
 
-def parse_completion(ctx: ServerContext, body: Any) -> ParsedRequest:
-    body, stops, model = parse_common(ctx, body)
-    if "prompt" not in body or body["prompt"] is None:
-        raise BadRequest("'prompt' is required", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompt_ids(ctx: ServerContext, prompt: Any) -> list[int]:
+    """One prompt (text or token ids) as token ids."""
     if isinstance(prompt, str):
-        ids = list(ctx.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    elif isinstance(prompt, list) and prompt and all(_is_int(x) for x in prompt):
+        return list(ctx.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(prompt, list) and prompt and all(_is_int(x) for x in prompt):
         vocab = ctx.vocab_size
         bad = [x for x in prompt if not 0 <= x < vocab]
         if bad:
             raise BadRequest(f"prompt token id {bad[0]} is out of range [0, {vocab})", "prompt")
-        ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt):
-        raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
-    else:
-        raise BadRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
-    max_tokens = _check_length(ctx, ids, body)
-    return ParsedRequest(ids, _make_params(body, max_tokens), stops, bool(body.get("stream")),
-                         _include_usage(body), model, _continuous_usage(body), body.get("return_token_ids") is True)
+        return list(prompt)
+    raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a list of those", "prompt")
+
+
+def _choices(ctx: ServerContext, body: dict[str, Any], stops: list[str], model: str,
+             prompts: list[list[int]]) -> list[ParsedRequest]:
+    """One request per choice, in the order vLLM indexes them: prompt by prompt, each prompt's n samples."""
+    n = body.get("n") or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts x n={n} asks for more than {MAX_CHOICES} choices; split the "
+                         "request", "n")
+    out = []
+    for p, ids in enumerate(prompts):
+        max_tokens = _check_length(ctx, ids, body)
+        for j in range(n):
+            out.append(ParsedRequest(ids, _make_params(body, max_tokens, j), stops, bool(body.get("stream")),
+                                     _include_usage(body), model, _continuous_usage(body),
+                                     body.get("return_token_ids") is True, p))
+    return out
+
+
+def parse_completion(ctx: ServerContext, body: Any) -> list[ParsedRequest]:
+    """The choices a completion request asks for: each prompt of a batch (a list of texts or of token-id lists)
+    times ``n``."""
+    body, stops, model = parse_common(ctx, body)
+    if "prompt" not in body or body["prompt"] is None:
+        raise BadRequest("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(x, (str, list)) for x in prompt)
+    return _choices(ctx, body, stops, model, [_prompt_ids(ctx, x) for x in (prompt if batch else [prompt])])
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -448,7 +472,8 @@ def _message_text(i: int, content: Any) -> str:
     raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def parse_chat(ctx: ServerContext, body: Any) -> ParsedRequest:
+def parse_chat(ctx: ServerContext, body: Any) -> list[ParsedRequest]:
+    """The choices a chat request asks for: ``n`` samples of one conversation."""
     body, stops, model = parse_common(ctx, body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -469,9 +494,7 @@ def parse_chat(ctx: ServerContext, body: Any) -> ParsedRequest:
     except Exception as exc:  # noqa: BLE001 -- template errors (jinja raise_exception) are the user's input
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
-    max_tokens = _check_length(ctx, ids, body)
-    return ParsedRequest(ids, _make_params(body, max_tokens), stops, bool(body.get("stream")),
-                         _include_usage(body), model, _continuous_usage(body), body.get("return_token_ids") is True)
+    return _choices(ctx, body, stops, model, [ids])
 
 
 # --------------------------------------------------------------------------------------------- handlers
@@ -559,93 +582,176 @@ def _engine_error(exc: BaseException) -> web.Response:
     return error_response(str(exc), 500)
 
 
+def _usage_of(gens: Sequence[_Generation]) -> dict[str, int]:
+    """A request's usage: each prompt's tokens once (however many samples it has), every choice's output."""
+    prompts = {g.req.prompt_index: len(g.req.prompt_ids) for g in gens}
+    return _usage(sum(prompts.values()), sum(g.num_tokens for g in gens))
+
+
+async def _text_of(gen: _Generation) -> str:
+    return "".join([delta async for delta in gen.deltas()])
+
+
+async def _all_or_none(coros: Sequence[Any]) -> list[Any]:
+    """Await every coroutine; the first to raise cancels the rest (their engine requests are aborted), and so
+    does this request's own cancellation (a client gone)."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def _run(ctx: ServerContext, request: web.Request, chat: bool) -> web.StreamResponse:
     if not ctx.engine.healthy:
         return error_response(f"the server is not ready: {ctx.engine.state}", 503)
     try:
         body = await _read_json(request)
-        req = parse_chat(ctx, body) if chat else parse_completion(ctx, body)
+        reqs = parse_chat(ctx, body) if chat else parse_completion(ctx, body)
     except BadRequest as exc:
         return error_response(str(exc), exc.status, exc.param)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    gen = _Generation(ctx, req, rid)
+    # One engine request per choice (the request id alone when there is one choice, as before batches).
+    gens = [_Generation(ctx, r, rid if len(reqs) == 1 else f"{rid}-{i}") for i, r in enumerate(reqs)]
+    req = reqs[0]
     if req.stream:
-        return await _stream(request, gen, rid, created, chat)
-    text_parts: list[str] = []
+        return await _stream(request, gens, rid, created, chat)
     try:
-        async for delta in gen.deltas():
-            text_parts.append(delta)
+        texts = await _all_or_none([_text_of(g) for g in gens])
     except (EngineDeadError, RequestRejectedError) as exc:
         return _engine_error(exc)
-    text = "".join(text_parts)
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason,
-                              "stop_reason": gen.stop_reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    choices = []
+    for i, (gen, text) in enumerate(zip(gens, texts, strict=True)):
+        choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": gen.finish_reason,
+                                  "stop_reason": gen.stop_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if req.return_token_ids:
+            choice["token_ids"] = gen.token_ids
+            if not chat:  # vLLM puts the prompt's ids on a completion's choice, on a chat response
+                choice["prompt_token_ids"] = gen.req.prompt_ids
+        choices.append(choice)
     out: dict[str, Any] = {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-        "model": req.model, "choices": [choice], "usage": _usage(len(req.prompt_ids), gen.num_tokens),
+        "model": req.model, "choices": choices, "usage": _usage_of(gens),
     }
-    if req.return_token_ids:
-        choice["token_ids"] = gen.token_ids
-        # vLLM puts the prompt's ids on a completion's choice and on a chat response
-        (out if chat else choice)["prompt_token_ids"] = req.prompt_ids
+    if req.return_token_ids and chat:
+        out["prompt_token_ids"] = req.prompt_ids
     return json_response(out)
 
 
-async def _stream(request: web.Request, gen: _Generation, rid: str, created: int, chat: bool) -> web.StreamResponse:
-    req = gen.req
+_END = object()  # a choice's stream is over (in _merged's queue)
+
+
+@contextlib.asynccontextmanager
+async def _merged(gens: Sequence[_Generation]) -> Any:
+    """``(choice index, text delta)`` of every choice as they come; leaving it aborts the engine requests still
+    running. One choice is read directly; several go through a queue, one task each."""
+    if len(gens) == 1:
+        deltas = gens[0].deltas()
+
+        async def one() -> Any:
+            async for delta in deltas:
+                yield 0, delta
+
+        stream = one()
+        async with contextlib.aclosing(deltas), contextlib.aclosing(stream):
+            yield stream
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: _Generation) -> None:
+        try:
+            async for delta in gen.deltas():
+                queue.put_nowait((i, delta, None))
+        except (EngineDeadError, RequestRejectedError) as exc:
+            queue.put_nowait((i, None, exc))
+        queue.put_nowait((i, _END, None))
+
+    async def events() -> Any:
+        left = len(gens)
+        while left:
+            i, delta, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if delta is _END:
+                left -= 1
+            else:
+                yield i, delta
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        yield events()
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, created: int,
+                  chat: bool) -> web.StreamResponse:
+    req = gens[0].req
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish: str | None, first: bool = False, ids: list[int] | None = None) -> bytes:
-        """One SSE event; ``ids``: the output tokens since the last event (with return_token_ids)."""
+    def chunk(i: int, delta: str | None, finish: str | None, first: bool = False,
+              ids: list[int] | None = None) -> bytes:
+        """One SSE event of choice ``i``; ``ids``: its output tokens since its last event (return_token_ids)."""
+        gen = gens[i]
         if chat:
             d: dict[str, Any] = {}
             if first:
                 d["role"] = "assistant"
             if delta is not None:
                 d["content"] = delta
-            choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "text": delta or "", "logprobs": None, "finish_reason": finish}
         choice["stop_reason"] = gen.stop_reason if finish is not None else None
         payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
                                    "choices": [choice]}
         if req.return_token_ids:
             choice["token_ids"] = ids or []
-            if first:  # the prompt's ids ride on the first event only, as vLLM sends them
-                (payload if chat else choice)["prompt_token_ids"] = req.prompt_ids
+            if first:  # the prompt's ids ride on a choice's first event only, as vLLM sends them
+                (payload if chat else choice)["prompt_token_ids"] = gen.req.prompt_ids
         if req.include_usage:
-            payload["usage"] = _usage(len(req.prompt_ids), gen.num_tokens) if req.continuous_usage else None
+            payload["usage"] = (_usage(len(gen.req.prompt_ids), gen.num_tokens) if req.continuous_usage
+                                else None)
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
     resp: web.StreamResponse | None = None
-    sent_tokens = 0
-    deltas = gen.deltas()
+    sent_tokens = [0] * len(gens)
     try:
-        async with contextlib.aclosing(deltas):
-            async for delta in deltas:
+        async with _merged(gens) as events:
+            async for i, delta in events:
+                gen = gens[i]
                 if resp is None:
                     # Headers go out with the first output, so a request the engine refuses still gets
                     # a proper status code instead of a 200 stream carrying an error.
                     resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
                     await resp.prepare(request)
                     if chat:
-                        await resp.write(chunk("", None, first=True))
-                first = not chat and sent_tokens == 0
-                ids = gen.token_ids[sent_tokens:]
+                        for j in range(len(gens)):
+                            await resp.write(chunk(j, "", None, first=True))
+                first = not chat and sent_tokens[i] == 0
+                ids = gen.token_ids[sent_tokens[i]:]
                 if gen.finish_reason is not None:
-                    await resp.write(chunk(delta if (delta or not chat) else None, gen.finish_reason, first, ids))
-                elif delta or gen.num_tokens > sent_tokens:
+                    await resp.write(chunk(i, delta if (delta or not chat) else None, gen.finish_reason, first, ids))
+                elif delta or gen.num_tokens > sent_tokens[i]:
                     # One chunk per engine output (a step, or the steps merged while this stream was
                     # behind) that produced tokens, even when they produced no text yet
                     # (a partial UTF-8 sequence, text held back by a stop string, ids a random model's
                     # tokenizer cannot spell): timing clients see every output, usage counts every token.
-                    await resp.write(chunk(delta, None, first, ids))
-                sent_tokens = gen.num_tokens
+                    await resp.write(chunk(i, delta, None, first, ids))
+                sent_tokens[i] = gen.num_tokens
     except (EngineDeadError, RequestRejectedError) as exc:
         if resp is None:
             return _engine_error(exc)
@@ -654,12 +760,12 @@ async def _stream(request: web.Request, gen: _Generation, rid: str, created: int
         await resp.write(b"data: [DONE]\n\n")
         return resp
     except ConnectionResetError:
-        # The client went away mid-stream; leaving the generator above already aborted the request.
+        # The client went away mid-stream; leaving _merged above already aborted the requests.
         return resp if resp is not None else web.Response(status=499)
     assert resp is not None
     if req.include_usage:
         payload = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
-                   "usage": _usage(len(req.prompt_ids), gen.num_tokens)}
+                   "usage": _usage_of(gens)}
         await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
