@@ -298,6 +298,22 @@ def test_batched_prompts_and_n_samples_are_choices_in_vllms_order(server: Server
     _wait_idle(server)
 
 
+def test_a_stop_token_id_is_counted_and_listed_but_not_spelled(server: Server) -> None:
+    """As vLLM's detokenizer does: the token that stopped the request is in token_ids and usage, not the text."""
+    body = {"model": "test-model", "prompt": "The quick brown", "max_tokens": 12, **GREEDY, "return_token_ids": True}
+    full = server.post("/v1/completions", body)[1]["choices"][0]["token_ids"]
+    at = next(i for i in range(1, len(full)) if full[i] not in full[:i])  # its first appearance ends the request
+    status, out = server.post("/v1/completions", {**body, "stop_token_ids": [full[at]]})
+    assert status == 200, out
+    (choice,) = out["choices"]
+    assert choice["token_ids"] == full[: at + 1] and out["usage"]["completion_tokens"] == at + 1
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == full[at]
+    before = server.post("/v1/completions", {**body, "max_tokens": at})[1]["choices"][0]["text"]
+    assert choice["text"] == before
+    events = server.stream("/v1/completions", {**body, "stop_token_ids": [full[at]]})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == before
+
+
 def test_continuous_usage_counts_every_token_in_every_chunk(server: Server) -> None:
     body = {"model": "test-model", "prompt": "The quick brown", "max_tokens": 12, **GREEDY,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}

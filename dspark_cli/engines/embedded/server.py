@@ -553,6 +553,9 @@ class _Generation:
         async with timed, contextlib.aclosing(gen):
             async for out in gen:
                 new_ids = list(out.new_token_ids)
+                # The token that stopped the engine (EOS or a stop token id) is counted and listed, but not
+                # spelled out: vLLM leaves it out of the text unless include_stop_str_in_output.
+                stop_token = new_ids.pop() if out.finished and out.finish_reason == "stop" and new_ids else None
                 delta = self._push(new_ids)
                 if self.text.stopped:
                     self.finish_reason, self.stop_reason = "stop", self.text.matched
@@ -562,14 +565,17 @@ class _Generation:
                     yield delta
                     return
                 if out.finished:
+                    if stop_token is not None:
+                        self.num_tokens += 1
+                        self.token_ids.append(stop_token)
                     delta += self.text.add(self.detok.flush())
                     if not self.text.stopped:
                         delta += self.text.flush()
                     self.finish_reason = "stop" if self.text.stopped else (out.finish_reason or "stop")
                     if self.text.stopped:
                         self.stop_reason = self.text.matched
-                    elif out.finish_reason == "stop" and new_ids and new_ids[-1] in self.req.params.stop_token_ids:
-                        self.stop_reason = new_ids[-1]
+                    elif stop_token in self.req.params.stop_token_ids:
+                        self.stop_reason = stop_token
                     self.ctx.requests.finish(self.request_id, self.num_tokens)
                     yield delta
                     return
