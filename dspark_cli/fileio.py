@@ -32,6 +32,24 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return target
 
 
+def _check_writable_folder(folder: Path) -> None:
+    """Create ``folder`` and write a file there (and remove it): raises OSError when either fails."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".write-check-{secrets.token_hex(6)}.tmp"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    probe.unlink()
+
+
+def check_output_dir(path: str | os.PathLike[str], flag: str) -> Path:
+    """Refuse, in one line, a results folder that cannot be created or written, before any work. Creates it."""
+    target = Path(path).expanduser()
+    try:
+        _check_writable_folder(target)
+    except OSError as exc:
+        raise DsparkError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); pass another folder") from None
+    return target
+
+
 def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
     """Refuse, in one line, an output path that cannot be written, before the work that fills it: a bad path
     found after a long profile or eval would lose the result. Creates the missing parent folders."""
@@ -39,10 +57,7 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
     if target.is_dir():
         raise DsparkError(f"{flag} {path} is a folder; name the file to write")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        probe = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        probe.unlink()
+        _check_writable_folder(target.parent)
         if target.exists() and not os.access(target, os.W_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as exc:

@@ -530,7 +530,7 @@ def test_an_unusable_results_dir_is_one_line_before_any_work(tmp_path: Path) -> 
     afile = tmp_path / "afile"
     afile.write_text("x")
     for bad in (afile, afile / "sub"):
-        with pytest.raises(DsparkError, match="cannot write results to"):
+        with pytest.raises(DsparkError, match="--results-dir .*cannot write there"):
             prepare_results_dir(bad)
     good = tmp_path / "new" / "dir"
     (good / "cells").mkdir(parents=True)

@@ -55,7 +55,7 @@ from dspark_cli.bench.cpu import BUSY_SHARE, CpuSnapshot, CpuUse
 from dspark_cli.bench.datasets import Prompt
 from dspark_cli.bench.metrics import counter_delta, dspark_counter_delta, prefix_cache_delta
 from dspark_cli.errors import DsparkError
-from dspark_cli.fileio import atomic_write_json, read_json
+from dspark_cli.fileio import atomic_write_json, check_output_dir, read_json
 
 CELL_FORMAT = 1
 # A cell whose prompt tokens were at least this often prefix-cache hits is logged as unequal work.
@@ -347,14 +347,7 @@ def check_loads(spec: MatrixSpec) -> None:
 
 def prepare_results_dir(results_dir: Path) -> None:
     """Create the results folder up front, so an unusable path fails in one line before any work."""
-    try:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        probe = results_dir / f".write-check-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as exc:
-        raise DsparkError(f"cannot write results to {results_dir}: {exc.strerror or exc}; pass another "
-                          "--results-dir") from exc
+    check_output_dir(results_dir, "--results-dir")
     for stale in (results_dir / "cells").glob(".*.tmp"):
         stale.unlink(missing_ok=True)  # a write a killed run left half-done; the cell itself is measured again
 

@@ -29,6 +29,7 @@ import orjson
 
 from dspark_cli.data.gsm8k import COT_EXEMPLARS, GsmRow, load_gsm8k, normalize_number
 from dspark_cli.errors import DsparkError
+from dspark_cli.fileio import check_output_file
 
 STOP = ["Q:", "Question:", "</s>", "<|im_end|>", "\n\n\n"]
 ROW_FORMAT = 1
@@ -149,16 +150,6 @@ def read_results(path: Path, repair: bool = False, hint: str = "use another --ou
     return rows
 
 
-def check_output(path: Path) -> None:
-    """Make sure rows can be appended to ``path`` before any question is sent: a bad --output found after the
-    first answer would lose it."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
-    except OSError as exc:
-        raise DsparkError(f"cannot write results to {path}: {exc.strerror or exc}; pass another --output") from exc
-
-
 def append_row(path: Path, row: EvalRow) -> None:
     """One ``write`` of a whole line with O_APPEND, then fsync: a crash leaves at most a cut last line."""
     line = orjson.dumps(asdict(row)) + b"\n"
@@ -237,7 +228,7 @@ def run_eval(cfg: EvalConfig, output: Path | None = None, on_start: Callable[[in
     rows = load_gsm8k(limit=cfg.limit, path=cfg.data)
     previous: dict[int, EvalRow] = {}
     if output is not None:
-        check_output(output)
+        check_output_file(output, "--output")  # before any question: a bad path found after one loses its answer
         for r in read_results(output, repair=True):
             if r.settings != cfg.settings():
                 theirs = ", ".join(f"{k}={r.settings.get(k)}" for k in ("num_shots", "max_tokens"))

@@ -748,7 +748,7 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
                         for j in range(len(gens)):
                             await resp.write(chunk(j, "", None, first=True))
                 first = not chat and sent_tokens[i] == 0
-                ids = gen.token_ids[sent_tokens[i]:]
+                ids = gen.token_ids[sent_tokens[i]:] if req.return_token_ids else None
                 if gen.finish_reason is not None:
                     await resp.write(chunk(i, delta if (delta or not chat) else None, gen.finish_reason, first, ids))
                 elif delta or gen.num_tokens > sent_tokens[i]:
