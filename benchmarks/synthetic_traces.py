@@ -1,4 +1,4 @@
-"""Write synthetic verification traces (SPEC §3 JSONL) for ``dspark bench --simulate``.
+"""Write synthetic verification traces (JSONL) for ``dspark bench --simulate``.
 
 Two kinds, every draft verified (``verified = K``) so the replay is exact:
 

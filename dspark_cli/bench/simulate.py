@@ -1,7 +1,7 @@
 """Trace-driven comparison of verification policies against an oracle (``dspark bench --simulate``).
 
 Live benchmarks are slow and noisy; a policy study should be exact and cheap. The simulator replays
-recorded verification traces (SPEC §3, from either engine) through each policy and prices every step
+recorded verification traces (JSONL, from either engine) through each policy and prices every step
 with a profiled SPS curve, so each policy's expected accepted tokens per second comes out exactly,
 beside an oracle that knows every request's true accepted length.
 

@@ -344,7 +344,7 @@ class SpsCurve:
 
     @classmethod
     def from_dict(cls, obj: Any, source: str = "<dict>") -> SpsCurve:
-        """Parse the SPEC §3 object, or the seed's plain ``[[tokens, steps_per_sec], ...]`` list.
+        """Parse the ``sps_curve.json`` object (docs/ARCHITECTURE.md, File formats), or the seed's plain ``[[tokens, steps_per_sec], ...]`` list.
 
         The seed's list profiled one breakpoint per captured size, so its token counts become the capture
         sizes, its verify cost is ``1000 / sps`` ms, and it prices neither drafting nor overhead.
@@ -379,7 +379,7 @@ class SpsCurve:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SpsCurve:
-        """Read ``sps_curve.json`` (SPEC §3 object or the seed's plain list); one-line error on any problem."""
+        """Read ``sps_curve.json`` (our object or the seed's plain list); one-line error on any problem."""
         p = Path(path)
         try:
             raw = p.read_bytes()
@@ -396,7 +396,7 @@ class SpsCurve:
     # ------------------------------------------------------------------ serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """SPEC §3 object; ``dspark_sps_curve`` keeps the seed's ``[[tokens, steps_per_sec]]`` readers working."""
+        """The ``sps_curve.json`` object; ``dspark_sps_curve`` keeps the seed's ``[[tokens, steps_per_sec]]`` readers working."""
         out: dict[str, Any] = {
             "version": SPS_CURVE_VERSION,
             "dspark_sps_curve": [[x, 1000.0 / (y + self.overhead_ms)] for x, y in self.verify_ms],

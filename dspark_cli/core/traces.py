@@ -1,4 +1,4 @@
-"""Verification traces: one JSONL object per verified request-step (SPEC §3).
+"""Verification traces: one JSONL object per verified request-step (docs/ARCHITECTURE.md, File formats).
 
 ``{"request": id, "step": i, "conf": [c_1..c_K], "verified": v, "accepted": a}`` with raw head
 probabilities (before STS) and 0 <= a <= v <= K. Both engines write them, ``dspark calibrate`` fits STS

@@ -46,7 +46,7 @@ SEED_KEYS: dict[str, str] = {
 @dataclass(frozen=True)
 class DsparkVllmSettings:
     """What the plugin does inside vLLM. ``sps_curve`` is a file path, an inline seed list
-    ``[[tokens, steps_per_sec], ...]``, an inline SPEC §3 object, or ``None`` (use vLLM's start-up profile).
+    ``[[tokens, steps_per_sec], ...]``, an inline ``sps_curve.json`` object, or ``None`` (use vLLM's start-up profile).
     """
 
     mode: str = "varlen"
