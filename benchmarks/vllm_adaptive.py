@@ -483,8 +483,8 @@ def config_specs(base_spec: dict, ours: dict, lossless: bool = False) -> dict[st
                          "dspark_online_sts": False},
         "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
         "varlen-current": {**varlen, "dspark_draft_catchup_tokens": 0},  # the draft's K/V kept current while paused
-        # a paused step's successor scheduled as plain decoding, no placeholder drafts (plain_paused_steps, off
-        # by default until its greedy outputs match no speculation's on the GPU): what that is worth
+        # a paused step's successor scheduled as plain decoding, no placeholder drafts (plain_paused_steps, the
+        # default since its greedy outputs matched no speculation's on the H200, docs/PERFORMANCE.md section 34)
         "varlen-plain": {**varlen, "dspark_plain_paused_steps": True},
         "varlen-placeholders": {**varlen, "dspark_plain_paused_steps": False},  # the default path, whatever --dspark
         # For the lossless check with real weights: verification forced on (a survival threshold instead of the

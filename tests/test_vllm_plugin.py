@@ -274,11 +274,18 @@ def test_a_paused_step_can_empty_the_placeholders_its_scheduler_step_handed_out(
 
 
 def test_plain_paused_steps_off_leaves_the_placeholders_alone() -> None:
-    """Off by default until the GPU's lossless check has passed with it: the scheduler is not even wrapped."""
-    for dspark in ({"mode": "varlen"}, {"mode": "varlen", "plain_paused_steps": False}):
-        modules, manager = _gated_manager(dspark)
-        assert not hasattr(manager, "drop_placeholders")
-        assert not plugin.is_patched(modules[contract.ASYNC_SCHEDULER].AsyncScheduler._update_after_schedule)
+    """Turned off, the scheduler is not even wrapped: paused steps compact their placeholders away."""
+    modules, manager = _gated_manager({"mode": "varlen", "plain_paused_steps": False})
+    assert not hasattr(manager, "drop_placeholders")
+    assert not plugin.is_patched(modules[contract.ASYNC_SCHEDULER].AsyncScheduler._update_after_schedule)
+
+
+def test_plain_paused_steps_is_the_default() -> None:
+    """On by default since the H200's greedy lossless check with real weights passed with it
+    (docs/PERFORMANCE.md section 34): a manager without the key gets the dropper and the scheduler hook."""
+    modules, manager = _gated_manager({"mode": "varlen"})
+    assert hasattr(manager, "drop_placeholders")
+    assert plugin.is_patched(modules[contract.ASYNC_SCHEDULER].AsyncScheduler._update_after_schedule)
 
 
 def test_a_drifted_scheduler_keeps_its_placeholders_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:

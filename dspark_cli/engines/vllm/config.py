@@ -80,10 +80,11 @@ class DsparkVllmSettings:
     # rejection accounting), in the runner (verification layout, rejection sampler) and in our hooks, though no
     # draft is verified (docs/PERFORMANCE.md section 33). Works where the scheduler runs in the worker's process
     # (one GPU: vLLM's uniprocess executor); elsewhere the placeholders stay and the step compacts them away.
-    # Off by default: its first H200 run served garbage greedy outputs (the plain step built attention metadata
-    # for one-token queries under a graph captured for 1 + K, fixed since by plugin.bound_query_len), and the
-    # lossless check of the fix has not run yet.
-    plain_paused_steps: bool = False
+    # On by default since the greedy lossless check with real weights matched no speculation with it (8 of 8
+    # prompts for varlen pausing every other step and for mask, docs/PERFORMANCE.md section 34). Its first H200
+    # run had served garbage: the plain step built attention metadata for one-token queries under a graph
+    # captured for 1 + K (section 33), which plugin.bound_query_len fixed.
+    plain_paused_steps: bool = True
 
     def __post_init__(self) -> None:
         w = f"--additional-config {ADDITIONAL_CONFIG_KEY}"
