@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 
 from dspark_cli import __version__
 from dspark_cli.errors import DsparkError
@@ -168,7 +169,51 @@ def calibrate(
     console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+_RAW_ARGS = "dspark.raw_args"
+
+
+class _RawArgsCommand(TyperCommand):
+    """A command that keeps its raw arguments: the parser drops ``--``, and with it where a bare word stood."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        ctx.meta[_RAW_ARGS] = list(args)
+        return super().parse_args(ctx, args)
+
+
+def _stray_positional(ctx: typer.Context) -> str | None:
+    """The first bare word before ``--`` that is no option's value, if any.
+
+    Options this command does not know are vLLM's, passed through; the word after one is taken for its value,
+    as it may be (``--tensor-parallel-size 4``).
+    """
+    with_value: set[str] = set()
+    flags: set[str] = set()
+    for param in ctx.command.params:
+        if param.param_type_name == "option":
+            names = [*param.opts, *param.secondary_opts]
+            (flags if getattr(param, "is_flag", False) or getattr(param, "count", False) else with_value).update(names)
+    skip_value = value_may_follow = False
+    for tok in ctx.meta.get(_RAW_ARGS, []):
+        if tok == "--":
+            return None
+        if skip_value:
+            skip_value = False
+            continue
+        if tok.startswith("-") and len(tok) > 1:
+            name, eq, _ = tok.partition("=")
+            known_short = not tok.startswith("--") and tok[:2] in with_value  # -k7
+            skip_value = name in with_value and not eq
+            value_may_follow = not (eq or known_short or name in with_value or name in flags)
+            continue
+        if value_may_follow:
+            value_may_follow = False
+            continue
+        return tok
+    return None
+
+
+@app.command("serve", cls=_RawArgsCommand,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
     engine: str | None = typer.Option(None, "--engine", help="embedded (default, one device) or vllm."),
@@ -242,6 +287,11 @@ def serve(
 
     from dspark_cli.serve_config import build_settings, ineffective_settings
 
+    stray = _stray_positional(ctx)
+    if stray is not None:
+        # Passed on, it would be a second model for vllm serve; dropped, the default model would be served.
+        raise DsparkError(f"dspark serve takes no positional argument, got {stray!r}: name the target model with "
+                          f"--model {stray} (arguments for vllm serve go after --)")
     flags = {
         "engine": engine, "model": model, "draft": draft, "num_speculative_tokens": num_speculative_tokens,
         "capacity_mode": capacity_mode, "capacity_policy": capacity_policy,

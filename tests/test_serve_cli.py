@@ -120,3 +120,23 @@ def test_settings_reach_the_real_vllm_launcher(capsys: pytest.CaptureFixture[str
     spec_json = cmd.split("--speculative-config ")[1].split("'")[1]
     assert not any(k.startswith("dspark_") for k in json.loads(spec_json))
     assert '"mode":"mask"' in cmd
+
+
+@pytest.mark.parametrize("args", [["--engine", "vllm", "--dry-run", "org/target", "--port", "8011"],
+                                  ["--engine", "vllm", "--dry-run", "--tokenizer", "org/t", "--port", "1", "org/target"],
+                                  ["-k", "3", "org/target", "--", "--kv-cache-dtype", "fp8"],
+                                  ["org/target"]])
+def test_a_model_given_as_a_bare_word_is_refused(args: list[str]) -> None:
+    """`dspark serve MODEL` would serve the default model (the word dropped, or handed to vLLM as a second model)."""
+    result = _invoke(args)
+    assert isinstance(result.exception, DsparkError), result.output
+    message = str(result.exception)
+    assert "got 'org/target'" in message and "--model org/target" in message and "\n" not in message
+
+
+def test_words_after_the_double_dash_still_reach_vllm() -> None:
+    result = _invoke(["--engine", "vllm", "--dry-run", "--model", "org/target", "--tensor-parallel-size", "4",
+                      "-k", "0", "--", "--enforce-eager", "extra-word"])
+    assert result.exit_code == 0, result.output
+    cmd = result.stdout.strip().splitlines()[-1].split()
+    assert cmd[:3] == ["vllm", "serve", "org/target"] and cmd[-3:] == ["4", "--enforce-eager", "extra-word"]

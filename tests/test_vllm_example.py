@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,7 +51,7 @@ def test_example_serve_line_matches_the_seed(config: str, mode: str | None, sts:
                                              capsys: pytest.CaptureFixture[str]) -> None:
     SpsCurve.from_points([(8, 5.0), (16, 6.0), (2048, 60.0)], capture_sizes=[8, 16, 2048]).save(tmp_path / "sps_curve.json")
     monkeypatch.chdir(tmp_path)
-    argv = _script_argv(f'"${{ENGINE[@]}}" --port "$PORT" --speculative-config "${{SPEC[{config}]}}"')
+    argv = _script_argv(f'"$TARGET" "${{ENGINE[@]}}" --port "$PORT" --speculative-config "${{SPEC[{config}]}}"')
     assert run_vllm_serve(argv, dry_run=True) == 0
     cmd = shlex.split(capsys.readouterr().out)
     assert cmd[:3] == ["vllm", "serve", TARGET]
@@ -72,7 +74,7 @@ def test_example_serve_line_matches_the_seed(config: str, mode: str | None, sts:
 
 
 def test_example_profile_line_keeps_the_engine_flags() -> None:
-    argv = _script_argv('"${ENGINE[@]}" --speculative-config "{$BASE}" --output sps_curve.json')
+    argv = _script_argv('"$TARGET" "${ENGINE[@]}" --speculative-config "{$BASE}" --output sps_curve.json')
     cmd = build_profile_command(argv)
     assert cmd[:4] == ["python3", "-m", "dspark_cli.engines.vllm.profile", TARGET]
     pairs = _flag_pairs(cmd)
@@ -80,3 +82,34 @@ def test_example_profile_line_keeps_the_engine_flags() -> None:
         if pair[0] != "--port":
             assert pair in pairs, pair
     assert ("--output", "sps_curve.json") in pairs and ("--replays", "20") in pairs
+
+
+def test_example_dry_run_serves_the_target_through_dspark_serve(tmp_path: Path) -> None:
+    """The script's own `dspark serve` lines, run as written (DRY_RUN=1): the target reaches vllm serve as its
+    one model, each config with its capacity mode."""
+    (tmp_path / "run.sh").write_text(RUN_SH.read_text())
+    SpsCurve.from_points([(8, 5.0), (16, 6.0), (2048, 60.0)], capture_sizes=[8, 16, 2048]).save(tmp_path / "sps_curve.json")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dspark").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m dspark_cli.cli "$@"\n')
+    (bin_dir / "dspark").chmod(0o755)
+    env = {**os.environ, "DRY_RUN": "1", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "DSPARK_VLLM_MODELS": str(tmp_path / "vm")}
+    out = subprocess.run(["bash", str(tmp_path / "run.sh")], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    serve_lines = [shlex.split(line) for line in out.stdout.splitlines() if line.startswith("vllm serve ")]
+    assert len(serve_lines) == 5, out.stdout
+    for cmd, mode in zip(serve_lines, (None, "mask", "varlen", "mask", "varlen"), strict=True):
+        assert cmd[:3] == ["vllm", "serve", TARGET] and cmd[cmd.index("--tokenizer") + 1] == TARGET
+        assert cmd[cmd.index("--port") + 1] == "8011"
+        pairs = _flag_pairs(cmd)
+        for pair in _flag_pairs(SEED_FLAGS):
+            assert pair in pairs, pair
+        # the one model is the target: every other bare word is the value of the flag before it
+        for prev, tok in zip(cmd[2:], cmd[3:], strict=False):
+            if not tok.startswith("-"):
+                assert prev.startswith("--") and prev not in ("--trust-remote-code", "--enable-expert-parallel"), tok
+        assert cmd.count("--speculative-config") == 1
+        dspark = json.loads(cmd[cmd.index("--additional-config") + 1])["dspark"] if mode else None
+        assert (dspark or {}).get("mode") == mode
+    assert not (tmp_path / "vm").exists()

@@ -13,9 +13,10 @@ OUT=${OUT:-results}
 CONCURRENCY=${CONCURRENCY:-16,32,64,128,256}
 SPEED_BENCH=${SPEED_BENCH:-}
 
-# The seed's engine flags: same for every config (only the speculative config varies).
+# The seed's engine flags: same for every config (only the speculative config varies). The target goes first
+# for profile-sps (MODEL, as for vllm serve) and in --model for dspark serve.
 ENGINE=(
-  "$TARGET" --tokenizer "$TARGET" --tokenizer-mode deepseek_v4 --trust-remote-code
+  --tokenizer "$TARGET" --tokenizer-mode deepseek_v4 --trust-remote-code
   --dtype bfloat16 --max-model-len 8192 --tensor-parallel-size 4 --enable-expert-parallel
   --block-size 256 --gpu-memory-utilization 0.5 --kv-cache-dtype fp8
   --max-num-batched-tokens 16384 --max-num-seqs 256
@@ -36,13 +37,13 @@ CONFIGS=(nocap mask varlen mask-sts varlen-sts)
 PROFILE_SPEC="{$BASE,\"dspark_confidence_threshold\":0.0,\"dspark_capacity_verification_mode\":\"varlen\"}"
 
 if [[ -n "${DRY_RUN:-}" ]]; then
-  dspark profile-sps --engine vllm --dry-run "${ENGINE[@]}" --speculative-config "$PROFILE_SPEC" --output sps_curve.json
+  dspark profile-sps --engine vllm --dry-run "$TARGET" "${ENGINE[@]}" --speculative-config "$PROFILE_SPEC" --output sps_curve.json
   if [[ ! -f sps_curve.json ]]; then
     echo "# (serve lines need sps_curve.json: run the profile first)"
     exit 0
   fi
   for c in "${CONFIGS[@]}"; do
-    dspark serve --engine vllm --dry-run "${ENGINE[@]}" --port "$PORT" --speculative-config "${SPEC[$c]}"
+    dspark serve --engine vllm --dry-run --model "$TARGET" "${ENGINE[@]}" --port "$PORT" --speculative-config "${SPEC[$c]}"
   done
   exit 0
 fi
@@ -50,7 +51,7 @@ fi
 mkdir -p "$OUT"
 # 1. The SPS curve: one breakpoint per CUDA-graph capture size, draft cost and per-step overhead.
 if [[ ! -f sps_curve.json ]]; then
-  dspark profile-sps --engine vllm "${ENGINE[@]}" --speculative-config "$PROFILE_SPEC" --output sps_curve.json
+  dspark profile-sps --engine vllm "$TARGET" "${ENGINE[@]}" --speculative-config "$PROFILE_SPEC" --output sps_curve.json
 fi
 
 BENCH_DATA=(--dataset gsm8k)
@@ -58,7 +59,7 @@ BENCH_DATA=(--dataset gsm8k)
 
 for c in "${CONFIGS[@]}"; do
   # 2. Serve this config (same engine flags, SPEC varies per column).
-  dspark serve --engine vllm "${ENGINE[@]}" --port "$PORT" --speculative-config "${SPEC[$c]}" > "$OUT/serve-$c.log" 2>&1 &
+  dspark serve --engine vllm --model "$TARGET" "${ENGINE[@]}" --port "$PORT" --speculative-config "${SPEC[$c]}" > "$OUT/serve-$c.log" 2>&1 &
   SERVER=$!
   trap 'kill $SERVER 2>/dev/null || true' EXIT
   until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
