@@ -222,8 +222,9 @@ def _engine_args_flags(args: dict[str, Any]) -> list[str]:
     return out
 
 
-def vllm_argv(req: ProfileRequest) -> list[str]:
-    """Arguments for ``engines.vllm.profile.build_profile_command``: MODEL, vllm serve flags, profile flags."""
+def vllm_argv(req: ProfileRequest, *, build: bool = True) -> list[str]:
+    """Arguments for ``engines.vllm.profile.build_profile_command``: MODEL, vllm serve flags, profile flags.
+    ``build=False`` (a dry run) names the vLLM-ready copies of the toolkit's models without making them."""
     from dspark_cli.engines.vllm.models import vllm_models
     from dspark_cli.serve_config import flag_value
 
@@ -245,7 +246,7 @@ def vllm_argv(req: ProfileRequest) -> list[str]:
     # The toolkit's model names become vLLM-ready copies, as for `dspark serve --engine vllm` (engines.vllm.models).
     k = req.num_speculative_tokens if req.num_speculative_tokens is not None else spec.get("num_speculative_tokens")
     draft = req.draft if req.draft is not None else spec.get("model", "auto")
-    models = vllm_models(req.model, draft, speculative=bool(k))
+    models = vllm_models(req.model, draft, speculative=bool(k), build=build)
     argv = [models.model, *extra, *_engine_args_flags(args)]
     if models.load_format is not None and "load_format" not in args and flag_value(extra, "--load-format") is None:
         argv += ["--load-format", models.load_format]
@@ -272,7 +273,7 @@ def run_vllm(req: ProfileRequest, *, dry_run: bool) -> SpsCurve | None:
     curve it wrote and return the curve (the profiler itself already refused a flat one)."""
     from dspark_cli.engines.vllm.profile import build_profile_command, run_vllm_profile
 
-    argv = vllm_argv(req)
+    argv = vllm_argv(req, build=not dry_run)
     if dry_run:
         run_vllm_profile(argv, dry_run=True)
         return None

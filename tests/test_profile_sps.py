@@ -309,3 +309,16 @@ def test_output_paths_are_checked_before_the_profile_runs(tmp_path: Path) -> Non
         assert isinstance(result.exception, DsparkError), result.output
         assert re.search(match, str(result.exception))
     assert not (tmp_path / "c.json").exists()  # refused before any measurement, nothing half-done
+
+
+def test_vllm_dry_run_makes_no_model_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Like `dspark serve --engine vllm --dry-run`, the profiler's dry run names the vLLM-ready copies of the
+    toolkit's models and writes nothing."""
+    monkeypatch.setenv("DSPARK_VLLM_MODELS", str(tmp_path / "vm"))
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    result = _invoke(["tiny", "--engine", "vllm", "-k", "3", "--dry-run", "-o", str(tmp_path / "c.json")])
+    assert result.exit_code == 0, result.output
+    cmd = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert Path(cmd[3]).parent == tmp_path / "vm"
+    assert Path(json.loads(cmd[cmd.index("--speculative-config") + 1])["model"]).parent == tmp_path / "vm"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
