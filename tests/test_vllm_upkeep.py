@@ -112,13 +112,14 @@ class Request:
 class Runner:
     """vLLM's step order: target over the batch, commit, ``propose`` (drafts for the next step or none)."""
 
-    def __init__(self, upkeep_budget: int | None, max_num_tokens: int, rng: random.Random) -> None:
+    def __init__(self, upkeep_budget: int | None, max_num_tokens: int, rng: random.Random,
+                 defer_prompts: bool = False) -> None:
         self.rng = rng
         self.committed = torch.full((MAX_REQS, MAX_LEN + K + 2), -7, dtype=torch.int32)
         self.lengths = [0] * MAX_REQS
         self.last_sampled = torch.zeros(MAX_REQS, 1, dtype=torch.int64)
         self.spec = Speculator(self.committed, max_num_tokens)
-        upkeep = DraftUpkeep(MAX_REQS, upkeep_budget) if upkeep_budget else None
+        upkeep = DraftUpkeep(MAX_REQS, upkeep_budget, defer_prompts) if upkeep_budget else None
         self.manager = types.SimpleNamespace(
             _pause_supported=True, _skip_decode=False, _upkeep=upkeep,
             _catchup_buffers=CatchupBuffers.allocate((upkeep_budget or 0) + max_num_tokens, MAX_REQS,
@@ -198,12 +199,45 @@ def drive(runner: Runner, rng: random.Random, steps: int) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), budget=st.sampled_from([6, 9, 16, 64]))
-def test_a_resumed_draft_always_drafts_from_its_committed_context(seed: int, budget: int) -> None:
+@given(seed=st.integers(0, 10_000), budget=st.sampled_from([6, 9, 16, 64]), defer_prompts=st.booleans())
+def test_a_resumed_draft_always_drafts_from_its_committed_context(seed: int, budget: int,
+                                                                  defer_prompts: bool) -> None:
     rng = random.Random(seed)
-    runner = Runner(budget, max_num_tokens=budget + 2 * MAX_REQS, rng=rng)
+    runner = Runner(budget, max_num_tokens=budget + 2 * MAX_REQS, rng=rng, defer_prompts=defer_prompts)
     drive(runner, rng, 120)
     assert runner.spec.drafting_reads > 0
+
+
+def test_deferred_prompts_are_written_by_the_catch_up_and_never_for_requests_that_end_paused() -> None:
+    """draft_defer_prompts: a paused step with a prompt chunk runs no draft pass; the prompt is owed like
+    decoded tokens, written by the catch-up before the request drafts, and never written for a request that
+    ends while paused. Without it the same steps run the draft over every prompt."""
+    passes = {}
+    for defer in (False, True):
+        rng = random.Random(21)
+        runner = Runner(200, 200 + 2 * MAX_REQS, rng, defer_prompts=defer)
+        for _ in range(2):
+            runner.add()
+        runner.step(True)
+        runner.step(False)  # paused from here
+        for req in runner.running:
+            req.budget = 10_000
+        before = runner.spec.prefill_tokens
+        for _ in range(3):  # newcomers while paused; two of them end before drafting resumes
+            runner.add()
+        runner.step(False)
+        for req in runner.running[2:4]:
+            req.budget = 0
+        runner.step(False)
+        upkeep = runner.manager._upkeep
+        if defer:
+            assert runner.spec.prefill_tokens == before  # no draft pass while paused
+            assert upkeep.deferred_prompt_tokens > 0
+        for _ in range(2):
+            runner.step(True)  # resume: the catch-up writes the owed prompts, then the draft drafts from them
+        assert runner.spec.drafting_reads > 0
+        passes[defer] = runner.spec.prefill_tokens - before
+    assert passes[True] < passes[False]
 
 
 def test_catch_ups_ride_the_steps_own_prefill_pass_where_they_fit() -> None:

@@ -364,9 +364,9 @@ def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -
                 batch = args[0] if args else kwargs["input_batch"]
                 r = int(batch.num_reqs)
                 slots = np.asarray(batch.idx_mapping_np[:r])
-                pure = upkeep.pure_decode(batch)
-                if paused and pure and upkeep.may_skip(slots):
-                    upkeep.skip(slots)  # no draft work: these tokens are written at the next catch-up
+                deferred = upkeep.deferrable(batch, slots) if paused else None
+                if deferred is not None:
+                    upkeep.skip(slots, deferred)  # no draft work: these tokens are written at the next catch-up
                     return spec.draft_tokens[:r]
                 owed = upkeep.owed(slots)
                 if owed.any():

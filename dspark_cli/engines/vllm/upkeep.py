@@ -27,8 +27,16 @@ overwrites).
 What is not caught up: a request that ends before its next catch-up leaves its last pending positions
 unwritten in the draft's cache. Outputs are unaffected (the target verifies every draft); a later request
 that reuses those blocks through the prefix cache (a follow-up turn over a paused answer) drafts from an
-incomplete draft context until its own tokens overwrite them. Prompt chunks are never deferred, so shared
-prompts are complete.
+incomplete draft context until its own tokens overwrite them. By default prompt chunks are never deferred,
+so shared prompts are complete.
+
+``defer_prompts`` (``draft_defer_prompts``, off by default, and only without prefix caching): a paused step
+that carries a prompt chunk defers it too, so while paused the draft runs only at budgeted catch-ups and on
+resume. At 16 requests on the H200 (docs/PERFORMANCE.md section 34) the paused server's loss against no
+speculation sat in the steps that ran the draft while paused: ~63 steps with a prompt chunk and 19 catch-ups
+per cell. A prompt chunk's row is contiguous with what its request owes, so the same catch-up row writes it;
+a request that ends before the next catch-up never pays for its prompt at all. With prefix caching a deferred
+prompt's blocks could be reused by a later request before they were written, hence the restriction.
 """
 
 from __future__ import annotations
@@ -48,16 +56,18 @@ class DraftUpkeep:
     :meth:`reset` when vLLM puts a new request into the slot.
     """
 
-    def __init__(self, max_num_reqs: int, budget: int) -> None:
+    def __init__(self, max_num_reqs: int, budget: int, defer_prompts: bool = False) -> None:
         if budget <= 0:
             raise ValueError(f"draft upkeep budget must be positive, got {budget}")
         self.budget = budget
+        self.defer_prompts = defer_prompts
         self.pending = np.zeros(max_num_reqs, dtype=np.int64)
         self.skipped_steps = 0
         self.catchups = 0
         self.caught_up_tokens = 0
         self.truncated = 0
         self.separate_catchups = 0
+        self.deferred_prompt_tokens = 0
 
     def reset(self, slot: int) -> None:
         self.pending[slot] = 0
@@ -76,9 +86,28 @@ class DraftUpkeep:
         """Whether a paused pure-decode step over ``slots`` can defer its tokens within the budget."""
         return int(self.pending[slots].sum()) + len(slots) <= self.budget
 
-    def skip(self, slots: np.ndarray) -> None:
-        self.pending[slots] += 1
+    def skip(self, slots: np.ndarray, tokens: np.ndarray | None = None) -> None:
+        """The step's draft pass is skipped: each request owes its ``tokens`` (default one each) more."""
+        if tokens is None:
+            self.pending[slots] += 1
+        else:
+            self.pending[slots] += tokens
+            self.deferred_prompt_tokens += int(tokens.sum()) - len(slots)
         self.skipped_steps += 1
+
+    def deferrable(self, batch: Any, slots: np.ndarray) -> np.ndarray | None:
+        """The tokens each request of a paused step may defer (None: the step runs the draft's pass).
+
+        A pure decode step defers one token per request; with ``defer_prompts`` a step that carries a prompt
+        chunk and verifies no drafts defers each row's whole query. Either within the budget."""
+        if self.pure_decode(batch):
+            return np.ones(len(slots), dtype=np.int64) if self.may_skip(slots) else None
+        if not self.defer_prompts or int(batch.num_draft_tokens or 0) != 0:
+            return None
+        if int(self.pending[slots].sum()) + int(batch.num_tokens) > self.budget:
+            return None
+        r = len(slots)
+        return np.diff(np.asarray(batch.query_start_loc_np[: r + 1], dtype=np.int64))
 
     def fit(self, owed: np.ndarray) -> np.ndarray:
         """``owed`` scaled down to the budget when it exceeds it (a request absent from the steps that counted
