@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from dspark_cli.engines.vllm.contract import VLLM_DSPARK_FIELDS
 from dspark_cli.errors import DsparkError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -243,10 +244,11 @@ def parse_speculative_config(text: str) -> dict[str, Any]:
                           "'{\"num_speculative_tokens\": 4}'") from None
     if not isinstance(obj, dict):
         raise DsparkError(f"--speculative-config: expected a JSON object, got {type(obj).__name__}")
-    unknown = sorted(k for k in obj if k.startswith("dspark_") and k not in DSPARK_KEYS)
+    unknown = sorted(k for k in obj if k.startswith("dspark_") and k not in DSPARK_KEYS + VLLM_DSPARK_FIELDS)
     if unknown:
         raise DsparkError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
-                          f"known dspark keys: {', '.join(DSPARK_KEYS)}")
+                          f"known dspark keys: {', '.join(DSPARK_KEYS)} (and vLLM's own "
+                          f"{', '.join(VLLM_DSPARK_FIELDS)})")
     return obj
 
 
@@ -402,7 +404,8 @@ def build_settings(flags: dict[str, Any], speculative_config: str | None = None)
         # Without speculation (-k 0: bench's nospec column, whose server shares the other columns' flags) the
         # capacity settings are moot, not a request for capacity management: ineffective_settings names them.
         merged["capacity_mode"] = "varlen"
-    merged["vllm_speculative_config"] = {k: v for k, v in obj.items() if not k.startswith("dspark_")}
+    merged["vllm_speculative_config"] = {k: v for k, v in obj.items()
+                                         if not k.startswith("dspark_") or k in VLLM_DSPARK_FIELDS}
     settings = ServeSettings(**merged)
     _check_consistency(settings)
     return settings
@@ -438,6 +441,10 @@ def _check_consistency(s: ServeSettings) -> None:
         raise DsparkError(f"--speculative-config {', '.join(vllm_only)}: a setting of the vLLM plugin (how a paused "
                           "vLLM server drafts and schedules); the embedded engine's paused steps are plain steps "
                           "already: drop it, or serve with --engine vllm")
+    vllm_own = [k for k in VLLM_DSPARK_FIELDS if k in s.vllm_speculative_config]
+    if s.engine == "embedded" and vllm_own:
+        raise DsparkError(f"--speculative-config {', '.join(vllm_own)}: an option of vLLM's own DSpark speculator, "
+                          "which the embedded engine does not run: drop it, or serve with --engine vllm")
     if s.engine == "embedded" and s.sts_refit_interval is not None:
         raise DsparkError("--speculative-config dspark_sts_refit_interval is only supported by --engine vllm "
                           "(the embedded engine refits online STS on its own schedule)")

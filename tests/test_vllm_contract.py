@@ -89,3 +89,15 @@ def test_every_patched_row_is_a_runtime_checkable_kind() -> None:
     factory = contract.lookup(contract.AV, "maybe_create_adaptive_verification_manager", "function")
     call = _call_row("maybe_create_adaptive_verification_manager")
     assert factory.params == call.params
+
+
+@needs_src
+def test_vllms_own_dspark_fields_are_all_listed() -> None:
+    """The launcher passes vLLM's own dspark_* SpeculativeConfig fields through and reads every other dspark_* key
+    as ours: a field vLLM adds must be listed, or `dspark serve` would refuse it as a typo."""
+    import ast
+
+    tree = ast.parse(_read(contract.SPEC_CONFIG))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SpeculativeConfig")
+    fields = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert {f for f in fields if f.startswith("dspark_")} == set(contract.VLLM_DSPARK_FIELDS)

@@ -309,3 +309,23 @@ def test_an_sts_table_shorter_than_the_draft_is_refused_before_vllm_starts(tmp_p
                                                                dspark_capacity_verification_mode="varlen",
                                                                dspark_sts=str(sts))])
     assert plan.settings.sts == str(sts)
+
+
+def test_vllms_own_dspark_fields_pass_through_to_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    """dspark_draft_topk is vLLM 0.33's own SpeculativeConfig field (its DSpark speculator's), not a seed key:
+    it stays in the speculative config on both vLLM paths, and the embedded engine refuses it by name."""
+    from dspark_cli.engines.vllm.contract import VLLM_DSPARK_FIELDS
+    from dspark_cli.serve_config import build_settings
+
+    assert VLLM_DSPARK_FIELDS == ("dspark_draft_topk",) and not set(VLLM_DSPARK_FIELDS) & set(SEED_KEYS)
+    for extra in ({}, {"dspark_capacity_verification_mode": "varlen"}):
+        cmd = build_vllm_serve_command(["m", "--speculative-config", _spec(dspark_draft_topk=8, **extra)])
+        assert _flag(cmd, "--speculative-config")["dspark_draft_topk"] == 8
+        assert "draft_topk" not in json.dumps(_flag(cmd, "--additional-config")) if extra else True
+    settings = build_settings({"engine": "vllm", "model": "m"}, _spec(dspark_draft_topk=8))
+    assert run_vllm_serve(settings, [], dry_run=True) == 0
+    assert _flag(shlex.split(capsys.readouterr().out), "--speculative-config")["dspark_draft_topk"] == 8
+    with pytest.raises(DsparkError, match="dspark_draft_topk: an option of vLLM's own DSpark speculator") as err:
+        build_settings({"model": "m"}, _spec(dspark_draft_topk=8))
+    assert "\n" not in str(err.value)
+

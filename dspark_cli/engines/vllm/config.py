@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dspark_cli.engines.vllm.contract import ADDITIONAL_CONFIG_KEY
+from dspark_cli.engines.vllm.contract import ADDITIONAL_CONFIG_KEY, VLLM_DSPARK_FIELDS
 from dspark_cli.errors import DsparkError
 
 MODES = ("none", "mask", "varlen")
@@ -171,19 +171,26 @@ class DsparkVllmSettings:
         return DsparkVllmSettings(**{**asdict(self), **changes})
 
 
+def is_seed_key(key: str) -> bool:
+    """Whether a speculative-config key is ours to read (a ``dspark_*`` key that is not one of vLLM's own)."""
+    return key.startswith("dspark_") and key not in VLLM_DSPARK_FIELDS
+
+
 def settings_from_seed_keys(spec: dict[str, Any], base: dict[str, Any] | None = None) -> dict[str, Any]:
     """Translate the ``dspark_*`` keys of a speculative config into settings fields (over ``base``).
 
-    Unknown ``dspark_*`` keys are an error: silently ignoring a typo would run a different experiment.
+    Unknown ``dspark_*`` keys are an error: silently ignoring a typo would run a different experiment. vLLM's
+    own ``dspark_*`` fields (``contract.VLLM_DSPARK_FIELDS``) are not ours and are left to vLLM.
     The prototype's conventions are kept: ``compact`` is an alias of ``varlen``; a confidence threshold of 0
     means "budget from the SPS curve", above 0 a static survival threshold; ``dspark_sps_curve: "auto"``
     means "profile at start-up".
     """
     out = dict(base or {})
-    unknown = sorted(k for k in spec if k.startswith("dspark_") and k not in SEED_KEYS)
+    unknown = sorted(k for k in spec if is_seed_key(k) and k not in SEED_KEYS)
     if unknown:
         raise DsparkError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
-                          f"known dspark keys: {', '.join(SEED_KEYS)}")
+                          f"known dspark keys: {', '.join(SEED_KEYS)} (and vLLM's own "
+                          f"{', '.join(VLLM_DSPARK_FIELDS)})")
     for key, field_name in SEED_KEYS.items():
         if key not in spec:
             continue

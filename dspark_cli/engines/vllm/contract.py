@@ -32,6 +32,9 @@ INVALID_DRAFTS_ATTR = "dspark_invalid_drafts"  # mask mode sets it on InputBatch
 # (lower-cased, anywhere in it): a "draft_model" draft whose path holds a marker runs as that method instead.
 EXPLICIT_METHODS = ("eagle", "eagle3", "dflash", "dspark")
 METHOD_PATH_MARKERS = ("eagle-", "eagle3", "dflash", "dspark")
+# vLLM's own SpeculativeConfig fields whose names start with "dspark_" (options of its DSpark speculator): not the
+# seed's keys, so they pass through to vLLM untouched; tests/test_vllm_contract.py checks this is all of them.
+VLLM_DSPARK_FIELDS = ("dspark_draft_topk",)
 
 RUNNER = "vllm.v1.worker.gpu.model_runner"
 AV = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
@@ -122,6 +125,9 @@ CONTRACT: tuple[Assumption, ...] = (
                why="a draft count with no draft and no method that needs none fails; the launcher says so first"),
     Assumption(SPEC_CONFIG, "SpeculativeConfig.draft_sample_method", "field",
                why="example/benchmark flags (probabilistic draft sampling)"),
+    *(Assumption(SPEC_CONFIG, f"SpeculativeConfig.{name}", "field",
+                 why="vLLM's own dspark_* option: the launcher passes it through instead of reading it as ours")
+      for name in VLLM_DSPARK_FIELDS),
     Assumption(VLLM_CONFIG, "VllmConfig.additional_config", "field",
                why="our settings travel to every process in --additional-config (hashed into the compile cache)"),
     Assumption(ARG_UTILS, "EngineArgs.add_cli_args", "contains", ('"--additional-config"',),

@@ -4,7 +4,8 @@ The user keeps writing the seed's flags. What changes on the way to vLLM 0.33:
 
 * ``dspark_*`` keys inside ``--speculative-config`` (which vLLM would reject: ``extra="forbid"``) and the
   toolkit's own flags (``--sps-curve``, ``--capacity-mode``, ...) move into ``--additional-config``
-  under ``"dspark"``, merged with anything the user already put there;
+  under ``"dspark"``, merged with anything the user already put there; vLLM's own ``dspark_*`` fields
+  (``contract.VLLM_DSPARK_FIELDS``) stay in the speculative config;
 * ``enable_adaptive_verification: true`` is set, so the runner creates a manager -- ours, via the plugin;
 * every other argument is passed through untouched, in order.
 
@@ -28,6 +29,7 @@ import orjson
 
 from dspark_cli.engines.vllm.config import (
     DsparkVllmSettings,
+    is_seed_key,
     resolve_paths,
     settings_from_seed_keys,
 )
@@ -161,7 +163,7 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     user_dspark = additional.get(ADDITIONAL_CONFIG_KEY)
     if user_dspark is not None and not isinstance(user_dspark, dict):
         raise DsparkError(f"{ADDITIONAL_FLAG} {ADDITIONAL_CONFIG_KEY}: expected a JSON object")
-    has_seed_keys = spec is not None and any(k.startswith("dspark_") for k in spec)
+    has_seed_keys = spec is not None and any(is_seed_key(k) for k in spec)
     if user_dspark is None and not has_seed_keys and not flag_values:
         # Nothing of ours: plain vLLM, arguments untouched.
         argv = list(passthrough)
@@ -187,7 +189,7 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     if spec is None:
         raise DsparkError("dspark settings need speculative decoding: pass --speculative-config "
                           "'{\"method\": ..., \"model\": ..., \"num_speculative_tokens\": ...}'")
-    new_spec = {k: v for k, v in spec.items() if not k.startswith("dspark_")}
+    new_spec = {k: v for k, v in spec.items() if not is_seed_key(k)}
     _check_method_detection(new_spec)
     new_additional = {k: v for k, v in additional.items() if k != ADDITIONAL_CONFIG_KEY}
     if settings.active:
