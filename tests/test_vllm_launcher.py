@@ -329,3 +329,89 @@ def test_vllms_own_dspark_fields_pass_through_to_vllm(capsys: pytest.CaptureFixt
         build_settings({"model": "m"}, _spec(dspark_draft_topk=8))
     assert "\n" not in str(err.value)
 
+
+@pytest.mark.parametrize("flag", ["--speculative-config.num_speculative_tokens", "--speculative_config.method",
+                                  "-sc.model", "--additional-config.dspark.mode", "--additional_config.x"])
+@pytest.mark.parametrize("inline", [False, True])
+def test_dotted_forms_of_our_json_flags_are_refused(flag: str, inline: bool) -> None:
+    """vLLM's parser turns a dotted flag into a whole JSON flag appended last, which would replace ours."""
+    tail = [f"{flag}=5"] if inline else [flag, "5"]
+    for args in (["m", "--speculative-config", _spec(dspark_capacity_verification_mode="varlen"), *tail],
+                 ["m", "--speculative-config", BASE, "--", *tail]):
+        with pytest.raises(DsparkError, match="put the value inside the --(speculative|additional)-config JSON") as err:
+            plan_vllm_serve(args)
+        assert str(err.value).startswith(flag + ":") and "\n" not in str(err.value)
+    # other dotted flags (vLLM's own objects) and dotted values pass
+    cmd = build_vllm_serve_command(["m", "-cc.mode", "0", "--tokenizer", "./a.b", "--speculative-config", BASE])
+    assert cmd[3:5] == ["-cc.mode", "0"]
+
+
+def test_the_underscore_spelling_of_the_speculative_config_is_ours_too() -> None:
+    cmd = build_vllm_serve_command(["m", "--speculative_config", _spec(dspark_capacity_verification_mode="mask")])
+    assert _flag(cmd, "--speculative-config")["enable_adaptive_verification"] is True
+    assert _flag(cmd, "--additional-config")["dspark"]["mode"] == "mask"
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "prompt_lookup_max": 4},
+                                  {"model": "[ngram]"}, {"method": "ngram_gpu"}, {"method": "suffix"},
+                                  {"method": "custom_class", "model": "pkg.Proposer"}])
+def test_a_capacity_mode_needs_a_method_with_adaptive_verification(spec: dict) -> None:
+    from dspark_cli.engines.vllm.contract import ADAPTIVE_METHODS, NON_ADAPTIVE_METHODS
+
+    full = {"num_speculative_tokens": 4, **spec}
+    with pytest.raises(DsparkError, match=r"--capacity-mode varlen with speculative method '\w+': vLLM 0.33.0 has "
+                                          r"no adaptive verification .*use one of draft_model, eagle") as err:
+        plan_vllm_serve(["m", "--speculative-config", json.dumps(full), "--capacity-mode", "varlen"])
+    assert "\n" not in str(err.value)
+    assert not set(ADAPTIVE_METHODS) & set(NON_ADAPTIVE_METHODS)
+    # without a capacity mode vLLM serves them as they are
+    assert plan_vllm_serve(["m", "--speculative-config", json.dumps(full)]).settings is None
+    for method in ("mtp", "draft_model", "eagle3"):
+        ok = plan_vllm_serve(["m", "--speculative-config", _spec(method=method, model="/m/draft"),
+                              "--capacity-mode", "mask"])
+        assert ok.settings is not None
+
+
+def test_a_capacity_mode_with_ngram_is_refused_through_the_cli(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t", "-k", "4",
+                                      "--capacity-mode", "varlen", "--sps-curve", "auto",
+                                      "--speculative-config", '{"method": "ngram"}'])
+    assert isinstance(result.exception, DsparkError) and "method 'ngram'" in str(result.exception)
+
+
+def test_the_no_draft_hint_names_methods_that_serve_the_mode() -> None:
+    with pytest.raises(DsparkError, match=r"needs none in --speculative-config \(ngram, suffix, mtp, dspark\)"):
+        plan_vllm_serve(["m", "--speculative-config", '{"num_speculative_tokens": 4}'])
+    with pytest.raises(DsparkError, match=r"needs none in --speculative-config \(mtp, dspark\)"):
+        plan_vllm_serve(["m", "--speculative-config", '{"num_speculative_tokens": 4}', "--capacity-mode", "mask"])
+
+
+def test_a_draft_path_that_flips_the_method_is_refused_without_a_capacity_mode_too() -> None:
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import app
+
+    runner = CliRunner()
+    for mode in ([], ["--capacity-mode", "varlen", "--sps-curve", "auto"]):
+        result = runner.invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t",
+                                     "--draft", "/x/dspark_draft", "-k", "5", *mode])
+        assert isinstance(result.exception, DsparkError), result.output
+        assert "picks the speculative method from the draft's path" in str(result.exception)
+    with pytest.raises(DsparkError, match="picks the speculative method"):
+        plan_vllm_serve(["m", "-sc", '{"model": "/m/eagle3-x", "num_speculative_tokens": 3}'])
+
+
+def test_enforce_eager_is_refused_with_a_capacity_mode() -> None:
+    spec = _spec(dspark_capacity_verification_mode="mask")
+    for tail in (["--enforce-eager"], ["--", "--enforce-eager"], ["--no-enforce-eager", "--enforce_eager"]):
+        with pytest.raises(DsparkError, match="--enforce-eager: vLLM 0.33.0 runs --capacity-mode mask only with "
+                                              "full CUDA graphs") as err:
+            plan_vllm_serve(["m", "--speculative-config", spec, *tail])
+        assert "\n" not in str(err.value)
+    assert plan_vllm_serve(["m", "--speculative-config", spec, "--enforce-eager", "--no-enforce-eager"]).settings
+    assert plan_vllm_serve(["m", "--speculative-config", BASE, "--enforce-eager"]).settings is None
+

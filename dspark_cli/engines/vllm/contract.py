@@ -35,6 +35,12 @@ METHOD_PATH_MARKERS = ("eagle-", "eagle3", "dflash", "dspark")
 # vLLM's own SpeculativeConfig fields whose names start with "dspark_" (options of its DSpark speculator): not the
 # seed's keys, so they pass through to vLLM untouched; tests/test_vllm_contract.py checks this is all of them.
 VLLM_DSPARK_FIELDS = ("dspark_draft_topk",)
+# Speculative methods with no adaptive verification on vLLM 0.33, so a capacity mode would do nothing: the n-gram
+# speculators of Model Runner V2 carry no enable_adaptive_verification (only DraftModelSpeculator's family does,
+# and the runner reads it with a False default), and suffix / custom_class run on Model Runner V1.
+NON_ADAPTIVE_METHODS = ("ngram", "ngram_gpu", "suffix", "custom_class")
+# The methods whose V2 speculator is a DraftModelSpeculator (the MTP aliases become "mtp").
+ADAPTIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark")
 
 RUNNER = "vllm.v1.worker.gpu.model_runner"
 AV = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
@@ -128,6 +134,17 @@ CONTRACT: tuple[Assumption, ...] = (
     *(Assumption(SPEC_CONFIG, f"SpeculativeConfig.{name}", "field",
                  why="vLLM's own dspark_* option: the launcher passes it through instead of reading it as ours")
       for name in VLLM_DSPARK_FIELDS),
+    Assumption(SPEC_CONFIG, "SpeculativeConfig.__post_init__", "contains", ('if self.model in ("ngram", "[ngram]"):',),
+               why="a spec naming the model ngram and no method runs the n-gram speculator (NON_ADAPTIVE_METHODS)"),
+    Assumption(RUNNER, "GPUModelRunner.initialize_kv_cache", "contains",
+               ('self.speculator, "enable_adaptive_verification", False',),
+               why="a speculator without the flag gets no manager: capacity modes refuse NON_ADAPTIVE_METHODS"),
+    Assumption(VLLM_CONFIG, "VllmConfig._get_v2_model_runner_unsupported_features", "contains",
+               ('speculative_config.method in ("suffix", "custom_class")',),
+               why="these methods run on Model Runner V1, which the plugin does not patch (NON_ADAPTIVE_METHODS)"),
+    Assumption(VLLM_CONFIG, "VllmConfig._validate_adaptive_verification", "contains",
+               ("if not self.compilation_config.cudagraph_mode.has_full_cudagraphs():",),
+               why="adaptive verification needs full CUDA graphs: the launcher refuses --enforce-eager with a mode"),
     Assumption(VLLM_CONFIG, "VllmConfig.additional_config", "field",
                why="our settings travel to every process in --additional-config (hashed into the compile cache)"),
     Assumption(ARG_UTILS, "EngineArgs.add_cli_args", "contains", ('"--additional-config"',),

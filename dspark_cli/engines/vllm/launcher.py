@@ -34,8 +34,10 @@ from dspark_cli.engines.vllm.config import (
     settings_from_seed_keys,
 )
 from dspark_cli.engines.vllm.contract import (
+    ADAPTIVE_METHODS,
     ADDITIONAL_CONFIG_KEY,
     EXPLICIT_METHODS,
+    NON_ADAPTIVE_METHODS,
     PLUGIN_GROUP,
     PLUGIN_NAME,
     VLLM_VERSION,
@@ -102,8 +104,30 @@ def _convert(flag: str, value: str, kind: str) -> Any:
     return value
 
 
+def _long_flag(name: str) -> str:
+    """A long flag as vLLM's parser spells it (``--speculative_config`` is ``--speculative-config``)."""
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
+def _check_no_dotted_override(args: list[str]) -> None:
+    """vLLM's parser (``vllm/utils/argparse_utils.py``, FlexibleArgumentParser.parse_args) gathers dotted flags such
+    as ``--speculative-config.X V`` into a whole ``--speculative-config`` JSON appended after every other argument,
+    where it replaces the object written here (the last one wins) -- even after ``--``."""
+    for tok in args:
+        head = tok.partition("=")[0]
+        if not tok.startswith("-") or "." not in head:
+            continue
+        base = _long_flag(head.split(".", 1)[0])
+        if base == ADDITIONAL_FLAG or base in SPEC_FLAGS:
+            whole = ADDITIONAL_FLAG if base == ADDITIONAL_FLAG else SPEC_FLAGS[0]
+            ours = " (or use dspark's own flags, such as --capacity-mode)" if whole == ADDITIONAL_FLAG else ""
+            raise DsparkError(f"{head}: vLLM would turn this into a whole {whole} that replaces the one dspark "
+                              f"writes; put the value inside the {whole} JSON instead{ours}")
+
+
 def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     """Split ``args`` into vLLM's arguments and our settings; see the module docstring."""
+    _check_no_dotted_override(args)
     passthrough: list[str] = []
     spec_pos: int | None = None  # index in passthrough of the speculative-config value
     spec: dict[str, Any] | None = None
@@ -134,7 +158,8 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
             flag_values[field_name] = _convert(name, value, kind)
             i += 1
             continue
-        if name in SPEC_FLAGS or name == ADDITIONAL_FLAG:
+        if _long_flag(name) in SPEC_FLAGS or _long_flag(name) == ADDITIONAL_FLAG:
+            name = _long_flag(name)
             if eq:
                 value = inline
             elif i + 1 < len(args):
@@ -159,13 +184,16 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
         i += 1
 
     if spec is not None:
-        _check_draft_named(spec)
+        # Whatever else is asked: vLLM reads the method from the draft's path before any setting of ours acts.
+        _check_method_detection({k: v for k, v in spec.items() if not is_seed_key(k)})
     user_dspark = additional.get(ADDITIONAL_CONFIG_KEY)
     if user_dspark is not None and not isinstance(user_dspark, dict):
         raise DsparkError(f"{ADDITIONAL_FLAG} {ADDITIONAL_CONFIG_KEY}: expected a JSON object")
     has_seed_keys = spec is not None and any(is_seed_key(k) for k in spec)
     if user_dspark is None and not has_seed_keys and not flag_values:
         # Nothing of ours: plain vLLM, arguments untouched.
+        if spec is not None:
+            _check_draft_named(spec, capacity=False)
         argv = list(passthrough)
         if additional:
             argv += [ADDITIONAL_FLAG, orjson.dumps(additional).decode()]
@@ -190,9 +218,11 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
         raise DsparkError("dspark settings need speculative decoding: pass --speculative-config "
                           "'{\"method\": ..., \"model\": ..., \"num_speculative_tokens\": ...}'")
     new_spec = {k: v for k, v in spec.items() if not is_seed_key(k)}
-    _check_method_detection(new_spec)
+    _check_draft_named(new_spec, capacity=settings.active)
     new_additional = {k: v for k, v in additional.items() if k != ADDITIONAL_CONFIG_KEY}
     if settings.active:
+        _check_adaptive_method(new_spec, settings.mode)
+        _check_not_eager(passthrough, settings.mode)
         new_spec["enable_adaptive_verification"] = True
         new_additional[ADDITIONAL_CONFIG_KEY] = settings.to_dict()
     elif settings.record_traces is not None:
@@ -207,13 +237,47 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
                          speculative_config=new_spec, additional_config=new_additional)
 
 
-def _check_draft_named(spec: dict[str, Any]) -> None:
+def _method(spec: dict[str, Any]) -> Any:
+    """The speculative method vLLM will run for ``spec`` where it names one (a model "ngram" implies it)."""
+    method = spec.get("method")
+    if method is None and spec.get("model") in ("ngram", "[ngram]"):
+        return "ngram"
+    return "ngram" if method == "[ngram]" else method
+
+
+def _check_adaptive_method(spec: dict[str, Any], mode: str) -> None:
+    """A capacity mode acts through vLLM's adaptive verification, which some speculators lack
+    (``contract.NON_ADAPTIVE_METHODS``): there it would silently verify every draft."""
+    method = _method(spec)
+    if method in NON_ADAPTIVE_METHODS:
+        raise DsparkError(f"--capacity-mode {mode} with speculative method {method!r}: vLLM {VLLM_VERSION} has no "
+                          f"adaptive verification for it, so nothing would be trimmed; use one of "
+                          f"{', '.join(ADAPTIVE_METHODS)}, or --capacity-mode none")
+
+
+def _check_not_eager(passthrough: list[str], mode: str) -> None:
+    """vLLM 0.33 refuses adaptive verification without full CUDA graphs (VllmConfig._validate_adaptive_verification),
+    which --enforce-eager turns off; said here before any weights load."""
+    eager = False
+    for tok in passthrough:
+        name = _long_flag(tok)
+        if name in ("--enforce-eager", "--no-enforce-eager"):
+            eager = name == "--enforce-eager"  # the last one wins, as in vLLM's parser
+    if eager:
+        raise DsparkError(f"--enforce-eager: vLLM {VLLM_VERSION} runs --capacity-mode {mode} only with full CUDA "
+                          "graphs; drop --enforce-eager, or serve with --capacity-mode none")
+
+
+def _check_draft_named(spec: dict[str, Any], *, capacity: bool) -> None:
     """A draft count with neither a draft nor a method that needs none: vLLM 0.33 takes the method for
-    ``draft_model`` and stops with "num_speculative_tokens was provided but without speculative model"."""
+    ``draft_model`` and stops with "num_speculative_tokens was provided but without speculative model".
+    ``capacity``: a capacity mode is on, which the n-gram and suffix methods cannot serve."""
     if spec.get("num_speculative_tokens") and spec.get("model") is None and spec.get("method") in (None, "draft_model"):
+        # mtp and dspark draft with weights in the target's checkpoint.
+        methods = "mtp, dspark" if capacity else "ngram, suffix, mtp, dspark"
         raise DsparkError("--engine vllm drafts with a draft model: pass --draft PATH (a checkpoint sharing the "
                           "target's tokenizer; --draft auto has a default for smollm2-135m, tiny and random:<shape> "
-                          "only), or name a method that needs none in --speculative-config (ngram, suffix, mtp)")
+                          f"only), or name a method that needs none in --speculative-config ({methods})")
 
 
 def _check_method_detection(spec: dict[str, Any]) -> None:
