@@ -316,9 +316,10 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 # Settings that only matter when verification is capacity-managed: giving one of them without a mode
-# means the user wants capacity management, and the prototype's default mode was varlen.
-_CAPACITY_FLAGS = ("sps_curve", "sps_overhead_ms", "budget_frac", "capacity_policy", "confidence_threshold",
-                   "min_predicted_gain")
+# means the user wants capacity management, and the prototype's default mode was varlen. The vLLM launcher's
+# command-line path applies the same rule (engines.vllm.launcher.IMPLY_VARLEN).
+CAPACITY_FLAGS = ("sps_curve", "sps_overhead_ms", "budget_frac", "capacity_policy", "confidence_threshold",
+                  "min_predicted_gain")
 _CAPACITY_JSON_KEYS = ("dspark_sps_curve", "dspark_sps_overhead_ms", "dspark_budget_frac",
                        "dspark_confidence_threshold", "dspark_min_predicted_gain", "dspark_policy")
 
@@ -398,7 +399,7 @@ def build_settings(flags: dict[str, Any], speculative_config: str | None = None)
     if "confidence_threshold" in from_flags and "capacity_policy" not in from_flags:
         # --confidence-threshold alone selects the threshold policy (or, at 0, the SPS-driven default).
         merged["capacity_policy"] = "threshold" if from_flags["confidence_threshold"] > 0 else "argmax"
-    wants_capacity = any(k in from_flags for k in _CAPACITY_FLAGS) or any(k in obj for k in _CAPACITY_JSON_KEYS)
+    wants_capacity = any(k in from_flags for k in CAPACITY_FLAGS) or any(k in obj for k in _CAPACITY_JSON_KEYS)
     speculative = merged.get("draft", "auto") is not None and merged.get("num_speculative_tokens") != 0
     if "capacity_mode" not in merged and wants_capacity and speculative:
         # Without speculation (-k 0: bench's nospec column, whose server shares the other columns' flags) the
@@ -421,10 +422,38 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
                                       ("--record-traces", s.record_traces is not None)) if on]
         if moot:
             out.append(f"{', '.join(moot)}: no effect without speculation (-k 0 or --draft none)")
-    elif s.capacity_mode == "none" and s.sts is not None:
-        out.append("--sts: no effect with --capacity-mode none, which verifies every draft whatever its "
-                   "confidence (traces record the head's raw confidences)")
+    elif s.capacity_mode == "none":
+        # Traces are left out: the embedded engine records them in mode none (the vLLM launcher refuses them).
+        default = ServeSettings()
+        moot = [flag for flag, on in (
+            ("--sts", s.sts is not None), ("--online-sts", s.online_sts),
+            ("--sps-curve", s.sps_curve is not None or s.sps_curve_points is not None),
+            ("--sps-overhead-ms", s.sps_overhead_ms is not None),
+            ("--capacity-policy", s.capacity_policy != default.capacity_policy),
+            ("--budget-frac", s.budget_frac != default.budget_frac),
+            ("--min-predicted-gain", s.min_predicted_gain != default.min_predicted_gain),
+            ("dspark_confidence_temperature", s.confidence_temperature is not None),
+            *((f"dspark_{name}", getattr(s, name) is not None)
+              for name in ("saturation_patience", "resume_every", "sts_refit_interval", *VLLM_ONLY_FIELDS))) if on]
+        if moot:
+            out.append(capacity_mode_none_warning(moot))
     return out
+
+
+def capacity_mode_none_warning(names: Sequence[str]) -> str:
+    """The warning for capacity settings given with no capacity mode (both engines say it alike)."""
+    return (f"{', '.join(names)}: no effect with --capacity-mode none, which verifies every draft whatever its "
+            "confidence; pass --capacity-mode mask or varlen for it to act")
+
+
+def curve_k_warning(profiled_k: Any, k: int) -> str | None:
+    """The warning for an SPS curve profiled at another draft length than the server drafts (``None``: same K,
+    or the curve does not say)."""
+    if isinstance(profiled_k, int) and not isinstance(profiled_k, bool) and profiled_k != k:
+        # The draft pass's cost grows with K: a curve of another K prices drafting wrongly.
+        return (f"the SPS curve was profiled at k={profiled_k} and this server drafts k={k}; "
+                f"profile it again with `dspark profile-sps ... -k {k}`")
+    return None
 
 
 def _check_consistency(s: ServeSettings) -> None:
@@ -575,11 +604,9 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         if curve_path not in (None, "auto") and k:
             from dspark_cli.core.sps import SpsCurve
 
-            profiled_k = SpsCurve.load(curve_path).meta.get("k")
-            if isinstance(profiled_k, int) and profiled_k != k:
-                # The draft pass's cost grows with K: a curve of another K prices drafting wrongly.
-                warnings.append(f"the SPS curve was profiled at k={profiled_k} and this server drafts k={k}; "
-                                f"profile it again with `dspark profile-sps ... -k {k}`")
+            mismatch = curve_k_warning(SpsCurve.load(curve_path).meta.get("k"), k)
+            if mismatch is not None:
+                warnings.append(mismatch)
         sts_path = s.sts
         sts_label = "online" if s.online_sts else "none"
         if s.sts is not None:

@@ -415,3 +415,75 @@ def test_enforce_eager_is_refused_with_a_capacity_mode() -> None:
     assert plan_vllm_serve(["m", "--speculative-config", spec, "--enforce-eager", "--no-enforce-eager"]).settings
     assert plan_vllm_serve(["m", "--speculative-config", BASE, "--enforce-eager"]).settings is None
 
+
+def _curve(path: Path, k: int | None) -> Path:
+    from dspark_cli.core.sps import SpsCurve
+
+    curve = SpsCurve.from_points([(8, 5.0), (16, 6.0), (32, 8.0)], capture_sizes=[8, 16, 32])
+    if k is not None:
+        curve = SpsCurve.from_dict({**curve.to_dict(), "meta": {**curve.meta, "k": k}}, source=str(path))
+    curve.save(path)
+    return path
+
+
+def test_a_curve_profiled_at_another_k_is_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dspark_cli.serve_config import build_settings
+
+    curve = _curve(tmp_path / "c.json", 4)
+    plan = plan_vllm_serve(["m", "--speculative-config", BASE, "--sps-curve", str(curve)])
+    assert plan.warnings == ["the SPS curve was profiled at k=4 and this server drafts k=7; profile it again with "
+                             "`dspark profile-sps ... -k 7`"]
+    assert plan_vllm_serve(["m", "--speculative-config", _spec(num_speculative_tokens=4),
+                            "--sps-curve", str(curve)]).warnings == []
+    assert plan_vllm_serve(["m", "--speculative-config", BASE,
+                            "--sps-curve", str(_curve(tmp_path / "n.json", None))]).warnings == []
+    settings = build_settings({"engine": "vllm", "model": "m", "sps_curve": str(curve), "capacity_mode": "varlen"},
+                              BASE)
+    assert run_vllm_serve(settings, [], dry_run=True) == 0
+    assert "warning: the SPS curve was profiled at k=4 and this server drafts k=7" in capsys.readouterr().err
+
+
+def test_settings_for_a_capacity_mode_without_one_warn_alike_on_both_vllm_paths(tmp_path: Path) -> None:
+    """`--online-sts` (or STS, saturation ...) with no capacity mode: the plugin stays inert on either path, which
+    both say in the embedded engine's words; neither switches a mode on. Only settings that a mode alone reads
+    (a curve, a budget, a policy ...) imply varlen, as `dspark serve` decides."""
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import app
+    from dspark_cli.serve_config import build_settings, capacity_mode_none_warning, ineffective_settings
+
+    warning = capacity_mode_none_warning(["--online-sts"])
+    spec = {"model": "/ckpt/d", "num_speculative_tokens": 7}
+    raw = [plan_vllm_serve(["/ckpt/t", "-sc", json.dumps(spec), "--online-sts"]),
+           plan_vllm_serve(["/ckpt/t", "-sc", json.dumps({**spec, "dspark_online_sts": True})])]
+    for plan in raw:
+        assert plan.settings is None and plan.warnings == [warning]
+        assert "--additional-config" not in plan.argv and _flag(plan.argv, "-sc") == spec
+    result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t",
+                                      "--draft", "/ckpt/d", "-k", "7", "--online-sts"])
+    assert result.exit_code == 0, result.output
+    assert f"warning: {warning}" in " ".join(result.stderr.split())
+    cmd = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert "--additional-config" not in cmd and _flag(cmd, "--speculative-config") == spec
+    # the embedded engine: the same sentence
+    assert ineffective_settings(build_settings({"online_sts": True})) == [warning]
+    # a curve alone still picks varlen on both paths
+    assert plan_vllm_serve(["/ckpt/t", "-sc", json.dumps(spec), "--sps-curve", "auto"]).settings.mode == "varlen"
+    assert build_settings({"engine": "vllm", "sps_curve": "auto"}, json.dumps(spec)).capacity_mode == "varlen"
+
+
+def test_traces_without_a_capacity_mode_are_refused_on_both_vllm_paths(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import app
+
+    traces = str(tmp_path / "t.jsonl")
+    with pytest.raises(DsparkError, match="--record-traces needs a capacity mode"):
+        plan_vllm_serve(["m", "--speculative-config", _spec(model="/ckpt/d"), "--record-traces", traces])
+    result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t",
+                                      "--draft", "/ckpt/d", "-k", "7", "--record-traces", traces])
+    assert isinstance(result.exception, DsparkError) and "--record-traces needs a capacity mode" in str(result.exception)
+    # no speculation (bench's nospec column): moot, said by the CLI, nothing refused
+    nospec = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t",
+                                      "-k", "0", "--record-traces", traces])
+    assert nospec.exit_code == 0, nospec.output

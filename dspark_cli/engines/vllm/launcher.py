@@ -9,6 +9,11 @@ The user keeps writing the seed's flags. What changes on the way to vLLM 0.33:
 * ``enable_adaptive_verification: true`` is set, so the runner creates a manager -- ours, via the plugin;
 * every other argument is passed through untouched, in order.
 
+The capacity mode is decided as ``dspark serve`` decides it: the mode given, else ``varlen`` when a setting
+that only a capacity mode reads is given (a curve, a budget, a policy or threshold, a minimum gain), else
+``none``. In mode ``none`` the plugin stays inert, so settings given for a mode are named in a warning,
+and ``--record-traces`` is refused (under vLLM the dspark manager records them).
+
 With no dspark setting at all the command is ``vllm serve`` with the arguments unchanged (the seed's
 "no capacity" column). ``--dry-run`` prints the exact shell-quoted command instead of running it.
 """
@@ -44,7 +49,7 @@ from dspark_cli.engines.vllm.contract import (
 )
 from dspark_cli.engines.vllm.models import VllmModels, describe, method_marker, vllm_models
 from dspark_cli.errors import DsparkError
-from dspark_cli.serve_config import flag_value
+from dspark_cli.serve_config import CAPACITY_FLAGS, capacity_mode_none_warning, curve_k_warning, flag_value
 
 SPEC_FLAGS = ("--speculative-config", "-sc")
 ADDITIONAL_FLAG = "--additional-config"
@@ -68,6 +73,11 @@ DSPARK_FLAGS: dict[str, tuple[str, str]] = {
     "--confidence-temperature": ("confidence_temperature", "float"),
     "--record-traces": ("record_traces", "str"),
 }
+# The settings fields whose presence picks varlen when no mode is given: serve_config.CAPACITY_FLAGS, by the
+# field each of those flags sets here.
+IMPLY_VARLEN = tuple(DSPARK_FLAGS["--" + name.replace("_", "-")][0] for name in CAPACITY_FLAGS)
+# How a settings field is named in a warning: its flag, or the seed's key for the fields without one.
+_FIELD_FLAGS = {field_name: flag for flag, (field_name, kind) in DSPARK_FLAGS.items() if kind != "nobool"}
 
 
 @dataclass
@@ -78,6 +88,7 @@ class VllmServePlan:
     settings: DsparkVllmSettings | None  # None: plain vLLM, the plugin stays inert
     speculative_config: dict[str, Any] | None = None
     additional_config: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # settings that will not act, said before vLLM starts
 
     def command(self, executable: list[str] | None = None) -> list[str]:
         return [*(executable or ["vllm"]), "serve", *self.argv]
@@ -208,11 +219,16 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     if flag_values.get("mode") == "compact":
         flag_values["mode"] = "varlen"
     fields_.update(flag_values)
+    if "mode" not in fields_:
+        fields_["mode"] = "varlen" if any(name in fields_ for name in IMPLY_VARLEN) else "none"
     if "sps_curve" in fields_ and fields_["sps_curve"] == "auto":
         fields_["sps_curve"] = None
     settings = DsparkVllmSettings.from_dict(fields_, where="dspark settings")
-    k = None if spec is None else spec.get("num_speculative_tokens")
-    settings = resolve_paths(settings, cwd, num_positions=k if isinstance(k, int) and not isinstance(k, bool) else None)
+    draft_len = None if spec is None else spec.get("num_speculative_tokens")
+    draft_len = draft_len if isinstance(draft_len, int) and not isinstance(draft_len, bool) else None
+    settings = resolve_paths(settings, cwd, num_positions=draft_len)
+    default = DsparkVllmSettings()
+    given = [name for name in fields_ if name != "mode" and getattr(settings, name) != getattr(default, name)]
 
     if spec is None:
         raise DsparkError("dspark settings need speculative decoding: pass --speculative-config "
@@ -220,21 +236,38 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     new_spec = {k: v for k, v in spec.items() if not is_seed_key(k)}
     _check_draft_named(new_spec, capacity=settings.active)
     new_additional = {k: v for k, v in additional.items() if k != ADDITIONAL_CONFIG_KEY}
+    warnings: list[str] = []
     if settings.active:
         _check_adaptive_method(new_spec, settings.mode)
         _check_not_eager(passthrough, settings.mode)
+        mismatch = None if draft_len is None else curve_k_warning(_curve_k(settings.sps_curve), draft_len)
+        warnings += [mismatch] if mismatch is not None else []
         new_spec["enable_adaptive_verification"] = True
         new_additional[ADDITIONAL_CONFIG_KEY] = settings.to_dict()
     elif settings.record_traces is not None:
         raise DsparkError("--record-traces needs a capacity mode (mask or varlen) under vLLM: the traces are "
                           "recorded by the dspark manager")
+    elif given:
+        warnings.append(capacity_mode_none_warning(
+            [_FIELD_FLAGS.get(name, f"dspark_{name}") for name in given]))
     assert spec_pos is not None
     passthrough[spec_pos] = orjson.dumps(new_spec).decode()
     argv = list(passthrough)
     if new_additional:
         argv += [ADDITIONAL_FLAG, orjson.dumps(new_additional).decode()]
     return VllmServePlan(argv=argv, settings=settings if settings.active else None,
-                         speculative_config=new_spec, additional_config=new_additional)
+                         speculative_config=new_spec, additional_config=new_additional, warnings=warnings)
+
+
+def _curve_k(curve: str | list[Any] | dict[str, Any] | None) -> Any:
+    """The draft length a curve was profiled at (its ``meta.k``), if it says."""
+    from dspark_cli.core.sps import SpsCurve
+
+    if isinstance(curve, str):
+        return SpsCurve.load(curve).meta.get("k")
+    if isinstance(curve, dict):
+        return SpsCurve.from_dict(curve, source="dspark_sps_curve").meta.get("k")
+    return None  # an inline seed list carries no metadata; None: vLLM's start-up profile, at the served K
 
 
 def _method(spec: dict[str, Any]) -> Any:
@@ -337,6 +370,10 @@ def argv_from_serve_settings(settings: Any, extra: list[str], models: VllmModels
         spec["method"] = settings.method
     if settings.capacity_mode != "none":
         spec.update(settings.dspark_keys())
+    elif settings.record_traces is not None:
+        # Handed on with mode none, so that the command-line path's refusal (the plugin stays inert in mode none,
+        # and records no traces) is this path's too; the CLI warns about the other settings mode none ignores.
+        spec.update(dspark_capacity_verification_mode="none", dspark_record_traces=settings.record_traces)
     if settings.num_speculative_tokens == 0:
         # No speculation (the bench's nospec column): vLLM takes no speculative config for it, and refuses one
         # of 0 tokens (SpeculativeConfig.num_speculative_tokens > 0).
@@ -370,6 +407,8 @@ def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool =
     elif extra:
         args = [*args, *extra]
     plan = plan_vllm_serve(list(args))
+    for warning in plan.warnings:
+        sys.stderr.write(f"warning: {warning}\n")
     if dry_run:
         sys.stdout.write(shlex.join(plan.command()) + "\n")
         sys.stdout.flush()
