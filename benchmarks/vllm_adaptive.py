@@ -487,6 +487,9 @@ def config_specs(base_spec: dict, ours: dict, lossless: bool = False) -> dict[st
         # default since its greedy outputs matched no speculation's on the H200, docs/PERFORMANCE.md section 34)
         "varlen-plain": {**varlen, "dspark_plain_paused_steps": True},
         "varlen-placeholders": {**varlen, "dspark_plain_paused_steps": False},  # the default path, whatever --dspark
+        # while paused, prompt chunks' draft passes deferred to the catch-ups too (draft_defer_prompts; served
+        # without prefix caching, as the matrices are): where section 34's 16-request loss is thought to sit
+        "varlen-defer": {**varlen, "dspark_draft_defer_prompts": True},
         # For the lossless check with real weights: verification forced on (a survival threshold instead of the
         # curve, no saturation), and the same with the policy pausing and probing often (patience 1, a probe
         # every 2 paused steps, backing off): its probes draft right after a catch-up, so their acceptance
@@ -522,8 +525,9 @@ def main() -> int:
     ap.add_argument("--load-format", default=None, help="e.g. dummy (real step costs, no weights)")
     ap.add_argument("--configs", default="upstream,varlen,mask",
                     help="comma list of nospec, all, upstream, varlen, mask, varlen-nosat, varlen-nosts, "
-                         "varlen-startup, varlen-current, varlen-plain, varlen-placeholders; for --lossless also varlen-verify, "
-                         "varlen-cycle, varlen-cycle-current, varlen-cycle-plain, mask-plain")
+                         "varlen-startup, varlen-current, varlen-plain, varlen-placeholders, varlen-defer; for "
+                         "--lossless also varlen-verify, varlen-cycle, varlen-cycle-current, varlen-cycle-plain, "
+                         "mask-plain")
     ap.add_argument("--client", choices=("dspark", "vllm"), default="dspark",
                     help="dspark bench --base-url (one summary table in OUT/bench) or vllm bench serve")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the bench requests")

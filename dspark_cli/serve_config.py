@@ -70,11 +70,12 @@ DSPARK_KEYS = (
     "dspark_saturation_patience",
     "dspark_resume_every",
     "dspark_sts_refit_interval",
-    *(f"dspark_{name}" for name in ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps")),
+    *(f"dspark_{name}" for name in ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps",
+                                    "draft_defer_prompts")),
 )
 # Settings of the vLLM plugin alone: how a paused vLLM server keeps its draft and schedules its steps
 # (engines.vllm.config says what each does). The embedded engine's paused step is a plain step already.
-VLLM_ONLY_FIELDS = ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps")
+VLLM_ONLY_FIELDS = ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps", "draft_defer_prompts")
 # Keys of vLLM's own SpeculativeConfig that this module reads; the rest are vLLM engine details that the
 # embedded engine has no use for (attention_backend, draft_sample_method, ...).
 _SPEC_KEYS_READ = ("model", "num_speculative_tokens", "method")
@@ -113,6 +114,7 @@ class ServeSettings:
     draft_catchup_tokens: int | None = None  # vLLM engine only (VLLM_ONLY_FIELDS)
     mask_paused_compact: bool | None = None  # vLLM engine only
     plain_paused_steps: bool | None = None  # vLLM engine only
+    draft_defer_prompts: bool | None = None  # vLLM engine only
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     scheduler_delay_factor: float | None = None  # embedded engine only (EngineConfig)
@@ -309,7 +311,7 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
     if "dspark_draft_catchup_tokens" in obj:
         out["draft_catchup_tokens"] = _as_int(f"{w} dspark_draft_catchup_tokens", obj["dspark_draft_catchup_tokens"],
                                               minimum=0)
-    for name in ("mask_paused_compact", "plain_paused_steps"):
+    for name in ("mask_paused_compact", "plain_paused_steps", "draft_defer_prompts"):
         if f"dspark_{name}" in obj:
             out[name] = _as_bool(f"{w} dspark_{name}", obj[f"dspark_{name}"])
     return out

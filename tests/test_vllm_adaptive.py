@@ -247,6 +247,7 @@ def test_config_specs_keep_each_configs_own_settings_over_the_shared_ones() -> N
     assert specs["nospec"] is None and specs["all"] == base
     assert specs["varlen"]["dspark_plain_paused_steps"] is True and specs["varlen"]["dspark_online_sts"] is True
     assert specs["varlen-placeholders"]["dspark_plain_paused_steps"] is False
+    assert specs["varlen-defer"]["dspark_draft_defer_prompts"] is True
     assert "dspark_online_sts" not in specs["all"] and specs["varlen-nosts"]["dspark_online_sts"] is False
     assert all("dspark_budget_frac" not in s for s in specs.values() if s)
     checked = adaptive.config_specs(base, {"online_sts": True}, lossless=True)

@@ -287,13 +287,13 @@ def test_the_plugins_own_settings_travel_from_dspark_serve_too(capsys: pytest.Ca
     workers as the raw vLLM path's do; the embedded engine refuses them by name."""
     serve_config = pytest.importorskip("dspark_cli.serve_config")
     spec = _spec(dspark_capacity_verification_mode="varlen", dspark_plain_paused_steps=False,
-                 dspark_mask_paused_compact=False, dspark_draft_catchup_tokens=512)
+                 dspark_mask_paused_compact=False, dspark_draft_catchup_tokens=512, dspark_draft_defer_prompts=True)
     settings = serve_config.build_settings({"engine": "vllm", "model": "m"}, spec)
     assert run_vllm_serve(settings, [], dry_run=True) == 0
     dspark = _flag(shlex.split(capsys.readouterr().out), "--additional-config")["dspark"]
-    assert (dspark["plain_paused_steps"], dspark["mask_paused_compact"], dspark["draft_catchup_tokens"]) == (
-        False, False, 512)
-    with pytest.raises(DsparkError, match="dspark_plain_paused_steps: a setting of the vLLM plugin"):
+    assert (dspark["plain_paused_steps"], dspark["mask_paused_compact"], dspark["draft_catchup_tokens"],
+            dspark["draft_defer_prompts"]) == (False, False, 512, True)
+    with pytest.raises(DsparkError, match="dspark_plain_paused_steps, dspark_draft_defer_prompts: a setting of the vLLM"):
         serve_config.build_settings({"model": "m"}, spec)
     with pytest.raises(DsparkError, match="dspark_plain_paused_steps: expected true or false"):
         serve_config.build_settings({"engine": "vllm"}, _spec(dspark_plain_paused_steps="yes"))

@@ -813,3 +813,21 @@ def test_varlen_falls_back_to_mask_with_one_line_instead_of_refusing(
         assert "FLASHINFER" in falls[0]
     if blocker in ("graphs", "extra"):
         assert "cannot replay varlen decode graphs of up to 5 tokens" in falls[0]
+
+
+def test_prompts_are_deferred_only_where_asked_and_without_prefix_caching(manager_cls, caplog) -> None:
+    """draft_defer_prompts: a paused step's prompt chunks wait for the catch-up too, but only where vLLM's prefix
+    cache is off -- with it, another request could reuse a deferred prompt's blocks before they are written."""
+    spec = types.SimpleNamespace(max_num_tokens=256, max_num_reqs=8, dcp_size=1)
+    cases = ((False, False, False), (True, False, True), (True, True, False))
+    for asked, prefix_caching, deferred in cases:
+        m = _make(manager_cls, "varlen", draft_defer_prompts=asked)
+        m._pause_supported = True
+        m.vllm_config.cache_config = types.SimpleNamespace(enable_prefix_caching=prefix_caching)
+        with caplog.at_level(logging.INFO, logger="vllm.dspark"):
+            caplog.clear()
+            m._set_up_upkeep(spec, standalone=True)
+        assert m._upkeep is not None and m._upkeep.defer_prompts is deferred, (asked, prefix_caching)
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert ("draft_defer_prompts needs --no-enable-prefix-caching" in said) is (asked and prefix_caching)
+        assert ("(prompt chunks too)" in said) is deferred

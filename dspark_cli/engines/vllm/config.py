@@ -40,6 +40,7 @@ SEED_KEYS: dict[str, str] = {
     "dspark_draft_catchup_tokens": "draft_catchup_tokens",
     "dspark_mask_paused_compact": "mask_paused_compact",
     "dspark_plain_paused_steps": "plain_paused_steps",
+    "dspark_draft_defer_prompts": "draft_defer_prompts",
 }
 
 
@@ -85,6 +86,11 @@ class DsparkVllmSettings:
     # run had served garbage: the plain step built attention metadata for one-token queries under a graph
     # captured for 1 + K (section 33), which plugin.bound_query_len fixed.
     plain_paused_steps: bool = True
+    # While paused, a step that carries a prompt chunk defers the draft's pass over it as well, so the draft runs
+    # only at budgeted catch-ups and on resume (engines.vllm.upkeep). Only without prefix caching, where a
+    # deferred prompt's blocks cannot be reused before they are written. Off until it is served on the H200:
+    # section 34 of docs/PERFORMANCE.md put a paused server's 16-request loss in the steps that run the draft.
+    draft_defer_prompts: bool = False
 
     def __post_init__(self) -> None:
         w = f"--additional-config {ADDITIONAL_CONFIG_KEY}"
@@ -101,7 +107,7 @@ class DsparkVllmSettings:
             _number(f"{w}.overhead_ms", self.overhead_ms, 0.0, math.inf)
         if self.confidence_temperature is not None:
             _number(f"{w}.confidence_temperature", self.confidence_temperature, 0.0, math.inf, lo_open=True)
-        for name in ("online_sts", "mask_paused_compact", "plain_paused_steps"):
+        for name in ("online_sts", "mask_paused_compact", "plain_paused_steps", "draft_defer_prompts"):
             if not isinstance(getattr(self, name), bool):
                 raise DsparkError(f"{w}.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.policy == "threshold" and self.threshold <= 0:

@@ -863,11 +863,17 @@ def build_manager_class(base: type) -> type:
                 logger.info("dspark: max_num_batched_tokens %d leaves no catch-up budget over %d requests: the "
                             "draft's K/V is kept current while paused", spec.max_num_tokens, spec.max_num_reqs)
                 return
-            self._upkeep = DraftUpkeep(self.req_states.max_num_reqs, budget)
+            defer = self.settings.draft_defer_prompts
+            if defer and getattr(self.vllm_config.cache_config, "enable_prefix_caching", True):
+                # a deferred prompt's blocks could serve another request's prefix before they are written
+                logger.info("dspark: prefix caching is on, so prompt chunks keep their draft pass while paused "
+                            "(draft_defer_prompts needs --no-enable-prefix-caching)")
+                defer = False
+            self._upkeep = DraftUpkeep(self.req_states.max_num_reqs, budget, defer_prompts=defer)
             self._catchup_buffers = CatchupBuffers.allocate(budget + int(spec.max_num_tokens),
                                                             self.req_states.max_num_reqs, self.req_states.device)
-            logger.info("dspark: while paused, the draft skips its K/V pass and catches up every %d pending "
-                        "tokens or on resume", budget)
+            logger.info("dspark: while paused, the draft skips its K/V pass%s and catches up every %d pending "
+                        "tokens or on resume", " (prompt chunks too)" if defer else "", budget)
 
         def set_placeholder_dropper(self, drop: Callable[[], bool]) -> None:
             """``plain_paused_steps``: ``drop()`` empties the placeholder drafts of the step being sampled, in
@@ -936,6 +942,7 @@ def build_manager_class(base: type) -> type:
             u = self._upkeep
             upkeep = ("kept current" if u is None else
                       f"skipped on {u.skipped_steps} steps, {u.catchups} catch-ups of {u.caught_up_tokens} tokens"
+                      + (f" ({u.deferred_prompt_tokens} of prompts deferred)" if u.defer_prompts else "")
                       + (f", {u.truncated} truncated" if u.truncated else ""))
             last = "none" if c.last_probe is None else c.last_probe.describe()
             logger.info("dspark: saturation: drafting %d / paused %d decisions (%d left the next step plain); "
