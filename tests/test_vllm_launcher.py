@@ -487,3 +487,16 @@ def test_traces_without_a_capacity_mode_are_refused_on_both_vllm_paths(tmp_path:
     nospec = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t",
                                       "-k", "0", "--record-traces", traces])
     assert nospec.exit_code == 0, nospec.output
+
+
+def test_profile_sps_says_the_launchers_warnings_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """profile-sps --engine vllm plans its server as dspark serve does, warnings included: online STS with no
+    capacity mode is said before vLLM starts, not dropped."""
+    from dspark_cli.engines.vllm.profile import run_vllm_profile
+    from dspark_cli.serve_config import capacity_mode_none_warning
+
+    spec = {"model": "/ckpt/d", "num_speculative_tokens": 7}
+    assert run_vllm_profile(["/ckpt/t", "-sc", json.dumps(spec), "--online-sts"], dry_run=True) == 0
+    out = capsys.readouterr()
+    assert f"warning: {capacity_mode_none_warning(['--online-sts'])}" in out.err
+    assert "--additional-config" not in out.out

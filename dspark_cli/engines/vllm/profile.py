@@ -54,6 +54,11 @@ def build_profile_command(argv: list[str]) -> list[str]:
 
     Engine flags are translated exactly as ``dspark serve --engine vllm`` translates them.
     """
+    return _profile_plan(argv)[0]
+
+
+def _profile_plan(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The profiler command and the launcher's warnings about its settings (those that will not act)."""
     ours, rest = _split(list(argv))
     if not rest or rest[0].startswith("-"):
         raise DsparkError("profile-sps --engine vllm needs the model first, as vllm serve does: "
@@ -62,11 +67,13 @@ def build_profile_command(argv: list[str]) -> list[str]:
     out = ["python3", "-m", MODULE, *plan.argv]
     for flag, default in PROFILE_FLAGS.items():
         out += [flag, ours.get(flag, default)]
-    return out
+    return out, plan.warnings
 
 
 def run_vllm_profile(argv: list[str], *, dry_run: bool) -> int:
-    cmd = build_profile_command(argv)
+    cmd, warnings = _profile_plan(argv)
+    for warning in warnings:  # as dspark serve --engine vllm says them, before vLLM starts
+        sys.stderr.write(f"warning: {warning}\n")
     if dry_run:
         sys.stdout.write(shlex.join(cmd) + "\n")
         return 0
