@@ -86,22 +86,20 @@ class DraftUpkeep:
         """Whether a paused pure-decode step over ``slots`` can defer its tokens within the budget."""
         return int(self.pending[slots].sum()) + len(slots) <= self.budget
 
-    def skip(self, slots: np.ndarray, tokens: np.ndarray | None = None) -> None:
-        """The step's draft pass is skipped: each request owes its ``tokens`` (default one each) more."""
-        if tokens is None:
-            self.pending[slots] += 1
-        else:
-            self.pending[slots] += tokens
+    def skip(self, slots: np.ndarray, tokens: np.ndarray | int = 1) -> None:
+        """The step's draft pass is skipped: each request owes its ``tokens`` (one each: a decode step) more."""
+        self.pending[slots] += tokens
+        if not isinstance(tokens, int):
             self.deferred_prompt_tokens += int(tokens.sum()) - len(slots)
         self.skipped_steps += 1
 
-    def deferrable(self, batch: Any, slots: np.ndarray) -> np.ndarray | None:
+    def deferrable(self, batch: Any, slots: np.ndarray) -> np.ndarray | int | None:
         """The tokens each request of a paused step may defer (None: the step runs the draft's pass).
 
-        A pure decode step defers one token per request; with ``defer_prompts`` a step that carries a prompt
-        chunk and verifies no drafts defers each row's whole query. Either within the budget."""
+        A pure decode step defers one token per request (``1``); with ``defer_prompts`` a step that carries a
+        prompt chunk and verifies no drafts defers each row's whole query. Either within the budget."""
         if self.pure_decode(batch):
-            return np.ones(len(slots), dtype=np.int64) if self.may_skip(slots) else None
+            return 1 if self.may_skip(slots) else None
         if not self.defer_prompts or int(batch.num_draft_tokens or 0) != 0:
             return None
         if int(self.pending[slots].sum()) + int(batch.num_tokens) > self.budget:
