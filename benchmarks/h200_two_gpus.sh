@@ -189,13 +189,16 @@ print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x)))" "$ROOT/v
 # servers get a fixed KV cache (REAL_KV_GIB, default 2: ~90k tokens of target KV, where the check needs a few
 # thousand) and start together: in a row they took 7 of a sitting's 30 minutes (2026-12-03). Should a config
 # fail to serve that way (exit 1; 3 is an output that differs), the check runs again with the servers in a row.
+# REAL_PREFIX_CACHING=off serves the check without vLLM's prefix cache, which draft_defer_prompts needs: with
+# REAL_SMOKE_CONFIGS=nospec,varlen-cycle-plain,varlen-cycle-defer the check's defer A/B then says whether a draft
+# whose prompts waited for the catch-ups drafts as well as one that wrote them (exit 4 where it clearly does not).
 real_smoke() {
   local configs=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle-plain,mask-plain} kv=${REAL_KV_GIB-2} rc=0
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
-  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB=$kv \
+  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB=$kv PREFIX_CACHING=${REAL_PREFIX_CACHING-} \
     stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real || rc=$?
   [[ $rc == 1 && -n $kv ]] || return $rc
-  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB= \
+  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB= PREFIX_CACHING=${REAL_PREFIX_CACHING-} \
     stage "lossless, real weights, in a row" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
 }
 

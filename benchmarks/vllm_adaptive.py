@@ -51,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import shlex
 import signal
 import socket
@@ -76,6 +78,7 @@ from dspark_cli.bench.metrics import SpecDecodeCounters, counter_delta  # noqa: 
 from dspark_cli.bench.report import numbers, paired_delta_of  # noqa: E402
 from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET  # noqa: E402
 from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
+from dspark_cli.engines.vllm.manager import REPORT_EVERY_S  # noqa: E402
 
 ACTIVE_LINE = "dspark: adaptive verification by dspark"
 # --compilation: every server of a run gets the same. piecewise is `vllm serve`'s own default and the one issue 6
@@ -182,13 +185,18 @@ def _acceptance(port: int) -> dict | None:
     return None if stats is None else stats.to_dict()
 
 
+SMOKE_STAGGER_S = 0.03  # request i of the concurrent smoke is sent i x this after the first
+
+
 def _concurrent_smoke(port: int, model: str, n: int) -> dict:
-    """N requests at once with staggered lengths, so requests arrive, pause, resume and end mid-batch (steps that
-    mix prompt chunks with decoding rows): every one must come back complete. Outputs are not compared -- batch
-    composition changes a real model's numerics -- only served."""
+    """N requests of staggered lengths, request i sent ``i x SMOKE_STAGGER_S`` after the first, so that prompts
+    arrive while the others decode (and, where the policy pauses, while it is paused) and requests end mid-batch
+    (steps that mix prompt chunks with decoding rows): every one must come back complete. Outputs are not compared
+    -- batch composition changes a real model's numerics -- only served."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> int:
+        time.sleep(i * SMOKE_STAGGER_S)
         body = {"model": model, "prompt": [1 + (53 * i + 7 * j) % 900 for j in range(8 + 5 * i)],
                 "max_tokens": 16 + 9 * i, "temperature": 0.0, "ignore_eos": True}
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
@@ -202,6 +210,41 @@ def _concurrent_smoke(port: int, model: str, n: int) -> dict:
 
 
 UPKEEP_LINE = "draft K/V while paused:"  # the manager's periodic saturation log line (engines/vllm/manager.py)
+DEFERRED_RE = re.compile(r"\((\d+) of prompts deferred\)")  # the same line's draft_defer_prompts count
+# The draft_defer_prompts A/B of the lossless check: the same pausing config without and with deferred prompts.
+DEFER_AB = ("varlen-cycle-plain", "varlen-cycle-defer")
+DEFER_AB_MIN_DRAFTS = 30  # drafted request-steps each config needs before the A/B says anything
+DEFER_AB_Z = 3.0  # one-sided: first-position acceptance this many standard errors lower fails the A/B
+
+
+def defer_ab(served: dict[str, dict]) -> dict | None:
+    """Whether a draft whose prompts were deferred to the catch-ups drafts as well as one that wrote them as they
+    came (``DEFER_AB``; None where the check served neither). Compared: the first draft position's acceptance over
+    every drafted request-step of the greedy requests and the concurrent smoke, a binomial share per config. A
+    catch-up that missed a deferred prompt leaves the draft without its context, which lowers exactly that.
+
+    Verdicts: ``same`` (not lower by ``DEFER_AB_Z`` standard errors), ``lower``, ``too few drafts`` (under
+    ``DEFER_AB_MIN_DRAFTS`` drafted request-steps in a config: probes are rationed by the probe tax), ``not
+    exercised`` (the deferring server deferred no prompt token: prefix caching was on, or no prompt came while
+    paused)."""
+    if not all(name in served for name in DEFER_AB):
+        return None
+    side = {}
+    for name in DEFER_AB:
+        acc = served[name].get("acceptance_all") or served[name].get("acceptance") or {}
+        per_pos = acc.get("per_position_acceptance") or []
+        side[name] = {"drafts": int(acc.get("num_drafts") or 0), "first": per_pos[0] if per_pos else None}
+    (a, b), deferred = (side[n] for n in DEFER_AB), served[DEFER_AB[1]].get("deferred_prompt_tokens")
+    out = {"configs": list(DEFER_AB), "drafts": [a["drafts"], b["drafts"]], "first_position": [a["first"], b["first"]],
+           "deferred_prompt_tokens": deferred, "z": None}
+    if not deferred:
+        return {**out, "verdict": "not exercised"}
+    if min(a["drafts"], b["drafts"]) < DEFER_AB_MIN_DRAFTS or a["first"] is None or b["first"] is None:
+        return {**out, "verdict": "too few drafts"}
+    pooled = (a["first"] * a["drafts"] + b["first"] * b["drafts"]) / (a["drafts"] + b["drafts"])
+    se = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / a["drafts"] + 1 / b["drafts"]))
+    z = (b["first"] - a["first"]) / se
+    return {**out, "z": round(z, 2), "verdict": "lower" if z < -DEFER_AB_Z else "same"}
 
 
 def _tail_agreement(tail: list[int] | str, ref: list[int] | str) -> str:
@@ -241,7 +284,15 @@ def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], o
             print(f"{'':14} {upkeep}")
         if "tail" in table[name]:
             print(f"{'':14} tail request (up to max_model_len, not in the verdict): {table[name]['tail']}")
+    ab = defer_ab(served)
+    if ab is not None:
+        rates = "/".join("-" if r is None else f"{r:.3f}" for r in ab["first_position"])
+        print(f"draft_defer_prompts A/B ({' vs '.join(ab['configs'])}): first-position acceptance {rates} over "
+              f"{ab['drafts'][0]}/{ab['drafts'][1]} drafted request-steps, {ab['deferred_prompt_tokens'] or 0} "
+              f"prompt tokens deferred" + (f", z {ab['z']:+.2f}" if ab["z"] is not None else "")
+              + f": {ab['verdict']}")
     (out / "lossless.json").write_text(json.dumps({"outputs": outputs, "tails": tails, "summary": table,
+                                                    "defer_ab": ab,
                                                     "errors": [r for r in results if "error" in r]}, indent=1))
     if any(v.get("smoke") and v["smoke"]["complete"] != v["smoke"]["requests"] for v in table.values()):
         print("lossless greedy: FAILED (a concurrent request came back short)")
@@ -251,7 +302,9 @@ def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], o
         return 1
     ok = ref is not None and all(v["identical_to_nospec"] == v["prompts"] for v in table.values())
     print("lossless greedy: " + ("OK" if ok else "FAILED (outputs differ)"))
-    return 0 if ok else 3  # 3: every config served, some output differs from nospec's
+    if not ok:
+        return 3  # 3: every config served, some output differs from nospec's
+    return 4 if ab is not None and ab["verdict"] == "lower" else 0  # 4: a deferred prompt's draft drafts worse
 
 
 KV_LINE = "KV cache size:"  # vLLM's log line once a server has sized its KV cache (allocation follows)
@@ -503,6 +556,9 @@ def config_specs(base_spec: dict, ours: dict, lossless: bool = False) -> dict[st
     # the lossless check of plain_paused_steps: pausing and probing often, every paused step's successor plain
     specs["varlen-cycle-plain"] = {**specs["varlen-cycle"], "dspark_plain_paused_steps": True}
     specs["mask-plain"] = {**specs["mask"], "dspark_plain_paused_steps": True}
+    # ... and with draft_defer_prompts: the same, whose prompts arriving while paused wait for the catch-ups
+    # (served without prefix caching, --prefix-caching off; the check's defer A/B compares it with the above)
+    specs["varlen-cycle-defer"] = {**specs["varlen-cycle-plain"], "dspark_draft_defer_prompts": True}
     if lossless:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
         # nothing about its padding path: a budget cap makes every mask config prune.
@@ -527,7 +583,7 @@ def main() -> int:
                     help="comma list of nospec, all, upstream, varlen, mask, varlen-nosat, varlen-nosts, "
                          "varlen-startup, varlen-current, varlen-plain, varlen-placeholders, varlen-defer; for "
                          "--lossless also varlen-verify, varlen-cycle, varlen-cycle-current, varlen-cycle-plain, "
-                         "mask-plain")
+                         "varlen-cycle-defer, mask-plain")
     ap.add_argument("--client", choices=("dspark", "vllm"), default="dspark",
                     help="dspark bench --base-url (one summary table in OUT/bench) or vllm bench serve")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the bench requests")
@@ -579,6 +635,10 @@ def main() -> int:
     ap.add_argument("--lossless-text", action="store_true",
                     help="with --lossless: text questions (real weights: drafts the check verifies are accepted) "
                          "instead of token-id prompts")
+    ap.add_argument("--prefix-caching", choices=("auto", "on", "off"), default="auto",
+                    help="vLLM's prefix cache: auto (default) keeps it for --lossless and turns it off for "
+                         "benchmarks (equal work per cell); off for the lossless check's draft_defer_prompts A/B "
+                         "(varlen-cycle-plain against varlen-cycle-defer), which needs it off")
     ap.add_argument("--smoke", type=int, default=0, metavar="N",
                     help="with --lossless: then N concurrent requests of staggered lengths per config, each of "
                          "which must come back complete (served, not compared)")
@@ -606,11 +666,12 @@ def main() -> int:
               "--no-enable-flashinfer-autotune"]
     if args.load_format:
         engine += ["--load-format", args.load_format]
-    if not args.lossless:
+    if args.prefix_caching == "off" or (args.prefix_caching == "auto" and not args.lossless):
         # Equal work per cell: the cells of every concurrency (and the warm-up, before it marked its prompts) send
         # the same prompts, and vLLM's prefix cache kept more or less of them by server and round. On the H200
         # that swung 256-request cells of paused and no-speculation servers by 16-45% (docs/PERFORMANCE.md
-        # section 28). The lossless check keeps the cache: there it is one more path the outputs must survive.
+        # section 28). The lossless check keeps the cache (auto): there it is one more path the outputs must
+        # survive; draft_defer_prompts works only without it (its A/B: --prefix-caching off).
         engine += ["--no-enable-prefix-caching"]
     if args.api_servers < 1:
         ap.error("--api-servers must be >= 1")
@@ -690,9 +751,17 @@ def main() -> int:
             info: dict = {"acceptance": _acceptance(srv.port)}  # of the sequential greedy requests
             if args.smoke:
                 info["smoke"] = _concurrent_smoke(srv.port, args.model, args.smoke)
+                info["acceptance_all"] = _acceptance(srv.port)  # the greedy requests and the smoke's
+            if srv.name == DEFER_AB[1]:
+                # The policy's log line comes on a step at most every REPORT_EVERY_S: one more request after
+                # that long, so the line read below counts every prompt the check deferred.
+                time.sleep(REPORT_EVERY_S + 0.5)
+                _complete(srv.port, args.model, [1, 2, 3], 1)
             upkeep = [ln.split(UPKEEP_LINE, 1)[1].strip() for ln in srv.log_path.read_text(errors="replace")
                       .splitlines() if UPKEEP_LINE in ln]
             info["upkeep"] = upkeep[-1] if upkeep else None
+            deferred = DEFERRED_RE.search(info["upkeep"] or "")
+            info["deferred_prompt_tokens"] = int(deferred.group(1)) if deferred else None
             served[srv.name] = info
             print(f"[{time.time() - t_start:5.0f}s]   {args.lossless} greedy outputs", flush=True)
         elif args.client == "dspark" and args.anatomy:

@@ -9,7 +9,9 @@
 #   bash benchmarks/vllm_h200.sh OUT lossless-real   # the same with real SmolLM2 weights and its distilled draft,
 #                                                    # then SMOKE (16) concurrent requests per config; exit 3:
 #                                                    # all served, some output differs; 1: a config failed
-#                                                    # (KV_GIB=G: the servers start together, G GiB of KV each)
+#                                                    # (KV_GIB=G: the servers start together, G GiB of KV each;
+#                                                    # PREFIX_CACHING=off: served without it, as the defer A/B
+#                                                    # needs, which exits 4 where the deferring draft drafts worse)
 #   bash benchmarks/vllm_h200.sh OUT profile         # dspark profile-sps --engine vllm (proof then uses it)
 #   bash benchmarks/vllm_h200.sh OUT profile-scaled  # the same for the Llama-3-8B shape (scaled then uses it)
 #   bash benchmarks/vllm_h200.sh OUT anatomy         # where a step's time goes, 8B shape, 64 requests: no spec,
@@ -100,7 +102,8 @@ case "$STAGE" in
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless-real" \
       --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --lossless-text --smoke "${SMOKE:-16}" \
       --dspark '{"online_sts": true}' --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" \
-      ${COMPILATION:+--compilation "$COMPILATION"} ${KV_GIB:+--kv-cache-gib "$KV_GIB"} ;;
+      ${COMPILATION:+--compilation "$COMPILATION"} ${KV_GIB:+--kv-cache-gib "$KV_GIB"} \
+      ${PREFIX_CACHING:+--prefix-caching "$PREFIX_CACHING"} ;;
   scaled)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \

@@ -237,6 +237,57 @@ def test_the_lossless_check_with_text_questions_compares_every_config_against_no
     assert "tail request (up to max_model_len, not in the verdict)" in run.stdout
 
 
+def test_the_lossless_check_serves_the_defer_ab_without_prefix_caching_and_reports_it(tmp_path: Path) -> None:
+    """--prefix-caching off reaches every server of the check, and the check's draft_defer_prompts A/B
+    (varlen-cycle-plain against varlen-cycle-defer) is reported beside the verdict and written to lossless.json.
+    The stand-in server logs no saturation line, so its A/B can only say that nothing was deferred."""
+    import json
+
+    from dspark_cli.engines.embedded.assets import TINY_DIR
+
+    env, draft = _stand_in_vllm(tmp_path)
+    env["EXPECT_PREFIX_CACHING"] = "off"
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
+         "--out", str(out), "--k", "4", "--configs", "nospec,varlen-cycle-plain,varlen-cycle-defer",
+         "--overlap-starts", "3", "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--lossless", "2",
+         "--smoke", "3", "--prefix-caching", "off"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((out / "lossless.json").read_text())
+    ab = report["defer_ab"]
+    assert ab["configs"] == ["varlen-cycle-plain", "varlen-cycle-defer"] and ab["verdict"] == "not exercised"
+    # the stand-in's embedded server counts its drafts as vLLM does: both sides drafted over the check
+    assert all(d > 0 for d in ab["drafts"]) and all(0 <= f <= 1 for f in ab["first_position"])
+    assert "draft_defer_prompts A/B (varlen-cycle-plain vs varlen-cycle-defer)" in run.stdout
+    assert "lossless greedy: OK" in run.stdout
+
+
+def _served(first: float, drafts: int, deferred: int | None = 100) -> dict:
+    return {"acceptance_all": {"num_drafts": drafts, "per_position_acceptance": [first, first / 2]},
+            "deferred_prompt_tokens": deferred}
+
+
+def test_the_defer_ab_fails_only_a_deferring_draft_that_drafts_clearly_worse() -> None:
+    """A catch-up that missed a deferred prompt leaves the draft without its context: its first draft position is
+    accepted less often. The A/B calls that ``lower`` only past DEFER_AB_Z standard errors, and says so when it
+    cannot tell (too few drafted request-steps) or when nothing was deferred."""
+    plain, defer = adaptive.DEFER_AB
+    assert adaptive.defer_ab({plain: _served(0.5, 400)}) is None
+    assert adaptive.defer_ab({plain: _served(0.5, 400), defer: _served(0.48, 400)})["verdict"] == "same"
+    lower = adaptive.defer_ab({plain: _served(0.5, 400), defer: _served(0.3, 400)})
+    assert lower["verdict"] == "lower" and lower["z"] < -adaptive.DEFER_AB_Z
+    assert adaptive.defer_ab({plain: _served(0.5, 400), defer: _served(0.7, 400)})["verdict"] == "same"
+    assert adaptive.defer_ab({plain: _served(0.5, 400), defer: _served(0.1, 10)})["verdict"] == "too few drafts"
+    for deferred in (0, None):
+        ab = adaptive.defer_ab({plain: _served(0.5, 400), defer: _served(0.1, 400, deferred)})
+        assert ab["verdict"] == "not exercised"
+    # the greedy requests' counters stand in where no smoke ran
+    only_greedy = {"acceptance": {"num_drafts": 400, "per_position_acceptance": [0.2]}, "deferred_prompt_tokens": 9}
+    assert adaptive.defer_ab({plain: _served(0.5, 400), defer: only_greedy})["verdict"] == "lower"
+
+
 def test_config_specs_keep_each_configs_own_settings_over_the_shared_ones() -> None:
     """--dspark settings reach every config of ours, a config's own keys win (varlen-placeholders serves the
     default path even when the queue turns plain_paused_steps on for all), and the lossless check's mask
@@ -255,4 +306,6 @@ def test_config_specs_keep_each_configs_own_settings_over_the_shared_ones() -> N
     assert {"mask", "mask-plain", "mask-compact", "mask-uniform"} <= masks
     assert all(checked[n]["dspark_budget_frac"] == 0.5 for n in masks)
     assert checked["mask-plain"]["dspark_plain_paused_steps"] is True
+    defer = checked["varlen-cycle-defer"]
+    assert defer == {**checked["varlen-cycle-plain"], "dspark_draft_defer_prompts": True}
     assert all("dspark_budget_frac" not in s for n, s in checked.items() if s and n not in masks)
