@@ -416,6 +416,47 @@ def test_enforce_eager_is_refused_with_a_capacity_mode() -> None:
     assert plan_vllm_serve(["m", "--speculative-config", BASE, "--enforce-eager"]).settings is None
 
 
+@pytest.mark.parametrize(("tail", "said"), [
+    (["-O0"], "-O0: vLLM 0.33.0 then captures no CUDA graphs"),
+    (["-O", "1"], "-O1: vLLM 0.33.0 then captures only piecewise CUDA graphs"),
+    (["-O=1"], "-O1: vLLM"),
+    (["--optimization-level", "0"], "-O0: vLLM"),
+    (["--", "--optimization_level=1"], "-O1: vLLM"),
+    (["-cc", '{"cudagraph_mode": "piecewise"}'], "cudagraph_mode PIECEWISE: vLLM 0.33.0 runs --capacity-mode mask"),
+    (["--compilation-config={\"cudagraph_mode\": 0}"], "cudagraph_mode NONE"),
+    (["-O3", "-cc.cudagraph_mode=NONE"], "cudagraph_mode NONE"),
+    # dotted -cc.X flags become one JSON that vLLM appends after the whole ones, replacing them
+    (["-cc", '{"cudagraph_mode": "FULL"}', "--compilation-config.cudagraph_mode", "PIECEWISE"], "cudagraph_mode PIECE"),
+    (["-cc", '{"cudagraph_mode": "FULL"}', "-cc.mode=3", "-O1"], "-O1: vLLM"),
+    (["--enable-lora"], "--enable-lora: vLLM 0.33.0's adaptive verification, through which --capacity-mode mask"),
+    (["--no-enable-lora", "--enable_lora"], "--enable-lora"),
+])
+def test_a_capacity_mode_without_full_cuda_graphs_or_with_lora_is_refused_before_vllm_starts(
+        tail: list[str], said: str) -> None:
+    """vLLM 0.33 stops adaptive verification (VllmConfig._validate_adaptive_verification) without full CUDA graphs
+    -- -O0 and -O1 capture none or piecewise ones only, unless the compilation config says otherwise -- and with
+    LoRA. A capacity mode turns adaptive verification on for the user, so the launcher says so in one line."""
+    spec = _spec(dspark_capacity_verification_mode="mask")
+    with pytest.raises(DsparkError) as err:
+        plan_vllm_serve(["m", "--speculative-config", spec, *tail])
+    assert str(err.value).startswith(said) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("tail", [
+    ["-O2"], ["-O", "3"], ["--optimization-level=3"],
+    ["-O1", "-cc", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'],
+    ["-O0", "--compilation-config", '{"mode": 0, "cudagraph_mode": "full_and_piecewise"}'],
+    ["-cc", '{"cudagraph_mode": "NONE"}', "-cc", '{"mode": 3}'],  # the last whole JSON wins
+    ["-O1", "-cc.cudagraph_mode", "FULL"],
+    ["--enable-lora", "--no-enable-lora"],
+    ["-cc", "not json"],  # vLLM's own parser says what is wrong with that
+])
+def test_full_cuda_graphs_pass_whatever_spells_them(tail: list[str]) -> None:
+    spec = _spec(dspark_capacity_verification_mode="varlen")
+    assert plan_vllm_serve(["m", "--speculative-config", spec, *tail]).settings is not None
+    assert plan_vllm_serve(["m", "--speculative-config", BASE, "-O0", "--enable-lora"]).settings is None
+
+
 def _curve(path: Path, k: int | None) -> Path:
     from dspark_cli.core.sps import SpsCurve
 

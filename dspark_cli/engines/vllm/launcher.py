@@ -239,7 +239,7 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     warnings: list[str] = []
     if settings.active:
         _check_adaptive_method(new_spec, settings.mode)
-        _check_not_eager(passthrough, settings.mode)
+        _check_full_graphs(passthrough, settings.mode)
         mismatch = None if draft_len is None else curve_k_warning(_curve_k(settings.sps_curve), draft_len)
         warnings += [mismatch] if mismatch is not None else []
         new_spec["enable_adaptive_verification"] = True
@@ -288,17 +288,83 @@ def _check_adaptive_method(spec: dict[str, Any], mode: str) -> None:
                           f"{', '.join(ADAPTIVE_METHODS)}, or --capacity-mode none")
 
 
-def _check_not_eager(passthrough: list[str], mode: str) -> None:
-    """vLLM 0.33 refuses adaptive verification without full CUDA graphs (VllmConfig._validate_adaptive_verification),
-    which --enforce-eager turns off; said here before any weights load."""
-    eager = False
-    for tok in passthrough:
-        name = _long_flag(tok)
-        if name in ("--enforce-eager", "--no-enforce-eager"):
-            eager = name == "--enforce-eager"  # the last one wins, as in vLLM's parser
+# vLLM 0.33's cudagraph_mode by optimization level (OPTIMIZATION_LEVEL_0N in vllm/config/vllm.py) where the
+# compilation config does not set one: -O0 captures no graphs, -O1 piecewise graphs only.
+_LEVEL_GRAPHS = {"0": "NONE", "1": "PIECEWISE"}
+_COMPILATION_FLAGS = ("--compilation-config", "-cc")
+_FULL_GRAPH_MODES = "FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE"
+
+
+def _graph_name(value: Any) -> str | None:
+    """A cudagraph_mode as vLLM 0.33 would read it (a name, any case, or CUDAGraphMode's value); None: unset."""
+    if isinstance(value, str):
+        return value.upper()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {0: "NONE", 1: "PIECEWISE"}.get(value, "FULL")
+    return None
+
+
+def _graph_flags(passthrough: list[str]) -> tuple[bool, bool, str | None, str | None]:
+    """What vLLM's parser would make of ``passthrough`` for the checks below: (--enforce-eager, --enable-lora,
+    the optimization level, the compilation config's cudagraph_mode), each the last one given, as vLLM reads
+    them: ``-O1``, ``-O=1``, ``-O 1`` and ``--optimization-level 1`` alike. A whole ``-cc`` JSON replaces the one
+    before it, and dotted ``-cc.X`` flags are gathered into one more JSON that vLLM appends after all of them
+    (``FlexibleArgumentParser.parse_args``), so where any is given, the whole JSONs count for nothing."""
+    eager = lora = False
+    level: str | None = None
+    whole: str | None = None
+    dotted: dict[str, Any] = {}
+    toks = [t for t in passthrough if t != "--"]
+    for i, tok in enumerate(toks):
+        name, eq, inline = tok.partition("=")
+        value = inline if eq else (toks[i + 1] if i + 1 < len(toks) else None)
+        # vLLM's parser turns underscores into dashes up to the first dot only
+        raw_head, dot, key = name.partition(".")
+        head = _long_flag(raw_head)
+        long = head if not dot else f"{head}.{key}"
+        if long in ("--enforce-eager", "--no-enforce-eager"):
+            eager = long == "--enforce-eager"
+        elif long in ("--enable-lora", "--no-enable-lora"):
+            lora = long == "--enable-lora"
+        elif long == "--optimization-level":
+            level = value
+        elif tok.startswith("-O") and not tok.startswith("--"):
+            level = tok[3:] if tok[2:3] == "=" else (tok[2:] or value)
+        elif head in _COMPILATION_FLAGS and value is not None:
+            try:
+                parsed: Any = orjson.loads(value)
+            except orjson.JSONDecodeError:
+                parsed = value  # a dotted value may be a bare word; a bad whole JSON is vLLM's to report
+            if dot:
+                dotted[key] = parsed
+            elif isinstance(parsed, dict):
+                whole = _graph_name(parsed.get("cudagraph_mode"))
+    graphs = _graph_name(dotted.get("cudagraph_mode")) if dotted else whole
+    return eager, lora, level, graphs
+
+
+def _check_full_graphs(passthrough: list[str], mode: str) -> None:
+    """vLLM 0.33 refuses adaptive verification, through which a capacity mode acts, without full CUDA graphs or
+    with LoRA (``VllmConfig._validate_adaptive_verification``): said here in one line, before any weights load,
+    where vLLM would stop with a traceback about a setting the user never named."""
+    eager, lora, level, graphs = _graph_flags(passthrough)
     if eager:
         raise DsparkError(f"--enforce-eager: vLLM {VLLM_VERSION} runs --capacity-mode {mode} only with full CUDA "
                           "graphs; drop --enforce-eager, or serve with --capacity-mode none")
+    if lora:
+        raise DsparkError(f"--enable-lora: vLLM {VLLM_VERSION}'s adaptive verification, through which --capacity-mode "
+                          f"{mode} acts, does not work with LoRA; serve without --enable-lora, or with "
+                          "--capacity-mode none")
+    if graphs is not None:
+        if graphs in ("NONE", "PIECEWISE"):
+            raise DsparkError(f"cudagraph_mode {graphs}: vLLM {VLLM_VERSION} runs --capacity-mode {mode} only with "
+                              f"full CUDA graphs; set it to {_FULL_GRAPH_MODES} in --compilation-config, or serve "
+                              "with --capacity-mode none")
+    elif level is not None and level.strip() in _LEVEL_GRAPHS:
+        raise DsparkError(f"-O{level.strip()}: vLLM {VLLM_VERSION} then captures "
+                          f"{'no' if level.strip() == '0' else 'only piecewise'} CUDA graphs, and runs --capacity-mode "
+                          f"{mode} only with full ones; use -O2 or -O3, set cudagraph_mode to {_FULL_GRAPH_MODES} in "
+                          "--compilation-config, or serve with --capacity-mode none")
 
 
 def _check_draft_named(spec: dict[str, Any], *, capacity: bool) -> None:
