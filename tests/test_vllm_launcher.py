@@ -430,12 +430,14 @@ def test_enforce_eager_is_refused_with_a_capacity_mode() -> None:
     (["-cc", '{"cudagraph_mode": "FULL"}', "-cc.mode=3", "-O1"], "-O1: vLLM"),
     (["--enable-lora"], "--enable-lora: vLLM 0.33.0's adaptive verification, through which --capacity-mode mask"),
     (["--no-enable-lora", "--enable_lora"], "--enable-lora"),
+    (["-pp", "2"], "--pipeline-parallel-size 2: vLLM 0.33.0's adaptive verification"),
+    (["--pipeline_parallel_size=4"], "--pipeline-parallel-size 4"),
 ])
 def test_a_capacity_mode_without_full_cuda_graphs_or_with_lora_is_refused_before_vllm_starts(
         tail: list[str], said: str) -> None:
     """vLLM 0.33 stops adaptive verification (VllmConfig._validate_adaptive_verification) without full CUDA graphs
     -- -O0 and -O1 capture none or piecewise ones only, unless the compilation config says otherwise -- and with
-    LoRA. A capacity mode turns adaptive verification on for the user, so the launcher says so in one line."""
+    LoRA or pipeline parallelism. A capacity mode turns adaptive verification on for the user, so the launcher says so in one line."""
     spec = _spec(dspark_capacity_verification_mode="mask")
     with pytest.raises(DsparkError) as err:
         plan_vllm_serve(["m", "--speculative-config", spec, *tail])
@@ -449,6 +451,7 @@ def test_a_capacity_mode_without_full_cuda_graphs_or_with_lora_is_refused_before
     ["-cc", '{"cudagraph_mode": "NONE"}', "-cc", '{"mode": 3}'],  # the last whole JSON wins
     ["-O1", "-cc.cudagraph_mode", "FULL"],
     ["--enable-lora", "--no-enable-lora"],
+    ["-pp", "1", "--tensor-parallel-size", "2"],
     ["-cc", "not json"],  # vLLM's own parser says what is wrong with that
 ])
 def test_full_cuda_graphs_pass_whatever_spells_them(tail: list[str]) -> None:

@@ -304,14 +304,16 @@ def _graph_name(value: Any) -> str | None:
     return None
 
 
-def _graph_flags(passthrough: list[str]) -> tuple[bool, bool, str | None, str | None]:
+def _graph_flags(passthrough: list[str]) -> tuple[bool, bool, str | None, str | None, str | None]:
     """What vLLM's parser would make of ``passthrough`` for the checks below: (--enforce-eager, --enable-lora,
-    the optimization level, the compilation config's cudagraph_mode), each the last one given, as vLLM reads
+    the optimization level, the compilation config's cudagraph_mode, the pipeline-parallel size), each the last
+    one given, as vLLM reads
     them: ``-O1``, ``-O=1``, ``-O 1`` and ``--optimization-level 1`` alike. A whole ``-cc`` JSON replaces the one
     before it, and dotted ``-cc.X`` flags are gathered into one more JSON that vLLM appends after all of them
     (``FlexibleArgumentParser.parse_args``), so where any is given, the whole JSONs count for nothing."""
     eager = lora = False
     level: str | None = None
+    stages: str | None = None
     whole: str | None = None
     dotted: dict[str, Any] = {}
     toks = [t for t in passthrough if t != "--"]
@@ -328,6 +330,8 @@ def _graph_flags(passthrough: list[str]) -> tuple[bool, bool, str | None, str | 
             lora = long == "--enable-lora"
         elif long == "--optimization-level":
             level = value
+        elif long in ("--pipeline-parallel-size", "-pp"):
+            stages = value
         elif tok.startswith("-O") and not tok.startswith("--"):
             level = tok[3:] if tok[2:3] == "=" else (tok[2:] or value)
         elif head in _COMPILATION_FLAGS and value is not None:
@@ -340,14 +344,18 @@ def _graph_flags(passthrough: list[str]) -> tuple[bool, bool, str | None, str | 
             elif isinstance(parsed, dict):
                 whole = _graph_name(parsed.get("cudagraph_mode"))
     graphs = _graph_name(dotted.get("cudagraph_mode")) if dotted else whole
-    return eager, lora, level, graphs
+    return eager, lora, level, graphs, stages
 
 
 def _check_full_graphs(passthrough: list[str], mode: str) -> None:
     """vLLM 0.33 refuses adaptive verification, through which a capacity mode acts, without full CUDA graphs or
-    with LoRA (``VllmConfig._validate_adaptive_verification``): said here in one line, before any weights load,
-    where vLLM would stop with a traceback about a setting the user never named."""
-    eager, lora, level, graphs = _graph_flags(passthrough)
+    with LoRA or pipeline parallelism (``VllmConfig._validate_adaptive_verification``): said here in one line,
+    before any weights load, where vLLM would stop with a traceback about a setting the user never named."""
+    eager, lora, level, graphs, stages = _graph_flags(passthrough)
+    if stages is not None and stages.strip() not in ("", "1"):
+        raise DsparkError(f"--pipeline-parallel-size {stages.strip()}: vLLM {VLLM_VERSION}'s adaptive verification, "
+                          f"through which --capacity-mode {mode} acts, does not work with pipeline parallelism; "
+                          "use --tensor-parallel-size instead, or serve with --capacity-mode none")
     if eager:
         raise DsparkError(f"--enforce-eager: vLLM {VLLM_VERSION} runs --capacity-mode {mode} only with full CUDA "
                           "graphs; drop --enforce-eager, or serve with --capacity-mode none")
