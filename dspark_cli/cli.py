@@ -6,6 +6,7 @@ becomes one line on stderr and exit status 1 -- never a traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -386,7 +387,8 @@ def bench(
              "was busy for 80% of the cell."),
     serve: bool = typer.Option(False, "--serve", help="Start `dspark serve` per config (see --configs)."),
     configs: str = typer.Option("none,mask,varlen", "--configs",
-                                help="With --serve: nospec, none, mask, varlen, each mode optionally +sts."),
+                                help="With --serve: nospec, none, mask, varlen, each mode optionally +sts (mask and "
+                                     "varlen need --sps-curve)."),
     serve_args: str = typer.Option("", "--serve-args", help="Flags every `dspark serve` gets, e.g. '--model tiny'."),
     sps_curve: str = typer.Option(None, "--sps-curve", help="SPS curve FILE or 'auto' for mask/varlen configs."),
     concurrency: str = typer.Option("1,4,16", "--concurrency", "-c", help="Comma list of in-flight requests."),
@@ -437,7 +439,8 @@ def bench(
     num_spec_tokens: int = typer.Option(None, "--num-speculative-tokens", "-k",
                                         help="With --simulate: replay the first K drafted positions (default: the traces' K)."),
     policies: str = typer.Option(None, "--policies", help="With --simulate: comma list of nospec, fixed, threshold, "
-                                 "paper, argmax, manager, manager+sts, manager+offline-sts (default: all; the oracle always)."),
+                                 "paper, argmax, manager, manager+sts, mask, mask+sts, manager+offline-sts (default: "
+                                 "nospec to manager+sts, and manager+offline-sts with --sts; the oracle always)."),
     threshold: str = typer.Option(None, "--threshold", help="With --simulate: comma list of survival thresholds (default: 0.3,0.5,0.7)."),
     min_predicted_gain: float = typer.Option(0.0, "--min-predicted-gain",
                                              help="With --simulate: the manager's minimum predicted gain."),
@@ -504,6 +507,18 @@ def bench(
     except ValueError as exc:
         raise DsparkError(f"--serve-args is not valid shell syntax: {exc}") from exc
     cfgs = mx.parse_configs(configs, sps_curve, common) if serve else [mx.BenchConfig(label)]
+    if serve and sps_curve not in (None, "auto") and any("--sps-curve" in cfg.serve_args for cfg in cfgs):
+        from dspark_cli.core.sps import SpsCurve
+
+        SpsCurve.load(sps_curve)  # a bad curve is said now, not by the first mask/varlen server after hours of cells
+    if not math.isfinite(temperature) or temperature < 0:
+        raise DsparkError(f"--temperature must be a finite number >= 0, got {temperature}")
+    for flag, value in (("--warmup-prompts", warmup_prompts), ("--sts-warmup-prompts", sts_warmup_prompts)):
+        if value is not None and value < 0:
+            raise DsparkError(f"{flag} must be >= 0, got {value}")
+    for flag, seconds in (("--request-timeout", request_timeout), ("--server-timeout", server_timeout)):
+        if not seconds > 0:
+            raise DsparkError(f"{flag} must be a number of seconds > 0, got {seconds}")
     concs = mx.parse_concurrencies(concurrency)
     if waves is not None:
         if waves < 1:
@@ -558,10 +573,14 @@ def bench(
     # joins it -- servers benched one at a time with --base-url (in the order they were benched), or a --serve
     # matrix extended with other --configs (the folder's other configs first, then --configs in its order).
     models = {(c.get("server") or {}).get("model") for c in cells}
-    cells, names, concs = mx.same_workload_cells(
+    cells, names, concs, left_out = mx.same_workload_cells(
         results_dir, workload, [k.name for k in spec.configs], concs, cells,
         model=models.pop() if len(models) == 1 else None, keep_label_order=serve,
+        common_args=common if serve else None,
     )
+    if left_out:
+        err_console.print(f"note: {left_out} other cells in {results_dir} were measured with another workload, "
+                          "model or --serve-args and are not in this table", highlight=False)
     per_cell = f"{waves} x concurrency" if waves is not None else f"{num_prompts}"
     title = f"dspark bench ({dataset}, {per_cell} prompts x {max_tokens} tokens, temperature {temperature:g})"
     json_path, md_path = report.write_summary(results_dir, cells, names, concs, title)

@@ -142,10 +142,27 @@ def test_eval_gsm8k_resumes_and_compares(tmp_path: Path) -> None:
     rows = load_gsm8k(limit=6)[4:6]
     data = export_jsonl(tmp_path / "rows.jsonl", rows)
     other = tmp_path / "from-file.jsonl"
-    with ServerProcess(cmd, tmp_path / "serve2.log", f"http://127.0.0.1:{port}", timeout_s=300):
+    # a server under another name: its answers must not join the first server's file on resume
+    with ServerProcess([*cmd, "--served-model-name", "other-model"], tmp_path / "serve2.log",
+                       f"http://127.0.0.1:{port}", timeout_s=300):
         run = subprocess.run([*base[:-1], str(other), "--data", str(data)], capture_output=True, text=True,
                              timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+        assert run.returncode == 0, run.stderr[-2000:]
+        mixed = subprocess.run([*base, "--limit", "5"], capture_output=True, text=True, timeout=300)
+        assert mixed.returncode == 1 and "holds answers of model 'tiny', and this server serves 'other-model'" in (
+            " ".join(mixed.stderr.split())), mixed.stderr[-2000:]
+        # the same file resumed over other questions (another --data) is refused, and an empty --data too
+        import dataclasses
+
+        swapped = [dataclasses.replace(load_gsm8k(limit=1)[0], id=rows[0].id)]  # id 4, another question
+        elsewhere = subprocess.run([*base[:-1], str(other), "--data",
+                                    str(export_jsonl(tmp_path / "more.jsonl", swapped))],
+                                   capture_output=True, text=True, timeout=300)
+        assert elsewhere.returncode == 1 and "another question" in elsewhere.stderr, elsewhere.stderr[-2000:]
+        (tmp_path / "empty.jsonl").write_text("")
+        empty = subprocess.run([*base[:-1], str(tmp_path / "e.jsonl"), "--data", str(tmp_path / "empty.jsonl")],
+                               capture_output=True, text=True, timeout=300)
+        assert empty.returncode == 1 and "no GSM8K question to score" in empty.stderr, empty.stderr[-2000:]
     asked = [orjson.loads(line)["question"] for line in other.read_text().splitlines()]
     assert sorted(asked) == sorted(r.question for r in rows)
     cmp = subprocess.run([*DSPARK, "eval", "gsm8k", "--compare", str(out), str(out)], capture_output=True,

@@ -233,8 +233,8 @@ def test_servers_benched_one_by_one_into_one_folder_make_one_table(tmp_path: Pat
     cell("upstream", 16, "2026-01-01T00:00:04", {"num_prompts": 8, "max_tokens": 32})  # other lengths
     cell("varlen", 64, "2026-01-01T00:00:05")
     mine = cell("varlen", 16, "2026-01-01T00:00:06")  # this run: varlen again, at 16 only
-    cells, names, concs = same_workload_cells(tmp_path, work, ["varlen"], [16], [mine])
-    assert names == ["zeta", "all", "varlen"] and concs == [16, 64]
+    cells, names, concs, left_out = same_workload_cells(tmp_path, work, ["varlen"], [16], [mine])
+    assert names == ["zeta", "all", "varlen"] and concs == [16, 64] and left_out == 1
     assert sorted((c["config"], c["concurrency"]) for c in cells) == [
         ("all", 16), ("all", 64), ("varlen", 16), ("varlen", 64), ("zeta", 16)]
     assert len(load_cells(tmp_path)) == 6
@@ -257,16 +257,161 @@ def test_a_serve_matrix_extended_with_other_configs_keeps_one_table_of_its_model
     cell("none", 16, "2026-01-01T00:00:02")
     cell("mask", 16, "2026-01-01T00:00:03", model="smollm2-135m")  # another --serve-args model
     mine = [cell("varlen+sts", 16, "2026-01-01T00:00:04"), cell("varlen+sts", 64, "2026-01-01T00:00:05")]
-    cells, names, concs = same_workload_cells(tmp_path, work, ["varlen+sts"], [16, 64], mine, model="tiny")
-    assert names == ["nospec", "none", "varlen+sts"] and concs == [16, 64]
+    cells, names, concs, left_out = same_workload_cells(tmp_path, work, ["varlen+sts"], [16, 64], mine, model="tiny")
+    assert names == ["nospec", "none", "varlen+sts"] and concs == [16, 64] and left_out == 1
     assert len(cells) == 4
-    _, names, _ = same_workload_cells(tmp_path, work, ["varlen+sts"], [16, 64], mine)  # no model given: all join
+    _, names, _, _ = same_workload_cells(tmp_path, work, ["varlen+sts"], [16, 64], mine)  # no model given: all join
     assert names == ["nospec", "none", "mask", "varlen+sts"]
     # --serve --configs varlen+sts,nospec: this run's configs in its order, after the folder's others
     again = cell("nospec", 64, "2026-01-01T00:00:06")
-    _, names, _ = same_workload_cells(tmp_path, work, ["varlen+sts", "nospec"], [64], [*mine, again], model="tiny",
-                                      keep_label_order=True)
+    _, names, _, _ = same_workload_cells(tmp_path, work, ["varlen+sts", "nospec"], [64], [*mine, again],
+                                         model="tiny", keep_label_order=True)
     assert names == ["none", "varlen+sts", "nospec"]
+
+
+def test_a_serve_table_joins_only_cells_served_with_the_same_serve_args(tmp_path: Path) -> None:
+    """``--serve --configs none,varlen --serve-args '-k 2'`` then ``--configs mask --serve-args '-k 3'`` into one
+    folder: the second table is mask's alone, not a k=3 column beside k=2 ones, and says so. Cells written before
+    the common arguments were recorded join when their command line starts with them."""
+    from dspark_cli.bench.matrix import same_setup, same_workload_cells
+
+    work = {"num_prompts": 8, "max_tokens": 16}
+
+    def cell(config: str, at: str, common: list[str] | None, own: list[str]) -> dict:
+        server = {"mode": "serve", "model": "tiny",
+                  "serve_args": [*(common or ["--model", "tiny", "-k", "2"]), *own, "--port", "1"]}
+        if common is not None:
+            server["common_args"] = common
+        path = atomic_write_json(cell_path(tmp_path, config, 16), {
+            "dspark_bench_cell": CELL_FORMAT, "config": config, "concurrency": 16, "metrics": {},
+            "workload": work, "started_at": at, "server": server})
+        return load_cell(path)
+
+    cell("none", "2026-01-01T00:00:01", ["--model", "tiny", "-k", "2"], ["--capacity-mode", "none"])
+    old = cell("varlen", "2026-01-01T00:00:02", None, ["--capacity-mode", "varlen"])  # no common_args recorded
+    mine = cell("mask", "2026-01-01T00:00:03", ["--model", "tiny", "-k", "3"], ["--capacity-mode", "mask"])
+    _, names, _, left_out = same_workload_cells(tmp_path, work, ["mask"], [16], [mine], model="tiny",
+                                                common_args=["--model", "tiny", "-k", "3"])
+    assert names == ["mask"] and left_out == 2
+    assert same_setup(old, ["--model", "tiny", "-k", "2"]) and not same_setup(old, ["--model", "tiny", "-k", "3"])
+    _, names, _, left_out = same_workload_cells(tmp_path, work, ["mask"], [16], [mine], model="tiny",
+                                                common_args=["--model", "tiny", "-k", "2"])
+    assert names == ["none", "varlen", "mask"] and left_out == 0  # this run's cells are always in its table
+    external = {"server": {"mode": "external", "base_url": "http://h:1"}}
+    assert same_setup(external, ["-k", "3"])  # a running server's cells join on workload and model
+
+
+def test_a_waves_sweep_takes_a_new_concurrency_and_says_what_else_differs(tmp_path: Path) -> None:
+    """With --waves a cell sends waves x concurrency prompts of a list that only grows at its end, so raising
+    the sweep's top concurrency changes no finished cell's work; any other change is refused, naming it."""
+    from dspark_cli.bench.datasets import load_prompts
+    from dspark_cli.bench.matrix import same_workload, workload_difference
+
+    assert load_prompts("gsm8k", 4) == load_prompts("gsm8k", 16)[:4]
+    assert load_prompts("random", 3, input_len=8, seed=1) == load_prompts("random", 9, input_len=8, seed=1)[:3]
+    a = {"num_prompts": 4, "max_tokens": 16, "waves": 2}
+    assert same_workload(a, {**a, "num_prompts": 8})
+    assert not same_workload(a, {**a, "num_prompts": 8, "waves": 4})
+    assert not same_workload({"num_prompts": 4}, {"num_prompts": 8})  # without waves every cell sends them all
+    assert not same_workload(a, {**a, "max_tokens": 20})
+    assert workload_difference(a, {**a, "num_prompts": 8, "max_tokens": 20}) == "max_tokens 16 -> 20"
+    spec = _spec(tmp_path)
+    spec.workload = {"num_prompts": 1, "max_tokens": 16}
+    atomic_write_json(cell_path(tmp_path, "none", 1), {
+        "dspark_bench_cell": CELL_FORMAT, "config": "none", "concurrency": 1, "metrics": {"failed": 0},
+        "workload": {"num_prompts": 1, "max_tokens": 8}, "started_at": "x"})
+    with pytest.raises(DsparkError, match=r"different workload \(max_tokens 8 -> 16\)"):
+        pending_cells(spec)
+
+
+def test_a_label_resumed_against_another_server_is_refused(tmp_path: Path) -> None:
+    """``--base-url A --label x`` then ``--base-url B --label x`` into one folder would table two servers'
+    cells in one column."""
+    spec = _spec(tmp_path)
+    spec.workload = {"num_prompts": 1}
+    spec.configs, spec.concurrencies = [BenchConfig("x")], [1]
+    spec.load = LoadConfig(base_url="http://127.0.0.1:2")
+    atomic_write_json(cell_path(tmp_path, "x", 1), {
+        "dspark_bench_cell": CELL_FORMAT, "config": "x", "concurrency": 1, "metrics": {"failed": 0},
+        "workload": spec.workload, "started_at": "x", "server": {"mode": "external", "base_url": "http://127.0.0.1:1"}})
+    with pytest.raises(DsparkError, match="was measured against http://127.0.0.1:1, not http://127.0.0.1:2; give"):
+        pending_cells(spec)
+    spec.load = LoadConfig(base_url="http://127.0.0.1:1/")
+    assert pending_cells(spec) == []
+
+
+def test_a_fixed_port_another_process_listens_on_is_refused_before_a_server_starts(tmp_path: Path) -> None:
+    """A server left by a killed bench answers /health on a fixed --port: the bench must not table its numbers
+    as the new config's. Hosts this machine cannot listen on are refused in one line too."""
+    import socket
+
+    from dspark_cli.bench.matrix import _bind_probe, url_host
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(DsparkError, match=f"--port {port}: another process listens on 127.0.0.1:{port}"):
+            _bind_probe("127.0.0.1", port)
+    assert _bind_probe("127.0.0.1", port) == port  # free again
+    for host in ("999.1.1.1", "no-such-host.invalid"):
+        with pytest.raises(DsparkError, match=f"--host {host}: "):
+            _free_port(host)
+    assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1"
+
+
+def test_a_server_that_dies_while_another_process_answers_its_port_is_not_taken_for_healthy(tmp_path: Path) -> None:
+    """The child fails to bind (another process has the port) and exits, while the other process answers
+    /health: that is a failed start, not a healthy server."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "health").write_text("ok")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        server = ServerProcess([sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(3)"],
+                               tmp_path / "s.log", url, 10)
+        with pytest.raises(ServerStartError, match="exited with status 3, and another process answers"):
+            server.__enter__()
+    finally:
+        httpd.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_started_server_ends_with_the_bench_however_the_bench_dies(tmp_path: Path) -> None:
+    """SIGKILL runs no handler: the kernel's parent-death signal stops the server a killed bench started."""
+    import subprocess
+
+    pid_file = tmp_path / "server.pid"
+    bench = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from pathlib import Path
+from dspark_cli.bench.matrix import ServerProcess
+s = ServerProcess([sys.executable, "-c", "import time; time.sleep(60)"], Path({str(tmp_path / 's.log')!r}),
+                  "http://127.0.0.1:9", 1)
+s.start()
+Path({str(pid_file)!r}).write_text(str(s.pid))
+time.sleep(60)
+"""])
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    server_pid = int(pid_file.read_text())
+    bench.kill()
+    bench.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(server_pid, 9)
+    pytest.fail("the server outlived the bench that started it")
 
 
 def _recorded_warmup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg: BenchConfig,

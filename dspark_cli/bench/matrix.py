@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as _dt
+import errno
 import os
 import re
 import shlex
@@ -188,10 +189,35 @@ def load_cells(results_dir: Path) -> list[dict[str, Any]]:
     return cells
 
 
+def same_workload(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two cells' workloads send the same requests. With ``--waves`` a cell sends ``waves x
+    concurrency`` prompts of a list that only grows at its end as the sweep's top concurrency rises, so the
+    list's length (``num_prompts``) is no part of a cell's work there: a sweep may add a concurrency."""
+    if a is None or b is None:
+        return a == b
+    if a.get("waves") is not None and a.get("waves") == b.get("waves"):
+        return {k: v for k, v in a.items() if k != "num_prompts"} == {k: v for k, v in b.items() if k != "num_prompts"}
+    return a == b
+
+
+def same_setup(cell: dict[str, Any], common_args: Sequence[str]) -> bool:
+    """Whether a started server's cell shares ``common_args`` (``--serve-args``), what every column of a table has
+    in common; cells of running servers (``--base-url``) carry no such record and join on workload and model."""
+    server = cell.get("server") or {}
+    if server.get("mode") != "serve":
+        return True
+    if "common_args" in server:
+        return list(server["common_args"]) == list(common_args)
+    # cells written before common_args was recorded: the command line starts with them
+    served = setup_args(list(server.get("serve_args") or []))
+    return served[: len(common_args)] == list(common_args)
+
+
 def same_workload_cells(
     results_dir: Path, workload: dict[str, Any], labels: Sequence[str], concurrencies: list[int],
     cells: list[dict[str, Any]], model: str | None = None, keep_label_order: bool = False,
-) -> tuple[list[dict[str, Any]], list[str], list[int]]:
+    common_args: Sequence[str] | None = None,
+) -> tuple[list[dict[str, Any]], list[str], list[int], int]:
     """Every finished cell in ``results_dir`` measured with ``workload``, for one table across runs.
 
     ``cells`` are this run's (its configs are ``labels``); the folder's other cells join them, including this
@@ -199,16 +225,22 @@ def same_workload_cells(
     earlier runs keep their columns); with ``keep_label_order`` this run's configs follow the others in the
     order given (a ``--serve`` matrix's ``--configs``). The concurrencies are the union. A cell with another
     workload (other prompts, lengths or sampling) is left out: its numbers do not compare; so is, given
-    ``model``, a cell another model served (``--serve`` runs of other ``--serve-args`` into one folder).
+    ``model``, a cell another model served, and, given ``common_args`` (a ``--serve`` run's ``--serve-args``),
+    a started server's cell served with others (another K or batch limit). The last value returned counts the
+    folder's cells left out.
     """
     mine = {(str(c["config"]), int(c["concurrency"])) for c in cells}
 
     def joins(c: dict[str, Any]) -> bool:
-        if c.get("workload") != workload or (c.get("config"), int(c["concurrency"])) in mine:
+        if not same_workload(c.get("workload"), workload):
             return False
-        return model is None or (c.get("server") or {}).get("model") == model
+        if model is not None and (c.get("server") or {}).get("model") != model:
+            return False
+        return common_args is None or same_setup(c, common_args)
 
-    merged = [c for c in load_cells(results_dir) if joins(c)] + list(cells)
+    others = [c for c in load_cells(results_dir) if (c.get("config"), int(c["concurrency"])) not in mine]
+    kept = [c for c in others if joins(c)]
+    merged = kept + list(cells)
     first: dict[str, str] = {}
     for c in merged:
         name, at = c["config"], str(c.get("started_at") or "")
@@ -217,7 +249,7 @@ def same_workload_cells(
     if keep_label_order:
         names = [n for n in names if n not in labels] + [n for n in labels if n in first]
     concs = sorted(set(concurrencies) | {int(c["concurrency"]) for c in merged})
-    return merged, names, concs
+    return merged, names, concs, len(others) - len(kept)
 
 
 @dataclass
@@ -297,10 +329,19 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
                     f"{cell_path(spec.results_dir, cfg.name, c)} holds config {cell.get('config')!r}'s cell, not "
                     f"{cfg.name!r}: their names differ only where a file name cannot; rename one config or use "
                     "another --results-dir")
-            if cell is not None and cell.get("workload") != spec.workload:
+            if cell is not None and not same_workload(cell.get("workload"), spec.workload):
                 raise DsparkError(
-                    f"{cell_path(spec.results_dir, cfg.name, c)} was measured with a different workload; "
-                    "use another --results-dir or --force to remeasure")
+                    f"{cell_path(spec.results_dir, cfg.name, c)} was measured with a different workload "
+                    f"({workload_difference(cell.get('workload') or {}, spec.workload)}); use another --results-dir "
+                    "or --force to remeasure")
+            if cell is not None and not spec.serve and spec.load.base_url:
+                was = (cell.get("server") or {}).get("base_url")
+                if was is not None and was.rstrip("/") != spec.load.base_url.rstrip("/"):
+                    # One label, two servers: resuming would table one server's cells beside the other's.
+                    raise DsparkError(
+                        f"{cell_path(spec.results_dir, cfg.name, c)} was measured against {was}, not "
+                        f"{spec.load.base_url}; give this server its own --label, use another --results-dir, or "
+                        "--force to remeasure")
             if cell is not None and spec.serve:
                 served = setup_args(list((cell.get("server") or {}).get("serve_args") or []))
                 if served != served_args(spec, cfg):
@@ -315,6 +356,14 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
                 # (cells saved before failed cells were refused can hold failures).
                 todo.append((cfg, c))
     return todo
+
+
+def workload_difference(was: dict[str, Any], now: dict[str, Any]) -> str:
+    """What differs between two workloads, as ``key was -> now`` (for the refusal to mix them)."""
+    keys = [k for k in dict.fromkeys([*was, *now]) if was.get(k) != now.get(k)]
+    if was.get("waves") is not None and was.get("waves") == now.get("waves"):
+        keys = [k for k in keys if k != "num_prompts"]
+    return ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in keys) or "its format"
 
 
 def served_args(spec: MatrixSpec, cfg: BenchConfig) -> list[str]:
@@ -352,10 +401,34 @@ def prepare_results_dir(results_dir: Path) -> None:
         stale.unlink(missing_ok=True)  # a write a killed run left half-done; the cell itself is measured again
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+def _bind_probe(host: str, port: int) -> int:
+    """Bind ``host:port`` as a server would (``SO_REUSEADDR``, as uvicorn sets it) and let go; the port bound.
+    One line for a host this machine cannot listen on, or a fixed port another process listens on."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise DsparkError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            if port and exc.errno == errno.EADDRINUSE:
+                raise DsparkError(f"--port {port}: another process listens on {host}:{port} (a server a killed bench "
+                                  f"left behind? `ss -ltnp 'sport = :{port}'` names it); stop it or use another "
+                                  "--port") from None
+            raise DsparkError(f"--host {host}: cannot listen there ({exc.strerror})") from None
         return int(s.getsockname()[1])
+
+
+def _free_port(host: str) -> int:
+    return _bind_probe(host, 0)
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL spells it (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -364,6 +437,27 @@ def _tail(path: Path, lines: int = 15) -> str:
     except OSError:
         return ""
     return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _exit_with_parent() -> Callable[[], None] | None:
+    """Linux: a ``preexec_fn`` that has the kernel send the child SIGTERM when the bench dies, however it dies
+    (a SIGKILL runs no handler, and an orphaned server would hold its port and device memory for good). The
+    setting survives exec, so ``--engine vllm``'s ``vllm serve`` gets it too. libc is loaded here, in the
+    parent: the child between fork and exec only makes the one call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+
+    def set_pdeathsig() -> None:
+        prctl(pr_set_pdeathsig, sigterm, 0, 0, 0)
+
+    return set_pdeathsig
 
 
 class ServerProcess:
@@ -387,7 +481,8 @@ class ServerProcess:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_exit_with_parent())
         except OSError as exc:
             raise DsparkError(f"cannot start server ({self.command[0]}): {exc.strerror}") from exc
         finally:
@@ -404,10 +499,19 @@ class ServerProcess:
                     _tail(self.log_path))
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
+                    healthy = resp.status == 200
             except (urllib.error.URLError, OSError, TimeoutError):
-                pass
+                healthy = False
+            if healthy:
+                # Another process may answer on the port while ours fails to bind it: a leftover server's numbers
+                # would be tabled as this config's.
+                time.sleep(0.5)
+                code = self.proc.poll()
+                if code is None:
+                    return
+                raise ServerStartError(
+                    f"server exited with status {code}, and another process answers on {self.base_url}; stop it "
+                    f"or use another --port; full log: {self.log_path}", _tail(self.log_path))
             time.sleep(0.25)
         raise ServerStartError(
             f"server not healthy after {self.timeout_s:.0f} s (raise --server-timeout?); full log: {self.log_path}",
@@ -824,12 +928,15 @@ async def _measure_round(spec: MatrixSpec, cfg: BenchConfig, c: int, r: int, slo
 
 def _served_process(spec: MatrixSpec, cfg: BenchConfig, hooks: Hooks) -> tuple[str, dict[str, Any], ServerProcess]:
     """A config's server (not started yet: enter it), its URL and what its cells record about it."""
-    port = spec.port or _free_port(spec.host)
-    base_url = f"http://{spec.host}:{port}"
+    port = _bind_probe(spec.host, spec.port) if spec.port else _free_port(spec.host)
+    base_url = f"http://{url_host(spec.host)}:{port}"
     args = [*served_args(spec, cfg), "--host", spec.host, "--port", str(port)]
     log_path = spec.results_dir / "logs" / f"{safe_name(cfg.name)}.log"
     hooks.log(f"{cfg.name}: starting server ({' '.join(args)})")
-    server = {"mode": "serve", "base_url": base_url, "serve_args": args, "log": str(log_path)}
+    # common_args: the --serve-args every column shares, so a later run into this folder tables only cells of
+    # the same setup beside its own (same_workload_cells)
+    server = {"mode": "serve", "base_url": base_url, "serve_args": args, "common_args": list(spec.serve_args),
+              "log": str(log_path)}
     return base_url, server, ServerProcess([*spec.serve_command, *args], log_path, base_url, spec.server_timeout_s)
 
 

@@ -20,7 +20,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,24 @@ class EvalConfig:
     data: Path | None = None  # GSM8K rows (package file, or a JSONL written by data.gsm8k.export_jsonl)
 
     def settings(self) -> dict[str, Any]:
-        return {"num_shots": self.num_shots, "max_tokens": self.max_tokens, "stop": STOP}
+        """What each row records of how it was scored: the setup (``SETUP_KEYS``) and, once resolved, the model
+        the server served (another model's answers must not join a file on resume)."""
+        out: dict[str, Any] = {"num_shots": self.num_shots, "max_tokens": self.max_tokens, "stop": STOP}
+        if self.model is not None:
+            out["model"] = self.model
+        return out
+
+
+# The settings that change a row's score by themselves (rows written before the model was recorded have only these).
+SETUP_KEYS = ("num_shots", "max_tokens", "stop")
+
+
+async def _served_model(cfg: EvalConfig) -> str:
+    from dspark_cli.bench.client import fetch_model_name
+
+    timeout = aiohttp.ClientTimeout(total=60, sock_connect=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        return await fetch_model_name(session, cfg.base_url)
 
 
 async def _complete(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int) -> str:
@@ -226,14 +243,28 @@ def run_eval(cfg: EvalConfig, output: Path | None = None, on_start: Callable[[in
         raise DsparkError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
     build_prompt("", cfg.num_shots)  # validates --num-shots before any network traffic
     rows = load_gsm8k(limit=cfg.limit, path=cfg.data)
-    previous: dict[int, EvalRow] = {}
+    if not rows:
+        raise DsparkError(f"no GSM8K question to score: {cfg.data or 'the GSM8K file'} holds none"
+                          + (" (--limit 0)" if cfg.limit == 0 else ""))
     if output is not None:
         check_output_file(output, "--output")  # before any question: a bad path found after one loses its answer
+    if cfg.model is None:
+        cfg = replace(cfg, model=asyncio.run(_served_model(cfg)))
+    questions = {r.id: r.question for r in rows}
+    previous: dict[int, EvalRow] = {}
+    if output is not None:
+        mine = cfg.settings()
         for r in read_results(output, repair=True):
-            if r.settings != cfg.settings():
+            if any(r.settings.get(k) != mine[k] for k in SETUP_KEYS):
                 theirs = ", ".join(f"{k}={r.settings.get(k)}" for k in ("num_shots", "max_tokens"))
                 raise DsparkError(f"{output} holds results of another setup ({theirs}, or other stop strings); "
                                   "use another --output or the same flags")
+            if "model" in r.settings and r.settings["model"] != cfg.model:
+                raise DsparkError(f"{output} holds answers of model {r.settings['model']!r}, and this server serves "
+                                  f"{cfg.model!r}; use another --output for it")
+            if r.id in questions and r.question != questions[r.id]:
+                raise DsparkError(f"{output} holds an answer to another question {r.id} than this question set's "
+                                  "(another --data?); use another --output or the same --data")
             previous[r.id] = r
     todo = [r for r in rows if r.id not in previous]
     if on_start is not None:

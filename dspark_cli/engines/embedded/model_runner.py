@@ -537,7 +537,8 @@ class ModelRunner:
         if blocks < min_blocks:
             raise DsparkError(
                 f"KV pool of {blocks} blocks cannot hold one request of max_model_len={cfg.max_model_len} "
-                f"(needs {min_blocks}); raise --num-kv-blocks or lower --max-model-len"
+                f"(needs {min_blocks}); lower --max-model-len"
+                + (" or free GPU memory (the pool takes a share of what is free)" if self.device.type == "cuda" else "")
             )
         return blocks
 

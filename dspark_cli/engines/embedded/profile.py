@@ -263,7 +263,7 @@ def _synthetic_seqs(engine: LLMEngine, context_len: int, need_reqs: int) -> tupl
         per_seq_blocks = engine.block_manager.blocks_for(ctx + k + 1)
     if need_reqs * per_seq_blocks > engine.block_manager.num_free_blocks:
         raise DsparkError(f"the KV pool ({engine.block_manager.num_free_blocks} free blocks) is too small to profile "
-                          f"{need_reqs} requests; raise --num-kv-blocks or lower --max-num-seqs")
+                          f"{need_reqs} requests; lower --max-num-seqs")
     gen = torch.Generator().manual_seed(0)
     seqs: list[Sequence] = []
     for i in range(need_reqs):
@@ -419,5 +419,5 @@ def _time_decode_steps(engine: LLMEngine, num_reqs: int, ctx: int, warmup: int, 
         engine._refresh_counts()
     if not walls:
         raise DsparkError(f"could not time a decode step of {num_reqs} requests (KV pool too small?); "
-                          "raise --num-kv-blocks or lower --max-num-seqs")
+                          "lower --max-num-seqs")
     return float(statistics.median(walls)), (float(statistics.median(rests)) if in_step else None)
