@@ -376,6 +376,12 @@ def serve(
         os._exit(0)
 
 
+# bench's defaults that other options make moot (the warnings say when one was given anyway)
+BENCH_CONFIGS = "none,mask,varlen"
+BENCH_NUM_PROMPTS = 64
+BENCH_MAX_TOKENS = 256
+
+
 @app.command("bench")
 def bench(
     base_url: str = typer.Option(None, "--base-url", help="Bench a running server (one config, --label)."),
@@ -386,15 +392,16 @@ def bench(
              "records the CPU it, its main thread (the HTTP loop) and its children used, and says when that loop "
              "was busy for 80% of the cell."),
     serve: bool = typer.Option(False, "--serve", help="Start `dspark serve` per config (see --configs)."),
-    configs: str = typer.Option("none,mask,varlen", "--configs",
+    configs: str = typer.Option(BENCH_CONFIGS, "--configs",
                                 help="With --serve: nospec, none, mask, varlen, each mode optionally +sts (mask and "
                                      "varlen need --sps-curve)."),
     serve_args: str = typer.Option("", "--serve-args", help="Flags every `dspark serve` gets, e.g. '--model tiny'."),
     sps_curve: str = typer.Option(None, "--sps-curve", help="SPS curve FILE or 'auto' for mask/varlen configs."),
     concurrency: str = typer.Option("1,4,16", "--concurrency", "-c", help="Comma list of in-flight requests."),
-    num_prompts: int = typer.Option(64, "--num-prompts", "-n", help="Requests per cell (equal work per cell)."),
+    num_prompts: int = typer.Option(BENCH_NUM_PROMPTS, "--num-prompts", "-n",
+                                    help="Requests per cell (equal work per cell)."),
     waves: int = typer.Option(None, "--waves", help="Requests per cell = WAVES x concurrency instead of -n."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Output tokens per request."),
+    max_tokens: int = typer.Option(BENCH_MAX_TOKENS, "--max-tokens", help="Output tokens per request."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Keep outputs full length."),
     temperature: float = typer.Option(0.0, "--temperature"),
     seed: int = typer.Option(0, "--seed", help="Request i is sent with seed + i (and seeds --dataset random)."),
@@ -465,11 +472,18 @@ def bench(
     from dspark_cli.bench.client import LoadConfig, server_root
     from dspark_cli.bench.datasets import load_prompts
 
+    served_only = [flag for flag, given in (("--configs", configs != BENCH_CONFIGS), ("--serve-args", bool(serve_args)),
+                                            ("--port", port is not None)) if given]
     if simulate:
         from dspark_cli.bench import simulate as sim
 
         if serve or base_url is not None:
             raise DsparkError("--simulate replays traces without a server; leave out --serve and --base-url")
+        ignored = [*served_only, *(["--num-prompts"] if num_prompts != BENCH_NUM_PROMPTS else []),
+                   *(["--max-tokens"] if max_tokens != BENCH_MAX_TOKENS else [])]
+        if ignored:
+            _warn(f"{', '.join(ignored)}: not used by --simulate, which replays the traces' steps (--policies, "
+                  "--steps and -k choose what it replays)")
         mx.prepare_results_dir(results_dir)
 
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -491,6 +505,11 @@ def bench(
         base_url = server_root(base_url)
     if interleave and not serve:
         raise DsparkError("--interleave starts the configs' servers itself; it needs --serve")
+    if base_url is not None and served_only:
+        _warn(f"{', '.join(served_only)}: for the servers --serve starts; ignored with --base-url (one config, "
+              "--label)")
+    if waves is not None and num_prompts != BENCH_NUM_PROMPTS:
+        _warn("--num-prompts: ignored with --waves, which sends WAVES x concurrency requests per cell")
     if server_pid is not None:
         if serve:
             raise DsparkError("--server-pid names a running server's process; with --serve each server's pid is "

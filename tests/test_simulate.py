@@ -323,3 +323,8 @@ def test_cli_bench_simulate_end_to_end(tmp_path: Path) -> None:
     bad = subprocess.run([*cmd[:5], "--simulate", "--sps-curve", str(curve)], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: --simulate needs recorded traces")
+    # options of served matrices are said to be unused, not silently dropped
+    moot = subprocess.run([*cmd, "--configs", "varlen", "-n", "8", "--no-plots"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "250"})
+    assert moot.returncode == 0, moot.stderr
+    assert "warning: --configs, --num-prompts: not used by --simulate" in moot.stderr
