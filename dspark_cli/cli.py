@@ -121,6 +121,10 @@ def profile_sps(
                       transient=True) as progress:
             task = progress.add_task("profiling", total=None)
             curve = ps.run_embedded(req, progress=lambda msg: progress.update(task, description=msg))
+        used = curve.meta.get("context_len")
+        if used is not None and used != context_len:
+            _warn(f"--context-len {context_len}: the synthetic requests held {used} tokens of KV (what "
+                  "--max-model-len and the KV pool allow for --max-num-seqs requests); the curve prices that")
     for table in curve_tables(curve):
         console.print(table)
     written = [output]
