@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from dspark_cli.bench.matrix import exit_with_parent
 from dspark_cli.engines.embedded.metrics import parse_metrics
 
 MAX_NUM_SEQS = 3
@@ -155,8 +156,9 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Serve
            "--port", str(port), "--device", "cpu", "--max-num-seqs", str(MAX_NUM_SEQS),
            "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "test-model", *extra]
     with log.open("wb") as fh:
+        # exit_with_parent: a killed test run leaves no server holding its port
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"},
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=exit_with_parent())
     return Server(f"http://127.0.0.1:{port}", "test-model", proc, log, model)
 
 

@@ -439,7 +439,7 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def _exit_with_parent() -> Callable[[], None] | None:
+def exit_with_parent() -> Callable[[], None] | None:
     """Linux: a ``preexec_fn`` that has the kernel send the child SIGTERM when the bench dies, however it dies
     (a SIGKILL runs no handler, and an orphaned server would hold its port and device memory for good). The
     setting survives exec, so ``--engine vllm``'s ``vllm serve`` gets it too. libc is loaded here, in the
@@ -482,7 +482,7 @@ class ServerProcess:
             log.flush()
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_exit_with_parent())
+                                         preexec_fn=exit_with_parent())
         except OSError as exc:
             raise DsparkError(f"cannot start server ({self.command[0]}): {exc.strerror}") from exc
         finally:
