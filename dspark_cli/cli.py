@@ -533,7 +533,14 @@ def bench(
     if serve and sps_curve not in (None, "auto") and any("--sps-curve" in cfg.serve_args for cfg in cfgs):
         from dspark_cli.core.sps import SpsCurve
 
-        SpsCurve.load(sps_curve)  # a bad curve is said now, not by the first mask/varlen server after hours of cells
+        curve = SpsCurve.load(sps_curve)  # a bad curve is said now, not by the first mask/varlen server hours later
+        from dspark_cli.serve_config import curve_k_warning, flag_value
+
+        given_k = [v for v in (flag_value(common, f) for f in ("-k", "--num-speculative-tokens")) if v is not None]
+        if given_k and given_k[-1].isdigit():
+            mismatch = curve_k_warning(curve.meta.get("k"), int(given_k[-1]))
+            if mismatch is not None:
+                _warn(f"--sps-curve {sps_curve}: {mismatch}")  # said in every server's log too, where few look
     if not math.isfinite(temperature) or temperature < 0:
         raise DsparkError(f"--temperature must be a finite number >= 0, got {temperature}")
     for flag, value in (("--warmup-prompts", warmup_prompts), ("--sts-warmup-prompts", sts_warmup_prompts)):

@@ -266,3 +266,26 @@ def test_rounds_pair_the_configs_round_by_round_and_report_the_median_ratio(tmp_
     assert "Paired rounds against" in " ".join(run.stdout.split())
     refused = subprocess.run([*cmd[:-1], "3"], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "fewer than 3 rounds of 1; use --waves 3" in refused.stderr
+
+
+def test_a_bad_or_mismatched_curve_is_said_before_any_server_starts(tmp_path: Path) -> None:
+    """A corrupt --sps-curve used to be found by the first mask/varlen server, after every earlier config's cells;
+    a curve profiled at another K than --serve-args' -k is warned about where the user looks, not only in each
+    server's log."""
+    from dspark_cli.core.sps import SpsCurve
+
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text('{"verify_curve_ms": [[1, ')
+    results = tmp_path / "res"
+    run = subprocess.run(_bench(results, "none,varlen", "--sps-curve", str(corrupt)), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1 and "corrupt.json: not valid JSON" in run.stderr
+    assert not (results / "logs").exists()  # no server was started
+    curve = tmp_path / "k2.json"
+    SpsCurve.from_points([(1, 1.0), (8, 2.0)], [(1, 0.5)], meta={"k": 2}).save(curve)
+    cmd = [*DSPARK, "bench", "--serve", "--configs", "varlen", "--sps-curve", str(curve), "--serve-args",
+           "--model tiny --device cpu -k 3", "-c", "1", "-n", "1", "--results-dir", str(results),
+           "--server-timeout", "0.01"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    said = " ".join(run.stderr.split())
+    assert "warning: --sps-curve" in said and "profiled at k=2 and this server drafts k=3" in said
