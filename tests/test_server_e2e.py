@@ -501,6 +501,32 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server, n:
     assert server.metrics()[("vllm:request_success_total", abort)] == aborted_before + n
 
 
+def test_a_client_that_leaves_after_its_last_choice_leaves_no_error_in_the_log(server: Server) -> None:
+    """A client may close (even reset) the connection once it has read the finish of its last choice, before
+    ``[DONE]``: the requests are done, so that is no error, and the server used to log a traceback for it."""
+    import struct
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    body = json.dumps({"prompt": "The quick", "max_tokens": 3, "stream": True,
+                         "stream_options": {"include_usage": True}, **GREEDY}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    before = server.log.read_text(errors="replace").count("Error handling request")
+    for _ in range(20):
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            sock.sendall(head + body)
+            seen = b""
+            while b'"finish_reason":"length"' not in seen:
+                data = sock.recv(65536)
+                assert data, seen[-500:]
+                seen += data
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    _wait_idle(server)
+    assert server.get("/health")[0] == 200
+    assert server.log.read_text(errors="replace").count("Error handling request") == before
+
+
 def test_requests_beyond_max_num_seqs_queue_and_all_complete(server: Server) -> None:
     n = 4 * MAX_NUM_SEQS
 

@@ -762,19 +762,29 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
         if resp is None:
             return _engine_error(exc)
         status = 400 if isinstance(exc, RequestRejectedError) else 500
-        await resp.write(b"data: " + orjson.dumps(error_body(str(exc), status)) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await _end_stream(resp, [b"data: " + orjson.dumps(error_body(str(exc), status)) + b"\n\n"])
     except ConnectionResetError:
         # The client went away mid-stream; leaving _merged above already aborted the requests.
         return resp if resp is not None else web.Response(status=499)
     assert resp is not None
+    tail = []
     if req.include_usage:
         payload = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
                    "usage": _usage_of(gens)}
-        await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+        tail.append(b"data: " + orjson.dumps(payload) + b"\n\n")
+    return await _end_stream(resp, tail)
+
+
+async def _end_stream(resp: web.StreamResponse, events: Sequence[bytes]) -> web.StreamResponse:
+    """The stream's last events, ``[DONE]`` and its end. A client may close once it has read the last choice's
+    finish: the requests are done by then, so there is nothing to abort and nothing to log."""
+    try:
+        for event in events:
+            await resp.write(event)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass
     return resp
 
 
