@@ -239,7 +239,8 @@ def serve(
                                               "--budget-frac and otherwise pays through the saturation policy."),
     capacity_policy: str | None = typer.Option(None, "--capacity-policy", help="argmax (default), paper or threshold."),
     confidence_threshold: float | None = typer.Option(None, "--confidence-threshold",
-                                                      help="Survival threshold in (0, 1] (threshold policy)."),
+                                                      help="Survival threshold in (0, 1]: selects the threshold policy (0: the "
+                                                           "SPS-driven default, which needs --sps-curve)."),
     sps_curve: str | None = typer.Option(None, "--sps-curve", help="sps_curve.json from profile-sps, or auto."),
     sps_overhead_ms: float | None = typer.Option(None, "--sps-overhead-ms", help="Override the curve's per-step overhead."),
     sts: str | None = typer.Option(None, "--sts", help="sts.json from calibrate (offline STS temperatures)."),

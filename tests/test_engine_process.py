@@ -90,7 +90,9 @@ def test_engine_process_ignores_sigint_from_its_start_up_on() -> None:
     asyncio.run(main())
 
 
-def test_killed_engine_process_fails_pending_requests_and_health() -> None:
+def test_killed_engine_process_fails_pending_requests_and_health(caplog: pytest.LogCaptureFixture) -> None:
+    """Requests in flight fail, /health says why, the log says so (as the thread front logs a failed step), and
+    /metrics counts those requests as ended in error, with none left running."""
     async def main() -> None:
         pe = ProcessEngine(scripted(step_s=0.01))
         await pe.start()
@@ -109,6 +111,13 @@ def test_killed_engine_process_fails_pending_requests_and_health() -> None:
             assert h.status == 503 and body["status"] == "failed" and "killed by SIGKILL" in body["error"]
             with pytest.raises(EngineDeadError):
                 await _collect(pe, "late", [1], 1)
+            assert any("exited unexpectedly" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+            text = await (await client.get("/metrics")).text()
+            running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running{")]
+            errors = [ln for ln in text.splitlines()
+                      if ln.startswith("vllm:request_success_total{") and 'finished_reason="error"' in ln]
+            assert running and float(running[0].rsplit(" ", 1)[1]) == 0.0, running
+            assert errors and float(errors[0].rsplit(" ", 1)[1]) == 1.0, errors
         finally:
             await client.close()
             await pe.shutdown()

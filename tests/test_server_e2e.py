@@ -395,6 +395,12 @@ def test_stop_string_cuts_text_and_finishes_with_stop(server: Server) -> None:
         ("/v1/completions", {"prompt": "hi", "n": 0}, "'n' must be an integer in [1, 128]"),
         ("/v1/completions", {"prompt": ["a", "b"], "n": 100}, "more than 128 choices"),
         ("/v1/completions", {"prompt": ["a", []]}, "'prompt' must be"),
+        ("/v1/completions", {"prompt": ["ab", [1, 2]]}, "'prompt' must be a list of one kind"),
+        # sample j of n is seeded seed + j: a seed that leaves no room for them is the seed's fault
+        ("/v1/completions", {"prompt": "hi", "n": 2, "seed": 2**63 - 1}, "'seed' 9223372036854775807 leaves no room"),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "'stream': true"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+         "tool_choice"),
         ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 3}, "logprobs"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs"),
@@ -431,6 +437,21 @@ def test_an_unknown_model_is_404_and_the_off_values_of_unsupported_fields_pass(s
            "include_stop_str_in_output": False, "presence_penalty": 0, "logprobs": None}
     status, out = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, **GREEDY, **off})
     assert status == 200, out
+
+
+def test_a_large_request_body_is_parsed_off_the_event_loop_and_served_alike(server: Server) -> None:
+    """Bodies above PARSE_ON_LOOP_BYTES are parsed on a worker thread (a long prompt's tokenization would stall
+    every stream): the answer is the same, a refusal included."""
+    from dspark_cli.engines.embedded.server import PARSE_ON_LOOP_BYTES
+
+    body = {"prompt": "The quick brown", "max_tokens": 4, **GREEDY}
+    padded = json.dumps(body).encode()[:-1] + b" " * (PARSE_ON_LOOP_BYTES + 1) + b"}"
+    small, large = server.post("/v1/completions", body), server.post("/v1/completions", padded)
+    assert small[0] == large[0] == 200
+    assert small[1]["choices"][0]["text"] == large[1]["choices"][0]["text"]
+    too_long = {"prompt": "hi " * (PARSE_ON_LOOP_BYTES // 3 + 1), "max_tokens": 1}
+    status, out = server.post("/v1/completions", too_long)
+    assert status == 400 and "maximum context length" in out["error"]["message"]
 
 
 def test_malformed_json_is_400(server: Server) -> None:

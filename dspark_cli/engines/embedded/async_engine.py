@@ -324,7 +324,12 @@ class EngineFront:
     def _on_engine_failure(self, exc: BaseException) -> None:
         self._error = exc
         self.state = "failed"
+        in_flight = len(self._streams)
         self._fail_all(EngineDeadError(f"engine failed: {error_type(exc)}: {exc}"))
+        # The engine's last counters still show the requests it ran; they ended in error, and nothing runs now.
+        finished = dict(self._stats.requests_finished)
+        finished["error"] = finished.get("error", 0) + in_flight
+        self._stats = dataclasses.replace(self._stats, num_running=0, num_waiting=0, requests_finished=finished)
 
     def _on_ready(self) -> None:
         if self.state != "loading":  # shut down while it loaded: it stays stopped

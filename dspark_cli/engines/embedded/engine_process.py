@@ -445,6 +445,7 @@ class ProcessEngine(EngineFront):
             return
         code = self._proc.exitcode if self._proc is not None else None
         exc = EngineDeadError(f"the engine process exited unexpectedly ({_exit_description(code)})")
+        log.error("%s; the server is now unhealthy", exc)  # as the thread front logs a failed step
         if self.state == "loading":
             self._on_load_failure(exc)
         else:

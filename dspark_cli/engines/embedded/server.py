@@ -233,6 +233,7 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "use_beam_search": (None, False),
     "tools": (None,),
+    "tool_choice": (None, "none", "auto"),  # with no tools, "required" or a named function cannot be honoured
     # vLLM honours these; silently serving without them would return output the client did not ask for
     "response_format": (None, {"type": "text"}),
     "structured_outputs": (None,),
@@ -310,6 +311,9 @@ class ServerContext:
 # Choices one request may ask for (prompts x n): each is an engine request, so a bound keeps one HTTP request
 # from queueing thousands of them.
 MAX_CHOICES = 128
+# A request body above this many bytes is parsed (and its prompt tokenized) off the event loop; below it the
+# thread hop would cost more than the parse (a 64 KiB prompt tokenizes in about a millisecond).
+PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
 def _make_params(body: dict[str, Any], max_tokens: int, sample: int = 0) -> Any:
@@ -359,6 +363,9 @@ def parse_common(ctx: ServerContext, body: Any) -> tuple[dict[str, Any], list[st
     s = body.get("seed")
     if s is not None and not (_is_int(s) and -(1 << 63) <= s < 1 << 63):
         raise BadRequest(f"'seed' must be a 64-bit integer, got {s!r}", "seed")
+    if s is not None and s + (n or 1) - 1 >= 1 << 63:
+        # sample j of n is seeded seed + j (_make_params)
+        raise BadRequest(f"'seed' {s} leaves no room for n={n} samples seeded seed + j within 64 bits", "seed")
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -381,6 +388,8 @@ def parse_common(ctx: ServerContext, body: Any) -> tuple[dict[str, Any], list[st
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
+    if so is not None and body.get("stream") is not True:
+        raise BadRequest("'stream_options' needs 'stream': true", "stream_options")  # as vLLM refuses it
     return body, stops, model or ctx.served_model_name
 
 
@@ -441,6 +450,8 @@ def parse_completion(ctx: ServerContext, body: Any) -> list[ParsedRequest]:
         raise BadRequest("'prompt' is required", "prompt")
     prompt = body["prompt"]
     batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(x, (str, list)) for x in prompt)
+    if batch and len({type(x) for x in prompt}) > 1:
+        raise BadRequest("'prompt' must be a list of one kind: texts, or token-id lists", "prompt")
     return _choices(ctx, body, stops, model, [_prompt_ids(ctx, x) for x in (prompt if batch else [prompt])])
 
 
@@ -620,7 +631,13 @@ async def _run(ctx: ServerContext, request: web.Request, chat: bool) -> web.Stre
         return error_response(f"the server is not ready: {ctx.engine.state}", 503)
     try:
         body = await _read_json(request)
-        reqs = parse_chat(ctx, body) if chat else parse_completion(ctx, body)
+        parse = parse_chat if chat else parse_completion
+        if (request.content_length or 0) > PARSE_ON_LOOP_BYTES:
+            # A long prompt's tokenization (seconds for megabytes; the tokenizer lets go of the GIL) would stall
+            # every other stream on this loop: it runs on a worker thread.
+            reqs = await asyncio.to_thread(parse, ctx, body)
+        else:
+            reqs = parse(ctx, body)
     except BadRequest as exc:
         return error_response(str(exc), exc.status, exc.param)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
