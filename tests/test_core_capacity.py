@@ -1606,3 +1606,12 @@ def test_a_due_probe_waits_for_its_load_to_be_timed_but_not_forever() -> None:
     assert not pol2.begin_step(32)  # nothing due at the pausing load: the count starts over
     assert not pol2.begin_step(64, measured=False)  # so this rise probe waits again ...
     assert pol2.begin_step(64, measured=True) and pol2.probe_trigger == "rise"  # ... until its load is timed
+
+
+@pytest.mark.parametrize("gain", [float("inf"), float("nan"), -0.1])
+def test_a_minimum_predicted_gain_must_be_a_finite_number_from_zero(gain: float) -> None:
+    """An unbounded range (``hi`` infinite) still takes finite numbers only: an infinite minimum gain would never
+    trim, and say nothing about why."""
+    with pytest.raises(DsparkError, match="min_predicted_gain must be a number in >= 0.0 and finite"):
+        CapacityConfig(mode="varlen", min_predicted_gain=gain)
+    assert CapacityConfig(mode="varlen", min_predicted_gain=1e9).min_predicted_gain == 1e9

@@ -13,8 +13,10 @@ from dspark_cli.errors import DsparkError
 
 
 def check_float(name: str, value: Any, lo: float, hi: float) -> None:
-    """A number in ``[lo, hi]`` (``hi`` may be ``math.inf``: then any finite number from ``lo``); bools refused."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
+    """A finite number in ``[lo, hi]`` (``hi`` may be ``math.inf``: then any finite number from ``lo``); bools
+    refused."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not (lo <= value <= hi)):
         rng = f"[{lo}, {hi}]" if math.isfinite(hi) else f">= {lo} and finite"
         raise DsparkError(f"capacity setting {name} must be a number in {rng}, got {value!r}")
 

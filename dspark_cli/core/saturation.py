@@ -697,7 +697,8 @@ class SaturationPolicy:
 
     @property
     def probe_wait(self) -> int:
-        """Paused steps before the next probe (``resume_every``, doubled by every failed probe)."""
+        """Paused steps before the next probe (``resume_every``, doubled by every failed timer probe and every
+        resume that pauses again within ``2 x patience`` steps; failed load probes leave it)."""
         return self._probe_wait
 
     def observe(self, pays: bool | BudgetDecision, num_running: int = 0) -> None:

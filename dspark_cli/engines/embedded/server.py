@@ -6,7 +6,7 @@ response shapes follow OpenAI's API as vLLM implements it, so that ``vllm bench 
 client and ``dspark bench`` talk to this server exactly as they talk to ``vllm serve``.
 
 Design points:
-- Validation happens here, at the edge: anything the engine cannot honour (n > 1, logprobs, penalties,
+- Validation happens here, at the edge: anything the engine cannot honour (logprobs, penalties, tools,
   a prompt longer than the context) is a 400 with OpenAI's error JSON naming the field, never a silently
   different experiment.
 - Stop strings are matched on incrementally detokenised text. While streaming, the last
