@@ -750,6 +750,27 @@ def test_paused_steps_compact_where_asked_and_the_backends_allow(
     assert len(stays) == (1 if mode == "mask" and blocker else 0)
 
 
+@pytest.mark.parametrize("asked", ["mask", "varlen"])
+def test_mask_mode_whose_full_batch_vllm_cannot_verify_at_once_is_refused_at_start_up(
+        manager_cls, asked: str) -> None:
+    """vLLM 0.33 verifies a batch with adaptive verification on in one chunk of logit rows and asserts beyond it;
+    mask mode's uniform batch has 1 + K rows per request whatever it admits, so a full batch must fit (varlen
+    caps its budget to fit instead). Varlen that falls back to mask is checked alike."""
+    from dspark_cli.engines.vllm import manager
+
+    curve = SpsCurve.from_points([(4, 10.0), (8, 12.0), (16, 40.0)], [(1, 5.0)], capture_sizes=[4, 8, 16])
+    settings = DsparkVllmSettings(mode=asked, sps_curve=curve.to_dict())
+    av = _av_module("graphs" if asked == "varlen" else None)
+    fits = {**_create_kwargs(), "max_total_logits": 8 * (1 + K)}
+    assert manager.create_manager(settings, av, fits).mode == "mask"
+    with pytest.raises(ValueError, match=rf"a full batch of 8 requests verifies {8 * (1 + K)} logit rows .* "
+                                         rf"use --max-num-seqs 7 or fewer"):
+        manager.create_manager(settings, av, {**fits, "max_total_logits": 8 * (1 + K) - 1})
+    varlen = DsparkVllmSettings(mode="varlen", sps_curve=curve.to_dict())
+    small = {**fits, "max_total_logits": 3}  # varlen's budget cap keeps any batch within it
+    assert manager.create_manager(varlen, _av_module(None), small).mode == "varlen"
+
+
 def test_a_paused_mask_step_compacts_to_one_token_per_request_and_a_drafting_one_stays_uniform(
         manager_cls) -> None:
     """mask_paused_compact: a paused step's placeholder drafts are verified by none, so it runs varlen's

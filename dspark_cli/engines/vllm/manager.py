@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
-from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR
+from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR, VLLM_VERSION
 from dspark_cli.engines.vllm.step_clock import StepIntervals, clock_for
 from dspark_cli.engines.vllm.upkeep import CatchupBuffers, DraftUpkeep, catchup_batch
 
@@ -444,6 +444,20 @@ def _varlen_unsupported(av_module: Any, kwargs: dict[str, Any]) -> str | None:
     return None
 
 
+def check_mask_rows(max_num_reqs: int, k: int, num_bonus_tokens: int, max_total_logits: int) -> None:
+    """Mask mode verifies the uniform batch, ``1 + K`` logit rows per request whatever it admits; vLLM 0.33's
+    rejection sampler verifies a batch with adaptive verification on in one chunk of at most
+    ``max_total_logits`` rows (1 GiB of fp32 logits: 2,093 rows for a 128,256-token vocabulary, 1,766 for
+    151,936) and asserts beyond it (``_verify_in_chunks``). Varlen's budget is capped to fit; mask cannot shrink
+    its batch, so a full one must fit: refused at start-up rather than by an assertion under load."""
+    rows = max_num_reqs * (k + num_bonus_tokens)
+    if rows > max_total_logits:
+        most = max_total_logits // (k + num_bonus_tokens)
+        raise ValueError(f"dspark mask mode: a full batch of {max_num_reqs} requests verifies {rows} logit rows "
+                         f"(1 + {k} each), more than vLLM {VLLM_VERSION} verifies at once for this vocabulary "
+                         f"({max_total_logits}); use --max-num-seqs {most} or fewer, fewer draft tokens, or varlen")
+
+
 def create_manager(settings: DsparkVllmSettings, av_module: Any, kwargs: dict[str, Any]) -> Any:
     """Our replacement for ``maybe_create_adaptive_verification_manager`` (called by the plugin's gate).
 
@@ -465,6 +479,9 @@ def create_manager(settings: DsparkVllmSettings, av_module: Any, kwargs: dict[st
         else:
             compact_paused = True
     if mode == "mask":
+        req_states = kwargs["req_states"]
+        check_mask_rows(int(req_states.max_num_reqs), int(req_states.num_speculative_steps),
+                        int(kwargs["num_bonus_tokens"]), int(kwargs["max_total_logits"]))
         if kwargs.get("copy_admitted_drafts_to_host"):
             raise ValueError("dspark mask mode cannot run with batch-sharded sampling (the sampler's batch copy "
                              "loses the invalid-draft mask): use varlen, or disable batch-sharded sampling")
