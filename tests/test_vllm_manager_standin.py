@@ -298,7 +298,7 @@ class ExecuteModelState(NamedTuple):
 
 
 def _step_state(r: int, scheduled: int = K) -> Any:
-    batch = types.SimpleNamespace(num_reqs=r, num_tokens=r * (1 + scheduled), num_draft_tokens=r * scheduled)
+    batch = types.SimpleNamespace(num_reqs=r, idx_mapping_np=np.arange(r), num_tokens=r * (1 + scheduled), num_draft_tokens=r * scheduled)
     return types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, scheduled))
 
 
@@ -382,7 +382,7 @@ def test_a_paused_step_leaves_the_next_one_plain_and_probes_still_resume(manager
             budgets.append(m._batch_budget[2])
             m.reallocate_drafts(requests, torch.arange(3))
         scheduled = sum(map(len, drafts.values()))
-        batch = types.SimpleNamespace(num_reqs=3, num_tokens=3 + scheduled, num_draft_tokens=scheduled)
+        batch = types.SimpleNamespace(num_reqs=3, idx_mapping_np=np.arange(3), num_tokens=3 + scheduled, num_draft_tokens=scheduled)
         runner = types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, K))
         m.begin_drafting_step(runner)  # vLLM: before sample_tokens, which observes the outcome
         if drafts:
@@ -429,7 +429,7 @@ def _bonus_only_step(m, drafted: bool) -> int:
         _record(m, [[0.6] * K] * 3)
     m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
     m.reallocate_drafts(list(per_req), torch.arange(3))
-    batch = types.SimpleNamespace(num_reqs=3, num_tokens=3 + 3 * K, num_draft_tokens=3 * K)
+    batch = types.SimpleNamespace(num_reqs=3, idx_mapping_np=np.arange(3), num_tokens=3 + 3 * K, num_draft_tokens=3 * K)
     runner = types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, K))
     m.begin_drafting_step(runner)
     m.observe(torch.full((3,), 1, dtype=torch.int32))
@@ -582,7 +582,7 @@ def test_a_step_that_carries_a_prompt_chunk_times_no_decode_step(manager_cls) ->
         now[0] += ms / 1e3
         if prefill:  # a paused step that admits a prompt catches the draft up in the same pass
             m._upkeep.paid(np.arange(3))
-        batch = types.SimpleNamespace(num_reqs=3, num_tokens=3 + 3 * K, num_draft_tokens=3 * K, has_prefill=prefill)
+        batch = types.SimpleNamespace(num_reqs=3, idx_mapping_np=np.arange(3), num_tokens=3 + 3 * K, num_draft_tokens=3 * K, has_prefill=prefill)
         m.begin_drafting_step(types.SimpleNamespace(execute_model_state=ExecuteModelState(batch, K)))
         m.observe(torch.full((3,), 1, dtype=torch.int32))
 
@@ -612,7 +612,7 @@ def _batch(num_reqs: int, prompt_chunks: list[int], drafts: int = K) -> types.Si
     scheduled = np.array([1 + drafts] * decode + prompt_chunks, dtype=np.int32)
     per_req = np.array([drafts] * decode + [0] * len(prompt_chunks), dtype=np.int32)
     prefilling = np.array([False] * decode + [True] * len(prompt_chunks))
-    return types.SimpleNamespace(num_reqs=num_reqs, num_tokens=int(scheduled.sum()), num_draft_tokens=int(per_req.sum()),
+    return types.SimpleNamespace(num_reqs=num_reqs, idx_mapping_np=np.arange(num_reqs), num_tokens=int(scheduled.sum()), num_draft_tokens=int(per_req.sum()),
                                  num_scheduled_tokens=scheduled, num_draft_tokens_per_req=per_req,
                                  is_prefilling_np=prefilling, has_prefill=bool(prefilling.any()))
 
@@ -852,3 +852,35 @@ def test_prompts_are_deferred_only_where_asked_and_without_prefix_caching(manage
         said = " ".join(r.getMessage() for r in caplog.records)
         assert ("draft_defer_prompts needs --no-enable-prefix-caching" in said) is (asked and prefix_caching)
         assert ("(prompt chunks too)" in said) is deferred
+
+
+@pytest.mark.parametrize("mode", ["varlen", "mask"])
+def test_a_request_the_resuming_step_left_out_never_has_its_stale_drafts_admitted(manager_cls, mode: str) -> None:
+    """Where vLLM keeps a paused step's placeholders (plain_paused_steps off, or a worker in another process),
+    a request that the step resuming drafting did not schedule (its token budget ran out) still holds the paused
+    step's -1 ids when it comes back, whatever the batch's other requests hold. None of them may be admitted:
+    a -1 id verified is an embedding lookup out of range on the GPU."""
+    m = _make(manager_cls, mode, r=3)
+    m._pause_supported = True
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    drafts = {x: [0] * K for x in per_req}
+    _record(m, [[0.99] * K] * 3)  # confident drafts before the pause: stale ones must not count for r2
+    verdicts = iter([False, True, True])
+    m.timer.begin_step = lambda num_reqs: next(verdicts)
+    m.get_num_tokens(per_req, drafts)
+    m.reallocate_drafts(list(per_req), torch.arange(3))
+    m.begin_drafting_step(_step_state(3))  # paused: r0..r2 get -1 ids
+    two = {x: per_req[x] for x in ("r0", "r1")}
+    m.get_num_tokens(two, {x: drafts[x] for x in two})  # the resuming step schedules r0 and r1 only
+    m.reallocate_drafts(list(two), torch.arange(2))
+    m.begin_drafting_step(_step_state(2))  # drafting again: r0 and r1 get real drafts, r2 keeps its -1s
+    _record(m, [[0.99] * K] * 2)
+    assert m._drafts_real and list(m._slot_real[:3]) == [True, True, False]
+    m.get_num_tokens(per_req, drafts)  # r2 is back, with K placeholders for its -1 ids
+    budget = m._batch_budget.budget
+    assert list(m._batch_budget.counts[2]) == [K, K, 0] and 0 < budget <= 2 * K
+    m.reallocate_drafts(list(per_req), torch.arange(3))
+    caps = m._batch_draft_capacity[:3].tolist()
+    assert caps[2] == 0 and sum(caps) == budget
+    m.begin_drafting_step(_step_state(3))  # drafting: every slot holds real drafts again
+    assert m._slot_real[:3].all()

@@ -406,15 +406,16 @@ class BatchBudget(NamedTuple):
     """
 
     req_ids: list[str]
-    counts: np.ndarray  # [2, R] int32: drafts, non-draft tokens
+    counts: np.ndarray  # [3, R] int32: drafts, non-draft tokens, drafts that may be admitted (real ones)
     budget: int
 
-    def in_order(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def in_order(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Scheduled drafts, non-draft tokens and admissible drafts of each request, in ``req_ids``' order."""
         if req_ids == self.req_ids:
-            return self.counts[0], self.counts[1]
+            return self.counts[0], self.counts[1], self.counts[2]
         where = {x: i for i, x in enumerate(self.req_ids)}
         idx = np.fromiter(map(where.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
-        return self.counts[0][idx], self.counts[1][idx]
+        return self.counts[0][idx], self.counts[1][idx], self.counts[2][idx]
 
 
 def _with_batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -562,6 +563,7 @@ def build_manager_class(base: type) -> type:
             device = self.req_states.device
             max_reqs = self.req_states.max_num_reqs
             self._sched_gpu = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+            self._admissible_gpu = torch.zeros(max_reqs, dtype=torch.int32, device=device)
             # A paused varlen step's logit rows (_paused_layout): one per request.
             self._paused_cu_num_logits = (torch.arange(max_reqs + 1, dtype=self._cu_num_logits.dtype, device=device)
                                           * self.num_bonus_tokens)
@@ -591,6 +593,11 @@ def build_manager_class(base: type) -> type:
             self._mask_pending: int | None = None
             self._verify_pending: tuple[list[str], int, np.ndarray, bool] | None = None
             self._drafts_real = True  # whether the drafts verified next are real (not a paused step's stale ids)
+            # The same per request slot: a request the step that resumed drafting did not schedule (its token
+            # budget ran out) still holds the paused step's -1 ids and vLLM's placeholders for them where the
+            # placeholders are kept (plain_paused_steps off, or a worker in another process). Its next step must
+            # admit none of them: a -1 id in the verify batch is an embedding lookup out of range.
+            self._slot_real = np.ones(max_reqs, dtype=bool)
             self._pause_supported = False
             # Step timing only on a single rank: TP ranks must take the same saturation decisions, and
             # those are reproducible from shared outcomes but not from each rank's own clock (attach sets it).
@@ -672,6 +679,7 @@ def build_manager_class(base: type) -> type:
         def add_request(self, req_idx: int) -> None:
             super().add_request(req_idx)
             self._raw_slots[req_idx].fill_(1.0)
+            self._slot_real[req_idx] = True
             if self._upkeep is not None:
                 self._upkeep.reset(req_idx)
             self._steps[req_idx] = 0
@@ -703,18 +711,25 @@ def build_manager_class(base: type) -> type:
             nondraft = scheduled - drafts
             total = int(drafts.sum())
             cap = min(total, max(0, self._max_total_logits - r * self.num_bonus_tokens))
+            admissible = drafts
             self._judge_last_outcome()
+            if self._drafts_real:
+                slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids), dtype=np.int64,
+                                    count=r)
+                real = self._slot_real[slots]
+                if not real.all():
+                    admissible = np.where(real, drafts, 0)
+                    cap = min(int(admissible.sum()), cap)
             if self._verify_all:
                 budget = cap if self._drafts_real else 0
             elif self._drafts_real:
-                slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids), dtype=np.int64,
-                                    count=r)
                 stale = self._stale_confidences[self._stale_idx].np[slots]
                 survival = np.cumprod(np.clip(stale.astype(np.float64), 0.0, 1.0), axis=1)
+                survival[~real] = 0.0
                 num_sampling = int(np.count_nonzero(
                     self.req_states.num_computed_tokens_np[slots] + nondraft >= self.req_states.prefill_len.np[slots]
                 ))
-                decision = choose_budget(survival, drafts, int(nondraft.sum()), num_sampling, self.curve, self.cfg)
+                decision = choose_budget(survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg)
                 budget = min(decision.budget, cap)
                 self._step_decision = decision
                 if self._pause_supported:
@@ -722,7 +737,8 @@ def build_manager_class(base: type) -> type:
                     self._outcome_decision = (decision, r)
             else:
                 budget = 0  # placeholders from a paused draft pass: verify none of them
-            self._batch_budget = BatchBudget(req_ids, np.stack([drafts, nondraft]).astype(np.int32), budget)
+            self._batch_budget = BatchBudget(req_ids, np.stack([drafts, nondraft, admissible]).astype(np.int32),
+                                             budget)
             compact = self.mode == "varlen" or self._paused_compact_step()
             return int(nondraft.sum()) + (budget if compact else total)
 
@@ -745,15 +761,20 @@ def build_manager_class(base: type) -> type:
             budget = batch_budget.budget
             if budget == 0 and not self._drafts_real and self.compact_paused:
                 return self._paused_layout(req_ids, r, idx_mapping)
-            sched, nondraft = batch_budget.in_order(req_ids)
+            sched, nondraft, admissible = batch_budget.in_order(req_ids)
             total = int(sched.sum())
             sched_gpu = self._sched_gpu[:r]
             async_tensor_h2d(sched, out=sched_gpu)
+            limit_gpu = sched_gpu
+            if total != int(admissible.sum()):  # stale ids in some rows (_slot_real): never admitted
+                limit_gpu = self._admissible_gpu[:r]
+                async_tensor_h2d(admissible, out=limit_gpu)
+                total = int(admissible.sum())
             caps = self._batch_draft_capacity[:r]
             if budget == 0:
                 caps.zero_()
             elif budget >= total:
-                caps.copy_(sched_gpu)
+                caps.copy_(limit_gpu)
             else:
                 # The runner sizes the batch by the host's `budget` (no sync), so the allocation must admit
                 # exactly that many drafts -- and it never admits a zero-survival slot. This step's
@@ -762,7 +783,7 @@ def build_manager_class(base: type) -> type:
                 # likely cause of a gather past it on the H200 (docs/PERFORMANCE.md section 14). Floored
                 # slots tie and rank by (position, request), so every request still gets a prefix.
                 survival = torch.nan_to_num(prefix_survival(self._confidence_probs[idx_mapping]), nan=0.0)
-                caps.copy_(allocate(survival.clamp_min_(SURVIVAL_FLOOR), sched_gpu, budget))
+                caps.copy_(allocate(survival.clamp_min_(SURVIVAL_FLOOR), limit_gpu, budget))
             self._verify_pending = (list(req_ids), r, idx_mapping, self._drafts_real)
             self._cu_num_logits[:1].zero_()
             if self.mode == "mask":
@@ -933,6 +954,8 @@ def build_manager_class(base: type) -> type:
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
             self._drafts_real = drafting
+            batch = state.input_batch
+            self._slot_real[np.asarray(batch.idx_mapping_np[: int(batch.num_reqs)])] = drafting
 
         def _maybe_report(self, now: float) -> None:
             """Log what the saturation policy did and why, every ``REPORT_EVERY_S`` of serving."""
