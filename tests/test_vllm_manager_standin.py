@@ -467,7 +467,7 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
     assert len(summary) == 1 and "pauses 1, resumes 1" in summary[0] and "2-3: 0.33" in summary[0]
     assert "due probes held 0 steps by the probe tax, 0 to time their load, 0 while the load climbed" in summary[0]
     assert "paused step time over priced, by load [2-3: 3.00]; " in summary[0]  # 30 ms priced at 10
-    assert summary[0].endswith("prefill steps, time over priced, by load: none timed")
+    assert summary[0].endswith("prefill steps, time over priced, by load: none timed; outcome waits 0, 0.0 ms")
     # ... and every probe's verdict as it is judged, in the words benchmarks/saturation_log.py reads
     verdicts = [x for x in lines if "decisions" not in x]
     assert verdicts and all(" probe at 3 requests " in x and "probe allowance" in x for x in verdicts)
@@ -852,6 +852,24 @@ def test_prompts_are_deferred_only_where_asked_and_without_prefix_caching(manage
         said = " ".join(r.getMessage() for r in caplog.records)
         assert ("draft_defer_prompts needs --no-enable-prefix-caching" in said) is (asked and prefix_caching)
         assert ("(prompt chunks too)" in said) is deferred
+
+
+def test_a_draft_with_a_sliding_window_is_kept_current_while_paused(manager_cls, caplog) -> None:
+    """A catch-up writes positions behind each query through the block table; under a sliding window the blocks
+    below it may already serve another request, so such a draft keeps its K/V current instead."""
+    spec = types.SimpleNamespace(max_num_tokens=256, max_num_reqs=8, dcp_size=1)
+    for window, deferred in ((None, True), (4096, False)):
+        m = _make(manager_cls, "varlen")
+        m._pause_supported = True
+        m.vllm_config.cache_config = types.SimpleNamespace(enable_prefix_caching=False)
+        draft = types.SimpleNamespace(get_sliding_window=lambda w=window: w)
+        m.vllm_config.speculative_config = types.SimpleNamespace(draft_model_config=draft)
+        with caplog.at_level(logging.INFO, logger="vllm.dspark"):
+            caplog.clear()
+            m._set_up_upkeep(spec, standalone=True)
+        assert (m._upkeep is not None) is deferred
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert ("sliding window of 4096 tokens: its K/V is kept current" in said) is not deferred
 
 
 @pytest.mark.parametrize("mode", ["varlen", "mask"])

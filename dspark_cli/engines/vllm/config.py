@@ -80,7 +80,8 @@ class DsparkVllmSettings:
     # placeholders per request on every step, and a paused server pays for them in the scheduler (token budget,
     # rejection accounting), in the runner (verification layout, rejection sampler) and in our hooks, though no
     # draft is verified (docs/PERFORMANCE.md section 33). Works where the scheduler runs in the worker's process
-    # (one GPU: vLLM's uniprocess executor); elsewhere the placeholders stay and the step compacts them away.
+    # (one GPU: vLLM's uniprocess executor); elsewhere the placeholders stay, verified by none: the step compacts
+    # them away (varlen, compacted mask) or masks them (uniform mask).
     # On by default since the greedy lossless check with real weights matched no speculation with it (8 of 8
     # prompts for varlen pausing every other step and for mask, docs/PERFORMANCE.md section 34). Its first H200
     # run had served garbage: the plain step built attention metadata for one-token queries under a graph

@@ -612,13 +612,17 @@ def build_manager_class(base: type) -> type:
             self._no_rejections = torch.zeros(max_reqs, dtype=torch.int32, device=device)
             self._attached = False
             self._traces: _TraceStager | None = None
-            # The saturation policy's outcome feedback: a step's emitted-token count goes to the host on a
-            # side copy and is judged one step later (never a sync on the hot path).
+            # The saturation policy's outcome feedback: a drafting step's emitted-token count goes to the host
+            # on a side copy and is judged when the next batch is prepared. That waits for the previous step's
+            # rejection sampling (not its draft pass): under asynchronous scheduling the host may reach that
+            # point first, so the wait is timed and logged (outcome waits) for a GPU sitting to measure.
             pin = device.type == "cuda"
             self._outcome_host = torch.zeros((), dtype=torch.int64, pin_memory=pin)
             self._outcome_event = torch.cuda.Event() if pin else None
             self._outcome_decision: tuple[Any, int] | None = None  # the decision of the step being verified
             self._outcome_pending: tuple[Any, int] | None = None  # a decision whose outcome is being copied
+            self._outcome_waits = 0  # outcomes the host had to wait for, and how long in all (_judge_last_outcome)
+            self._outcome_wait_ms = 0.0
             self._moe_skip = bool(envs.VLLM_MOE_SKIP_PADDING)
             # Mask mode saves compute by pruning only where padding rows are skipped: MoE layers under
             # VLLM_MOE_SKIP_PADDING. Elsewhere the core prices the uniform batch whole (core.capacity).
@@ -851,8 +855,10 @@ def build_manager_class(base: type) -> type:
             from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 
             # Pausing = the runner schedules 0 drafts for the step (begin_drafting_step), which vLLM 0.33
-            # already supports per step: the speculator is told num_speculative_tokens=0, the scheduler gets
-            # no drafts, and the next step decodes one token per request. The DFlash family then stores its
+            # already supports per step: the speculator is told num_speculative_tokens=0 and writes no draft
+            # (-1 ids). vLLM's asynchronous scheduler still reserves K placeholders for the next step unless
+            # plain_paused_steps empties them (then that step decodes one token per request); where they stay,
+            # the step verifies none of them (budget 0, _slot_real per request). The DFlash family then stores its
             # context K/V and skips the query pass; StandaloneAR ignores the count, so its K-1 decode passes
             # are skipped here, and in varlen its prefill pass too, the draft's K/V caught up later
             # (engines.vllm.upkeep: drafts after resuming are as good as before the pause); in mask mode
@@ -886,15 +892,27 @@ def build_manager_class(base: type) -> type:
             """StandaloneAR with compacted paused steps (varlen, or mask with ``mask_paused_compact``): defer the
             draft's K/V writes while paused (``engines.vllm.upkeep``).
 
-            Uniform mask mode keeps the draft current: its paused batches carry placeholder drafts (vLLM's async
-            scheduler reserves them), so no paused step is a pure decode step there. The budget leaves room
-            for the prefill kernel's correction slot per request in the speculator's expanded buffers.
+            Uniform mask mode keeps the draft current: where vLLM's async scheduler keeps its placeholder drafts,
+            no paused step there is a pure decode step (with ``plain_paused_steps`` the steps after a pause are,
+            but they then match none of uniform mask's 1 + K decode graphs and run piecewise or eagerly: the
+            fallback a backend without varlen graph replay gets, not measured yet). The budget leaves room for
+            the prefill kernel's correction slot per request in the speculator's expanded buffers. Not with a
+            sliding-window draft: a catch-up writes through the block table below the window, whose blocks may
+            already be another request's.
             """
             wanted = self.settings.draft_catchup_tokens
             if not (standalone and self._pause_supported and self.compact_paused and wanted > 0):
                 return
             if int(getattr(spec, "dcp_size", 1)) > 1:
                 logger.info("dspark: decode context parallelism: the draft's K/V is kept current while paused")
+                return
+            draft_config = getattr(getattr(self.vllm_config, "speculative_config", None), "draft_model_config", None)
+            window = draft_config.get_sliding_window() if draft_config is not None else None
+            if window:
+                # A catch-up writes up to its budget of positions behind each query, through the block table;
+                # below a sliding window those blocks may have been freed and handed to another request.
+                logger.info("dspark: the draft attends over a sliding window of %d tokens: its K/V is kept current "
+                            "while paused", window)
                 return
             budget = min(wanted, int(spec.max_num_tokens) - int(spec.max_num_reqs))
             if budget < int(spec.max_num_reqs):
@@ -990,10 +1008,10 @@ def build_manager_class(base: type) -> type:
                         "due probes held %d steps by the probe tax, %d to time their load, %d while the load "
                         "climbed; last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V "
                         "while paused: %s; paused step time over priced, by load [%s]; prefill steps, time over "
-                        "priced, by load: %s", self._decisions[True],
+                        "priced, by load: %s; outcome waits %d, %.1f ms", self._decisions[True],
                         self._decisions[False], self._plain_after_pause, c.pauses, c.resumes, probes or "none", c.deferred_probe_steps,
                         c.unmeasured_probe_steps, c.rising_probe_steps, last, quotients or "not measured yet", upkeep,
-                        plain or "not measured yet", prefills)
+                        plain or "not measured yet", prefills, self._outcome_waits, self._outcome_wait_ms)
 
         def _time_last_step(self, batch: Any, heavy: bool, mark: Any) -> None:
             """Close the interval since the last drafting decision (at ``mark``), charged to that decision, and
@@ -1081,12 +1099,18 @@ def build_manager_class(base: type) -> type:
             return out
 
         def _judge_last_outcome(self) -> None:
-            """Hand the saturation policy the outcome copied a step ago (complete by now: its event is old)."""
+            """Hand the saturation policy the outcome copied a step ago. Its event was recorded after that step's
+            rejection sampling; where the host prepares this batch before the GPU got there, this waits (timed
+            into ``_outcome_wait_ms``: a wait here is host time the next step cannot overlap)."""
             pending, self._outcome_pending = self._outcome_pending, None
             if pending is None:
                 return
             if self._outcome_event is not None:
-                self._outcome_event.synchronize()
+                if not self._outcome_event.query():
+                    t0 = time.perf_counter()
+                    self._outcome_event.synchronize()
+                    self._outcome_waits += 1
+                    self._outcome_wait_ms += (time.perf_counter() - t0) * 1e3
             decision, r = pending
             seen = self.saturation.counters.last_probe
             self.saturation.observe_outcome(decision, int(self._outcome_host.item()), r,

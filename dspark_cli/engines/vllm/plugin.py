@@ -264,7 +264,8 @@ def install_runtime_patches(state: PatchState) -> None:
 def publish_placeholders(state: PatchState) -> bool:
     """``plain_paused_steps``: wrap ``AsyncScheduler._update_after_schedule`` to publish the placeholder list it
     handed the step's requests (:meth:`PatchState.drop_placeholders`); returns whether the hook is in place
-    (idempotent). Only the engine-core process ever calls it: where the worker runs elsewhere, nothing is
+    (idempotent). It is called in every worker process, but only one that runs in the engine core's process (vLLM's
+    uniprocess executor) has a scheduler stepping beside it: where the worker runs elsewhere, nothing is
     published there and a paused step keeps its placeholders. A drifted scheduler leaves the hook out with one
     warning -- paused steps then compact the placeholders away, as by default -- rather than refusing to
     serve."""

@@ -25,7 +25,9 @@ first query position (their correction slot holds a placeholder that the step's 
 overwrites).
 
 What is not caught up: a request that ends before its next catch-up leaves its last pending positions
-unwritten in the draft's cache. Outputs are unaffected (the target verifies every draft); a later request
+unwritten in the draft's cache, and so does one that vLLM preempts (it is removed, and its count starts again
+when it is re-added: with prefix caching it may then reuse its own blocks, holes included; a KV connector saves
+the blocks as they are). Outputs are unaffected (the target verifies every draft); a later request
 that reuses those blocks through the prefix cache (a follow-up turn over a paused answer) drafts from an
 incomplete draft context until its own tokens overwrite them. By default prompt chunks are never deferred,
 so shared prompts are complete.
