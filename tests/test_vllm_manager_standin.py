@@ -902,3 +902,42 @@ def test_a_request_the_resuming_step_left_out_never_has_its_stale_drafts_admitte
     assert caps[2] == 0 and sum(caps) == budget
     m.begin_drafting_step(_step_state(3))  # drafting: every slot holds real drafts again
     assert m._slot_real[:3].all()
+
+
+class _SlowEvent:
+    """A CUDA event stand-in whose work completes only when waited for (the GPU behind the host)."""
+
+    def __init__(self) -> None:
+        self.done, self.waited = True, 0
+
+    def record(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done = True
+
+
+def test_a_verification_outcome_still_on_its_way_is_judged_after_the_next_launch_not_before(manager_cls) -> None:
+    """Preparing the next batch must not hold back its launch for the last step's outcome: the budget does not
+    need it. The drafting decision, which runs once that batch's forward is launched, judges it (waiting if it
+    must), so the policy still sees every outcome before it decides."""
+    m = _make(manager_cls, "varlen")
+    m._pause_supported = True
+    m._outcome_event = event = _SlowEvent()
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    drafts = {x: [0] * K for x in per_req}
+    _record(m, [[0.9] * K] * 3)
+    m.get_num_tokens(per_req, drafts)
+    m.reallocate_drafts(list(per_req), torch.arange(3))
+    m.begin_drafting_step(_step_state(3))
+    m.observe(torch.full((3,), 1 + K, dtype=torch.int32))
+    assert m._outcome_pending is not None and not event.done  # copied, not landed
+    m.get_num_tokens(per_req, drafts)
+    assert m._outcome_pending is not None and event.waited == 0  # the next batch was prepared without waiting
+    m.reallocate_drafts(list(per_req), torch.arange(3))
+    m.begin_drafting_step(_step_state(3))
+    assert m._outcome_pending is None and event.waited == 1 and m._outcome_waits == 1

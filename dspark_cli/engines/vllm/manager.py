@@ -613,9 +613,9 @@ def build_manager_class(base: type) -> type:
             self._attached = False
             self._traces: _TraceStager | None = None
             # The saturation policy's outcome feedback: a drafting step's emitted-token count goes to the host
-            # on a side copy and is judged when the next batch is prepared. That waits for the previous step's
-            # rejection sampling (not its draft pass): under asynchronous scheduling the host may reach that
-            # point first, so the wait is timed and logged (outcome waits) for a GPU sitting to measure.
+            # on a side copy and is judged while the next batch is prepared if it has landed, else at that
+            # step's drafting decision, after its forward is launched (_judge_last_outcome): the host never
+            # holds back a launch for it. Waits there are timed and logged (outcome waits).
             pin = device.type == "cuda"
             self._outcome_host = torch.zeros((), dtype=torch.int64, pin_memory=pin)
             self._outcome_event = torch.cuda.Event() if pin else None
@@ -716,7 +716,9 @@ def build_manager_class(base: type) -> type:
             total = int(drafts.sum())
             cap = min(total, max(0, self._max_total_logits - r * self.num_bonus_tokens))
             admissible = drafts
-            self._judge_last_outcome()
+            # Not waiting here: the target's forward of this batch is not launched yet, and the verdict is only
+            # needed by this step's drafting decision (begin_drafting_step), which waits for it if need be.
+            self._judge_last_outcome(wait=False)
             if self._drafts_real:
                 slots = np.fromiter(map(self.req_states.req_id_to_index.__getitem__, req_ids), dtype=np.int64,
                                     count=r)
@@ -1098,13 +1100,16 @@ def build_manager_class(base: type) -> type:
             out[:r] = torch.minimum(num_rejected[:r], (caps - accepted).clamp_min(0))
             return out
 
-        def _judge_last_outcome(self) -> None:
+        def _judge_last_outcome(self, wait: bool = True) -> None:
             """Hand the saturation policy the outcome copied a step ago. Its event was recorded after that step's
-            rejection sampling; where the host prepares this batch before the GPU got there, this waits (timed
-            into ``_outcome_wait_ms``: a wait here is host time the next step cannot overlap)."""
-            pending, self._outcome_pending = self._outcome_pending, None
-            if pending is None:
+            rejection sampling. Preparing the next batch (``wait=False``) the host may get there before the GPU
+            and leaves the outcome for the drafting decision, which runs once that batch's forward is launched
+            and waits if it must (timed into ``_outcome_wait_ms``)."""
+            if self._outcome_pending is None:
                 return
+            if not wait and self._outcome_event is not None and not self._outcome_event.query():
+                return
+            pending, self._outcome_pending = self._outcome_pending, None
             if self._outcome_event is not None:
                 if not self._outcome_event.query():
                     t0 = time.perf_counter()
@@ -1132,6 +1137,7 @@ def build_manager_class(base: type) -> type:
                 return  # placeholders of a paused step: nothing was drafted, nothing to learn
             decision, self._outcome_decision = self._outcome_decision, None
             if decision is not None:
+                self._judge_last_outcome()  # one buffer: an outcome not judged yet is judged before it is reused
                 self._outcome_host.copy_(num_sampled[:r].sum(), non_blocking=True)
                 if self._outcome_event is not None:
                     self._outcome_event.record()
