@@ -142,7 +142,7 @@ def test_load_sts_missing_file_and_short_table(tmp_path: Path) -> None:
         load_sts(tmp_path / "nope.json")
     p = tmp_path / "sts.json"
     p.write_text('{"temperatures": [1.0, 2.0]}')
-    with pytest.raises(DsparkError, match="drafts 4 tokens"):
+    with pytest.raises(DsparkError, match="4 draft positions need one each"):
         load_sts(p, num_positions=4)
 
 

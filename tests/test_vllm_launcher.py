@@ -302,7 +302,7 @@ def test_the_plugins_own_settings_travel_from_dspark_serve_too(capsys: pytest.Ca
 def test_an_sts_table_shorter_than_the_draft_is_refused_before_vllm_starts(tmp_path: Path) -> None:
     sts = tmp_path / "sts.json"
     sts.write_text('{"version": 1, "temperatures": [1.0, 1.2], "sts_temperatures": [1.0, 1.2]}')
-    with pytest.raises(DsparkError, match="has 2 temperatures but the engine drafts 7 tokens"):
+    with pytest.raises(DsparkError, match="has 2 temperatures but 7 draft positions need one each"):
         plan_vllm_serve(["m", "--speculative-config", _spec(dspark_capacity_verification_mode="varlen",
                                                             dspark_sts=str(sts))])
     plan = plan_vllm_serve(["m", "--speculative-config", _spec(num_speculative_tokens=2,

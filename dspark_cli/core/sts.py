@@ -326,7 +326,7 @@ def load_sts(path: str | os.PathLike[str], num_positions: int | None = None) -> 
     if num_positions is not None:
         if len(out) < num_positions:
             raise DsparkError(
-                f"{p}: has {len(out)} temperatures but the engine drafts {num_positions} tokens; "
+                f"{p}: has {len(out)} temperatures but {num_positions} draft positions need one each; "
                 "re-run `dspark calibrate` with traces from this draft length"
             )
         out = out[:num_positions]
