@@ -179,6 +179,30 @@ def test_unknown_backend_is_one_clear_error() -> None:
         EngineConfig(attention_backend="flash").validate()
 
 
+def test_flashinfer_is_neither_chosen_nor_allowed_before_compute_capability_8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its query-tile rule is mirrored for SM80 and newer: an older GPU (a T4, say) takes 16-row tiles where a
+    verify request needs more, and the rows past the first tile would never be written. Checked on a CPU by
+    telling the selection what the device is."""
+    from dspark_cli.engines.embedded import attention
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(fa, "flashinfer_status", lambda: None)  # as if the pinned version were installed
+    monkeypatch.setattr(attention, "_triton_usable", lambda device: True)
+    assert get_backend("auto", torch.device("cuda"), torch.bfloat16, (64,)).name == "triton"
+    with pytest.raises(DsparkError, match="compute capability 8.0 or newer"):
+        get_backend("flashinfer", torch.device("cuda"), torch.bfloat16, (64,))
+
+
+def test_a_cuda_device_index_other_than_the_first_is_refused_with_the_way_to_pick_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dspark_cli.engines.embedded.config import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(DsparkError, match="CUDA_VISIBLE_DEVICES=1 and --device cuda"):
+        resolve_device("cuda:1")
+    assert resolve_device("cuda:0") == torch.device("cuda:0") and resolve_device("cuda").type == "cuda"
+
+
 def test_status_names_the_pinned_version_when_another_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
     import types

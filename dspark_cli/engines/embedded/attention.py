@@ -192,6 +192,12 @@ class TritonPagedAttention:
         return self._kernel(q, k_cache, v_cache, tables, inputs.seq_lens, inputs.query_start_loc, scale)
 
 
+def _ampere_or_newer(device: torch.device) -> bool:
+    """FlashInfer's query-tile height (``flashinfer_attention.cta_tile_q``) is mirrored for SM80 and newer; older
+    GPUs take 16-row tiles where a verify request needs more, and its other rows would never be written."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def _triton_usable(device: torch.device) -> bool:
     try:
         from dspark_cli.engines.embedded.triton_attention import triton_available
@@ -218,7 +224,7 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
         name = "torch"
         if device.type == "cuda":
             half = dtype in (None, torch.float16, torch.bfloat16)
-            if half and fi_dims and flashinfer_status() is None:
+            if half and fi_dims and _ampere_or_newer(device) and flashinfer_status() is None:
                 name = "flashinfer"
             elif _triton_usable(device):
                 name = "triton"
@@ -231,6 +237,9 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
     if name == "flashinfer":
         if device.type != "cuda":
             raise DsparkError("attention backend 'flashinfer' needs a CUDA device; use torch on CPU")
+        if not _ampere_or_newer(device):
+            raise DsparkError("attention backend 'flashinfer' is used here on GPUs of compute capability 8.0 or "
+                              "newer (its query-tile rule is mirrored for those); use the triton backend")
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
             raise DsparkError(f"attention backend 'flashinfer' runs float16/bfloat16 models, not {dtype}; "
                               "use a 16-bit dtype or the triton backend")

@@ -130,11 +130,16 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError as exc:
-        raise DsparkError(f"unknown device {name!r}; use auto, cpu or cuda[:N]") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DsparkError(f"device {name!r} asked for but no CUDA device is available; use --device cpu")
+        raise DsparkError(f"unknown device {name!r}; use auto, cpu or cuda") from exc
     if device.type not in ("cpu", "cuda"):
         raise DsparkError(f"device {name!r} is not supported by the embedded engine; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DsparkError(f"device {name!r} asked for but no CUDA device is available; use --device cpu")
+    if device.index not in (None, 0):
+        # Graph capture, CUDA events and Triton launches use the current device, which is GPU 0 of every thread
+        # the engine runs on: another index would split one step's work across two GPUs.
+        raise DsparkError(f"device {name!r}: the embedded engine runs on the first visible GPU; pick GPU "
+                          f"{device.index} with CUDA_VISIBLE_DEVICES={device.index} and --device cuda")
     return device
 
 

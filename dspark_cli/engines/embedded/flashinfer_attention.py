@@ -113,6 +113,10 @@ CONTRACT: tuple[ContractRow, ...] = (
                 "plan info index 8 is o_indptr's byte offset in the int workspace"),
     ContractRow(_SCHED, "block_valid_mask_h[i] = i < new_batch_size;",
                 "thread blocks past the planned tiles exit at once"),
+    ContractRow(_SCHED, "  if (enable_cuda_graph) {\n    plan_info.block_valid_mask_offset = int_allocator.aligned_alloc_offset(",
+                "that mask exists under CUDA graphs whether or not the KV is split: with disable_split_kv the padded "
+                "grid's extra blocks would otherwise read indices the plan never wrote (older FlashInfer built it "
+                "for split KV only)"),
     ContractRow(_KERNEL, "const uint32_t qo_len = variant.qo_len, kv_len = variant.kv_len,",
                 "the kernel reads each request's query and KV lengths from the device buffers"),
     ContractRow(_KERNEL, ": o + o_indptr[request_idx] * o_stride_n +",

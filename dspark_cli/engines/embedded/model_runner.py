@@ -35,8 +35,9 @@ outputs into static buffers allocated before capture, as it reads its inputs fro
 with the draft loop's tokens left in the pool, the verify replay overwrote them before the rejection step
 read them, and garbage token ids reached the next step's embedding gather.)
 
-Host-built batch tensors (block tables, catch-up tokens, positions) are packed into one int64 array and
-moved with one host-to-device copy, not one small copy per field.
+Host-built batch tensors of the decode-path steps (block tables, catch-up tokens, positions) are packed into one
+int64 array and moved with one host-to-device copy, not one small copy per field. A prefill (one step per
+admission, not per token) still copies its five index tensors apart.
 """
 
 from __future__ import annotations
