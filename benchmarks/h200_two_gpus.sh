@@ -192,14 +192,17 @@ print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x)))" "$ROOT/v
 # REAL_PREFIX_CACHING=off serves the check without vLLM's prefix cache, which draft_defer_prompts needs: with
 # REAL_SMOKE_CONFIGS=nospec,varlen-cycle-plain,varlen-cycle-defer the check's defer A/B then says whether a draft
 # whose prompts waited for the catch-ups drafts as well as one that wrote them (exit 4 where it clearly does not).
+# REAL_BATCHED_TOKENS=256 gives the check's servers a small token budget per step, so the concurrent smoke's long
+# prompt leaves decoding requests out of steps: with varlen-cycle-placeholders among the configs, a request left
+# out of a resuming step comes back holding a paused step's draft ids (never admitted: manager._slot_real).
 real_smoke() {
   local configs=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle-plain,mask-plain} kv=${REAL_KV_GIB-2} rc=0
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
   OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB=$kv PREFIX_CACHING=${REAL_PREFIX_CACHING-} \
-    stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real || rc=$?
+    BATCHED_TOKENS=${REAL_BATCHED_TOKENS-} stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real || rc=$?
   [[ $rc == 1 && -n $kv ]] || return $rc
   OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB= PREFIX_CACHING=${REAL_PREFIX_CACHING-} \
-    stage "lossless, real weights, in a row" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
+    BATCHED_TOKENS=${REAL_BATCHED_TOKENS-} stage "lossless, real weights, in a row" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
 }
 
 # One GPU, issue 6's item 4 and the low-load anatomy: the greedy lossless check on the SmolLM2 shape (dummy

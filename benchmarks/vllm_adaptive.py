@@ -186,18 +186,23 @@ def _acceptance(port: int) -> dict | None:
 
 
 SMOKE_STAGGER_S = 0.03  # request i of the concurrent smoke is sent i x this after the first
+SMOKE_LONG_PROMPT = 1024  # the smoke's first request: a prompt whose chunks can crowd decoding requests out of a step
 
 
 def _concurrent_smoke(port: int, model: str, n: int) -> dict:
     """N requests of staggered lengths, request i sent ``i x SMOKE_STAGGER_S`` after the first, so that prompts
     arrive while the others decode (and, where the policy pauses, while it is paused) and requests end mid-batch
-    (steps that mix prompt chunks with decoding rows): every one must come back complete. Outputs are not compared
-    -- batch composition changes a real model's numerics -- only served."""
+    (steps that mix prompt chunks with decoding rows): every one must come back complete. The first request's
+    prompt is ``SMOKE_LONG_PROMPT`` tokens: under a small ``--max-num-batched-tokens`` its chunks leave decoding
+    requests out of some steps, among them the step that resumes drafting (a request then comes back holding a
+    paused step's draft ids). Outputs are not compared -- batch composition changes a real model's numerics --
+    only served."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> int:
         time.sleep(i * SMOKE_STAGGER_S)
-        body = {"model": model, "prompt": [1 + (53 * i + 7 * j) % 900 for j in range(8 + 5 * i)],
+        length = SMOKE_LONG_PROMPT if i == 0 else 8 + 5 * i
+        body = {"model": model, "prompt": [1 + (53 * i + 7 * j) % 900 for j in range(length)],
                 "max_tokens": 16 + 9 * i, "temperature": 0.0, "ignore_eos": True}
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -559,6 +564,10 @@ def config_specs(base_spec: dict, ours: dict, lossless: bool = False) -> dict[st
     # ... and with draft_defer_prompts: the same, whose prompts arriving while paused wait for the catch-ups
     # (served without prefix caching, --prefix-caching off; the check's defer A/B compares it with the above)
     specs["varlen-cycle-defer"] = {**specs["varlen-cycle-plain"], "dspark_draft_defer_prompts": True}
+    # ... and keeping vLLM's placeholders after a pause, as a worker in another process does: with a small
+    # --max-num-batched-tokens a request left out of the step that resumes drafting comes back holding the paused
+    # step's -1 draft ids, which must never be admitted (manager._slot_real)
+    specs["varlen-cycle-placeholders"] = {**specs["varlen-cycle"], "dspark_plain_paused_steps": False}
     if lossless:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
         # nothing about its padding path: a budget cap makes every mask config prune.
@@ -583,7 +592,7 @@ def main() -> int:
                     help="comma list of nospec, all, upstream, varlen, mask, varlen-nosat, varlen-nosts, "
                          "varlen-startup, varlen-current, varlen-plain, varlen-placeholders, varlen-defer; for "
                          "--lossless also varlen-verify, varlen-cycle, varlen-cycle-current, varlen-cycle-plain, "
-                         "varlen-cycle-defer, mask-plain")
+                         "varlen-cycle-defer, varlen-cycle-placeholders, mask-plain")
     ap.add_argument("--client", choices=("dspark", "vllm"), default="dspark",
                     help="dspark bench --base-url (one summary table in OUT/bench) or vllm bench serve")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the bench requests")
@@ -591,6 +600,9 @@ def main() -> int:
                     help="comma list of per-position *conditional* acceptance rates: vLLM's synthetic rejection "
                          "sampler then accepts draft i with that probability (dummy weights accept nothing)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                    help="vLLM's token budget per step (default: vLLM's); small, a long prompt's chunks leave "
+                         "decoding requests out of steps (the lossless check's varlen-cycle-placeholders)")
     ap.add_argument("--dspark", default="{}", help="extra JSON for ours (e.g. {\"online_sts\": true})")
     ap.add_argument("--startup-timeout", type=float, default=None,
                     help="seconds a server may take to come up (default 420 with --compilation piecewise, whose "
@@ -666,6 +678,8 @@ def main() -> int:
               "--no-enable-flashinfer-autotune"]
     if args.load_format:
         engine += ["--load-format", args.load_format]
+    if args.max_num_batched_tokens is not None:
+        engine += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.prefix_caching == "off" or (args.prefix_caching == "auto" and not args.lossless):
         # Equal work per cell: the cells of every concurrency (and the warm-up, before it marked its prompts) send
         # the same prompts, and vLLM's prefix cache kept more or less of them by server and round. On the H200

@@ -103,7 +103,7 @@ case "$STAGE" in
       --k 7 --configs "${CONFIGS:-nospec,upstream,varlen,mask}" --lossless 8 --lossless-text --smoke "${SMOKE:-16}" \
       --dspark '{"online_sts": true}' --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" \
       ${COMPILATION:+--compilation "$COMPILATION"} ${KV_GIB:+--kv-cache-gib "$KV_GIB"} \
-      ${PREFIX_CACHING:+--prefix-caching "$PREFIX_CACHING"} ;;
+      ${PREFIX_CACHING:+--prefix-caching "$PREFIX_CACHING"} ${BATCHED_TOKENS:+--max-num-batched-tokens "$BATCHED_TOKENS"} ;;
   scaled)
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \

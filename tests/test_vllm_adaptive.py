@@ -133,6 +133,9 @@ piecewise = json.loads(argv[argv.index("--compilation-config") + 1])["mode"] == 
 assert (os.environ.get("VLLM_DISABLE_COMPILE_CACHE") == "1") == piecewise, argv
 # benchmark servers run without prefix caching (equal work per cell); the lossless check keeps it
 assert ("--no-enable-prefix-caching" in argv) == (os.environ.get("EXPECT_PREFIX_CACHING") == "off"), argv
+# --max-num-batched-tokens reaches every server where a test asks for it
+want_bt = os.environ.get("EXPECT_BATCHED_TOKENS")
+assert not want_bt or argv[argv.index("--max-num-batched-tokens") + 1] == want_bt, argv
 # --api-servers N (or a config's @N) becomes vLLM's --api-server-count N (absent for one): the test reads the log
 api = argv[argv.index("--api-server-count") + 1] if "--api-server-count" in argv else "1"
 print(f"stand-in API servers: {api}", flush=True)
@@ -238,7 +241,8 @@ def test_the_lossless_check_with_text_questions_compares_every_config_against_no
 
 
 def test_the_lossless_check_serves_the_defer_ab_without_prefix_caching_and_reports_it(tmp_path: Path) -> None:
-    """--prefix-caching off reaches every server of the check, and the check's draft_defer_prompts A/B
+    """--prefix-caching off and --max-num-batched-tokens reach every server of the check, and the check's
+    draft_defer_prompts A/B
     (varlen-cycle-plain against varlen-cycle-defer) is reported beside the verdict and written to lossless.json.
     The stand-in server logs no saturation line, so its A/B can only say that nothing was deferred."""
     import json
@@ -247,12 +251,13 @@ def test_the_lossless_check_serves_the_defer_ab_without_prefix_caching_and_repor
 
     env, draft = _stand_in_vllm(tmp_path)
     env["EXPECT_PREFIX_CACHING"] = "off"
+    env["EXPECT_BATCHED_TOKENS"] = "256"
     out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
          "--out", str(out), "--k", "4", "--configs", "nospec,varlen-cycle-plain,varlen-cycle-defer",
          "--overlap-starts", "3", "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--lossless", "2",
-         "--smoke", "3", "--prefix-caching", "off"],
+         "--smoke", "3", "--prefix-caching", "off", "--max-num-batched-tokens", "256"],
         capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads((out / "lossless.json").read_text())
@@ -308,4 +313,5 @@ def test_config_specs_keep_each_configs_own_settings_over_the_shared_ones() -> N
     assert checked["mask-plain"]["dspark_plain_paused_steps"] is True
     defer = checked["varlen-cycle-defer"]
     assert defer == {**checked["varlen-cycle-plain"], "dspark_draft_defer_prompts": True}
+    assert checked["varlen-cycle-placeholders"] == {**checked["varlen-cycle"], "dspark_plain_paused_steps": False}
     assert all("dspark_budget_frac" not in s for n, s in checked.items() if s and n not in masks)
