@@ -242,9 +242,9 @@ def test_the_lossless_check_with_text_questions_compares_every_config_against_no
 
 def test_the_lossless_check_serves_the_defer_ab_without_prefix_caching_and_reports_it(tmp_path: Path) -> None:
     """--prefix-caching off and --max-num-batched-tokens reach every server of the check, and the check's
-    draft_defer_prompts A/B
-    (varlen-cycle-plain against varlen-cycle-defer) is reported beside the verdict and written to lossless.json.
-    The stand-in server logs no saturation line, so its A/B can only say that nothing was deferred."""
+    draft_defer_prompts A/B (varlen-cycle-plain against varlen-cycle-defer) is reported beside the verdict and
+    written to lossless.json. The stand-in server logs no saturation line, so its A/B can only say that nothing
+    was deferred."""
     import json
 
     from dspark_cli.engines.embedded.assets import TINY_DIR
