@@ -18,6 +18,7 @@ from dspark_cli.core.capacity import (
     BudgetDecision,
     CapacityConfig,
     CapacityManager,
+    _np_survival,
     allocate,
     choose_budget,
     prefix_survival,
@@ -1615,3 +1616,17 @@ def test_a_minimum_predicted_gain_must_be_a_finite_number_from_zero(gain: float)
     with pytest.raises(DsparkError, match="min_predicted_gain must be a number in >= 0.0 and finite"):
         CapacityConfig(mode="varlen", min_predicted_gain=gain)
     assert CapacityConfig(mode="varlen", min_predicted_gain=1e9).min_predicted_gain == 1e9
+
+
+def test_a_nan_confidence_counts_as_survival_zero_in_the_budget_as_in_the_allocation() -> None:
+    """One NaN slot (a head that overflowed) sorted first and made every Θ(n) NaN: the budget fell to 1 for
+    the whole batch and the step counted as not paying. It now counts as survival 0, as ``allocate`` takes it."""
+    curve = SpsCurve.from_points([(1, 10.0), (64, 12.0), (256, 40.0)], [(1, 2.0), (64, 3.0)])
+    cfg = CapacityConfig(mode="varlen")
+    conf = np.full((32, 4), 0.9)
+    clean = choose_budget(_np_survival(conf), np.full(32, 4), 32, 32, curve, cfg)
+    conf[5, 2:] = np.nan
+    nan = choose_budget(_np_survival(conf), np.full(32, 4), 32, 32, curve, cfg)
+    assert clean.pays and nan.pays and clean.budget - 2 <= nan.budget <= clean.budget and nan.budget > 1
+    survival = prefix_survival(torch.tensor(conf, dtype=torch.float32))
+    assert torch.isfinite(survival).all() and survival[5, 2:].eq(0).all()

@@ -456,3 +456,20 @@ def test_triton_kernels_match_torch_path_in_interpreter() -> None:
     res = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and "triton-ok" in res.stdout, res.stderr[-3000:]
+
+
+def test_a_placeholder_in_a_slot_no_row_verifies_is_read_as_a_token_not_an_index() -> None:
+    """Slots past ``admitted[r]`` are never verified; an engine may hold a placeholder (-1) there. The torch
+    path used to gather at it for the bonus row when sampling (an out-of-range index); the outcome of the
+    verified slots is the same as with a real token there."""
+    gen = torch.Generator().manual_seed(3)
+    drafts = torch.tensor([[3, 4, -1], [5, -1, -1]])
+    admitted = torch.tensor([2, 1])
+    last, start = torch.tensor([1, 2]), torch.tensor([10, 20])
+    lay = build_varlen_layout(last, drafts, admitted, start, 5)
+    logits = torch.randn(5, 10, generator=gen)
+    u = torch.rand(5, 2, generator=gen)
+    temp = torch.ones(2)
+    out = rejection_sample(logits, lay, drafts, admitted, temperature=temp, uniforms=u, use_triton=False)
+    ref = rejection_sample(logits, lay, drafts.clamp_min(0), admitted, temperature=temp, uniforms=u, use_triton=False)
+    assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.num_accepted, ref.num_accepted)

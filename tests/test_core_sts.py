@@ -362,3 +362,13 @@ def test_online_first_refits_come_early() -> None:
     sts = OnlineSTS(1, refit_interval=64)
     refits = [n for n in range(1, 200) if sts.step()]
     assert refits == [8, 16, 32, 64, 128, 192]
+
+
+def test_online_sts_ignores_a_nan_confidence_instead_of_failing() -> None:
+    """A NaN confidence's bin index was garbage: on the CPU a one-hot error, on CUDA a device-side assert that
+    stops the server. It says nothing about calibration, so it is no trial; the row's other positions count."""
+    sts = OnlineSTS(2, decay=1.0, refit_interval=1000)
+    sts.record(torch.tensor([[float("nan"), 0.5], [0.8, 0.6]]), torch.tensor([2, 2]), torch.tensor([1, 2]))
+    assert torch.isfinite(sts.trials).all()
+    assert sts.trials[0].sum().item() == 1.0 and sts.trials[1].sum().item() == 2.0
+    assert torch.isfinite(sts.refit()).all()

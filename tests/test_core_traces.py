@@ -132,3 +132,16 @@ def test_empty_inputs() -> None:
     conf, v, a = records_to_arrays([])
     assert conf.shape == (0, 0) and len(v) == 0 and len(a) == 0
     assert TraceSet([], 0).num_positions == 0
+
+
+def test_write_batch_skips_rows_its_reader_would_refuse(tmp_path: Path) -> None:
+    """A NaN confidence (a head that overflowed) or counts outside 0 <= accepted <= verified <= K used to be
+    written, and one such line made the whole file unreadable to `dspark calibrate`."""
+    path = tmp_path / "t.jsonl"
+    writer = TraceWriter(path)
+    n = writer.write_batch(np.array([[0.9, 0.5], [np.nan, 0.2], [0.9, 0.5], [0.4, np.inf]]),
+                           np.array([2, 2, 1, 1]), np.array([1, 0, 2, 0]))
+    writer.write_batch(np.array([[0.9, 0.5]]), np.array([3]), np.array([0]))  # verified > K
+    writer.close()
+    assert n == 1 and writer.records_written == 1 and writer.rows_skipped == 4
+    assert len(read_traces(path).records) == 1

@@ -19,7 +19,8 @@ pruned slot into a padding row: a dense model computes that row anyway, so pruni
 the draft's chance of acceptance -- the seed's "mask loses everywhere". Unless the engine skips padding
 rows (``mask_pruning_saves``: vLLM's MoE layers with ``VLLM_MOE_SKIP_PADDING``), the budget is priced at
 the full batch's cost and set to every draft under the cap (``budget_frac``; the explicit threshold policy
-still prunes as told), so mask pays only through the saturation policy.
+still prunes as told, unless ``min_predicted_gain`` asks for a predicted gain, which a flat cost never shows),
+so mask pays only through the saturation policy.
 
 ``schedule_paper`` is the paper's Algorithm 1 (greedy with early stop on fresh values), kept for the
 simulator and as an option; the saturation policy (:mod:`dspark_cli.core.saturation`) stops paying for
@@ -100,13 +101,15 @@ def prefix_survival(conf: torch.Tensor) -> torch.Tensor:
     """a[r, j] = prod_{i<=j} c[r, i]: the probability that draft j and all before it are accepted.
 
     Confidences are clamped to [0, 1] first so a slightly out-of-range head output cannot make survival
-    rise along a request (which would break the prefix shape of the allocation).
+    rise along a request (which would break the prefix shape of the allocation), and a NaN (a head that
+    overflowed) counts as 0: that draft and the ones after it are not worth verifying, and one NaN must not
+    make the whole batch's budget NaN.
     """
-    return torch.cumprod(conf.float().clamp(0.0, 1.0), dim=-1)
+    return torch.cumprod(torch.nan_to_num(conf.float(), nan=0.0).clamp(0.0, 1.0), dim=-1)
 
 
 def _np_survival(conf: np.ndarray) -> np.ndarray:
-    return np.cumprod(np.clip(np.asarray(conf, dtype=np.float64), 0.0, 1.0), axis=-1)
+    return np.cumprod(np.clip(np.nan_to_num(np.asarray(conf, dtype=np.float64), nan=0.0), 0.0, 1.0), axis=-1)
 
 
 def _valid_mask(shape: tuple[int, int], num_drafts: np.ndarray | None) -> np.ndarray:
@@ -224,7 +227,9 @@ def choose_budget(
     r, k = surv.shape
     valid = _valid_mask((r, k), num_drafts)
     total = int(valid.sum())
-    vals = np.sort(np.clip(surv[valid], 0.0, 1.0))[::-1]
+    # NaN survival (a head that overflowed) counts as 0, as in the allocation: sorted, a NaN would lead the
+    # order and make every Θ(n) NaN, so one NaN slot cut the whole batch's budget to 1
+    vals = np.sort(np.clip(np.nan_to_num(surv[valid], nan=0.0), 0.0, 1.0))[::-1]
     tau = float(num_sampling) + np.concatenate(([0.0], np.cumsum(vals)))
     n = np.arange(total + 1)
     if cfg.mode == "mask" and not cfg.mask_pruning_saves:

@@ -155,6 +155,9 @@ def rejection_sample(
     ``rows``: a :class:`VerifyLayout`, or ``(req_index[T], pos_in_req[T], valid[T])``: row ``t`` holds the
     target logits at draft slot ``pos_in_req[t]`` of request ``req_index[t]`` (slot ``j`` verifies draft
     ``j + 1``; slot ``admitted[r]`` is the bonus row). Every slot ``0..admitted[r]`` must appear once.
+    ``drafts[R, K]``: token ids in every slot, those past ``admitted[r]`` included: they are never verified,
+    but the fused kernels read the slot at ``admitted[r]`` as the bonus row's draft (the torch path reads a
+    placeholder such as -1 there as token 0).
     ``temperature[R]``: None = all greedy (host-known); values <= 0 mark greedy requests.
     ``top_p[R]``: optional nucleus. ``draft_probs[R, K, V]``: the distribution each draft was sampled
     from (None = one-hot on the draft). ``uniforms[T, 2]`` in [0, 1): column 0 decides acceptance at the
@@ -188,7 +191,9 @@ def rejection_sample(
     in_range = (req_raw >= 0) & (req_raw < num_reqs) & (pos >= 0) & (pos <= adm[req])
     valid = valid.to(torch.bool) & in_range
     pos_c = pos.clamp(0, num_spec)
-    drafts_ext = torch.cat([drafts.to(torch.int64), torch.zeros_like(drafts[:, :1], dtype=torch.int64)], dim=1)
+    # a placeholder id (-1) in a slot no row verifies is still a gather index below: read as token 0
+    drafts_ext = torch.cat([drafts.to(torch.int64).clamp_min(0), torch.zeros_like(drafts[:, :1], dtype=torch.int64)],
+                           dim=1)
     row_draft = drafts_ext[req, pos_c]
     has_draft = valid & (pos < adm[req])
     row_temp = None if greedy_only else temperature.to(torch.float32)[req]

@@ -475,15 +475,19 @@ class OnlineSTS:
         """Fold one step's outcomes into the counters (device only, no host sync).
 
         ``conf_raw[R, K]`` are the head's raw probabilities (before STS); position k (1-based) is a trial
-        iff ``k <= min(a+1, v)`` and a hit iff ``k <= a``; rows with ``valid`` False are ignored.
+        iff ``k <= min(a+1, v)`` and a hit iff ``k <= a``; rows with ``valid`` False are ignored, and so is a
+        NaN confidence (a head that overflowed: it says nothing about calibration, and its bin index would be
+        garbage -- on CUDA an out-of-range one-hot class, a device-side assert).
         """
         k = min(self.k, conf_raw.shape[-1])
-        logit = _logit_t(conf_raw[:, :k].to(self.device))
+        conf = conf_raw[:, :k].to(self.device)
+        finite = ~torch.isnan(conf)
+        logit = _logit_t(torch.nan_to_num(conf, nan=0.5))
         v = verified.to(self.device).long().unsqueeze(1)
         a = accepted.to(self.device).long().unsqueeze(1)
         pos = self._positions[:k].unsqueeze(0)
-        trial = pos <= torch.minimum(a + 1, v)
-        hit = pos <= a
+        trial = (pos <= torch.minimum(a + 1, v)) & finite
+        hit = (pos <= a) & finite
         if valid is not None:
             ok = valid.to(self.device).bool().unsqueeze(1)
             trial = trial & ok

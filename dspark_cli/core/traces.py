@@ -173,6 +173,7 @@ class TraceWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.decimals = decimals
         self.records_written = 0
+        self.rows_skipped = 0  # rows write_batch refused to write (the reader would refuse them)
         self._fh: IO[bytes] | None = self.path.open("ab")
 
     def _emit(self, data: bytes) -> None:
@@ -197,7 +198,10 @@ class TraceWriter:
     ) -> int:
         """Write one step's rows (``conf[R, K]``, counts ``[R]``); ``valid[R]`` False rows are skipped.
 
-        ``step`` is one integer for the whole batch or one per row. Returns the number of rows written.
+        ``step`` is one integer for the whole batch or one per row. Returns the number of rows written. Rows
+        the reader would refuse -- a confidence that is not a number in [0, 1] (a head that overflowed), or
+        counts outside ``0 <= accepted <= verified <= K`` -- are skipped too and counted in ``rows_skipped``:
+        one such row used to make the whole file unreadable to ``dspark calibrate``.
         """
         c = np.round(_to_numpy(conf).astype(np.float64), self.decimals)
         v = _to_numpy(verified).astype(np.int64).reshape(-1)
@@ -206,6 +210,10 @@ class TraceWriter:
         if len(v) != r or len(a) != r:
             raise ValueError(f"write_batch needs one verified/accepted per row, got {len(v)}/{len(a)} for {r} rows")
         keep = np.ones(r, dtype=bool) if valid is None else _to_numpy(valid).astype(bool).reshape(-1)
+        k = c.shape[1] if c.ndim == 2 else 0
+        sound = np.all(np.isfinite(c) & (c >= 0.0) & (c <= 1.0), axis=1) & (a >= 0) & (a <= v) & (v <= k)
+        self.rows_skipped += int(np.count_nonzero(keep & ~sound))
+        keep = keep & sound
         reqs = None if requests is None else _to_numpy(requests).tolist()
         steps: list[Any]
         if step is None:

@@ -730,7 +730,7 @@ def build_manager_class(base: type) -> type:
                 budget = cap if self._drafts_real else 0
             elif self._drafts_real:
                 stale = self._stale_confidences[self._stale_idx].np[slots]
-                survival = np.cumprod(np.clip(stale.astype(np.float64), 0.0, 1.0), axis=1)
+                survival = np.cumprod(np.clip(np.nan_to_num(stale.astype(np.float64), nan=0.0), 0.0, 1.0), axis=1)
                 survival[~real] = 0.0
                 num_sampling = int(np.count_nonzero(
                     self.req_states.num_computed_tokens_np[slots] + nondraft >= self.req_states.prefill_len.np[slots]
