@@ -246,6 +246,10 @@ def vllm_argv(req: ProfileRequest, *, build: bool = True) -> list[str]:
     # The toolkit's model names become vLLM-ready copies, as for `dspark serve --engine vllm` (engines.vllm.models).
     k = req.num_speculative_tokens if req.num_speculative_tokens is not None else spec.get("num_speculative_tokens")
     draft = req.draft if req.draft is not None else spec.get("model", "auto")
+    if not k:
+        # vLLM times a step only where a speculator drafts: without one the profile came back empty
+        raise DsparkError("profile-sps --engine vllm prices the draft pass too: pass -k K (>= 1) and a draft "
+                          "(--draft, or a --speculative-config with num_speculative_tokens)")
     models = vllm_models(req.model, draft, speculative=bool(k), build=build)
     argv = [models.model, *extra, *_engine_args_flags(args)]
     if models.load_format is not None and "load_format" not in args and flag_value(extra, "--load-format") is None:
@@ -271,13 +275,15 @@ def vllm_argv(req: ProfileRequest, *, build: bool = True) -> list[str]:
 def run_vllm(req: ProfileRequest, *, dry_run: bool) -> SpsCurve | None:
     """Dry run: print the exact profiler command (None). Else run it, then apply ``--overhead-ms`` to the
     curve it wrote and return the curve (the profiler itself already refused a flat one)."""
-    from dspark_cli.engines.vllm.profile import build_profile_command, run_vllm_profile
+    from dspark_cli.engines.vllm.profile import profile_plan, run_vllm_profile
 
     argv = vllm_argv(req, build=not dry_run)
     if dry_run:
         run_vllm_profile(argv, dry_run=True)
         return None
-    cmd = build_profile_command(argv)
+    cmd, warnings = profile_plan(argv)
+    for warning in warnings:  # as the dry run and dspark serve --engine vllm say them, before vLLM starts
+        sys.stderr.write(f"warning: {warning}\n")
     if importlib.util.find_spec("vllm") is None:
         raise DsparkError("vLLM is not installed here: pip install 'dspark-cli[vllm]' (vllm==0.33.0, CUDA), or "
                           "profile the embedded engine (drop --engine vllm)")

@@ -179,6 +179,15 @@ def test_one_line_error_and_exit_1_at_the_command_line(tmp_path: Path) -> None:
         (["org/model", "--engine", "vllm", "--device", "cuda", "--dry-run"], "--device"),
         (["org/model", "--engine", "vllm", "--capture-sizes", "1,2", "--compilation-config", "{}", "--dry-run"],
          "conflicts"),
+        # nothing to time: the profile used to fail only after the model loaded, with an empty curve
+        (["org/model", "--engine", "vllm", "--dry-run"], "pass -k K (>= 1) and a draft"),
+        (["org/model", "--engine", "vllm", "--draft", "org/d", "-k", "3", "--enforce-eager", "--dry-run"],
+         "--enforce-eager: profile-sps --engine vllm times the FULL CUDA graphs"),
+        (["org/model", "--engine", "vllm", "--draft", "org/d", "-k", "3", "-O1", "--dry-run"], "-O1: profile-sps"),
+        (["org/model", "--engine", "vllm", "--draft", "org/d", "-k", "3", "--engine-args",
+          '{"compilation_config": {"cudagraph_mode": "PIECEWISE"}}', "--dry-run"], "cudagraph_mode PIECEWISE"),
+        (["org/model", "--engine", "vllm", "--draft", "org/d", "-k", "3", "-pp", "2", "--dry-run"],
+         "--pipeline-parallel-size 2"),
     ],
 )
 def test_bad_input_is_refused_before_anything_runs(args: list[str], match: str, tmp_path: Path) -> None:
@@ -199,8 +208,13 @@ def test_vllm_without_vllm_installed_is_refused(tmp_path: Path, monkeypatch: pyt
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    result = _invoke(["org/model", "--engine", "vllm", "-o", str(tmp_path / "c.json")])
+    result = _invoke(["org/model", "--engine", "vllm", "--draft", "org/draft", "-k", "3", "--capacity-mode", "none",
+                      "--budget-frac", "0.5", "-o", str(tmp_path / "c.json")])
     assert isinstance(result.exception, DsparkError) and "vLLM is not installed" in str(result.exception)
+    # the launcher's warnings (a setting that will not act) come before, as in a dry run
+    said = " ".join(result.output.split())
+    assert "warning: " in said and "--budget-frac" in said
+    assert "no capacity mode: the profile times the CUDA graphs of plain speculative decoding" in said
 
 
 def test_busy_engine_and_engine_without_draft_are_refused(engine: LLMEngine) -> None:

@@ -202,7 +202,7 @@ def test_profiler_is_called_by_name_through_a_worker_extension() -> None:
     assert callable(getattr(ext, "dspark_profile_sps", None))
     # no name of ours may shadow a worker attribute (vLLM asserts on conflicts when it mixes the class in)
     assert [a for a in vars(ext) if not a.startswith("__")] == ["dspark_profile_sps"]
-    calls = [n for n in ast.walk(ast.parse(inspect.getsource(profile.main)))
+    calls = [n for n in ast.walk(ast.parse(inspect.getsource(profile._profile)))
              if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "collective_rpc"]
     assert calls and all(isinstance(c.args[0], ast.Constant) and c.args[0].value == "dspark_profile_sps"
                          for c in calls)
@@ -234,6 +234,12 @@ def test_profiler_summary_takes_medians_and_prices_the_draft_from_full_graph_ste
     assert out["capture_sizes"] == [8, 64] and "FULL-graph" in out["draft_source"]
     eager_only = summarize_steps([_Sample(9.0, 5.0, 1024, 64, False)], {1024: [12.0]}, [], 64)
     assert eager_only["draft_ms"] == [(64, 5.0)] and eager_only["overhead_ms"] == 0.0
+    # mask mode, k=7: uniform dummy steps of 8 and 16 tokens hold 1 and 2 requests, so a step's draft pass is
+    # the one at 1 or 2 requests (it used to be looked up at 8 and 16, found missing, and left in the overhead)
+    uniform = [_Sample(1.0, 5.0, 8, 1, True), _Sample(1.5, 5.2, 16, 2, True)]
+    out = summarize_steps(uniform, {8: [6.5], 16: [7.2]}, captured=[8, 16], max_num_reqs=64)
+    assert out["draft_ms"] == [(1, 5.0), (2, 5.2)]
+    assert out["overhead_ms"] == pytest.approx(0.5)  # 6.5 - 1.0 - 5.0 and 7.2 - 1.5 - 5.2
 
 
 def test_profiler_times_dummy_steps_and_never_replays_a_captured_graph_by_hand() -> None:
@@ -275,6 +281,7 @@ def test_profiler_times_dummy_steps_and_never_replays_a_captured_graph_by_hand()
     assert runs.count((8, False)) == 1 + 3 and not any(u for _, u in runs)
     assert [n for n, _ in out["verify_ms"]] == [8, 16, 24, 32, 64]
     assert out["draft_ms"] == [(4, 0.2)] and out["capture_sizes"] == [8, 16]
+    assert out["context_len"] == 4096  # the KV every dummy request reads, recorded in the curve's meta
     # mask mode: uniform decode graphs are reached only by uniform decode dummy steps
     runs.clear()
     out = profile_worker(SimpleNamespace(model_runner=runner(varlen=False)), replays=2, warmup=0)

@@ -375,6 +375,22 @@ def _check_full_graphs(passthrough: list[str], mode: str) -> None:
                           "--compilation-config, or serve with --capacity-mode none")
 
 
+def check_profile_graphs(argv: list[str]) -> None:
+    """``profile-sps --engine vllm`` times the FULL CUDA graphs a server replays, and vLLM times a step on the
+    last pipeline stage only: without such graphs nothing is timed, and the profile failed only after the model
+    loaded, with an empty curve."""
+    eager, _, level, graphs, stages = _graph_flags(argv)
+    spelled = ("--enforce-eager" if eager else f"cudagraph_mode {graphs}" if graphs in ("NONE", "PIECEWISE")
+               else f"-O{level.strip()}" if graphs is None and level is not None and level.strip() in _LEVEL_GRAPHS
+               else None)
+    if spelled is not None:
+        raise DsparkError(f"{spelled}: profile-sps --engine vllm times the FULL CUDA graphs a server replays, and "
+                          "this captures none; profile with the graphs the server will run")
+    if stages is not None and stages.strip() not in ("", "1"):
+        raise DsparkError(f"--pipeline-parallel-size {stages.strip()}: vLLM {VLLM_VERSION} times a step on the last "
+                          "pipeline stage only, so the profile would come back empty; profile one stage")
+
+
 def _check_draft_named(spec: dict[str, Any], *, capacity: bool) -> None:
     """A draft count with neither a draft nor a method that needs none: vLLM 0.33 takes the method for
     ``draft_model`` and stops with "num_speculative_tokens was provided but without speculative model".

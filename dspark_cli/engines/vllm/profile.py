@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from dspark_cli.engines.vllm.launcher import plan_vllm_serve
+from dspark_cli.engines.vllm.launcher import check_profile_graphs, plan_vllm_serve
 from dspark_cli.errors import DsparkError
 
 MODULE = "dspark_cli.engines.vllm.profile"
@@ -54,24 +54,32 @@ def build_profile_command(argv: list[str]) -> list[str]:
 
     Engine flags are translated exactly as ``dspark serve --engine vllm`` translates them.
     """
-    return _profile_plan(argv)[0]
+    return profile_plan(argv)[0]
 
 
-def _profile_plan(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The profiler command and the launcher's warnings about its settings (those that will not act)."""
+def profile_plan(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The profiler command and the launcher's warnings about its settings (those that will not act). Refused
+    here, before vLLM loads a weight: flags that leave no FULL CUDA graphs to time, or pipeline stages."""
     ours, rest = _split(list(argv))
     if not rest or rest[0].startswith("-"):
         raise DsparkError("profile-sps --engine vllm needs the model first, as vllm serve does: "
                           "dspark profile-sps --engine vllm MODEL [vllm flags] --output sps_curve.json")
     plan = plan_vllm_serve(rest)
+    check_profile_graphs(plan.argv)
     out = ["python3", "-m", MODULE, *plan.argv]
     for flag, default in PROFILE_FLAGS.items():
         out += [flag, ours.get(flag, default)]
-    return out, plan.warnings
+    warnings = list(plan.warnings)
+    if plan.settings is None:
+        # Without adaptive verification vLLM captures plain speculative decoding's uniform 1 + K graphs, not the
+        # varlen ones a capacity mode replays: the staircase would step at other sizes than serving's.
+        warnings.append("no capacity mode: the profile times the CUDA graphs of plain speculative decoding; pass "
+                        "--capacity-mode varlen (or mask) as the server will run, so the curve prices its graphs")
+    return out, warnings
 
 
 def run_vllm_profile(argv: list[str], *, dry_run: bool) -> int:
-    cmd, warnings = _profile_plan(argv)
+    cmd, warnings = profile_plan(argv)
     for warning in warnings:  # as dspark serve --engine vllm says them, before vLLM starts
         sys.stderr.write(f"warning: {warning}\n")
     if dry_run:
@@ -133,10 +141,21 @@ def summarize_steps(
 
     verify_points, draft_points, from_full_graphs = step_sample_points(samples)
     fwd_med, drf_med = dict(median_points(verify_points)), dict(median_points(draft_points))
+    # The draft pass each timed step ran is the one at that step's own request count: min(n, max_num_reqs) for
+    # a plain dummy step of n tokens, n / (1 + k) for mask mode's uniform ones. Looked up as min(n, ...) alone,
+    # a uniform step's draft was missing and its whole pass landed in the overhead, charged to every step.
+    reqs_at: dict[int, int] = {}
+    for sample in samples:
+        reqs_at.setdefault(int(sample.num_target_tokens), int(sample.num_reqs))
+    keys = sorted(drf_med)
+
+    def draft_at(reqs: int) -> float:
+        return float(np.interp(reqs, keys, [drf_med[x] for x in keys])) if keys else 0.0
+
     overheads = []
     for n in captured[: min(3, len(captured))]:
         if n in walls and n in fwd_med:
-            overheads.append(float(np.median(walls[n])) - fwd_med[n] - drf_med.get(min(n, max_num_reqs), 0.0))
+            overheads.append(float(np.median(walls[n])) - fwd_med[n] - draft_at(reqs_at.get(n, min(n, max_num_reqs))))
     return {
         "verify_ms": sorted(fwd_med.items()),
         "draft_ms": sorted(drf_med.items()),
@@ -192,10 +211,20 @@ def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 40
                 walls.setdefault(n, []).append((time.perf_counter() - t0) * 1000.0)
     out = summarize_steps(list(samples), walls, captured, int(runner.max_num_reqs))
     out["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    out["context_len"] = context_len
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The profiler process: one clear line for what the user can fix (a flat curve, the extension slot)."""
+    try:
+        return _profile(argv)
+    except DsparkError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+
+
+def _profile(argv: list[str] | None) -> int:
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -225,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         monotone_fit(r0["verify_ms"]), monotone_fit(r0["draft_ms"]), r0["overhead_ms"], r0["capture_sizes"],
         meta={"engine": "vllm", "model": args.model, "device": r0["device"], "draft_source": r0["draft_source"],
               "measured_verify_ms": r0["verify_ms"], "measured_draft_ms": r0["draft_ms"],
-              "k": getattr(spec, "num_speculative_tokens", None),
+              "k": getattr(spec, "num_speculative_tokens", None), "context_len": r0.get("context_len"),
               "tensor_parallel_size": args.tensor_parallel_size, "command": shlex.join(sys.argv)},
         source="vLLM dummy steps (FULL graphs at captured sizes)",
     )
