@@ -517,7 +517,8 @@ def _dspark_bench(args: argparse.Namespace, name: str, port: int, env: dict[str,
     return rows
 
 
-def config_specs(base_spec: dict, ours: dict, lossless: bool = False) -> dict[str, dict | None]:
+def config_specs(base_spec: dict, ours: dict, lossless: bool = False,
+                 alt_curve: str | None = None) -> dict[str, dict | None]:
     """Every config's speculative config (None: no speculation): ``base_spec`` is vLLM's ``draft_model`` spec,
     ``ours`` the ``--dspark`` settings every config of ours gets (as ``dspark_*`` keys), which a config's own
     keys override. ``lossless``: the greedy check's variants (mask configs prune to half the drafts)."""
@@ -540,6 +541,8 @@ def config_specs(base_spec: dict, ours: dict, lossless: bool = False) -> dict[st
         "varlen-nosts": {**{k: v for k, v in varlen.items() if k not in ("dspark_online_sts", "dspark_sts")},
                          "dspark_online_sts": False},
         "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
+        # the curve-source A/B: varlen priced by --alt-sps-curve (e.g. a profile of another verify layout)
+        **({"varlen-alt": {**varlen, "dspark_sps_curve": alt_curve}} if alt_curve else {}),
         "varlen-current": {**varlen, "dspark_draft_catchup_tokens": 0},  # the draft's K/V kept current while paused
         # a paused step's successor scheduled as plain decoding, no placeholder drafts (plain_paused_steps, the
         # default since its greedy outputs matched no speculation's on the H200, docs/PERFORMANCE.md section 34)
@@ -600,6 +603,9 @@ def main() -> int:
                     help="comma list of per-position *conditional* acceptance rates: vLLM's synthetic rejection "
                          "sampler then accepts draft i with that probability (dummy weights accept nothing)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--alt-sps-curve", default=None, metavar="FILE",
+                    help="config varlen-alt: varlen priced by this curve instead of --dspark's (a curve-source A/B, "
+                         "e.g. a profile with --verify-layout uniform)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                     help="vLLM's token budget per step (default: vLLM's); small, a long prompt's chunks leave "
                          "decoding requests out of steps (the lossless check's varlen-cycle-placeholders)")
@@ -703,7 +709,7 @@ def main() -> int:
             ap.error("--anatomy records dspark bench cells: drop --lossless / --client vllm")
         engine += ["--worker-extension-cls", ANATOMY_EXTENSION]
         env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /collective_rpc, which the anatomy is driven through
-    specs = config_specs(base_spec, ours, args.lossless > 0)
+    specs = config_specs(base_spec, ours, args.lossless > 0, args.alt_sps_curve)
     try:
         unknown = [n for n in args.configs.split(",") if config_parts(n)[0] not in specs]
     except ValueError as exc:

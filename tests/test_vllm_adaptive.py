@@ -314,4 +314,8 @@ def test_config_specs_keep_each_configs_own_settings_over_the_shared_ones() -> N
     defer = checked["varlen-cycle-defer"]
     assert defer == {**checked["varlen-cycle-plain"], "dspark_draft_defer_prompts": True}
     assert checked["varlen-cycle-placeholders"] == {**checked["varlen-cycle"], "dspark_plain_paused_steps": False}
+    # the curve-source A/B: varlen-alt exists only with --alt-sps-curve, and differs from varlen by its curve
+    assert "varlen-alt" not in specs
+    alt = adaptive.config_specs(base, {**ours, "sps_curve": "a.json"}, alt_curve="b.json")
+    assert alt["varlen-alt"] == {**alt["varlen"], "dspark_sps_curve": "b.json"}
     assert all("dspark_budget_frac" not in s for n, s in checked.items() if s and n not in masks)

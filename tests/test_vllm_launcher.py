@@ -287,6 +287,12 @@ def test_profiler_times_dummy_steps_and_never_replays_a_captured_graph_by_hand()
     out = profile_worker(SimpleNamespace(model_runner=runner(varlen=False)), replays=2, warmup=0)
     assert {n for n, u in runs if u} == {8, 16} and {n for n, u in runs if not u} == {24, 32, 64}
     assert out["draft_ms"] == [(1, 0.2), (2, 0.2)]
+    # --verify-layout uniform: varlen's captured sizes too, as n / (1 + k) requests of 1 + k tokens (a served
+    # verify batch's shape), where the default's plain dummy step is n one-token requests
+    runs.clear()
+    out = profile_worker(SimpleNamespace(model_runner=runner(varlen=True)), replays=2, warmup=0,
+                         verify_layout="uniform")
+    assert {n for n, u in runs if u} == {8, 16} and out["verify_layout"] == "uniform"
 
 
 def test_the_plugins_own_settings_travel_from_dspark_serve_too(capsys: pytest.CaptureFixture[str]) -> None:
