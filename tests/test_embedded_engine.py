@@ -694,3 +694,9 @@ def test_sts_calibrates_what_the_manager_sees_and_traces_stay_raw(tiny_pair: Tin
     expected = apply_temperatures(torch.tensor([raw]), torch.tensor(temps))[0]
     torch.testing.assert_close(calibrated.capacity.conf[slot], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(plain.capacity.conf[slot], torch.tensor(raw), atol=1e-5, rtol=1e-5)
+
+
+def test_a_fresh_engine_reports_every_kv_block_free() -> None:
+    """/metrics reads ``kv_blocks_free``: it was 0 until the first request, a full KV cache on an idle replica."""
+    with LLMEngine(EngineConfig(model="tiny", device="cpu", max_num_seqs=2, max_model_len=64)) as engine:
+        assert engine.stats.kv_blocks_total > 0 and engine.stats.kv_blocks_free == engine.stats.kv_blocks_total

@@ -431,3 +431,90 @@ def test_a_server_stopped_while_its_engine_thread_loads_does_not_wait_for_the_lo
         assert not release.is_set()  # returned while the factory was still inside the load
     finally:
         release.set()
+
+
+def _finished(text: str, reason: str) -> float:
+    return next(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                if ln.startswith("vllm:request_success_total{") and f'finished_reason="{reason}"' in ln)
+
+
+def test_a_stop_string_in_the_output_that_ends_the_request_counts_as_stop(tokenizer, front: str) -> None:  # type: ignore[no-untyped-def]
+    """The scripted engine writes "mnopq" for "abc" and ends it at max_tokens 5 ("length"); the stop string "q"
+    matches in that same last output, so the client is told "stop", and so must /metrics be (as vLLM counts).
+    The server's abort for the stop found the request finished and used to count nothing."""
+    async def main() -> None:
+        ae, client = await _app_client(front, scripted(tokenizer=tokenizer))
+        try:
+            before = await (await client.get("/metrics")).text()
+            for stream in (False, True):
+                body = {"prompt": "abc", "max_tokens": 5, "stop": ["q"], "stream": stream}
+                r = await client.post("/v1/completions", json=body)
+                assert r.status == 200
+                text = await r.text()
+                assert '"finish_reason":"stop"' in text.replace(" ", ""), text
+            await asyncio.sleep(0.2)  # the aborts reach the engine's side after the responses
+            after = await (await client.get("/metrics")).text()
+            assert _finished(after, "stop") - _finished(before, "stop") == 2
+            assert _finished(after, "length") == _finished(before, "length")
+        finally:
+            await client.close()
+            await ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_choice_that_fails_unexpectedly_ends_its_stream_with_an_error(
+        tokenizer, front: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """With several choices each is pumped by a task of its own: an exception other than the engine's own used
+    to end that task without a word, and the stream stayed open forever after the other choice finished."""
+    from dspark_cli.engines.embedded import server
+
+    original = server._Generation.deltas
+
+    async def deltas(self):  # type: ignore[no-untyped-def]
+        async for delta in original(self):
+            yield delta
+            if self.request_id.endswith("-1"):  # after its first output: the stream's headers are out by then
+                raise ValueError("injected")
+
+    async def failing_at_once(self):  # type: ignore[no-untyped-def]
+        if self.request_id.endswith("-1"):
+            raise ValueError("injected")
+        async for delta in original(self):
+            yield delta
+
+    monkeypatch.setattr(server._Generation, "deltas", deltas)
+
+    async def main() -> None:
+        ae, client = await _app_client(front, scripted(tokenizer=tokenizer))
+        try:
+            body = {"prompt": "abc", "max_tokens": 4, "n": 2, "stream": True}
+            r = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+            text = await asyncio.wait_for(r.text(), 10)
+            assert r.status == 200 and text.startswith("data: {")
+            assert "internal error: ValueError: injected" in text and text.rstrip().endswith("data: [DONE]")
+            # before any output the same failure is a 500 with the message, as with one choice
+            monkeypatch.setattr(server._Generation, "deltas", failing_at_once)
+            r = await client.post("/v1/completions", json=body)
+            assert r.status == 500 and "ValueError: injected" in (await r.json())["error"]["message"]
+        finally:
+            await client.close()
+            await ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_request_cut_off_by_shutdown_is_503_which_clients_retry(tokenizer, front: str) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        ae, client = await _app_client(front, scripted(step_s=0.01, tokenizer=tokenizer))
+        try:
+            task = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 60}))
+            await asyncio.sleep(0.1)
+            await ae.shutdown()
+            r = await asyncio.wait_for(task, 10)
+            assert r.status == 503 and "shutting down" in (await r.json())["error"]["message"]
+        finally:
+            await client.close()
+            await ae.shutdown()
+
+    asyncio.run(main())

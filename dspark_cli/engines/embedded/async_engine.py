@@ -21,6 +21,7 @@ scheduler state of unknown consistency, and an orchestrator restarting the proce
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -37,6 +38,10 @@ log = logging.getLogger("dspark.serve")
 
 class EngineDeadError(RuntimeError):
     """The engine failed (or was shut down); the request cannot complete. Maps to HTTP 500/503."""
+
+
+class EngineStoppingError(EngineDeadError):
+    """The server is shutting down: the request was cut off, not failed (HTTP 503, which clients retry)."""
 
 
 class RequestRejectedError(ValueError):
@@ -107,10 +112,18 @@ class EngineDriver:
     read after a request's last token already counts it.
     """
 
+    # Finish reasons kept for requests the server may still abort for a stop string (a few steps at most).
+    FINISHED_MEMORY = 4096
+
     def __init__(self, engine: Any, sink: EngineSink) -> None:
         self.engine = engine
         self._sink = sink
         self._stop_aborts = 0  # aborts that were really stop-string finishes
+        # A stop string matched in the output that also ended the request at max_tokens: the engine counted
+        # "length", the client was told "stop" (vLLM counts what the client sees). Its abort finds the request
+        # finished, so it is moved here instead.
+        self._stop_lengths = 0
+        self._finish_reasons: collections.OrderedDict[str, str | None] = collections.OrderedDict()
 
     def run(self, next_command: Callable[[bool], Command | None]) -> None:
         """Serve commands and step until a stop command; raise whatever the engine raises.
@@ -137,6 +150,11 @@ class EngineDriver:
             if not engine.has_unfinished_requests():
                 continue
             outputs = engine.step()
+            for out in outputs:
+                if out.finished:
+                    self._finish_reasons[out.request_id] = out.finish_reason
+            while len(self._finish_reasons) > self.FINISHED_MEMORY:
+                self._finish_reasons.popitem(last=False)
             self._sink.stepped(list(outputs), self.snapshot())
 
     def _apply(self, cmd: _Add | _Abort) -> bool:
@@ -146,11 +164,16 @@ class EngineDriver:
             before = engine.stats.requests_finished.get("abort", 0)
             try:
                 engine.abort_request(cmd.request_id)
+                aborted = engine.stats.requests_finished.get("abort", 0) - before
             except (KeyError, ValueError):
-                return False  # already finished: its last output raced with the abort
+                aborted = 0  # already finished: its last output raced with the abort
+            reason = self._finish_reasons.pop(cmd.request_id, None)
             if cmd.reason == "stop":
-                self._stop_aborts += engine.stats.requests_finished.get("abort", 0) - before
-            return True
+                self._stop_aborts += aborted
+                if not aborted and reason == "length":
+                    self._stop_lengths += 1
+                    return True
+            return aborted > 0
         try:
             engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
         except (DsparkError, ValueError, TypeError) as exc:
@@ -161,11 +184,12 @@ class EngineDriver:
     def snapshot(self) -> MetricsSnapshot:
         """The engine's counters, with aborts the server made for stop strings moved to ``stop``."""
         snap = MetricsSnapshot.from_stats(self.engine.stats)
-        if self._stop_aborts:
+        if self._stop_aborts or self._stop_lengths:
             finished = dict(snap.requests_finished)
-            moved = min(self._stop_aborts, finished.get("abort", 0))
-            finished["abort"] = finished.get("abort", 0) - moved
-            finished["stop"] = finished.get("stop", 0) + moved
+            for source, count in (("abort", self._stop_aborts), ("length", self._stop_lengths)):
+                moved = min(count, finished.get(source, 0))
+                finished[source] = finished.get(source, 0) - moved
+                finished["stop"] = finished.get("stop", 0) + moved
             snap = dataclasses.replace(snap, requests_finished=finished)
         return snap
 
@@ -329,7 +353,8 @@ class EngineFront:
         # The engine's last counters still show the requests it ran; they ended in error, and nothing runs now.
         finished = dict(self._stats.requests_finished)
         finished["error"] = finished.get("error", 0) + in_flight
-        self._stats = dataclasses.replace(self._stats, num_running=0, num_waiting=0, requests_finished=finished)
+        self._stats = dataclasses.replace(self._stats, num_running=0, num_waiting=0, requests_finished=finished,
+                                          kv_blocks_free=self._stats.kv_blocks_total)
 
     def _on_ready(self) -> None:
         if self.state != "loading":  # shut down while it loaded: it stays stopped
@@ -408,7 +433,7 @@ class AsyncEngine(EngineFront):
             self.state = "stopped"
             return
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineStoppingError("the server is shutting down"))
         if self.state != "failed":
             self.state = "stopped"
 

@@ -226,8 +226,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.batched_token_limit, lookahead=self.num_spec
         )
+        # Every block is free before the first request: /metrics read a full KV cache until one arrived.
         self.stats = EngineStats(accepted_per_pos=[0] * self.num_spec, kv_blocks_total=self.block_manager.num_usable_blocks,
-                                 stalls=self.stalls.counters)
+                                 kv_blocks_free=self.block_manager.num_free_blocks, stalls=self.stalls.counters)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
         self._prefill_ms: deque[float] = deque(maxlen=8)  # recent prefill step times (the scheduler's delay)

@@ -52,6 +52,7 @@ from dspark_cli.engines.embedded.async_engine import (
     EngineDeadError,
     EngineDriver,
     EngineFront,
+    EngineStoppingError,
     RequestRejectedError,
     _Stop,
     engine_max_model_len,
@@ -322,7 +323,7 @@ class ProcessEngine(EngineFront):
         atexit.unregister(self._terminate_at_exit)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(EngineDeadError("the server shut down while the engine was loading"))
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineStoppingError("the server is shutting down"))
         if self.state != "failed":
             self.state = "stopped"
 

@@ -40,6 +40,7 @@ from dspark_cli.engines.embedded.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineFront,
+    EngineStoppingError,
     RequestRejectedError,
     engine_max_model_len,
     error_type,
@@ -594,9 +595,14 @@ class _Generation:
 
 
 def _engine_error(exc: BaseException) -> web.Response:
+    return error_response(str(exc), _engine_status(exc))
+
+
+def _engine_status(exc: BaseException) -> int:
+    """400: the engine refused this request; 503: the server is shutting down (retry elsewhere); else 500."""
     if isinstance(exc, RequestRejectedError):
-        return error_response(str(exc), 400)
-    return error_response(str(exc), 500)
+        return 400
+    return 503 if isinstance(exc, EngineStoppingError) else 500
 
 
 def _usage_of(gens: Sequence[_Generation]) -> dict[str, int]:
@@ -697,7 +703,7 @@ async def _merged(gens: Sequence[_Generation]) -> Any:
         try:
             async for delta in gen.deltas():
                 queue.put_nowait((i, delta, None))
-        except (EngineDeadError, RequestRejectedError) as exc:
+        except Exception as exc:  # noqa: BLE001 -- any failure ends the stream; a lost one left it open forever
             queue.put_nowait((i, None, exc))
         queue.put_nowait((i, _END, None))
 
@@ -778,11 +784,17 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
     except (EngineDeadError, RequestRejectedError) as exc:
         if resp is None:
             return _engine_error(exc)
-        status = 400 if isinstance(exc, RequestRejectedError) else 500
-        return await _end_stream(resp, [b"data: " + orjson.dumps(error_body(str(exc), status)) + b"\n\n"])
+        body = error_body(str(exc), _engine_status(exc))
+        return await _end_stream(resp, [b"data: " + orjson.dumps(body) + b"\n\n"])
     except ConnectionResetError:
         # The client went away mid-stream; leaving _merged above already aborted the requests.
         return resp if resp is not None else web.Response(status=499)
+    except Exception as exc:  # noqa: BLE001 -- a bug of ours: said in the log and to the client, never a hang
+        log.exception("request %s failed", rid)
+        if resp is None:
+            return error_response(f"internal error: {error_type(exc)}: {exc}", 500)
+        body = error_body(f"internal error: {error_type(exc)}: {exc}", 500)
+        return await _end_stream(resp, [b"data: " + orjson.dumps(body) + b"\n\n"])
     assert resp is not None
     tail = []
     if req.include_usage:
