@@ -237,9 +237,6 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
     if name == "flashinfer":
         if device.type != "cuda":
             raise DsparkError("attention backend 'flashinfer' needs a CUDA device; use torch on CPU")
-        if not _ampere_or_newer(device):
-            raise DsparkError("attention backend 'flashinfer' is used here on GPUs of compute capability 8.0 or "
-                              "newer (its query-tile rule is mirrored for those); use the triton backend")
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
             raise DsparkError(f"attention backend 'flashinfer' runs float16/bfloat16 models, not {dtype}; "
                               "use a 16-bit dtype or the triton backend")
@@ -248,6 +245,9 @@ def get_backend(name: str = "auto", device: torch.device | None = None,
             bad = sorted(set(head_dims) - set(FLASHINFER_HEAD_DIMS))
             raise DsparkError(f"attention backend 'flashinfer' runs head dims {FLASHINFER_HEAD_DIMS}, not {bad}; "
                               "use the triton backend")
+        if not _ampere_or_newer(device):  # the one check that asks the device, after those that need none
+            raise DsparkError("attention backend 'flashinfer' is used here on GPUs of compute capability 8.0 or "
+                              "newer (its query-tile rule is mirrored for those); use the triton backend")
         from dspark_cli.engines.embedded.flashinfer_attention import FlashInferPagedAttention
 
         return FlashInferPagedAttention(device)
