@@ -502,6 +502,8 @@ def bench(
                 on_progress=lambda c, name: progress.update(task, advance=1, description=f"c={c} {name}"),
             )
         console.print(sim.to_rich(run.cells, run.names, run.title))
+        for warning in run.warnings:
+            _warn(warning)
         console.print("wrote " + ", ".join(str(p) for p in run.summary_files), highlight=False)
         return
     if serve == (base_url is not None):

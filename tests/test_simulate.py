@@ -323,6 +323,15 @@ def test_cli_bench_simulate_end_to_end(tmp_path: Path) -> None:
     bad = subprocess.run([*cmd[:5], "--simulate", "--sps-curve", str(curve)], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: --simulate needs recorded traces")
+    # the replay's K against the curve's, and more slots than the traces have requests, are said
+    k2 = tmp_path / "k2.json"
+    SpsCurve.from_dict({**SpsCurve.load(curve).to_dict(), "meta": {"k": 3}}).save(k2)
+    warned = subprocess.run([*cmd[:5], "--simulate", "--traces", str(traces), "--sps-curve", str(k2), "-c", "2,64",
+                             "-k", "2", "--results-dir", str(tmp_path / "w"), "--steps", "20", "--no-plots"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "250"})
+    said = " ".join(warned.stderr.split())
+    assert warned.returncode == 0, warned.stderr
+    assert "profiled at k=3 and the replay drafts k=2" in said and "c=64 exceeds the traces'" in said
     # options of served matrices are said to be unused, not silently dropped
     moot = subprocess.run([*cmd, "--configs", "varlen", "-n", "8", "--no-plots"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "COLUMNS": "250"})

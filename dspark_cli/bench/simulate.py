@@ -2,26 +2,33 @@
 
 Live benchmarks are slow and noisy; a policy study should be exact and cheap. The simulator replays
 recorded verification traces (JSONL, from either engine) through each policy and prices every step
-with a profiled SPS curve, so each policy's expected accepted tokens per second comes out exactly,
-beside an oracle that knows every request's true accepted length.
+with a profiled SPS curve, so each policy's tokens per second on the recorded outcomes (accepted drafts plus
+the bonus token) come out exactly, beside an oracle that knows every request's true accepted length.
 
 Replay model (one concurrency ``R``):
 
 * **One fixed schedule for every policy.** ``R`` slots; each request keeps its own consecutive steps;
   when a request's steps run out the next request (cycling through the trace set) takes its slot, as in
   continuous batching. The schedule (slot -> record per step) is built once, so every policy does the
-  same work. By default it runs enough steps to cover the trace set once (at least ``MIN_STEPS``).
+  same work. By default it runs as many steps as the trace set has records over ``R`` (at least
+  ``MIN_STEPS``): every record once where requests are of similar length. Where ``R`` exceeds the number of
+  requests, slots repeat them in lockstep (the same record at the same step), which correlates the batch;
+  the run says so.
 * **Outcome.** A policy verifying ``v`` drafts of a record with ``accepted = a`` accepts ``min(a, v)``
   plus the bonus token. Censoring: when the recording engine verified ``v_rec`` drafts and all were
   accepted (``a == v_rec``), the true run beyond ``v_rec`` is unknown and is taken as ``a``
   (conservative: a policy verifying deeper than the recording engine is never credited with tokens
-  nobody saw). Traces recorded with capacity mode ``none`` verify every draft, so they replay exactly.
+  nobody saw). Traces recorded with capacity mode ``none`` verify every draft, so they replay exactly
+  (the embedded engine's; vLLM records traces only under mask or varlen, censored by the manager that ran).
 * **Step time.** ``curve.step_cost_ms(R, R + sum v, drafting)``; ``drafting`` is False for no
   speculation and on steps where the saturation policy paused the draft pass. The ``mask`` policies keep
   the uniform batch, so a drafting step costs ``step_cost_ms(R, R + R * K)`` whatever they admit (a dense
   model computes the padding rows).
 
-Policies call the same core functions the engines call (no reimplementation): the paper's Algorithm 1
+Policies call the same core functions the engines call (no reimplementation), but for the "Threshold t" rows,
+which admit each request's drafts whose fresh raw survival is at least ``t`` (a yardstick, not the engines'
+``--capacity-policy threshold``, which counts slots on stale survival and allocates on fresh): the paper's
+Algorithm 1
 (``schedule_paper``) and the global argmax (``choose_budget`` + ``allocate``) on fresh confidences; the
 production path (``CapacityManager``: record -> plan on stale -> allocate on fresh, with the saturation
 policy and ``min_predicted_gain``) with and without STS (``OnlineSTS`` fed by the censored outcomes of
@@ -630,7 +637,7 @@ def plot_throughput(cells: Sequence[SimCell], names: Sequence[str], path: Path, 
     if len(set(xs)) > 1:
         ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency (requests in the batch)")
-    ax.set_ylabel("expected accepted tok/s")
+    ax.set_ylabel("tok/s on the recorded outcomes")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -652,6 +659,7 @@ class SimulationRun:
     num_requests: int
     num_positions: int
     written: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def summary_files(self) -> list[Path]:
@@ -766,4 +774,24 @@ def run_simulation(
     if plots:
         written.append(plot_throughput(cells, names, out_dir / "simulate_throughput.png",
                                        "Simulated tok/s vs concurrency"))
-    return SimulationRun(cells, names, title, data.num_records, len(data.requests), k, written)
+    warnings = simulation_warnings(curve, k, len(data.requests), [c.concurrency for c in cells], temps is not None)
+    return SimulationRun(cells, names, title, data.num_records, len(data.requests), k, written, warnings)
+
+
+def simulation_warnings(curve: SpsCurve, k: int, num_requests: int, concurrencies: Sequence[int],
+                        offline_sts: bool) -> list[str]:
+    """What a reader of the table should know that the table does not say."""
+    from dspark_cli.serve_config import curve_k_warning
+
+    out = []
+    mismatch = curve_k_warning(curve.meta.get("k"), k)
+    if mismatch is not None:  # every drafting step is priced at the curve's draft pass, whatever K replays
+        out.append(mismatch.replace("this server drafts", "the replay drafts"))
+    crowded = [c for c in concurrencies if c > num_requests]
+    if crowded:
+        out.append(f"c={','.join(map(str, crowded))} exceeds the traces' {num_requests} requests: the extra slots "
+                   "repeat them in lockstep, so those batches are correlated, not independent requests")
+    if offline_sts:
+        out.append("with --sts the online STS rows start from the offline temperatures (dspark serve refuses "
+                   "--online-sts with --sts; there they start from 1)")
+    return out
