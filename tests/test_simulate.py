@@ -337,3 +337,18 @@ def test_cli_bench_simulate_end_to_end(tmp_path: Path) -> None:
                           timeout=300, env={**os.environ, "COLUMNS": "250"})
     assert moot.returncode == 0, moot.stderr
     assert "warning: --configs, --num-prompts: not used by --simulate" in moot.stderr
+
+
+def test_request_ids_are_a_files_own(tmp_path: Path) -> None:
+    """Two runs' trace files may both hold ``gen-0`` (LLMEngine.generate's ids): they are two requests, not one
+    whose steps interleave."""
+    from dspark_cli.bench.simulate import load_trace_data
+    from dspark_cli.core.traces import TraceWriter
+
+    for name, accepted in (("a.jsonl", 0), ("b.jsonl", 3)):
+        writer = TraceWriter(tmp_path / name)
+        writer.write_batch([[0.9] * 3] * 3, [3, 3, 3], [accepted] * 3, requests=["gen-0"] * 3, step=[0, 1, 2])
+        writer.close()
+    data = load_trace_data([tmp_path])
+    assert len(data.requests) == 2
+    assert [data.accepted[idx].tolist() for idx in data.requests] == [[0, 0, 0], [3, 3, 3]]

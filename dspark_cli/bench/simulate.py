@@ -119,14 +119,15 @@ class TraceData:
 def load_trace_data(
     paths: Sequence[str | os.PathLike[str]], num_spec_tokens: int | None = None, skip_invalid: bool = False
 ) -> TraceData:
-    """Read traces and group them by request (records without a request id are one-step requests).
+    """Read traces and group them by request, per file (records without a request id are one-step requests).
 
     ``num_spec_tokens`` below the traces' K replays the first K positions only (counts are clipped); above
     it is refused, since nothing was drafted there.
     """
     if not paths:
         raise DsparkError("--simulate needs recorded traces: pass --traces FILE.jsonl (or a folder)")
-    ts = read_traces(list(paths), skip_invalid=skip_invalid)
+    sources: list[int] = []
+    ts = read_traces(list(paths), skip_invalid=skip_invalid, sources=sources)
     if not ts.records:
         raise DsparkError(f"no trace records in {', '.join(str(p) for p in paths)}; record some with "
                           "`dspark serve --record-traces FILE`")
@@ -140,7 +141,7 @@ def load_trace_data(
         accepted = np.minimum(accepted, num_spec_tokens)
     groups: dict[Any, list[int]] = {}
     for i, rec in enumerate(ts.records):
-        key = ("req", rec.request) if rec.request is not None else ("row", i)
+        key = ("req", sources[i], rec.request) if rec.request is not None else ("row", i)
         groups.setdefault(key, []).append(i)
     steps = [rec.step for rec in ts.records]
     requests = []

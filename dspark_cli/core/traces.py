@@ -122,18 +122,21 @@ def _expand(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) ->
 
 
 def read_traces(
-    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], skip_invalid: bool = False
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], skip_invalid: bool = False,
+    sources: list[int] | None = None,
 ) -> TraceSet:
     """Read trace JSONL files (or folders of ``*.jsonl``) in order.
 
     Every row must have the same K. A bad line raises :class:`TraceFormatError` naming ``file:line``,
     unless ``skip_invalid``, in which case it is counted in ``skipped`` (the first valid row fixes K).
-    Blank lines are ignored. A missing or unreadable file is always an error.
+    Blank lines are ignored. A missing or unreadable file is always an error. ``sources``: where given, the
+    index of the file each record came from is appended to it (request ids are a file's own: two runs' files
+    may both hold ``gen-0``).
     """
     records: list[TraceRecord] = []
     skipped = 0
     k: int | None = None
-    for path in _expand(paths):
+    for file_index, path in enumerate(_expand(paths)):
         try:
             fh = path.open("rb")
         except OSError as exc:
@@ -152,6 +155,8 @@ def read_traces(
                 if k is None:
                     k = len(rec.conf)
                 records.append(rec)
+                if sources is not None:
+                    sources.append(file_index)
     return TraceSet(records, skipped)
 
 
