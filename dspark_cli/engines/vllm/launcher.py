@@ -304,12 +304,43 @@ def _graph_name(value: Any) -> str | None:
     return None
 
 
-def _graph_flags(passthrough: list[str]) -> tuple[bool, bool, str | None, str | None, str | None]:
-    """What vLLM's parser would make of ``passthrough`` for the checks below: (--enforce-eager, --enable-lora,
-    the optimization level, the compilation config's cudagraph_mode, the pipeline-parallel size), each the last
-    one given, as vLLM reads
-    them: ``-O1``, ``-O=1``, ``-O 1`` and ``--optimization-level 1`` alike. A whole ``-cc`` JSON replaces the one
-    before it, and dotted ``-cc.X`` flags are gathered into one more JSON that vLLM appends after all of them
+@dataclass(frozen=True)
+class _GraphFlags:
+    """What vLLM's parser makes of the flags that decide its CUDA graphs, each the last one given."""
+
+    eager: bool
+    lora: bool
+    level: str | None  # the optimization level
+    graphs: str | None  # the compilation config's cudagraph_mode, upper case
+    stages: str | None  # the pipeline-parallel size
+
+    @property
+    def pipelined(self) -> str | None:
+        """The pipeline-parallel size where it is above 1."""
+        size = None if self.stages is None else self.stages.strip()
+        return size if size not in (None, "", "1") else None
+
+    @property
+    def low_level(self) -> str | None:
+        """``0`` or ``1``: an optimization level whose default cudagraph_mode has no full graphs, where the
+        compilation config does not set one."""
+        level = None if self.level is None else self.level.strip()
+        return level if self.graphs is None and level in _LEVEL_GRAPHS else None
+
+    @property
+    def without_full_graphs(self) -> str | None:
+        """The flag that leaves vLLM without full CUDA graphs, as the user spelled it (None: they are there)."""
+        if self.eager:
+            return "--enforce-eager"
+        if self.graphs in ("NONE", "PIECEWISE"):
+            return f"cudagraph_mode {self.graphs}"
+        return None if self.low_level is None else f"-O{self.low_level}"
+
+
+def _graph_flags(passthrough: list[str]) -> _GraphFlags:
+    """What vLLM's parser would make of ``passthrough`` for the checks below, each flag the last one given, as vLLM
+    reads them: ``-O1``, ``-O=1``, ``-O 1`` and ``--optimization-level 1`` alike. A whole ``-cc`` JSON replaces the
+    one before it, and dotted ``-cc.X`` flags are gathered into one more JSON that vLLM appends after all of them
     (``FlexibleArgumentParser.parse_args``), so where any is given, the whole JSONs count for nothing."""
     eager = lora = False
     level: str | None = None
@@ -344,50 +375,46 @@ def _graph_flags(passthrough: list[str]) -> tuple[bool, bool, str | None, str | 
             elif isinstance(parsed, dict):
                 whole = _graph_name(parsed.get("cudagraph_mode"))
     graphs = _graph_name(dotted.get("cudagraph_mode")) if dotted else whole
-    return eager, lora, level, graphs, stages
+    return _GraphFlags(eager, lora, level, graphs, stages)
 
 
 def _check_full_graphs(passthrough: list[str], mode: str) -> None:
     """vLLM 0.33 refuses adaptive verification, through which a capacity mode acts, without full CUDA graphs or
     with LoRA or pipeline parallelism (``VllmConfig._validate_adaptive_verification``): said here in one line,
     before any weights load, where vLLM would stop with a traceback about a setting the user never named."""
-    eager, lora, level, graphs, stages = _graph_flags(passthrough)
-    if stages is not None and stages.strip() not in ("", "1"):
-        raise DsparkError(f"--pipeline-parallel-size {stages.strip()}: vLLM {VLLM_VERSION}'s adaptive verification, "
+    flags = _graph_flags(passthrough)
+    if flags.pipelined:
+        raise DsparkError(f"--pipeline-parallel-size {flags.pipelined}: vLLM {VLLM_VERSION}'s adaptive verification, "
                           f"through which --capacity-mode {mode} acts, does not work with pipeline parallelism; "
                           "use --tensor-parallel-size instead, or serve with --capacity-mode none")
-    if eager:
+    if flags.eager:
         raise DsparkError(f"--enforce-eager: vLLM {VLLM_VERSION} runs --capacity-mode {mode} only with full CUDA "
                           "graphs; drop --enforce-eager, or serve with --capacity-mode none")
-    if lora:
+    if flags.lora:
         raise DsparkError(f"--enable-lora: vLLM {VLLM_VERSION}'s adaptive verification, through which --capacity-mode "
                           f"{mode} acts, does not work with LoRA; serve without --enable-lora, or with "
                           "--capacity-mode none")
-    if graphs is not None:
-        if graphs in ("NONE", "PIECEWISE"):
-            raise DsparkError(f"cudagraph_mode {graphs}: vLLM {VLLM_VERSION} runs --capacity-mode {mode} only with "
-                              f"full CUDA graphs; set it to {_FULL_GRAPH_MODES} in --compilation-config, or serve "
-                              "with --capacity-mode none")
-    elif level is not None and level.strip() in _LEVEL_GRAPHS:
-        raise DsparkError(f"-O{level.strip()}: vLLM {VLLM_VERSION} then captures "
-                          f"{'no' if level.strip() == '0' else 'only piecewise'} CUDA graphs, and runs --capacity-mode "
+    if flags.low_level is not None:
+        raise DsparkError(f"-O{flags.low_level}: vLLM {VLLM_VERSION} then captures "
+                          f"{'no' if flags.low_level == '0' else 'only piecewise'} CUDA graphs, and runs --capacity-mode "
                           f"{mode} only with full ones; use -O2 or -O3, set cudagraph_mode to {_FULL_GRAPH_MODES} in "
                           "--compilation-config, or serve with --capacity-mode none")
+    if flags.without_full_graphs is not None:
+        raise DsparkError(f"{flags.without_full_graphs}: vLLM {VLLM_VERSION} runs --capacity-mode {mode} only with "
+                          f"full CUDA graphs; set it to {_FULL_GRAPH_MODES} in --compilation-config, or serve "
+                          "with --capacity-mode none")
 
 
 def check_profile_graphs(argv: list[str]) -> None:
     """``profile-sps --engine vllm`` times the FULL CUDA graphs a server replays, and vLLM times a step on the
     last pipeline stage only: without such graphs nothing is timed, and the profile failed only after the model
     loaded, with an empty curve."""
-    eager, _, level, graphs, stages = _graph_flags(argv)
-    spelled = ("--enforce-eager" if eager else f"cudagraph_mode {graphs}" if graphs in ("NONE", "PIECEWISE")
-               else f"-O{level.strip()}" if graphs is None and level is not None and level.strip() in _LEVEL_GRAPHS
-               else None)
-    if spelled is not None:
-        raise DsparkError(f"{spelled}: profile-sps --engine vllm times the FULL CUDA graphs a server replays, and "
-                          "this captures none; profile with the graphs the server will run")
-    if stages is not None and stages.strip() not in ("", "1"):
-        raise DsparkError(f"--pipeline-parallel-size {stages.strip()}: vLLM {VLLM_VERSION} times a step on the last "
+    flags = _graph_flags(argv)
+    if flags.without_full_graphs is not None:
+        raise DsparkError(f"{flags.without_full_graphs}: profile-sps --engine vllm times the FULL CUDA graphs a "
+                          "server replays, and this captures none; profile with the graphs the server will run")
+    if flags.pipelined:
+        raise DsparkError(f"--pipeline-parallel-size {flags.pipelined}: vLLM {VLLM_VERSION} times a step on the last "
                           "pipeline stage only, so the profile would come back empty; profile one stage")
 
 
