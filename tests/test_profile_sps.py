@@ -102,13 +102,14 @@ def test_given_overhead_replaces_the_measured_one(tmp_path: Path) -> None:
     assert curve.overhead_ms == 0.75 and curve.meta["overhead_source"] == "given"
     assert curve.meta["capture_sizes_requested"] == [1, 2, 6]
     assert [x for x, _ in curve.verify_ms] == [1, 2, 6, 9, 12]  # the requested sizes + beyond the largest
-    # a context longer than the model allows is profiled at what fits, and said so
+    # a context longer than the model and its KV pool allow is profiled at what fits, and said so (sizes far
+    # apart: a tiny model's step costs nearly the same at 1 and 6 tokens, which the flat-curve check refuses)
     long = _invoke(["tiny", "--device", "cpu", "--max-num-seqs", "2", "-k", "2", "--warmup", "0", "--replays", "2",
-                    "--capture-sizes", "1,2", "--overhead-ms", "0.5", "--max-model-len", "64", "--context-len",
-                    "100000", "-o", str(out)])
+                    "--capture-sizes", "1,48", "--overhead-ms", "0.5", "--context-len", "100000", "-o", str(out)])
     assert long.exit_code == 0, long.output
-    assert SpsCurve.load(out).meta["context_len"] == 63
-    assert "--context-len 100000: the synthetic requests held 63 tokens of KV" in " ".join(long.output.split())
+    held = SpsCurve.load(out).meta["context_len"]
+    assert 2 <= held < 100000
+    assert f"--context-len 100000: the synthetic requests held {held} tokens of KV" in " ".join(long.output.split())
 
 
 # ---------------------------------------------------------------------------------------------- refusals
