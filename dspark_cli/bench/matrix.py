@@ -195,9 +195,15 @@ def same_workload(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     list's length (``num_prompts``) is no part of a cell's work there: a sweep may add a concurrency."""
     if a is None or b is None:
         return a == b
-    if a.get("waves") is not None and a.get("waves") == b.get("waves"):
-        return {k: v for k, v in a.items() if k != "num_prompts"} == {k: v for k, v in b.items() if k != "num_prompts"}
-    return a == b
+    return not _differing_keys(a, b)
+
+
+def _differing_keys(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The workload keys whose values differ, ``num_prompts`` left out of a ``--waves`` sweep (same_workload)."""
+    keys = [k for k in dict.fromkeys([*was, *now]) if was.get(k) != now.get(k)]
+    if was.get("waves") is not None and was.get("waves") == now.get("waves"):
+        keys = [k for k in keys if k != "num_prompts"]
+    return keys
 
 
 def same_setup(cell: dict[str, Any], common_args: Sequence[str]) -> bool:
@@ -360,10 +366,7 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
 
 def workload_difference(was: dict[str, Any], now: dict[str, Any]) -> str:
     """What differs between two workloads, as ``key was -> now`` (for the refusal to mix them)."""
-    keys = [k for k in dict.fromkeys([*was, *now]) if was.get(k) != now.get(k)]
-    if was.get("waves") is not None and was.get("waves") == now.get("waves"):
-        keys = [k for k in keys if k != "num_prompts"]
-    return ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in keys) or "its format"
+    return ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in _differing_keys(was, now)) or "its format"
 
 
 def served_args(spec: MatrixSpec, cfg: BenchConfig) -> list[str]:
