@@ -8,11 +8,12 @@ real engine live in test_server_e2e.py and test_engine_process.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -433,6 +434,17 @@ def test_a_server_stopped_while_its_engine_thread_loads_does_not_wait_for_the_lo
         release.set()
 
 
+@contextlib.asynccontextmanager
+async def _serving(front: str, factory: Callable[[], Any]) -> AsyncIterator[TestClient]:
+    """An app over a started front, closed and shut down however the test ends."""
+    ae, client = await _app_client(front, factory)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await ae.shutdown()
+
+
 def _finished(text: str, reason: str) -> float:
     return next(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                 if ln.startswith("vllm:request_success_total{") and f'finished_reason="{reason}"' in ln)
@@ -443,8 +455,7 @@ def test_a_stop_string_in_the_output_that_ends_the_request_counts_as_stop(tokeni
     matches in that same last output, so the client is told "stop", and so must /metrics be (as vLLM counts).
     The server's abort for the stop found the request finished and used to count nothing."""
     async def main() -> None:
-        ae, client = await _app_client(front, scripted(tokenizer=tokenizer))
-        try:
+        async with _serving(front, scripted(tokenizer=tokenizer)) as client:
             before = await (await client.get("/metrics")).text()
             for stream in (False, True):
                 body = {"prompt": "abc", "max_tokens": 5, "stop": ["q"], "stream": stream}
@@ -456,9 +467,6 @@ def test_a_stop_string_in_the_output_that_ends_the_request_counts_as_stop(tokeni
             after = await (await client.get("/metrics")).text()
             assert _finished(after, "stop") - _finished(before, "stop") == 2
             assert _finished(after, "length") == _finished(before, "length")
-        finally:
-            await client.close()
-            await ae.shutdown()
 
     asyncio.run(main())
 
@@ -486,8 +494,7 @@ def test_a_choice_that_fails_unexpectedly_ends_its_stream_with_an_error(
     monkeypatch.setattr(server._Generation, "deltas", deltas)
 
     async def main() -> None:
-        ae, client = await _app_client(front, scripted(tokenizer=tokenizer))
-        try:
+        async with _serving(front, scripted(tokenizer=tokenizer)) as client:
             body = {"prompt": "abc", "max_tokens": 4, "n": 2, "stream": True}
             r = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
             text = await asyncio.wait_for(r.text(), 10)
@@ -497,9 +504,6 @@ def test_a_choice_that_fails_unexpectedly_ends_its_stream_with_an_error(
             monkeypatch.setattr(server._Generation, "deltas", failing_at_once)
             r = await client.post("/v1/completions", json=body)
             assert r.status == 500 and "ValueError: injected" in (await r.json())["error"]["message"]
-        finally:
-            await client.close()
-            await ae.shutdown()
 
     asyncio.run(main())
 
