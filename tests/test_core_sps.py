@@ -48,6 +48,7 @@ def curve(tmp_path: Path) -> SpsCurve:
 REFUSALS = [
     ("empty-list", [], "empty"),
     ("empty-verify", spec_obj(verify_curve_ms=[], dspark_sps_curve=None), "empty"),
+    ("empty-object-verify", spec_obj(verify_curve_ms={}, dspark_sps_curve=None), "empty"),
     ("no-curve", {"version": 1, "overhead_ms": 0.0}, "neither"),
     ("not-object", "hello", "expected a JSON object"),
     ("version", spec_obj(version=2), "version"),
@@ -265,6 +266,31 @@ def test_verify_cost_is_monotone_and_hits_profiled_capture_points(xs: list[int],
     for x, y in c.verify_ms:
         if x in caps:
             assert c.verify_cost_ms(x) == pytest.approx(y)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    xs=st.lists(st.integers(1, 512), min_size=2, max_size=8, unique=True),
+    incs=st.lists(st.floats(0.0, 5.0), min_size=8, max_size=8),
+    caps=st.lists(st.integers(1, 600), min_size=1, max_size=8, unique=True),
+)
+def test_verify_cost_is_monotone_with_capture_sizes_the_profile_skipped(
+    xs: list[int], incs: list[float], caps: list[int]
+) -> None:
+    # an unprofiled capture size above the last in-graph point is priced by extending the graph points; that
+    # must never price it above an eager batch measured larger (a false price drop past the capture limit)
+    xs = sorted(xs)
+    ys = list(np.cumsum([1.0] + incs[: len(xs) - 1]))
+    if ys[-1] / ys[0] < 1.05:
+        ys[-1] = ys[0] * 1.1
+    c = SpsCurve.from_points(list(zip(xs, ys, strict=True)), capture_sizes=caps)
+    cost = c.verify_cost_ms(np.arange(1, max(xs[-1], max(caps)) * 2 + 2))
+    assert np.all(np.diff(cost) >= -1e-9) and np.all(cost > 0)
+
+
+def test_an_unprofiled_capture_size_is_not_priced_above_a_larger_eager_batch() -> None:
+    c = SpsCurve.from_points([(16, 10.0), (32, 14.0), (96, 18.0), (128, 20.0)], capture_sizes=[16, 32, 48, 64])
+    assert [c.verify_cost_ms(t) for t in (32, 48, 64, 65, 96)] == pytest.approx([14.0, 18.0, 18.0, 18.0, 18.0])
 
 
 # ---------------------------------------------------------------------------------------------- formats

@@ -111,6 +111,10 @@ def _clean_points(
         if x in by_x and by_x[x] != y:
             raise _fail(source, f"{what} lists x={x} twice with different values ({by_x[x]!r} and {y!r})")
         by_x[x] = y
+    if not by_x:  # an empty dict, array or generator: nothing the Sequence check above could see
+        if allow_empty:
+            return ()
+        raise _fail(source, f"{what} is empty")
     xs = sorted(by_x)
     repaired: list[tuple[int, float]] = []
     running = 0.0
@@ -283,6 +287,13 @@ class SpsCurve:
             # Eager region: only points above the limit are joined (no line across the graph->eager jump);
             # with none, the staircase's own last two points extend it.
             ex, ey = (vx[above], vy[above]) if above.any() else (vx, vy)
+            if above.any():
+                # A captured size the profile skipped is priced by extending the graph points, which can
+                # overshoot an eager point measured above it; a forward is never dearer than a larger batch's,
+                # so each step is held to the first eager cost at or beyond its size.
+                nxt = np.searchsorted(ex, caps, side="left")
+                ceiling = np.where(nxt < len(ex), ey[np.minimum(nxt, len(ex) - 1)], np.inf)
+                stair = np.maximum(np.minimum(stair, ceiling), MIN_VERIFY_MS)
         else:
             stair = np.zeros(0)
             ex, ey = vx, vy
