@@ -87,6 +87,8 @@ def test_fit_input_validation() -> None:
         fit_sts(np.ones((5, 2)), np.ones(4), np.ones(5))
     with pytest.raises(DsparkError):
         fit_sts(np.ones((5, 2)), np.ones(5), np.ones(5), grid=[1.0, -2.0])
+    with pytest.raises(DsparkError, match="1 of 20 rows hold NaN or infinity"):  # was a numpy bincount error
+        fit_sts(np.array([[0.5, np.nan]] + [[0.9, 0.8]] * 19), np.full(20, 2), np.full(20, 1))
 
 
 def test_sts_json_round_trip_with_both_key_names(tmp_path: Path) -> None:

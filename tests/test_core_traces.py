@@ -145,3 +145,24 @@ def test_write_batch_skips_rows_its_reader_would_refuse(tmp_path: Path) -> None:
     writer.close()
     assert n == 1 and writer.records_written == 1 and writer.rows_skipped == 4
     assert len(read_traces(path).records) == 1
+
+
+def test_write_skips_a_row_its_reader_would_refuse(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path) as w:
+        assert w.write(TraceRecord("x", 1, [float("nan"), 0.5], 1, 0)) is False  # orjson would write null
+        assert w.write({"conf": [0.5], "verified": 2, "accepted": 0}) is False  # verified > K
+        assert w.write(TraceRecord("x", 2, [0.9, 0.5], 1, 1)) is True
+    assert (w.records_written, w.rows_skipped) == (1, 2)
+    assert [r.step for r in read_traces(path).records] == [2]
+
+
+def test_write_batch_keeps_request_ids_as_given_and_reads_a_0d_step(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    conf = np.array([[0.5, 0.2], [0.9, 0.1], [0.3, 0.3]])
+    with TraceWriter(path) as w:
+        w.write_batch(conf, [2, 1, 0], [1, 0, 0], requests=["a", 7, np.int64(8)], step=torch.tensor(5))
+        w.write_batch(conf[:1], [1], [1], requests=np.array([9]), step=np.array(6))
+    records = read_traces(path).records
+    assert [r.request for r in records] == ["a", 7, 8, 9]
+    assert [r.step for r in records] == [5, 5, 5, 6]

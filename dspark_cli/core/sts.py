@@ -231,6 +231,10 @@ def fit_sts(
         raise DsparkError("STS fit needs one verified and one accepted count per confidence row")
     if bins < 1:
         raise DsparkError(f"STS fit needs bins >= 1, got {bins}")
+    bad = ~np.isfinite(conf).all(axis=1)
+    if bad.any():  # the trace reader refuses these; a direct caller gets the same one line, not a numpy error
+        raise DsparkError(f"STS fit needs finite confidences; {int(bad.sum())} of {n_rows} rows hold NaN or "
+                          "infinity (a draft head that overflowed): drop those rows")
     grid_sorted = _grid_by_closeness_to_one(grid)
     logits = _logit_np(conf)
     raw = np.clip(conf, PROB_EPS, 1.0 - PROB_EPS)

@@ -187,10 +187,18 @@ class TraceWriter:
         self._fh.write(data)
         self._fh.flush()
 
-    def write(self, record: TraceRecord | dict[str, Any]) -> None:
+    def write(self, record: TraceRecord | dict[str, Any]) -> bool:
+        """Write one row; a row the reader would refuse is skipped and counted in ``rows_skipped`` (False)."""
         obj = record.to_dict() if isinstance(record, TraceRecord) else record
-        self._emit(orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
+        data = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE)
+        try:
+            _parse_line(data, None)
+        except ValueError:
+            self.rows_skipped += 1
+            return False
+        self._emit(data)
         self.records_written += 1
+        return True
 
     def write_batch(
         self,
@@ -219,14 +227,21 @@ class TraceWriter:
         sound = np.all(np.isfinite(c) & (c >= 0.0) & (c <= 1.0), axis=1) & (a >= 0) & (a <= v) & (v <= k)
         self.rows_skipped += int(np.count_nonzero(keep & ~sound))
         keep = keep & sound
-        reqs = None if requests is None else _to_numpy(requests).tolist()
+        reqs: list[Any] | None
+        if requests is None:
+            reqs = None
+        elif isinstance(requests, (list, tuple)):  # kept as given: numpy would make ["a", 7] all strings
+            reqs = [x.item() if isinstance(x, np.generic) else x for x in requests]
+        else:
+            reqs = _to_numpy(requests).reshape(-1).tolist()
         steps: list[Any]
+        step_arr = None if step is None or isinstance(step, (int, np.integer)) else _to_numpy(step)
         if step is None:
             steps = [None] * r
-        elif isinstance(step, (int, np.integer)):
-            steps = [int(step)] * r
+        elif step_arr is None or step_arr.ndim == 0:  # one integer for the batch, a 0-d tensor included
+            steps = [int(step)] * r  # type: ignore[arg-type]
         else:
-            steps = _to_numpy(step).astype(np.int64).reshape(-1).tolist()
+            steps = step_arr.astype(np.int64).reshape(-1).tolist()
         conf_rows = c.tolist()
         v_l, a_l = v.tolist(), a.tolist()
         chunks = []
