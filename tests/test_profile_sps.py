@@ -75,6 +75,19 @@ def test_cpu_profile_of_the_tiny_pair_rises_and_leaves_the_engine_untouched(engi
     assert engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
 
 
+def test_the_profile_leaves_phase_timing_counters_as_they_were() -> None:
+    # phase times are dicts inside the stats; a shallow save put the same dicts back with the profile's steps
+    # in them, exported as step-phase seconds of a server that had served nothing
+    with LLMEngine(EngineConfig(model="tiny", num_speculative_tokens=2, max_num_seqs=2, max_model_len=256,
+                                device="cpu", phase_timing="host")) as eng:
+        before = _counters(eng)
+        prof.measure_sps(eng, warmup=0, iters=2)
+        assert eng.stats.phase_ms == {} and eng.stats.phase_steps == {}
+        assert _counters(eng) == before
+        eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        assert sum(eng.stats.phase_steps.values()) == eng.stats.num_steps > 0
+
+
 def test_cli_writes_spec_format_table_and_plot(tmp_path: Path) -> None:
     out, png = tmp_path / "sps_curve.json", tmp_path / "curve.png"
     result = _invoke(["tiny", "--device", "cpu", "--max-num-seqs", "4", "-k", "2", "--warmup", "1",

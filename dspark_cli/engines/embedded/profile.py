@@ -27,6 +27,7 @@ needs an idle engine; the engine's counters, traces, online STS and capacity sta
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import statistics
@@ -361,9 +362,9 @@ def _time_decode_steps(engine: LLMEngine, num_reqs: int, ctx: int, warmup: int, 
     if prompt_len < 1:
         raise DsparkError(f"max_model_len={engine.config.max_model_len} is too short to time {steps} decode steps; "
                           "raise --max-model-len")
-    saved_stats = dataclasses.replace(engine.stats, accepted_per_pos=list(engine.stats.accepted_per_pos),
-                                      requests_finished=dict(engine.stats.requests_finished),
-                                      step_ms=dict(engine.stats.step_ms), steps=dict(engine.stats.steps))
+    # A deep copy: every counter the timed steps touch (phase times among them) comes back as it was. Stalls
+    # are the exception, they record what the process waited on, and it did wait during the profile.
+    saved_stats = copy.deepcopy(engine.stats)
     saved = (engine.traces, engine.online_sts, engine.capacity, engine._arrivals)
     saved_prefill = (list(engine._prefill_ms), engine.scheduler.prefill_delay_ms)  # the prefill hold's memory
     engine.traces, engine.online_sts, engine.capacity = None, None, None
@@ -415,7 +416,8 @@ def _time_decode_steps(engine: LLMEngine, num_reqs: int, ctx: int, warmup: int, 
         engine._prefill_ms.extend(saved_prefill[0])
         engine.scheduler.prefill_delay_ms = saved_prefill[1]
         for f in dataclasses.fields(saved_stats):
-            setattr(engine.stats, f.name, getattr(saved_stats, f.name))
+            if f.name != "stalls":
+                setattr(engine.stats, f.name, getattr(saved_stats, f.name))
         engine._refresh_counts()
     if not walls:
         raise DsparkError(f"could not time a decode step of {num_reqs} requests (KV pool too small?); "
