@@ -234,6 +234,24 @@ def test_engine_exception_fails_pending_requests_and_marks_unhealthy(front: str)
     asyncio.run(main())
 
 
+def test_a_finished_request_whose_consumer_has_not_read_it_is_not_also_counted_as_an_error(front: str) -> None:
+    # the finished output is delivered; its consumer holds it (say, awaiting the socket write) when the engine
+    # fails: that request ended "length", and only the one still running ends "error"
+    async def main() -> None:
+        ae = make_front(front, scripted(fail_at_step=4, step_s=0.01))
+        await ae.start()
+        done = ae.generate("done", [1], P(1))
+        first = await done.__anext__()  # the generator now sits at its yield, as a consumer mid-write does
+        assert first.finished and ae.num_pending == 0
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_collect(ae, "long", [2], 100), 10)
+        assert ae.metrics().requests_finished == {"length": 1, "error": 1}
+        await done.aclose()
+        await ae.shutdown()
+
+    asyncio.run(main())
+
+
 def _boom() -> Any:
     raise FileNotFoundError("no such checkpoint")
 

@@ -313,9 +313,12 @@ class EngineFront:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            # Delivery unregisters a finished request (see _deliver); whatever is registered under this id
+            # now is either this stream (not finished: the consumer went away) or a newer request's.
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                if not finished:
+                    self.abort(request_id)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Ask the engine to drop a request (idempotent; unknown ids are ignored by the engine side).
@@ -335,6 +338,10 @@ class EngineFront:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
+                if out.finished:
+                    # The engine is done with it, whenever its consumer gets to read this: an engine failure
+                    # from now on must not count it in flight (a second outcome, "error", for one request).
+                    del self._streams[out.request_id]
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
