@@ -69,6 +69,7 @@ DSPARK_KEYS = (
     "dspark_policy",
     "dspark_saturation_patience",
     "dspark_resume_every",
+    "dspark_probe_tax",
     "dspark_sts_refit_interval",
     *(f"dspark_{name}" for name in ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps",
                                     "draft_defer_prompts")),
@@ -110,6 +111,7 @@ class ServeSettings:
     record_traces: str | None = None
     saturation_patience: int | None = None
     resume_every: int | None = None
+    probe_tax: float | None = None  # None: the core's default (CapacityConfig.probe_tax)
     sts_refit_interval: int | None = None
     draft_catchup_tokens: int | None = None  # vLLM engine only (VLLM_ONLY_FIELDS)
     mask_paused_compact: bool | None = None  # vLLM engine only
@@ -155,7 +157,7 @@ class ServeSettings:
             out["dspark_confidence_temperature"] = self.confidence_temperature
         if self.record_traces is not None:
             out["dspark_record_traces"] = self.record_traces
-        for key in ("saturation_patience", "resume_every", "sts_refit_interval", *VLLM_ONLY_FIELDS):
+        for key in ("saturation_patience", "resume_every", "probe_tax", "sts_refit_interval", *VLLM_ONLY_FIELDS):
             if getattr(self, key) is not None:
                 out[f"dspark_{key}"] = getattr(self, key)
         return out
@@ -305,6 +307,8 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
                                              minimum=0)
     if "dspark_resume_every" in obj:
         out["resume_every"] = _as_int(f"{w} dspark_resume_every", obj["dspark_resume_every"], minimum=1)
+    if "dspark_probe_tax" in obj:
+        out["probe_tax"] = _as_float(f"{w} dspark_probe_tax", obj["dspark_probe_tax"], lo=0.0, lo_open=True, hi=1.0)
     if "dspark_sts_refit_interval" in obj:
         out["sts_refit_interval"] = _as_int(f"{w} dspark_sts_refit_interval", obj["dspark_sts_refit_interval"],
                                             minimum=1)
@@ -436,7 +440,8 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
             ("--min-predicted-gain", s.min_predicted_gain != default.min_predicted_gain),
             ("dspark_confidence_temperature", s.confidence_temperature is not None),
             *((f"dspark_{name}", getattr(s, name) is not None)
-              for name in ("saturation_patience", "resume_every", "sts_refit_interval", *VLLM_ONLY_FIELDS))) if on]
+              for name in ("saturation_patience", "resume_every", "probe_tax", "sts_refit_interval",
+                           *VLLM_ONLY_FIELDS))) if on]
         if moot:
             out.append(capacity_mode_none_warning(moot))
     return out
@@ -623,8 +628,9 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             atomic_write_json(sts_path, {"version": 1, "temperatures": temps, "sts_temperatures": temps,
                                          "num_rows": 0})
             sts_label = f"static temperature {s.confidence_temperature:g}"
-        extra: dict[str, int] = {k: v for k, v in (("saturation_patience", s.saturation_patience),
-                                                   ("resume_every", s.resume_every)) if v is not None}
+        extra: dict[str, Any] = {k: v for k, v in (("saturation_patience", s.saturation_patience),
+                                                   ("resume_every", s.resume_every),
+                                                   ("probe_tax", s.probe_tax)) if v is not None}
         capacity = CapacityConfig(mode=s.capacity_mode, policy=s.capacity_policy, budget_frac=s.budget_frac,
                                   threshold=s.confidence_threshold if s.capacity_policy == "threshold" else 0.0,
                                   min_predicted_gain=s.min_predicted_gain, **extra)

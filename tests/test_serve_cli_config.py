@@ -149,7 +149,7 @@ def test_dspark_keys_round_trip_for_the_vllm_launcher() -> None:
     spec = {"dspark_capacity_verification_mode": "mask", "dspark_sps_curve": SEED_CURVE,
             "dspark_sps_overhead_ms": 1.5, "dspark_budget_frac": 0.75, "dspark_online_sts": True,
             "dspark_min_predicted_gain": 0.05, "dspark_saturation_patience": 0, "dspark_resume_every": 4,
-            "dspark_sts_refit_interval": 32, "dspark_policy": "paper"}
+            "dspark_probe_tax": 0.25, "dspark_sts_refit_interval": 32, "dspark_policy": "paper"}
     s = build_settings(_flags(engine="vllm"), json.dumps(spec))
     keys = s.dspark_keys()
     again = build_settings(_flags(engine="vllm"), json.dumps({k: v for k, v in keys.items() if k in DSPARK_KEYS}))
@@ -166,6 +166,11 @@ def test_saturation_settings_reach_the_capacity_config() -> None:
     launch.cleanup()
     cap = launch.engine_config.capacity
     assert (cap.saturation_patience, cap.resume_every, cap.policy) == (0, 5, "paper")
+    launch = prepare_embedded(build_settings({}, json.dumps({**spec, "dspark_probe_tax": 0.5})))
+    launch.cleanup()
+    assert launch.engine_config.capacity.probe_tax == 0.5
+    with pytest.raises(DsparkError, match="dspark_probe_tax: must be <= 1"):
+        build_settings({}, json.dumps({**spec, "dspark_probe_tax": 2}))
     with pytest.raises(DsparkError, match="only supported by --engine vllm"):
         build_settings({}, json.dumps({"dspark_sts_refit_interval": 8}))
 

@@ -135,6 +135,19 @@ def test_the_draft_catch_up_budget_travels_to_the_workers() -> None:
     assert DsparkVllmSettings().draft_catchup_tokens == 2048
 
 
+def test_the_probe_tax_travels_to_the_workers_and_the_capacity_config() -> None:
+    from dspark_cli.core.capacity import CapacityConfig
+
+    plan = plan_vllm_serve(["m", "--speculative-config", _spec(dspark_capacity_verification_mode="varlen",
+                                                               dspark_probe_tax=1.0)])
+    assert _flag(plan.argv, "--additional-config")["dspark"]["probe_tax"] == 1.0
+    assert plan.settings.capacity_config().probe_tax == 1.0
+    assert DsparkVllmSettings().capacity_config().probe_tax == CapacityConfig().probe_tax  # None: the core's
+    for bad in (0.0, 1.5, True):
+        with pytest.raises(DsparkError, match="probe_tax"):
+            DsparkVllmSettings(probe_tax=bad)
+
+
 def test_mask_compacts_its_paused_steps_unless_told_not_to() -> None:
     """Compacted paused steps are mask's default (lossless with real weights on the H200); the seed key turns
     them off, and only the non-default value travels to the workers."""

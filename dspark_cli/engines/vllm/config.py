@@ -36,6 +36,7 @@ SEED_KEYS: dict[str, str] = {
     "dspark_policy": "policy",
     "dspark_saturation_patience": "saturation_patience",
     "dspark_resume_every": "resume_every",
+    "dspark_probe_tax": "probe_tax",
     "dspark_sts_refit_interval": "sts_refit_interval",
     "dspark_draft_catchup_tokens": "draft_catchup_tokens",
     "dspark_mask_paused_compact": "mask_paused_compact",
@@ -57,6 +58,8 @@ class DsparkVllmSettings:
     min_predicted_gain: float = 0.0
     saturation_patience: int = 8
     resume_every: int = 16
+    # The share of paused time that probes may spend (core.saturation); None keeps the core's default.
+    probe_tax: float | None = None
     sps_curve: str | list[Any] | dict[str, Any] | None = None
     overhead_ms: float | None = None
     sts: str | None = None
@@ -102,6 +105,8 @@ class DsparkVllmSettings:
         _number(f"{w}.min_predicted_gain", self.min_predicted_gain, 0.0, math.inf)
         _integer(f"{w}.saturation_patience", self.saturation_patience, 0)
         _integer(f"{w}.resume_every", self.resume_every, 1)
+        if self.probe_tax is not None:
+            _number(f"{w}.probe_tax", self.probe_tax, 0.0, 1.0, lo_open=True)
         _integer(f"{w}.sts_refit_interval", self.sts_refit_interval, 1)
         _integer(f"{w}.draft_catchup_tokens", self.draft_catchup_tokens, 0)
         if self.overhead_ms is not None:
@@ -172,6 +177,7 @@ class DsparkVllmSettings:
             min_predicted_gain=self.min_predicted_gain,
             saturation_patience=self.saturation_patience,
             resume_every=self.resume_every,
+            **({} if self.probe_tax is None else {"probe_tax": self.probe_tax}),
         )
 
     def replace(self, **changes: Any) -> DsparkVllmSettings:
