@@ -73,15 +73,26 @@ if [[ $SETUP == gsm8k ]]; then
     # shellcheck disable=SC2086
     dspark serve $SERVE $extra --port $port >"$OUT/$SETUP/serve-$cfg.log" 2>&1 &
     pid=$!
-    for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+    up=0
+    for _ in $(seq 300); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null && { up=1; break; }
+      kill -0 $pid 2>/dev/null || break  # the server exited: its log says why
+      sleep 1
+    done
+    if [[ $up != 1 ]]; then
+      echo "gsm8k: the $cfg server never answered /health (see serve-$cfg.log)" | tee -a "$OUT/$SETUP/gsm8k.log"
+      kill -INT $pid 2>/dev/null; wait $pid
+      continue
+    fi
     # shellcheck disable=SC2086
     dspark eval gsm8k --port $port --data /tmp/smol/gsm8k.jsonl -c 256 --max-tokens "${GSM8K_MAX_TOKENS:-256}" \
       ${GSM8K_LIMIT:+--limit $GSM8K_LIMIT} \
       -o "$OUT/$SETUP/gsm8k-$cfg.jsonl" 2>&1 | tail -3 | tee -a "$OUT/$SETUP/gsm8k.log"
     kill -INT $pid; wait $pid
   done
-  dspark eval gsm8k --compare "$OUT/$SETUP/gsm8k-none.jsonl" "$OUT/$SETUP/gsm8k-varlen+sts.jsonl" \
-    | tee -a "$OUT/$SETUP/gsm8k.log"
+  [[ -f $OUT/$SETUP/gsm8k-none.jsonl && -f $OUT/$SETUP/gsm8k-varlen+sts.jsonl ]] &&
+    dspark eval gsm8k --compare "$OUT/$SETUP/gsm8k-none.jsonl" "$OUT/$SETUP/gsm8k-varlen+sts.jsonl" \
+      | tee -a "$OUT/$SETUP/gsm8k.log"
   echo "gsm8k: $((SECONDS - t0)) s" | tee -a "$OUT/$SETUP/stages.txt"
   exit 0
 fi

@@ -17,6 +17,7 @@
 #   QUEUE=rounds bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8's real matrix in paired rounds (+ mixed twins)
 #   QUEUE=floor bash benchmarks/h200_two_gpus.sh start ROOT         # one GPU: the two-server floor (A/A) and the engine process
 #   QUEUE=issue8 bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8's two matrices on the current code
+#   QUEUE=vllm bash benchmarks/h200_two_gpus.sh gpu ROOT  # exit 3 if the GPU cannot hold the queue: the first call
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
 #
@@ -34,8 +35,8 @@
 # TOK, DEVICE, SCALED_MODEL, GSM8K_LIMIT: see h200_matrix.sh), SCALED_WAVES/SCALED_TOK (3/256),
 # REAL_WAVES/REAL_TOK (4/128), REAL_CONC (1,16,32,64,128,256) and OVERHEAD_ARGS (--shape llama-3-8b --max-model-len 4096).
 set -uo pipefail
-ACTION=${1:?usage: h200_two_gpus.sh start|status|collect ROOT [DEST]}
-ROOT=${2:?usage: h200_two_gpus.sh start|status|collect ROOT [DEST]}
+ACTION=${1:?usage: h200_two_gpus.sh gpu|start|status|collect ROOT [DEST]}
+ROOT=${2:?usage: h200_two_gpus.sh gpu|start|status|collect ROOT [DEST]}
 
 stage() {  # LABEL COMMAND...: a timestamped line `status` shows, then the command
   echo "[$(date +%T)] $1"
@@ -116,23 +117,31 @@ queue_stalls() {
 # 256), in paired rounds against its first no-speculation server; `@N` serves a config with N API processes.
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
-  stage "install vLLM" bash /tmp/stage/install.sh
+  stage "install vLLM" bash /tmp/stage/install.sh || { echo "FATAL: the vLLM install failed (a wheel group missing?)"; return 1; }
   # The manager times steps between CUDA events (engines/vllm/step_clock.py): its GPU tests first.
   stage "GPU test: step clock" env PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_vllm_step_clock.py 2>&1 | tail -3
   mkdir -p "$ROOT/vllm/profile-scaled"
+  # Without a curve every config of ours would run on vLLM's start-up curve under its own name (vllm_h200.sh
+  # refuses that): a curve that is not there stops the queue here. A staged tree has it only if the last
+  # staging call put .carry/curve back (docs/PERFORMANCE.md section 8, "How a sitting is run").
   if [[ ${REUSE_CURVE:-0} == 1 ]]; then
-    cp benchmarks/results/vllm_h200/scaled-2026-12-01/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"
+    cp benchmarks/results/vllm_h200/scaled-2026-12-01/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/" ||
+      { echo "FATAL: REUSE_CURVE=1 but the committed curve is not in the tree (put .carry/curve back)"; return 1; }
   else
     # A failed profile would leave varlen on vLLM's start-up curve unnoticed: the last committed curve instead.
     stage "profile-scaled" bash benchmarks/vllm_h200.sh "$ROOT/vllm" profile-scaled || {
       echo "profile-scaled failed: using benchmarks/results/vllm_h200/profile-scaled/sps_curve.json"
-      cp benchmarks/results/vllm_h200/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/"; }
+      cp benchmarks/results/vllm_h200/profile-scaled/sps_curve.json "$ROOT/vllm/profile-scaled/" ||
+        { echo "FATAL: no profiled curve and no committed one in the tree"; return 1; }; }
   fi
   if [[ ${REAL_SMOKE:-0} == 1 ]]; then
     real_smoke
     local smoke=$?
     [[ $smoke == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
+    # Outputs that differ from no speculation make the matrix's speeds meaningless: the rest of the sitting is
+    # better spent reading the check's diff (MATRIX_IF_DIFFERS=1 measures anyway).
+    [[ $smoke == 3 && ${MATRIX_IF_DIFFERS:-0} != 1 ]] && { echo "outputs differ from no speculation: no matrix"; return 3; }
     # PLAIN_IF_LOSSLESS=1: every config of ours serves plain_paused_steps once the check (varlen-cycle-plain and
     # mask-plain among its configs) matched no speculation everywhere; otherwise they serve the default path.
     if [[ ${PLAIN_IF_LOSSLESS:-0} == 1 ]]; then
@@ -173,8 +182,8 @@ queue_vllm() {
 # LABEL CONFIGS: one group of up to four 8B-shaped vLLM servers. KV_GIB (default 11: 87k tokens of a draft_model
 # server's KV, where a cell of 256 requests needs ~68k) gives each a fixed KV cache, so the four start together,
 # not in a row (section 25: the first of four ready in 106-166 s, where section 18's row took 356 s to bring four
-# up). Should a config fail with them started together, its servers are started again in a row (KV_GIB= does
-# only that), and its finished cells are kept. VLLM_ROUNDS (default 2) measures the group in paired rounds of
+# up). Should a config fail to come up with them started together, its servers are started again in a row
+# (KV_GIB= does only that); a server that failed mid-round is not (its cells name its port). VLLM_ROUNDS (default 2) measures the group in paired rounds of
 # half the prompts each (vllm_adaptive.py --rounds): every group carries a no-speculation server (nospec#N) to
 # pair with, since one cell per config read two servers of the same paused steps 10 points apart (section 25).
 vllm_group() {
@@ -184,8 +193,10 @@ vllm_group() {
     bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled && return
   [[ -n $kv && ${RETRY_IN_ROW:-1} == 1 ]] || return 1
   local failed
+  # Only configs whose servers never served (no "round" in their error rows): a server that failed mid-round has
+  # cells recorded against its port, which a server started again on another port could not resume.
   failed=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['results']
-print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x)))" "$ROOT/vllm/scaled/results.json") || return 1
+print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x and 'round' not in x)))" "$ROOT/vllm/scaled/results.json") || return 1
   [[ -n $failed ]] || return 1
   echo "$1: $failed failed with the servers started together; again in a row"
   OVERLAP=4 GPU_UTIL=0.22 CONFIGS=$failed KV_GIB= VLLM_ROUNDS=${VLLM_ROUNDS-2} stage "$1, in a row ($failed)" \
@@ -281,7 +292,8 @@ queue_interleaved() {
   done
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
   mkdir -p "$ROOT/real"
-  cp benchmarks/results/h200/embedded_matrix/2026-12-02/real/sps_curve.json "$ROOT/real/"
+  # REUSE_CURVES=0: no copy, so h200_matrix.sh profiles the real pair on this machine first (~30 s)
+  [[ ${REUSE_CURVES:-1} == 1 ]] && cp benchmarks/results/h200/embedded_matrix/2026-12-02/real/sps_curve.json "$ROOT/real/"
   CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
     CONFIGS=${REAL_CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts} \
     SERVE_EXTRA="--phase-timing host" BENCH_EXTRA="--interleave${ROUNDS:+ --rounds $ROUNDS}" \
@@ -337,22 +349,30 @@ gated_rounds() {
   PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONFIGS=$configs queue_interleaved
 }
 
-# One GPU, issue 8's two matrices on the current code, the engine in a process of its own (dspark serve's default
-# on CUDA since section 23; the scaled matrix last ran on a thread, in section 20, and the real one ran whole on
-# the process front never: sections 23-24 served its STS configs only). Each on its last profiled curve (section
-# 20's, same machine kind and shapes: no profile in the sitting). First the real matrix, all six configs and an
-# A/A column (nospec#2), interleaved in paired rounds (its bar, 3%, sits on the two-server floor, so the summary's
-# per-round medians and the A/A column are what it is read on); then the scaled matrix, served one config after
-# another (six 8B-shaped servers do not fit the device together). GPU_TESTS=1 runs the GPU tests first (~3.6
-# min; no GPU path of the engine changed since they last passed, section 20). ~21 min: real ~9, scaled ~12
-# (estimates from sections 20 and 22), plus the SmolLM2 parts carried in while the real matrix waits for them.
+# One GPU, issue 8 whole on the current code, the engine in a process of its own (dspark serve's default on CUDA
+# since section 23; the scaled matrix last ran on a thread, in section 20, and the real one ran whole on the
+# process front never: sections 23-24 served its STS configs only). While the SmolLM2 parts are carried in, the
+# scheduling overhead of the scaled setup at T=1 (~1 min, item 3's 3% bar; OVERHEAD=0 skips it). Then the real
+# matrix, all six configs and an A/A column (nospec#2), interleaved in paired rounds (its bar, 3%, sits on the
+# two-server floor, so the summary's per-round medians and the A/A column are what it is read on); then the scaled
+# matrix, served one config after another (six 8B-shaped servers do not fit the device together), varlen + SPS +
+# STS third so a short sitting loses mask's configs first; then GSM8K at 256 requests, no capacity against varlen
+# + SPS + STS (~1.5 min; GSM8K=0 skips it). Both curves are profiled in the sitting (~30 and ~50 s; REUSE_CURVES=1
+# takes section 20's instead). GPU_TESTS=1 runs the GPU tests first (~3.6 min). ~25 min: overhead 1, real ~9 and
+# scaled ~12 with their profiles (sections 20 and 22), GSM8K 1.5, plus the SmolLM2 parts' calls.
 queue_issue8() {
   [[ ${GPU_TESTS:-0} == 1 ]] && stage "GPU tests" bash benchmarks/h200_suite.sh "$ROOT/core" gputests
-  PROBES=0 ROUNDS=${ROUNDS:-4} REAL_CONFIGS=${REAL_CONFIGS:-nospec,nospec#2,none,mask,varlen,mask+sts,varlen+sts} \
-    queue_interleaved
+  # shellcheck disable=SC2086
+  [[ ${OVERHEAD:-1} == 1 ]] && stage "scheduling overhead at T=1 (llama-3-8b)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
+    python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b --max-model-len 4096} \
+    --temperature 1 --out "$ROOT/overhead_t1"
+  PROBES=0 ROUNDS=${ROUNDS:-4} REUSE_CURVES=${REUSE_CURVES:-0} \
+    REAL_CONFIGS=${REAL_CONFIGS:-nospec,nospec#2,none,mask,varlen,mask+sts,varlen+sts} queue_interleaved
   mkdir -p "$ROOT/scaled"
-  cp benchmarks/results/h200/embedded_matrix/2026-12-02/scaled/sps_curve.json "$ROOT/scaled/"
-  WAVES=${SCALED_WAVES:-3} TOK=${SCALED_TOK:-256} stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
+  [[ ${REUSE_CURVES:-0} == 1 ]] && cp benchmarks/results/h200/embedded_matrix/2026-12-02/scaled/sps_curve.json "$ROOT/scaled/"
+  CONFIGS=${SCALED_CONFIGS:-nospec,none,varlen+sts,varlen,mask+sts,mask} WAVES=${SCALED_WAVES:-3} \
+    TOK=${SCALED_TOK:-256} stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
+  [[ ${GSM8K:-1} == 1 ]] && stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
 }
 
 queue_paused() {
@@ -373,21 +393,42 @@ queue_paused() {
 
 QUEUES=(0 1)
 [[ ${GPUS:-2} == 1 ]] && QUEUES=(_one)
-[[ ${QUEUE:-} == stalls ]] && QUEUES=(_stalls)
-[[ ${QUEUE:-} == vllm ]] && QUEUES=(_vllm)
-[[ ${QUEUE:-} == embedded ]] && QUEUES=(_embedded)
-[[ ${QUEUE:-} == paused ]] && QUEUES=(_paused)
-[[ ${QUEUE:-} == interleaved ]] && QUEUES=(_interleaved)
-[[ ${QUEUE:-} == mixed ]] && QUEUES=(_mixed)
-[[ ${QUEUE:-} == rounds ]] && QUEUES=(_rounds)
-[[ ${QUEUE:-} == floor ]] && QUEUES=(_floor)
-[[ ${QUEUE:-} == issue8 ]] && QUEUES=(_issue8)
-[[ ${QUEUE:-} == vllm-anatomy ]] && QUEUES=(_vllm_anatomy)
-[[ ${QUEUE:-} == vllm-lossless ]] && QUEUES=(_vllm_lossless)
+case ${QUEUE:-} in
+  "") ;;
+  stalls | vllm | embedded | paused | interleaved | mixed | rounds | floor | issue8) QUEUES=("_$QUEUE") ;;
+  vllm-anatomy | vllm-lossless) QUEUES=("_${QUEUE/-/_}") ;;
+  *) echo "unknown QUEUE=$QUEUE (stalls, vllm, vllm-anatomy, vllm-lossless, embedded, paused, interleaved," \
+       "mixed, rounds, floor, issue8; unset for the two-GPU queues)" >&2; exit 2 ;;
+esac
+
+# Four 8B-shaped vLLM servers at once (QUEUE=vllm, vllm-anatomy: vllm_group) need ~120 GB, which an 80 GB card
+# cannot hold: found by a sitting's first call (`gpu`), that costs seconds; found by the queue, the staging and a
+# group's server starts. Every other queue fits either card, and measures its own baselines in the same run.
+# MIN_GPU_MIB overrides the need.
+check_gpu() {
+  local line name mib need=${MIN_GPU_MIB:-0}
+  [[ ${QUEUE:-} == vllm || ${QUEUE:-} == vllm-anatomy ]] && need=${MIN_GPU_MIB:-130000}
+  line=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  echo "GPU: ${line:-none}"
+  [[ -n $line ]] || { echo "no GPU visible" >&2; return 3; }
+  name=${line%%,*} mib=${line##*, }
+  ((mib >= need)) && return 0
+  echo "QUEUE=$QUEUE needs $need MiB of GPU memory (four 8B-shaped servers at once), the $name has $mib:" \
+    "ask for an H200 (the device call's needs_h200)" >&2
+  return 3
+}
 
 case $ACTION in
+  gpu) check_gpu ;;  # the first call of a sitting: before anything is staged
   start)
+    check_gpu || exit 3
     mkdir -p "$ROOT"
+    # A queue still running reads ROOT/repo: replacing it would pull files from under it.
+    for q in "${QUEUES[@]}"; do
+      if [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null; then
+        echo "queue $q already runs (pid $(cat "$ROOT/queue$q.pid")): nothing started" >&2; exit 1
+      fi
+    done
     # A copy, so that a later command re-sending the working tree cannot change files under a running queue.
     rm -rf "$ROOT/repo" && mkdir -p "$ROOT/repo"
     tar --exclude=./.carry --exclude=./.vstage --exclude=./.git --exclude=./.whl -cf - . | tar -xf - -C "$ROOT/repo"
@@ -397,7 +438,6 @@ case $ACTION in
     fi
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$ROOT/machine.txt"
     for q in "${QUEUES[@]}"; do
-      [[ -f $ROOT/queue$q.pid ]] && kill -0 "$(cat "$ROOT/queue$q.pid")" 2>/dev/null && { echo "queue $q already runs"; continue; }
       # GPU q, its own model cache (two processes building the same cache entry would race)
       gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed || $q == _rounds || $q == _floor || $q == _issue8 ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
@@ -418,5 +458,5 @@ case $ACTION in
     DEST=${3:?usage: h200_two_gpus.sh collect ROOT DEST}
     mkdir -p "$DEST"
     tar -C "$ROOT" --exclude=./repo --exclude='*.pid' --exclude=real-pair -czf "$DEST/results.tgz" . && ls -la "$DEST" ;;
-  *) echo "unknown action $ACTION (start|status|collect)" >&2; exit 2 ;;
+  *) echo "unknown action $ACTION (gpu|start|status|collect)" >&2; exit 2 ;;
 esac

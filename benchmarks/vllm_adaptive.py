@@ -2,7 +2,8 @@
 
 On the H200 with vLLM 0.33.0 installed (docs: GPU.md), serve a target with a draft model (method
 "draft_model") several ways, bench each server at every concurrency, print one table and write
-``results.json`` (plus each server log and bench result) into OUT::
+``results.json`` (this invocation's; ``results-<start time>.json`` keeps a copy per invocation) plus each server
+log and bench result into OUT::
 
     python3 benchmarks/vllm_adaptive.py --model SMOLLM_DIR --draft DRAFT_DIR --out OUT [--load-format dummy]
 
@@ -557,8 +558,10 @@ def config_specs(base_spec: dict, ours: dict, lossless: bool = False,
         # against varlen-verify's says whether the caught-up draft drafts as well (varlen-cycle-current: kept
         # current instead).
         "varlen-verify": {**varlen, "dspark_saturation_patience": 0, "dspark_confidence_threshold": 0.001},
+        # probe tax 1: probes are not rationed (the default lets them spend 2% of paused time), so the check's
+        # pausing configs draft often enough for the defer A/B to read (section 34's drafted 7 and 14 times)
         "varlen-cycle": {**varlen, "dspark_confidence_threshold": 0.001, "dspark_saturation_patience": 1,
-                         "dspark_resume_every": 2},
+                         "dspark_resume_every": 2, "dspark_probe_tax": 1.0},
     }
     specs["varlen-cycle-current"] = {**specs["varlen-cycle"], "dspark_draft_catchup_tokens": 0}
     # the lossless check of plain_paused_steps: pausing and probing often, every paused step's successor plain
@@ -854,8 +857,11 @@ def main() -> int:
             # Stopped together after the group: a server stopping frees memory under a later one's profile.
             for srv in group:
                 srv.stop()
-        (args.out / "results.json").write_text(json.dumps({"results": results, "args": vars(args)}, default=str,
-                                                          indent=2))
+        # results.json is this invocation's (the queue's retry reads its failures); a queue's groups each invoke
+        # this script into one OUT, so every invocation also keeps its own copy, named by its start
+        text = json.dumps({"results": results, "args": vars(args)}, default=str, indent=2)
+        (args.out / "results.json").write_text(text)
+        (args.out / f"results-{time.strftime('%Y%m%d-%H%M%S', time.localtime(t_start))}.json").write_text(text)
     if args.lossless:
         return _report_lossless(outputs, results, args.out, served, tails)
     ref_name = "upstream" if any(r.get("config") == "upstream" for r in results) else results[0].get("config")

@@ -32,7 +32,8 @@
 # no-speculation server to pair with (CONFIGS=nospec#2,mask,...). Servers run vLLM's own default
 # compilation (torch.compile, piecewise graphs for steps that carry a prompt chunk); COMPILATION=decode-graphs
 # serves decode-only graphs with eager mixed steps instead (--compilation; docs/PERFORMANCE.md sections 28-29).
-# API_SERVERS=N gives every server N API processes (--api-servers). VLLM_CONC sets the
+# API_SERVERS=N gives every server N API processes (--api-servers). The scaled stage refuses to run without
+# OUT/profile-scaled/sps_curve.json unless STARTUP_CURVE=1 (ours then price steps by vLLM's start-up profile). VLLM_CONC sets the
 # scaled stage's concurrencies (default 16,64,256), STARTUP_TIMEOUT its servers' (--startup-timeout).
 #
 # Models are weightless (config + tokenizer, --load-format dummy: real step costs); acceptance comes from
@@ -112,6 +113,12 @@ case "$STAGE" in
       ${COMPILATION:+--compilation "$COMPILATION"} ${KV_GIB:+--kv-cache-gib "$KV_GIB"} \
       ${PREFIX_CACHING:+--prefix-caching "$PREFIX_CACHING"} ${BATCHED_TOKENS:+--max-num-batched-tokens "$BATCHED_TOKENS"} ;;
   scaled)
+    # Ours without the profiled curve would be the varlen-startup ablation under other names: refused unless
+    # asked for (STARTUP_CURVE=1); the queues profile or copy the curve first.
+    if [[ ! -f $OUT/profile-scaled/sps_curve.json && ${STARTUP_CURVE:-0} != 1 ]]; then
+      echo "no $OUT/profile-scaled/sps_curve.json: run the profile-scaled stage first (or STARTUP_CURVE=1)" >&2
+      exit 2
+    fi
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/scaled" --load-format dummy \
       --k 7 --synthetic-rates "$RATES" --configs "${CONFIGS:-nospec,all,upstream,varlen,mask}" --max-num-seqs 256 \

@@ -314,6 +314,12 @@ def test_config_specs_keep_each_configs_own_settings_over_the_shared_ones() -> N
     defer = checked["varlen-cycle-defer"]
     assert defer == {**checked["varlen-cycle-plain"], "dspark_draft_defer_prompts": True}
     assert checked["varlen-cycle-placeholders"] == {**checked["varlen-cycle"], "dspark_plain_paused_steps": False}
+    # the pausing configs probe unrationed, so the defer A/B sees enough drafts; the key is one the plugin reads
+    from dspark_cli.engines.vllm.config import DsparkVllmSettings, settings_from_seed_keys
+
+    cycles = [n for n in checked if n.startswith("varlen-cycle")]
+    assert len(cycles) == 5 and all(checked[n]["dspark_probe_tax"] == 1.0 for n in cycles)
+    assert DsparkVllmSettings(**settings_from_seed_keys(checked["varlen-cycle-defer"])).probe_tax == 1.0
     # the curve-source A/B: varlen-alt exists only with --alt-sps-curve, and differs from varlen by its curve
     assert "varlen-alt" not in specs
     alt = adaptive.config_specs(base, {**ours, "sps_curve": "a.json"}, alt_curve="b.json")
