@@ -16,6 +16,7 @@ from dspark_cli.evals.gsm8k import (
     build_prompt,
     compare,
     extract_flexible,
+    mcnemar_p,
     extract_strict,
     read_results,
     summarize,
@@ -42,6 +43,8 @@ def test_prompt_is_q_a_fewshot() -> None:
     (" The cost is 12 dollars and 40 cents: 12.40", None, "12.4"),
     (" I do not know.", None, None),
     (" #### 10\nThe answer is 11.", "10", "11"),  # the first declaration wins
+    (" She had 23 - 15", None, "15"),  # the right-hand side of a subtraction, not -15
+    (" The answer is $ 30.", "30", "30"),
     ("", None, None),
 ])
 def test_extraction(text: str, strict: str | None, flexible: str | None) -> None:
@@ -106,9 +109,37 @@ def test_compare_uses_shared_questions(tmp_path: Path) -> None:
     assert n == 5
     assert [r.label for r in rows] == ["mask", "varlen"]
     assert rows[0].summary.strict == 1.0 and rows[1].summary.strict == pytest.approx(3 / 5)
-    assert "n=5 shared questions" in note and "band" in note
+    assert "n=5 shared questions, each file against mask" in note
+    # the two varlen questions answered 6 went right -> wrong: two changed outcomes cannot tell noise apart
+    assert "varlen: 3 of 5 completions identical; strict outcome changed on 2 (2 right->wrong, 0 wrong->right), " \
+           "McNemar p=0.5: within noise" in note
     with pytest.raises(DsparkError, match="no such file"):
         compare([a, tmp_path / "missing.jsonl"])
+
+
+def test_compare_pairs_questions_where_independent_bands_would_see_noise(tmp_path: Path) -> None:
+    """40 of 1,319 questions all going right -> wrong (0.300 against 0.270) sat inside the old band for two
+    independent accuracies (±0.035); paired, it is plainly not noise."""
+    a, b = tmp_path / "none.jsonl", tmp_path / "varlen.jsonl"
+    for i in range(1319):
+        right_a = i < 396
+        right_b = i < 356
+        append_row(a, EvalRow.score(_row(i), "The answer is 5." if right_a else "The answer is 4.", SETTINGS))
+        append_row(b, EvalRow.score(_row(i), "The answer is 5." if right_b else "The answer is 4.", SETTINGS))
+    rows, n, note = compare([a, b])
+    assert n == 1319 and rows[0].summary.strict == pytest.approx(396 / 1319)
+    assert "strict outcome changed on 40 (40 right->wrong, 0 wrong->right), McNemar p=1.8e-12: a real difference" \
+        in note
+    assert mcnemar_p(0, 0) == 1.0 and mcnemar_p(3, 3) == 1.0 and mcnemar_p(1, 0) == 1.0
+
+
+def test_compare_refuses_files_of_different_question_sets(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    append_row(a, EvalRow.score(_row(0), "The answer is 5.", SETTINGS))
+    other = GsmRow(id=0, question="another question", answer="x #### 5", cot_answer="", final="5")
+    append_row(b, EvalRow.score(other, "The answer is 5.", SETTINGS))
+    with pytest.raises(DsparkError, match="different questions under id 0"):
+        compare([a, b])
 
 
 def test_compare_says_when_files_were_scored_differently(tmp_path: Path) -> None:
@@ -122,7 +153,7 @@ def test_compare_says_when_files_were_scored_differently(tmp_path: Path) -> None
     assert "warning: the files were scored with different settings" in note
     assert "num_shots=5, max_tokens=512 (five.jsonl)" in note and "num_shots=1, max_tokens=8 (one.jsonl)" in note
     _, _, same = compare([a])
-    assert "one file" in same and "band" not in same
+    assert "one file" in same and "McNemar" not in same
     with pytest.raises(DsparkError, match="is not a file"):
         compare([a, tmp_path])
     bad = tmp_path / "notes.txt"

@@ -2,7 +2,9 @@
 
 The point is a regression check: capacity modes are lossless, so accuracy must not move between them beyond
 sampling noise. Hence greedy decoding (temperature 0), a fixed prompt, per-question results on disk (so two
-runs can be compared question by question) and a binomial standard error next to every accuracy.
+runs can be compared question by question) and a binomial standard error next to every accuracy. ``--compare``
+reads two runs as the paired samples they are: identical completions, outcomes changed each way, and an exact
+McNemar test on the changed ones.
 
 Prompt: k of the 8 standard chain-of-thought exemplars as "Q: ...\\nA: ..." blocks separated by a blank line,
 then "Q: <question>\\nA:", sent to /v1/completions; generation stops where a next question would start.
@@ -34,7 +36,8 @@ from dspark_cli.fileio import check_output_file
 STOP = ["Q:", "Question:", "</s>", "<|im_end|>", "\n\n\n"]
 ROW_FORMAT = 1
 
-_NUM = r"-?[$]?\s*\d[\d,]*(?:\.\d+)?"
+# Space only between "$" and the digits: "23 - 15" ends in 15, not -15 (lm-eval's and data.gsm8k's reading).
+_NUM = r"-?(?:[$]\s*)?\d[\d,]*(?:\.\d+)?"
 _STRICT_RES = (
     re.compile(r"####\s*(" + _NUM + ")"),
     re.compile(r"[Tt]he (?:final )?answer is\s*:?\s*(" + _NUM + ")"),
@@ -280,9 +283,30 @@ class CompareRow:
     summary: Summary
 
 
+def mcnemar_p(worse: int, better: int) -> float:
+    """Exact two-sided McNemar p-value for two scorings of the same questions.
+
+    Only the questions whose outcome changed carry evidence: with equal accuracy, each is as likely to have gone
+    right -> wrong (``worse``) as wrong -> right (``better``), so ``worse`` is Binomial(worse + better, 1/2).
+    """
+    n = worse + better
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(worse, better) + 1)) / 2**n
+    return min(1.0, 2.0 * tail)
+
+
+PAIRED_ALPHA = 0.05  # --compare calls a difference real below this McNemar p-value
+
+
 def compare(paths: Sequence[Path]) -> tuple[list[CompareRow], int, str]:
-    """Accuracy of several result files on the questions they all share; returns rows, shared n, and a note
-    on noise (the 95% band of a difference between two independent accuracies, ~2 * sqrt(se1^2 + se2^2))."""
+    """Accuracy of several result files on the questions they all share; returns rows, shared n, and a note.
+
+    The note compares each file with the first, question by question (the runs are greedy on one question set):
+    how many completions are identical, how many strict outcomes changed each way, and an exact McNemar test on
+    those. Two independent accuracies' noise band is far too wide for paired runs: 40 questions that all went
+    right -> wrong in 1,319 sit inside it, and a lossless mode should change almost none.
+    """
     if len(paths) < 1:
         raise DsparkError("--compare needs at least one result file")
     loaded = []
@@ -298,24 +322,33 @@ def compare(paths: Sequence[Path]) -> tuple[list[CompareRow], int, str]:
         loaded.append((p, {r.id: r for r in rows}))
         for setup in {_setup_label(r.settings) for r in rows}:
             setups.setdefault(setup, []).append(p.name)
-    shared = set.intersection(*(set(d) for _, d in loaded))
+    shared = sorted(set.intersection(*(set(d) for _, d in loaded)))
     if not shared:
         raise DsparkError("--compare: the files share no question; run them over the same --limit")
+    ref_path, ref = loaded[0]
+    for p, d in loaded[1:]:
+        other = next((i for i in shared if d[i].question != ref[i].question), None)
+        if other is not None:
+            raise DsparkError(f"--compare: {ref_path.name} and {p.name} hold different questions under id {other} "
+                              "(another --data?); compare files of the same question set")
     stems = [p.stem for p, _ in loaded]
     out = []
     for p, d in loaded:
         label = p.stem if stems.count(p.stem) == 1 else str(p)
-        out.append(CompareRow(label, summarize([d[i] for i in sorted(shared)])))
+        out.append(CompareRow(label, summarize([d[i] for i in shared])))
     n = len(shared)
     if len(out) == 1:
         return out, n, f"n={n} questions in one file; pass two or more to compare them"
-    accs = [r.summary.strict for r in out]
-    p_mean = sum(accs) / len(accs)
-    band = 2 * math.sqrt(2) * Summary.stderr(p_mean, n)
-    spread = max(accs) - min(accs)
-    verdict = "within" if spread <= band else "OUTSIDE"
-    note = (f"n={n} shared questions; strict accuracies differ by {spread:.3f}, {verdict} the ±{band:.3f} band "
-            "(2 standard errors of a difference) that sampling noise alone produces")
+    lines = [f"n={n} shared questions, each file against {out[0].label}, question by question:"]
+    for (_, d), row in zip(loaded[1:], out[1:], strict=True):
+        same_text = sum(d[i].completion == ref[i].completion for i in shared)
+        worse = sum(ref[i].strict_correct and not d[i].strict_correct for i in shared)
+        better = sum(d[i].strict_correct and not ref[i].strict_correct for i in shared)
+        pval = mcnemar_p(worse, better)
+        verdict = "a real difference" if pval < PAIRED_ALPHA else "within noise"
+        lines.append(f"  {row.label}: {same_text} of {n} completions identical; strict outcome changed on "
+                     f"{worse + better} ({worse} right->wrong, {better} wrong->right), McNemar p={pval:.2g}: {verdict}")
+    note = "\n".join(lines)
     if len(setups) > 1:
         # Shots and output length move accuracy by themselves: a difference here is not the servers' alone.
         note += "\nwarning: the files were scored with different settings: " + "; ".join(
