@@ -16,8 +16,8 @@ from dspark_cli.evals.gsm8k import (
     build_prompt,
     compare,
     extract_flexible,
-    mcnemar_p,
     extract_strict,
+    mcnemar_p,
     read_results,
     summarize,
 )
