@@ -18,8 +18,13 @@ class ScriptedServer:
     split across writes. Records request bodies and the peak number of requests in flight."""
 
     def __init__(self, plan: list[int], continuous_usage: bool = False, split_events: bool = True,
-                 status: int = 200, text: str = "tok ") -> None:
+                 status: int = 200, text: str = "tok ", crlf: bool = False, role: bool = False,
+                 held_text: str = "", usage: bool = True) -> None:
         self.plan = plan
+        self.usage = usage  # False: no usage at all, as a server that ignores stream_options
+        self.crlf = crlf  # SSE lines ending in CRLF, as sse-starlette writes them
+        self.role = role  # chat: an opening role event, usage 0 tokens, as vLLM sends it
+        self.held_text = held_text  # after the last chunk: text with no new token (a stop string's look-ahead)
         self.text = text
         self.continuous_usage = continuous_usage
         self.split_events = split_events
@@ -39,8 +44,15 @@ class ScriptedServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         sent = 0
+
+        async def write(data: bytes) -> None:
+            await resp.write(data.replace(b"\n", b"\r\n") if self.crlf else data)
+
         try:
-            await resp.write(b": ping\n\n")
+            await write(b": ping\n\n")
+            if self.role and chat:
+                await write(b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"role": "assistant",
+                            "content": ""}}], "usage": {"prompt_tokens": 7, "completion_tokens": 0}}) + b"\n\n")
             for n in self.plan:
                 await asyncio.sleep(0.01)
                 sent += n
@@ -51,14 +63,21 @@ class ScriptedServer:
                     msg["usage"] = {"prompt_tokens": 7, "completion_tokens": sent}
                 data = b"data: " + orjson.dumps(msg) + b"\n\n"
                 if self.split_events:
-                    await resp.write(data[:9])
+                    await write(data[:9])
                     await asyncio.sleep(0.001)
-                    await resp.write(data[9:])
+                    await write(data[9:])
                 else:
-                    await resp.write(data)
+                    await write(data)
+            if self.held_text:
+                await asyncio.sleep(0.01)
+                choice = ({"index": 0, "delta": {"content": self.held_text}} if chat
+                          else {"index": 0, "text": self.held_text})
+                await write(b"data: " + orjson.dumps({"choices": [choice], "usage": {
+                    "prompt_tokens": 7, "completion_tokens": sent}}) + b"\n\n")
             usage = {"prompt_tokens": 7, "completion_tokens": sent, "total_tokens": sent + 7}
-            await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+            if self.usage:
+                await write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+            await write(b"data: [DONE]\n\n")
         finally:
             self.in_flight -= 1
         return resp
@@ -100,8 +119,10 @@ def test_multi_token_chunks_count_tokens_from_usage() -> None:
     assert len(r.itl) == 3 and r.ttft is not None and r.ttft > 0
     assert r.latency == pytest.approx(r.ttft + sum(r.itl))
     assert r.prompt_tokens == 7
-    # Without per-chunk usage the per-token ITL spreads the gaps evenly over the 9 decode tokens.
-    assert sum(r.per_token_itl()) * 9 / 3 == pytest.approx(sum(r.itl))
+    # Without per-chunk usage the per-token ITL spreads the 9 decode tokens evenly over the gaps, 3 each.
+    per_tok = r.per_token_itl()
+    assert len(per_tok) == 9 and sum(per_tok) == pytest.approx(sum(r.itl))
+    assert per_tok[:3] == pytest.approx([r.itl[0] / 3] * 3)
     assert r.text == "tok " * 10
 
 
@@ -113,6 +134,42 @@ def test_per_chunk_usage_splits_each_gap_over_its_tokens() -> None:
     assert len(per_tok) == 5
     assert per_tok[:3] == pytest.approx([r.itl[0] / 3] * 3)
     assert per_tok[3:] == pytest.approx([r.itl[1] / 2] * 2)
+
+
+def test_the_spread_per_token_itl_weighs_every_token_alike() -> None:
+    # one 40 ms gap carrying 4 tokens and four 1 ms gaps of one: per token, (40 + 4) / 8 = 5.5 ms on average
+    a = RequestResult(0, success=True, ttft=0.01, itl=[0.040], output_tokens=5)
+    b = RequestResult(1, success=True, ttft=0.01, itl=[0.001] * 4, output_tokens=5)
+    pooled = a.per_token_itl() + b.per_token_itl()
+    assert len(pooled) == 8 and sum(pooled) / 8 == pytest.approx(0.0055)
+    # gaps that do not divide the tokens evenly: whole tokens per gap, every token counted once
+    c = RequestResult(2, success=True, ttft=0.01, itl=[0.003, 0.006, 0.009], output_tokens=8)
+    assert len(c.per_token_itl()) == 7 and sum(c.per_token_itl()) == pytest.approx(0.018)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_role_events_held_text_and_crlf_lines_are_not_steps(endpoint: str) -> None:
+    """vLLM's chat stream opens with a role event of 0 tokens; text released with no new token belongs to the
+    step before; sse-starlette ends lines in CRLF. None of them is a step of its own."""
+    server = ScriptedServer([1, 3, 2], continuous_usage=True, role=True, held_text="!", crlf=True)
+    (r,), _, _ = _run(server, [Prompt(text="hi")], max_tokens=6, endpoint=endpoint)
+    assert r.success, r.error
+    assert r.chunk_tokens == [1, 3, 2] and len(r.itl) == 2 and r.output_tokens == 6
+    assert r.text == "tok " * 6 + "!"
+    assert r.latency == pytest.approx(r.ttft + sum(r.itl))
+
+
+def test_a_stream_without_usage_counts_chunks_and_the_cell_says_so(tmp_path: Any) -> None:
+    from dspark_cli.bench.matrix import measurement_notes
+
+    (r,), wall, _ = _run(ScriptedServer([1, 3, 2], usage=False), [Prompt(text="hi")], max_tokens=6)
+    assert r.success and r.output_tokens == 3 and not r.usage_counted
+    metrics = aggregate([r], wall)
+    assert metrics["chunk_counted_requests"] == 1
+    (note,) = measurement_notes({"metrics": metrics})
+    assert note.startswith("1 of 1 requests streamed no usage, so their tokens were counted as stream chunks")
+    (r,), wall, _ = _run(ScriptedServer([1, 3, 2]), [Prompt(text="hi")], max_tokens=6)
+    assert r.usage_counted and aggregate([r], wall)["chunk_counted_requests"] == 0
 
 
 def test_steps_that_spell_no_text_still_count_through_per_chunk_usage() -> None:

@@ -532,6 +532,57 @@ def test_a_cell_records_its_prefix_cache_hits_and_says_when_cells_are_not_equal_
     assert load_cell(cell_path(tmp_path, "none", 4))["prefix_cache"]["hit_tokens"] == 300.0
 
 
+def test_a_cell_whose_first_scrape_failed_leaves_its_counters_unknown(tmp_path: Path) -> None:
+    """Counters measured from nothing would hold the warm-up's and every earlier cell's: acceptance 3.8 where the
+    cell's own was 2.0. A failed first scrape makes them unknown instead."""
+    from dspark_cli.bench import matrix
+    from dspark_cli.bench.client import RequestResult, ServerCounters
+    from dspark_cli.bench.metrics import PrefixCacheCounters, SpecDecodeCounters
+
+    spec = _spec(tmp_path)
+    done = RequestResult(index=0, success=True, ttft=0.01, latency=0.1, output_tokens=8, itl=[0.01] * 7)
+    after = ServerCounters(SpecDecodeCounters(present=True, num_drafts=110, num_draft_tokens=440,
+                                              num_accepted_tokens=300), {"dspark:paused_steps_total": 9.0}, {},
+                           PrefixCacheCounters(100.0, 0.0, True))
+    before = ServerCounters(SpecDecodeCounters(present=True, num_drafts=100, num_draft_tokens=400,
+                                               num_accepted_tokens=290), {"dspark:paused_steps_total": 4.0}, {},
+                            PrefixCacheCounters(50.0, 0.0, True))
+    cell = matrix._cell_record(spec, BenchConfig("varlen"), 4, [done], 1.0, before, after, {}, "2026-01-01T00:00:00")
+    assert cell["spec_decode"]["acceptance_length"] == pytest.approx(2.0)
+    assert cell["server_counters"] == {"dspark:paused_steps_total": 5.0}
+    failed = ServerCounters(SpecDecodeCounters(), {}, scraped=False)
+    cell = matrix._cell_record(spec, BenchConfig("varlen"), 4, [done], 1.0, failed, after, {}, "2026-01-01T00:00:00")
+    assert cell["spec_decode"] is None and cell["server_counters"] == {} and cell["prefix_cache"] is None
+
+
+def test_a_failed_metrics_scrape_is_told_apart_from_a_server_without_counters() -> None:
+    import asyncio
+
+    from aiohttp import web
+
+    from dspark_cli.bench.client import LoadConfig, fetch_counters, make_session
+
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(status=500)
+
+    async def go() -> tuple[bool, bool]:
+        app = web.Application()
+        app.router.add_get("/metrics", broken)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with make_session(LoadConfig(base_url="x")) as session:
+                failed = await fetch_counters(session, f"http://127.0.0.1:{port}")
+                return failed.scraped, failed.spec.present
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == (False, False)
+
+
 def test_a_cell_whose_server_merged_stream_chunks_says_its_frontend_fell_behind(tmp_path: Path) -> None:
     """One chunk per request per step is what a server streams while its frontend keeps up; more tokens per chunk
     than per request-step means it sent several steps' outputs at once (vLLM's API server at 64 requests on the

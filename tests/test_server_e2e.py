@@ -326,6 +326,15 @@ def test_continuous_usage_counts_every_token_in_every_chunk(server: Server) -> N
     # every chunk reports what was generated so far; no step is reported twice
     assert len(set(counts)) == len(counts)
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 12
+    # chat opens with a role event of no token, as vLLM's: a client timing chunks by usage must not take it for
+    # the first token's chunk (and the first token's own for a second chunk of none)
+    chat = {"messages": [{"role": "user", "content": "The quick brown"}], "max_tokens": 12, **GREEDY,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = server.stream("/v1/chat/completions", chat)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[0]["usage"]["completion_tokens"] == 0
+    counts = [e["usage"]["completion_tokens"] for e in chunks[1:]]
+    assert counts[0] >= 1 and len(set(counts)) == len(counts) and counts[-1] == 12
 
 
 def _prompt_ids(server: Server, text: str) -> list[int]:

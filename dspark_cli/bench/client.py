@@ -73,6 +73,9 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     text: str = ""
+    # False: the stream carried no usage (a server that ignores stream_options), so output_tokens counts chunks,
+    # and a speculative server's chunks carry several tokens each
+    usage_counted: bool = True
 
     @property
     def num_token_chunks(self) -> int:
@@ -87,9 +90,15 @@ class RequestResult:
             for gap, n in zip(self.itl, self.chunk_tokens[1:], strict=True):
                 out.extend([gap / n] * n)
             return out
+        # Counts per chunk unknown: the decode tokens spread evenly over the gaps, each gap split over its share
+        # (whole tokens, largest remainder), so that pooled over requests every token weighs alike, not every chunk.
         decode_tokens = max(self.output_tokens - 1, len(self.itl))
-        scale = len(self.itl) / decode_tokens
-        return [gap * scale for gap in self.itl]
+        g = len(self.itl)
+        out = []
+        for i, gap in enumerate(self.itl):
+            n = (i + 1) * decode_tokens // g - i * decode_tokens // g
+            out.extend([gap / n] * n)
+        return out
 
 
 def server_root(url: str) -> str:
@@ -157,7 +166,8 @@ async def stream_request(
                 res.error = f"HTTP {resp.status}: {body}"
                 return res
             async for data in resp.content.iter_any():
-                buf += data
+                # SSE lines may end in CRLF (sse-starlette's servers): one line ending for the split below
+                buf = (buf + data).replace(b"\r\n", b"\n")
                 # SSE events end with a blank line; a network read may end mid-event, so keep the tail.
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
@@ -179,7 +189,11 @@ async def stream_request(
                         tokens_now = int(usage["completion_tokens"]) if usage and usage.get(
                             "completion_tokens") is not None else None
                         advanced = tokens_now is not None and bool(choices) and tokens_now > prev_usage_tokens
-                        if choices and (_has_output(choices[0]) or advanced):
+                        if res.ttft is not None and tokens_now is not None and not advanced and choices:
+                            # text the server held back (a stop string's look-ahead) and no new token: it belongs
+                            # to the step before, not a step of its own
+                            texts.append(_choice_text(choices[0]))
+                        elif choices and (_has_output(choices[0]) or advanced):
                             if res.ttft is None:
                                 res.ttft = now - st
                             else:
@@ -207,6 +221,7 @@ async def stream_request(
         res.error = "the stream carried no output tokens"
         return res
     res.output_tokens = usage_tokens if usage_tokens is not None else res.num_token_chunks
+    res.usage_counted = usage_tokens is not None
     res.latency = last - st
     res.success = True
     return res
@@ -236,17 +251,25 @@ class ServerCounters:
     dspark: dict[str, float]
     gauges: dict[str, float] = field(default_factory=dict)
     prefix_cache: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
+    # False: the scrape failed (an error status, a timeout). A cell whose first scrape failed cannot say what
+    # its counters did: measured from nothing, they would hold the warm-up's and every earlier cell's too.
+    scraped: bool = True
 
 
-async def fetch_counters(session: aiohttp.ClientSession, base_url: str) -> ServerCounters:
-    """Counters from ``/metrics``; an absent endpoint reads as "no counters", not an error."""
-    try:
-        async with session.get(f"{base_url}/metrics") as resp:
-            if resp.status != 200:
-                return ServerCounters(SpecDecodeCounters(), {})
-            samples = parse_prometheus(await resp.text())
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return ServerCounters(SpecDecodeCounters(), {})
+async def fetch_counters(session: aiohttp.ClientSession, base_url: str, attempts: int = 2) -> ServerCounters:
+    """Counters from ``/metrics``; an absent endpoint or a failed scrape reads as "no counters" (``scraped``
+    False), not an error. A scrape that timed out or lost its connection is tried again once."""
+    for attempt in range(attempts):
+        try:
+            async with session.get(f"{base_url}/metrics") as resp:
+                if resp.status != 200:
+                    return ServerCounters(SpecDecodeCounters(), {}, scraped=False)
+                samples = parse_prometheus(await resp.text())
+            break
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            if attempt == attempts - 1:
+                return ServerCounters(SpecDecodeCounters(), {}, scraped=False)
+            await asyncio.sleep(0.5)
     return ServerCounters(SpecDecodeCounters.from_samples(samples), dspark_counters(samples), dspark_gauges(samples),
                           PrefixCacheCounters.from_samples(samples))
 
@@ -331,6 +354,8 @@ def aggregate(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
         "tpot_ms": tpot,
         "e2e_ms": _stats([r.latency for r in ok]),
         "tokens_per_chunk": out_tokens / chunks if chunks else None,
+        # requests whose tokens were counted as stream chunks, the server having sent no usage (see RequestResult)
+        "chunk_counted_requests": sum(not r.usage_counted for r in ok),
         "per_user_tok_s": (1000.0 / tpot["median"]) if tpot["median"] else None,
         "per_user_definition": "1000 / median TPOT ms",
         "per_request_tok_s_mean": float(np.mean([r.output_tokens / r.latency for r in ok if r.latency > 0]))

@@ -590,8 +590,10 @@ def _cell_record(spec: MatrixSpec, cfg: BenchConfig, c: int, results: Sequence[R
                  before: ServerCounters, after: ServerCounters, server: dict[str, Any],
                  started: str, cpu: CpuUse | None = None) -> dict[str, Any]:
     """A cell's JSON: client metrics over ``results`` in ``wall`` seconds, the server's counters between the
-    two scrapes, and the CPU the client and the server's processes used meanwhile."""
-    stats = counter_delta(before.spec, after.spec)
+    two scrapes, and the CPU the client and the server's processes used meanwhile. Where the first scrape failed,
+    the counters are unknown (None, {}): the second alone would count since the server started."""
+    known = before.scraped
+    stats = counter_delta(before.spec, after.spec) if known else None
     return {
         "dspark_bench_cell": CELL_FORMAT,
         "config": cfg.name,
@@ -599,11 +601,11 @@ def _cell_record(spec: MatrixSpec, cfg: BenchConfig, c: int, results: Sequence[R
         "metrics": aggregate(results, wall),
         "spec_decode": stats.to_dict() if stats is not None else None,
         # The server's own counters over the cell (embedded engine: paused steps, kernel compiles, full GCs).
-        "server_counters": dspark_counter_delta(before.dspark, after.dspark),
+        "server_counters": dspark_counter_delta(before.dspark, after.dspark) if known else {},
         # ... and its gauges at the end of the cell (the saturation policy's evidence: cost scales, gain).
         "server_gauges": after.gauges,
         # Prompt tokens vLLM found in its prefix cache over the cell (None: a server without one).
-        "prefix_cache": prefix_cache_delta(before.prefix_cache, after.prefix_cache),
+        "prefix_cache": prefix_cache_delta(before.prefix_cache, after.prefix_cache) if known else None,
         # Share of a core the bench client's and the server's event loops (and their processes) used: a loop near
         # 1 may be what limits the cell (bench.cpu; None: not measured).
         "cpu": cpu.to_dict() if cpu is not None else None,
@@ -696,6 +698,11 @@ def measurement_notes(cell: dict[str, Any]) -> list[str]:
         notes.append(f"the server's main thread (pid {cpu['server_pid']}, where its HTTP event loop runs) was busy "
                      f"{cpu['server_main_share']:.0%} of the cell: its frontend may be what limits this cell "
                      "(vLLM: more API servers, --api-server-count)")
+    counted = cell["metrics"].get("chunk_counted_requests") or 0
+    if counted:
+        notes.append(f"{counted} of {cell['metrics']['completed']} requests streamed no usage, so their tokens were "
+                     "counted as stream chunks: a server that sends several tokens per chunk (speculative decoding) "
+                     "reads slow by its tokens per chunk")
     per_chunk = cell["metrics"].get("tokens_per_chunk")
     per_step = (cell.get("spec_decode") or {}).get("acceptance_length") or 1.0
     if per_chunk and per_chunk > MERGED_CHUNKS_WARN * per_step:

@@ -732,8 +732,13 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(i: int, delta: str | None, finish: str | None, first: bool = False,
-              ids: list[int] | None = None) -> bytes:
-        """One SSE event of choice ``i``; ``ids``: its output tokens since its last event (return_token_ids)."""
+              ids: list[int] | None = None, role: bool = False) -> bytes:
+        """One SSE event of choice ``i``; ``ids``: its output tokens since its last event (return_token_ids).
+
+        ``role``: chat's opening event, which carries no token. Its usage says 0 completion tokens, as vLLM's
+        does, though it goes out once the first output exists: a client timing chunks by usage would otherwise
+        take it for the first token's chunk, and the first token's own for a second one of no tokens.
+        """
         gen = gens[i]
         if chat:
             d: dict[str, Any] = {}
@@ -752,8 +757,8 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
             if first:  # the prompt's ids ride on a choice's first event only, as vLLM sends them
                 (payload if chat else choice)["prompt_token_ids"] = gen.req.prompt_ids
         if req.include_usage:
-            payload["usage"] = (_usage(len(gen.req.prompt_ids), gen.num_tokens) if req.continuous_usage
-                                else None)
+            payload["usage"] = (_usage(len(gen.req.prompt_ids), 0 if role else gen.num_tokens)
+                                if req.continuous_usage else None)
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
     resp: web.StreamResponse | None = None
@@ -769,7 +774,7 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
                     await resp.prepare(request)
                     if chat:
                         for j in range(len(gens)):
-                            await resp.write(chunk(j, "", None, first=True))
+                            await resp.write(chunk(j, "", None, first=True, role=True))
                 first = not chat and sent_tokens[i] == 0
                 ids = gen.token_ids[sent_tokens[i]:] if req.return_token_ids else None
                 if gen.finish_reason is not None:
