@@ -16,7 +16,7 @@ from dspark_cli.engines.embedded.metrics import (
     render_metrics,
     request_token_buckets,
 )
-from dspark_cli.engines.embedded.server import IncrementalDetokenizer, StopTextBuffer, fast_decoder
+from dspark_cli.engines.embedded.detokenizer import IncrementalDetokenizer, StopTextBuffer, fast_decoder
 
 # ----------------------------------------------------------------------------------------- /metrics
 

@@ -6,10 +6,10 @@ response shapes follow OpenAI's API as vLLM implements it, so that ``vllm bench 
 client and ``dspark bench`` talk to this server exactly as they talk to ``vllm serve``.
 
 Design points:
-- Validation happens here, at the edge: anything the engine cannot honour (logprobs, penalties, tools,
-  a prompt longer than the context) is a 400 with OpenAI's error JSON naming the field, never a silently
-  different experiment.
-- Stop strings are matched on incrementally detokenised text. While streaming, the last
+- Validation happens at the edge (``protocol.py``): anything the engine cannot honour (logprobs, penalties,
+  tools, a prompt longer than the context) is a 400 with OpenAI's error JSON naming the field, never a
+  silently different experiment.
+- Stop strings are matched on incrementally detokenised text (``detokenizer.py``). While streaming, the last
   ``len(longest stop) - 1`` characters are held back so a stop string split across steps is never sent
   to the client; the text is cut before the earliest-starting stop string (whatever the step split) and
   the engine request aborted (its KV blocks freed).
@@ -45,21 +45,20 @@ from dspark_cli.engines.embedded.async_engine import (
     engine_max_model_len,
     error_type,
 )
+from dspark_cli.engines.embedded.detokenizer import IncrementalDetokenizer, StopTextBuffer
 from dspark_cli.engines.embedded.metrics import CONTENT_TYPE, RequestMetrics, render_metrics
+from dspark_cli.engines.embedded.protocol import (
+    BadRequest,
+    ParsedRequest,
+    is_int,
+    parse_chat,
+    parse_completion,
+)
 from dspark_cli.errors import DsparkError
 
 log = logging.getLogger("dspark.serve")
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
-
-
-class BadRequest(Exception):
-    """A request the server refuses: becomes HTTP 400 (or ``status``) with OpenAI's error JSON."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -75,194 +74,6 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
-
-
-# -------------------------------------------------------------------------------------- detokenisation
-
-
-def fast_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it, through the Rust
-    tokenizer directly where that is the same thing (a fast tokenizer without clean-up of tokenization
-    spaces). Why: the detokenizer decodes twice per streamed token per request, and the Python wrapper
-    costs ~3x the Rust decode (8 against 2.5 us for SmolLM2's tokenizer on a 2-core CPU) -- at 256
-    requests a step that is milliseconds on the interpreter the engine thread also needs."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    decode = backend.decode
-    return lambda ids: decode(ids, skip_special_tokens=True)
-
-
-class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas without re-decoding the whole output each step.
-
-    Decoding a token alone loses context (SentencePiece drops a leading space at the start of a decode;
-    a multi-byte character may span tokens and decode to U+FFFD until complete). Like vLLM, keep a small
-    window: decode ``tokens[prefix:]`` and ``tokens[prefix:read]``, emit the difference, and only advance
-    once the new text does not end in a replacement character. The window starts with the prompt's last
-    few tokens so the first generated token gets its true leading whitespace.
-    """
-
-    _CONTEXT = 5
-
-    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
-        self._decode = fast_decoder(tokenizer)
-        self._ids: list[int] = list(prompt_ids[-self._CONTEXT:])
-        self._prefix = 0
-        self._read = len(self._ids)
-
-    def push(self, new_ids: list[int]) -> str:
-        if not new_ids:
-            return ""
-        self._ids.extend(new_ids)
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
-            self._prefix = self._read
-            self._read = len(self._ids)
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is still pending at the end (an incomplete character is emitted as U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
-        self._prefix = self._read = len(self._ids)
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
-
-
-class StopTextBuffer:
-    """Accumulates output text, finds stop strings, and says which part is safe to send now.
-
-    The text is cut before the stop string that *starts* earliest, so the result does not depend on how
-    the text was split into deltas. A complete match therefore only ends the request once no other stop
-    string could still start before it: with stops ``["a", "xaa"]`` the text ``"xa"`` is held (``"xaa"``
-    may yet complete and cut at 0) until the next delta or the end of the output decides.
-    """
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self._sent = 0
-        # No stop string starts before this index (every earlier start was ruled out by a previous delta):
-        # a start at ``j`` is open only while ``text[j:]`` is shorter than the longest stop.
-        self._scan = 0
-        self.stopped = False
-        self.matched: str | None = None  # the stop string the text was cut at (vLLM's stop_reason)
-
-    def _earliest_match(self) -> int:
-        """Where the earliest-starting stop string starts (-1: none); ``_match`` is that string."""
-        first, self._match = -1, None
-        for stop in self.stops:
-            i = self.text.find(stop, self._scan)
-            if i >= 0 and (first < 0 or i < first):
-                first, self._match = i, stop
-        return first
-
-    def _open_start_before(self, end: int) -> bool:
-        """Could a stop string still start at some ``j < end`` (``text[j:]`` a proper prefix of it)?"""
-        n = len(self.text)
-        return any(len(s) > n - j and s.startswith(self.text[j:])
-                   for j in range(self._scan, end) for s in self.stops)
-
-    def _cut(self, at: int) -> str:
-        self.text = self.text[:at]
-        self.stopped, self.matched = True, self._match
-        return self.flush()
-
-    def add(self, delta: str) -> str:
-        """Append ``delta``; return the newly sendable text (cut before a stop string if one matched)."""
-        if self.stopped or not delta:
-            return ""
-        self.text += delta
-        if self.stops:
-            first = self._earliest_match()
-            if first >= 0 and not self._open_start_before(first):
-                return self._cut(first)
-            # Starts this far back can no longer hold a whole stop string that was not found above.
-            self._scan = max(self._scan, len(self.text) - self._hold)
-        # Any complete match still pending here starts after an open start, so inside the held-back tail.
-        safe = len(self.text) - self._hold
-        if safe > self._sent:
-            out = self.text[self._sent:safe]
-            self._sent = safe
-            return out
-        return ""
-
-    def flush(self) -> str:
-        """The rest of the text at the end of the output; a match waiting on a longer stop is final now."""
-        if not self.stopped and self.stops:
-            first = self._earliest_match()
-            if first >= 0:
-                self.text = self.text[:first]
-                self.stopped, self.matched = True, self._match
-        out = self.text[self._sent:]
-        self._sent = len(self.text)
-        return out
-
-
-# ------------------------------------------------------------------------------------------ validation
-
-
-@dataclass
-class ParsedRequest:
-    prompt_ids: list[int]
-    params: Any  # engine SamplingParams
-    stops: list[str]
-    stream: bool
-    include_usage: bool
-    model: str
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
-    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids beside the text
-    prompt_index: int = 0  # which prompt of a batch (several choices of one prompt share it: n > 1)
-
-
-_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    # field: values that mean "off" (anything else would silently change the experiment)
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "top_k": (None, 0, -1),
-    "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0),
-    "logit_bias": (None,),
-    "top_logprobs": (None, 0),
-    "use_beam_search": (None, False),
-    "tools": (None,),
-    "tool_choice": (None, "none", "auto"),  # with no tools, "required" or a named function cannot be honoured
-    # vLLM honours these; silently serving without them would return output the client did not ask for
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None,),
-    "logits_processors": (None,),
-    "truncate_prompt_tokens": (None,),
-    "prompt_logprobs": (None,),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True),
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None,),
-}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -297,216 +108,23 @@ class ServerContext:
     @property
     def vocab_size(self) -> int:
         value = getattr(self.engine.engine, "vocab_size", None)
-        return value if _is_int(value) and value > 0 else len(self.tokenizer)
+        return value if is_int(value) and value > 0 else len(self.tokenizer)
 
     @property
     def k(self) -> int:
         """Draft length actually running (``auto`` may have found no draft), for per-position metrics."""
         if self.engine.healthy:
             value = getattr(self.engine.engine, "num_spec", None)
-            if _is_int(value):
+            if is_int(value):
                 return value
         return self.num_speculative_tokens
 
 
-# Choices one request may ask for (prompts x n): each is an engine request, so a bound keeps one HTTP request
-# from queueing thousands of them.
-MAX_CHOICES = 128
+
 # A request body above this many bytes is parsed (and its prompt tokenized) off the event loop; below it the
 # thread hop would cost more than the parse (a 64 KiB prompt tokenizes in about a millisecond).
 PARSE_ON_LOOP_BYTES = 64 * 1024
 
-
-def _make_params(body: dict[str, Any], max_tokens: int, sample: int = 0) -> Any:
-    from dspark_cli.engines.embedded.sequence import SamplingParams
-
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
-    if body.get("temperature") is not None:
-        kwargs["temperature"] = float(body["temperature"])
-    if body.get("top_p") is not None:
-        kwargs["top_p"] = float(body["top_p"])
-    if body.get("ignore_eos") is not None:
-        kwargs["ignore_eos"] = bool(body["ignore_eos"])
-    if body.get("seed") is not None:
-        # vLLM's parallel sampling: the j-th of n samples is seeded seed + j, so they differ and each repeats
-        kwargs["seed"] = int(body["seed"]) + sample
-    if body.get("stop_token_ids"):
-        kwargs["stop_token_ids"] = tuple(int(t) for t in body["stop_token_ids"])
-    return SamplingParams(**kwargs)
-
-
-def parse_common(ctx: ServerContext, body: Any) -> tuple[dict[str, Any], list[str], str]:
-    """Validate the sampling fields both endpoints share; return (body, stop strings, model name)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest("'model' must be a string", "model")
-    if model is not None and model not in ctx.names:
-        raise BadRequest(f"The model `{model}` does not exist; this server serves `{ctx.served_model_name}`",
-                         "model", status=404)
-    for key in ("stream", "ignore_eos", "return_token_ids"):
-        if body.get(key) is not None and not isinstance(body[key], bool):
-            raise BadRequest(f"'{key}' must be true or false", key)
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
-        raise BadRequest(f"'n' must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if v is not None and (not _is_int(v) or v <= 0):
-            raise BadRequest(f"'{key}' must be a positive integer, got {v!r}", key)
-    t = body.get("temperature")
-    if t is not None and (not _is_num(t) or t < 0):
-        raise BadRequest(f"'temperature' must be a number >= 0, got {t!r}", "temperature")
-    p = body.get("top_p")
-    if p is not None and (not _is_num(p) or not 0 < p <= 1):
-        raise BadRequest(f"'top_p' must be in (0, 1], got {p!r}", "top_p")
-    s = body.get("seed")
-    if s is not None and not (_is_int(s) and -(1 << 63) <= s < 1 << 63):
-        raise BadRequest(f"'seed' must be a 64-bit integer, got {s!r}", "seed")
-    if s is not None and s + (n or 1) - 1 >= 1 << 63:
-        # sample j of n is seeded seed + j (_make_params)
-        raise BadRequest(f"'seed' {s} leaves no room for n={n} samples seeded seed + j within 64 bits", "seed")
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
-        stops = list(stop)
-    else:
-        raise BadRequest("'stop' must be a string or a list of strings", "stop")
-    sti = body.get("stop_token_ids")
-    if sti is not None and not (isinstance(sti, list) and all(_is_int(x) and x >= 0 for x in sti)):
-        raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-    if body.get("logprobs") is not None and body["logprobs"] is not False:  # completions' 0 asks for them too
-        raise BadRequest("logprobs are not supported by the embedded engine", "logprobs")
-    for key, off in _UNSUPPORTED_DEFAULTS.items():
-        v = body.get(key)
-        empty = isinstance(v, (list, dict)) and not v  # an empty list or object asks for nothing
-        if v is not None and not empty and not any(v == o and type(v) is type(o) for o in off if o is not None):
-            raise BadRequest(f"'{key}' is not supported by the embedded engine (got {v!r})", key)
-    so = body.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise BadRequest("'stream_options' must be an object", "stream_options")
-    if so is not None and body.get("stream") is not True:
-        raise BadRequest("'stream_options' needs 'stream': true", "stream_options")  # as vLLM refuses it
-    return body, stops, model or ctx.served_model_name
-
-
-def _check_length(ctx: ServerContext, prompt_ids: list[int], body: dict[str, Any]) -> int:
-    """Return max_tokens (defaulting to the rest of the context, as vLLM does); 400 when it cannot fit."""
-    limit = ctx.max_model_len
-    n = len(prompt_ids)
-    if n == 0:
-        raise BadRequest("the prompt is empty", "prompt")
-    requested = body.get("max_completion_tokens") or body.get("max_tokens")
-    if n >= limit:
-        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                         f"{n} tokens, leaving no room for the completion. Please shorten the prompt.", "prompt")
-    if requested is None:
-        return limit - n
-    if n + requested > limit:
-        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
-                         f"{n + requested} tokens ({n} in the prompt, {requested} for the completion). "
-                         "Please reduce the prompt or max_tokens.", "max_tokens")
-    return int(requested)
-
-
-def _prompt_ids(ctx: ServerContext, prompt: Any) -> list[int]:
-    """One prompt (text or token ids) as token ids."""
-    if isinstance(prompt, str):
-        return list(ctx.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    if isinstance(prompt, list) and prompt and all(_is_int(x) for x in prompt):
-        vocab = ctx.vocab_size
-        bad = [x for x in prompt if not 0 <= x < vocab]
-        if bad:
-            raise BadRequest(f"prompt token id {bad[0]} is out of range [0, {vocab})", "prompt")
-        return list(prompt)
-    raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a list of those", "prompt")
-
-
-def _choices(ctx: ServerContext, body: dict[str, Any], stops: list[str], model: str,
-             prompts: list[list[int]]) -> list[ParsedRequest]:
-    """One request per choice, in the order vLLM indexes them: prompt by prompt, each prompt's n samples."""
-    n = body.get("n") or 1
-    if len(prompts) * n > MAX_CHOICES:
-        raise BadRequest(f"{len(prompts)} prompts x n={n} asks for more than {MAX_CHOICES} choices; split the "
-                         "request", "n")
-    out = []
-    for p, ids in enumerate(prompts):
-        max_tokens = _check_length(ctx, ids, body)
-        for j in range(n):
-            out.append(ParsedRequest(ids, _make_params(body, max_tokens, j), stops, bool(body.get("stream")),
-                                     _include_usage(body), model, _continuous_usage(body),
-                                     body.get("return_token_ids") is True, p))
-    return out
-
-
-def parse_completion(ctx: ServerContext, body: Any) -> list[ParsedRequest]:
-    """The choices a completion request asks for: each prompt of a batch (a list of texts or of token-id lists)
-    times ``n``."""
-    body, stops, model = parse_common(ctx, body)
-    if "prompt" not in body or body["prompt"] is None:
-        raise BadRequest("'prompt' is required", "prompt")
-    prompt = body["prompt"]
-    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(x, (str, list)) for x in prompt)
-    if batch and len({type(x) for x in prompt}) > 1:
-        raise BadRequest("'prompt' must be a list of one kind: texts, or token-id lists", "prompt")
-    return _choices(ctx, body, stops, model, [_prompt_ids(ctx, x) for x in (prompt if batch else [prompt])])
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    so = body.get("stream_options") or {}
-    return bool(so.get("include_usage"))
-
-
-def _continuous_usage(body: dict[str, Any]) -> bool:
-    so = body.get("stream_options") or {}
-    return bool(so.get("include_usage")) and bool(so.get("continuous_usage_stats"))
-
-
-_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def _message_text(i: int, content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def parse_chat(ctx: ServerContext, body: Any) -> list[ParsedRequest]:
-    """The choices a chat request asks for: ``n`` samples of one conversation."""
-    body, stops, model = parse_common(ctx, body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' is required and must be a non-empty list", "messages")
-    conv = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise BadRequest(f"messages[{i}] must be an object", "messages")
-        role = msg.get("role")
-        if role not in _ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
-        conv.append({"role": role, "content": _message_text(i, msg.get("content"))})
-    tok = ctx.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise BadRequest("this model has no chat template; use /v1/completions", "messages")
-    try:
-        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 -- template errors (jinja raise_exception) are the user's input
-        raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
-    ids = list(tok(text, add_special_tokens=False)["input_ids"])
-    return _choices(ctx, body, stops, model, [ids])
 
 
 # --------------------------------------------------------------------------------------------- handlers
