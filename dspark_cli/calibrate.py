@@ -48,6 +48,30 @@ def check_trace_folders(traces: Sequence[str | os.PathLike[str]]) -> None:
         raise DsparkError(f"no *.jsonl files in {folder}; record traces with `dspark serve --record-traces FILE`")
 
 
+def _distinct_inputs(traces: Sequence[str | os.PathLike[str]], output: Path,
+                     plot: Path | None) -> list[str | os.PathLike[str]]:
+    """The trace inputs, each once; refuses an output that would overwrite one, or that a folder input would
+    read as traces next time (a ``.jsonl`` written into it)."""
+    seen: set[Path] = set()
+    out: list[str | os.PathLike[str]] = []
+    for item in traces:
+        resolved = Path(item).resolve()
+        for dest, flag in ((output, "-o/--output"), (plot, "--plot")):
+            if dest is None:
+                continue
+            dest = dest.resolve()
+            if dest == resolved:
+                raise DsparkError(f"{flag} {dest} is also a trace input; writing it would replace the traces: "
+                                  "pass another path")
+            if resolved.is_dir() and dest.parent == resolved and dest.suffix == ".jsonl":
+                raise DsparkError(f"{flag} {dest} lies in the trace folder {item} with a .jsonl suffix, so the "
+                                  "next calibration would read it as traces; write it elsewhere or as .json")
+        if resolved not in seen:
+            seen.add(resolved)
+            out.append(item)
+    return out
+
+
 def plotted_positions(num_positions: int, limit: int = MAX_PLOTTED_POSITIONS) -> list[int]:
     """1-based positions to draw: all of them when few, else the first, the last and evenly between."""
     if num_positions <= limit:
@@ -127,6 +151,9 @@ def run_calibration(
 ) -> CalibrationResult:
     """Read traces, fit STS, write ``sts.json`` (atomic) and optionally the reliability diagram.
 
+    An output that is one of the inputs, or a ``.jsonl`` inside an input folder (read as traces next time), is
+    refused; an input given twice is read once.
+
     Both output paths are checked before the traces are read, so a bad ``-o``/``--plot`` costs no fit and
     never leaves one file written without the other. ``warnings`` lists the positions whose temperature
     the data could not pin down; the file is written all the same.
@@ -142,6 +169,7 @@ def run_calibration(
         if plot.resolve() == output.resolve():
             raise DsparkError(f"--plot and -o/--output are both {output}; give the diagram its own path")
     check_trace_folders(traces)
+    traces = _distinct_inputs(traces, output, plot)
     ts = read_traces(list(traces), skip_invalid=skip_invalid)
     names = ", ".join(str(t) for t in traces)
     if not ts.records:

@@ -312,9 +312,11 @@ def serve(
     for warning in ineffective_settings(settings):
         _warn(warning)
     if settings.record_traces is not None and not dry_run:
+        from dspark_cli.core.traces import check_appendable
         from dspark_cli.fileio import check_output_file
 
         check_output_file(settings.record_traces, "--record-traces")  # before any weights load
+        check_appendable(settings.record_traces, "--record-traces")
     extra = [a for a in ctx.args if a != "--"]
     if settings.engine == "vllm":
         if settings.scheduler_delay_factor is not None:

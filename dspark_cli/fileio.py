@@ -13,8 +13,16 @@ from dspark_cli.errors import DsparkError
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and an atomic rename."""
+    """Write ``data`` to ``path`` via a temporary file in the same folder and an atomic rename.
+
+    A link is written through (its target is replaced, the link stays); a path that is not a regular file (a
+    device, a FIFO) is refused: the rename would put a file where it was, and as root even over ``/dev/null``.
+    """
     target = Path(path)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    if target.exists() and not target.is_file():
+        raise DsparkError(f"{path} is not a regular file (a device, FIFO or socket); name a file to write")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
     # os.open with 0o666 lets the umask set the mode, as for any file the user creates (mkstemp's 0600
@@ -56,6 +64,8 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
     target = Path(path).expanduser()
     if target.is_dir():
         raise DsparkError(f"{flag} {path} is a folder; name the file to write")
+    if target.exists() and not target.is_file():
+        raise DsparkError(f"{flag} {path} is not a regular file (a device, FIFO or socket); name a file to write")
     try:
         _check_writable_folder(target.parent)
         if target.exists() and not os.access(target, os.W_OK):

@@ -273,3 +273,20 @@ def test_readme_says_the_diagram_needs_plot() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `dspark calibrate`"))
     assert "`--plot" in row and "plus a reliability diagram" not in row
+
+
+def test_outputs_that_would_replace_or_join_the_traces_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    conf, v, a = synth_traces(2, 400, [1.0, 1.0])
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    traces = write_traces(folder / "t.jsonl", conf, v, a)
+    before = traces.read_bytes()
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(traces), "-o", str(traces))
+    assert code == 1 and "is also a trace input" in err and err.count("\n") == 1
+    assert traces.read_bytes() == before  # the traces were not replaced by sts.json
+    code, _, err = run_cli(monkeypatch, capsys, "calibrate", str(folder), "-o", str(folder / "sts.jsonl"))
+    assert code == 1 and "would read it as traces" in err and not (folder / "sts.jsonl").exists()
+    # an input given twice is read once: the fit counts each record once
+    result = run_calibration([traces, traces], tmp_path / "s.json")
+    assert result.num_records == 400 and result.fit.num_rows == 400

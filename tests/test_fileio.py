@@ -56,3 +56,19 @@ def test_output_paths_that_cannot_be_written_are_one_line(tmp_path: Path) -> Non
     with pytest.raises(DsparkError, match=r"--plot .*cannot write \.xyz"):
         check_figure_file(tmp_path / "r.xyz", "--plot")
     check_figure_file(tmp_path / "r.pdf", "--plot")
+
+
+def test_a_link_is_written_through_and_a_special_file_is_refused(tmp_path: Path) -> None:
+    # an atomic rename would put a regular file where the link or the FIFO was (as root, even over /dev/null)
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    atomic_write_json(link, {"a": 1})
+    assert link.is_symlink() and read_json(real) == {"a": 1}
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for call in (lambda: atomic_write_json(fifo, {}), lambda: check_output_file(fifo, "-o")):
+        with pytest.raises(DsparkError, match="is not a regular file"):
+            call()
+    assert not fifo.is_file()

@@ -53,9 +53,14 @@ def test_bad_flag_is_one_line_error_and_exit_1() -> None:
         (["--engine", "vllm", "--device", "cuda"], "embedded-engine setting"),
         # checked before any weights load (a file where a folder should be)
         (["--record-traces", "/proc/version/t.jsonl"], "--record-traces /proc/version/t.jsonl: cannot write there"),
+        # traces are appended: rows after a curve would leave both unreadable
+        (["--record-traces", "{curve}"], "holds something other than traces (line 1: not valid JSON"),
     ],
 )
-def test_errors_raise_dspark_error(args: list[str], match: str) -> None:
+def test_errors_raise_dspark_error(args: list[str], match: str, tmp_path: Path) -> None:
+    curve = tmp_path / "sps_curve.json"
+    curve.write_text('{\n  "version": 1\n}\n')
+    args = [a.replace("{curve}", str(curve)) for a in args]
     result = _invoke(args)
     assert isinstance(result.exception, DsparkError), result.output
     assert match in str(result.exception)

@@ -166,6 +166,21 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def check_appendable(path: str | os.PathLike[str], flag: str) -> None:
+    """Refuse, in one line, a non-empty file whose first row is not a trace: traces are appended, and rows
+    after a curve or an ``sts.json`` would leave both unreadable."""
+    target = Path(path).expanduser()
+    if not target.is_file() or target.stat().st_size == 0:
+        return
+    with target.open("rb") as fh:
+        first = fh.readline()
+    try:
+        _parse_line(first, None)
+    except ValueError as exc:
+        raise DsparkError(f"{flag} {path} holds something other than traces (line 1: {exc}); traces are appended "
+                          "to it: pass a new file or a traces JSONL") from None
+
+
 class TraceWriter:
     """Append trace records to a JSONL file, flushing after every write so a crash loses nothing.
 
