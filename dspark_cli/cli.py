@@ -120,7 +120,10 @@ def profile_sps(
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
                       transient=True) as progress:
             task = progress.add_task("profiling", total=None)
-            curve = ps.run_embedded(req, progress=lambda msg: progress.update(task, description=msg))
+            try:
+                curve = ps.run_embedded(req, progress=lambda msg: progress.update(task, description=msg))
+            except KeyboardInterrupt:
+                raise DsparkError(f"interrupted; nothing written to {output}") from None
         used = curve.meta.get("context_len")
         if used is not None and used != context_len:
             _warn(f"--context-len {context_len}: the synthetic requests held {used} tokens of KV (what "

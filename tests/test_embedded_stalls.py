@@ -8,6 +8,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,29 @@ def test_watch_times_full_collections_only() -> None:
         watch.close()
     gc.collect()
     assert watch.counters.full_gcs == 1
+
+
+def test_a_ctrl_c_that_lands_in_a_gc_callback_is_not_lost() -> None:
+    """Python reports an exception raised in a GC callback as unraisable and goes on: a Ctrl-C landing in the
+    watch's callback was dropped, and `dspark profile-sps` ran to its end. The watch delivers it again."""
+
+    def interrupted(phase: str, info: dict) -> None:
+        if phase == "stop":
+            raise KeyboardInterrupt  # as the signal handler raises it at the callback's first instruction
+
+    before = sys.unraisablehook
+    watch = StallWatch().install()
+    gc.callbacks.append(interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gc.collect()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the interrupt comes again a moment later (REINTERRUPT_S)
+                pass
+    finally:
+        gc.callbacks.remove(interrupted)
+        watch.close()
+    assert sys.unraisablehook is before  # closed: the hook it found is back
 
 
 def test_engine_counts_its_compiles_and_exports_them(pair: TinyPair) -> None:

@@ -158,6 +158,17 @@ def test_cli_refuses_a_flat_profile_and_writes_nothing(tmp_path: Path, monkeypat
     assert seen[0].model == "tiny" and seen[0].capacity.mode == "none"
 
 
+def test_an_interrupted_profile_says_nothing_was_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ps, "run_embedded", interrupted)
+    out = tmp_path / "c.json"
+    result = _invoke(["tiny", "--device", "cpu", "-o", str(out)])
+    assert isinstance(result.exception, DsparkError) and str(result.exception) == f"interrupted; nothing written to {out}"
+    assert not out.exists()
+
+
 def test_one_line_error_and_exit_1_at_the_command_line(tmp_path: Path) -> None:
     out = tmp_path / "c.json"
     proc = subprocess.run([sys.executable, "-m", "dspark_cli.cli", "profile-sps", "tiny", "--capture-sizes", "8",

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from dspark_cli.engines.embedded.detokenizer import IncrementalDetokenizer, StopTextBuffer, fast_decoder
 from dspark_cli.engines.embedded.metrics import (
     MetricsSnapshot,
     RequestMetrics,
@@ -16,7 +17,6 @@ from dspark_cli.engines.embedded.metrics import (
     render_metrics,
     request_token_buckets,
 )
-from dspark_cli.engines.embedded.detokenizer import IncrementalDetokenizer, StopTextBuffer, fast_decoder
 
 # ----------------------------------------------------------------------------------------- /metrics
 

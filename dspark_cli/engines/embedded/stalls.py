@@ -21,8 +21,10 @@ kernel costs nothing.
 
 from __future__ import annotations
 
+import _thread
 import gc
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +63,9 @@ def _triton_runtime_knobs() -> Any | None:
     return runtime if runtime is not None and hasattr(runtime, "jit_cache_hook") else None
 
 
+REINTERRUPT_S = 0.05  # how long after a Ctrl-C lost in a GC callback it is delivered again (StallWatch)
+
+
 class StallWatch:
     """Counts Triton compiles and full collections into :class:`StallCounters` while installed.
 
@@ -77,6 +82,7 @@ class StallWatch:
         self._prev_post: Callable[..., Any] | None = None
         self._compile_start: dict[int, float] = {}  # thread id -> perf_counter at the pre-compile hook
         self._gc_start: float | None = None
+        self._prev_unraisable: Callable[[Any], Any] | None = None
         self._installed = False
 
     @property
@@ -94,6 +100,8 @@ class StallWatch:
             self._knobs.jit_cache_hook = self._before_compile
             self._knobs.jit_post_compile_hook = self._after_compile
         gc.callbacks.append(self._on_gc)
+        self._prev_unraisable = sys.unraisablehook
+        sys.unraisablehook = self._on_unraisable
         return self
 
     def start_serving(self) -> None:
@@ -114,6 +122,8 @@ class StallWatch:
                 self._knobs.jit_post_compile_hook = self._prev_post
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        if sys.unraisablehook == self._on_unraisable and self._prev_unraisable is not None:
+            sys.unraisablehook = self._prev_unraisable
 
     # ------------------------------------------------------------------------------------------ hooks
 
@@ -139,6 +149,20 @@ class StallWatch:
             c.compiles_by_step[self.step_kind] = c.compiles_by_step.get(self.step_kind, 0) + 1
             log.warning("Triton compiled %s while serving (a %s step waited %.0f ms); a start-up warm-up missed "
                         "this specialisation: %s", kernel, self.step_kind, ms, detail[:400])
+
+    def _on_unraisable(self, unraisable: Any) -> None:
+        # A Ctrl-C that lands while a GC callback runs (ours runs on every collection) is raised inside the
+        # callback, where Python can only report it as unraisable and go on: the interrupt would be lost and a
+        # profile would run to its end. Delivered again, it interrupts the code that triggered the collection:
+        # a moment later, from another thread, since the main thread would take it at once, here, where it is
+        # unraisable again (should it land in a callback again, this hook sends it once more).
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            timer = threading.Timer(REINTERRUPT_S, _thread.interrupt_main)
+            timer.daemon = True
+            timer.start()
+            return
+        prev = self._prev_unraisable or sys.__unraisablehook__
+        prev(unraisable)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if info.get("generation") != 2:
