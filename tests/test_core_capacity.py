@@ -1630,3 +1630,106 @@ def test_a_nan_confidence_counts_as_survival_zero_in_the_budget_as_in_the_alloca
     assert clean.pays and nan.pays and clean.budget - 2 <= nan.budget <= clean.budget and nan.budget > 1
     survival = prefix_survival(torch.tensor(conf, dtype=torch.float32))
     assert torch.isfinite(survival).all() and survival[5, 2:].eq(0).all()
+
+
+def test_paper_policy_in_choose_budget_stops_at_a_tie() -> None:
+    """Θ(1) == Θ(0) exactly must end the walk, as in schedule_paper (ties favour shorter verification)."""
+    curve = SpsCurve.from_dict([[1, 1.0], [2, 0.5], [3, 0.2]])
+    d = choose_budget(np.array([[1.0, 1.0]]), np.array([2]), 1, 1, curve, CapacityConfig(mode="varlen", policy="paper"))
+    assert d.budget == 0
+
+
+def test_min_predicted_gain_compares_against_the_capped_budget() -> None:
+    """With budget_frac < 1 the 'keep the full draft' fallback is the cap, and the predicted win must be measured
+    against Θ(cap), not Θ(all drafts)."""
+    surv = np.concatenate([np.full((8, 2), 0.9), np.full((8, 2), 0.01)], axis=1)  # 16 good slots, 16 poor ones
+    nd = np.full(8, 4)
+    plain = choose_budget(surv, nd, 8, 8, STAIR, CapacityConfig(mode="varlen", budget_frac=0.375))
+    assert plain.budget == 8  # the argmax sits below the cap of 12 ...
+    d = choose_budget(surv, nd, 8, 8, STAIR,
+                      CapacityConfig(mode="varlen", budget_frac=0.375, min_predicted_gain=0.05))
+    assert d.budget == 12  # ... but beats Θ(12) by less than 5%: keep the capped full draft
+
+
+def test_pays_needs_a_strict_gain_over_plain_decoding() -> None:
+    """A step that only ties plain decoding does not pay."""
+    tie = BudgetDecision(budget=1, theta_best=0.1, theta_all=0.1, theta_no_draft=0.1, step_ms=20.0, total_drafts=1)
+    assert not tie.pays
+    assert BudgetDecision(budget=1, theta_best=0.1000001, theta_all=0.1, theta_no_draft=0.1, step_ms=20.0,
+                          total_drafts=1).pays
+
+
+def test_mask_mode_prices_a_pruned_budget_at_the_full_batch() -> None:
+    """In mask mode a pruned slot is still a computed row, so step_ms (and Θ) at a capped or thresholded budget is
+    the full batch's price."""
+    tiny = np.concatenate([np.full((4, 4), 0.6), np.full((4, 4), 1e-18)])
+    nd = np.full(8, 4)
+    full = STAIR.step_cost_ms(8, 8 + 32)
+    capped = choose_budget(tiny, nd, 8, 8, STAIR, CapacityConfig(mode="mask", budget_frac=0.5))
+    assert capped.budget == 16 and capped.step_ms == pytest.approx(full)
+    thr = choose_budget(tiny, nd, 8, 8, STAIR, CapacityConfig(mode="mask", policy="threshold", threshold=0.5))
+    assert thr.budget < 32 and thr.step_ms == pytest.approx(full)
+
+
+def test_reused_slot_ignores_a_snapshot_copy_that_lands_after_the_add() -> None:
+    """On CUDA the snapshot copy is asynchronous, so the previous occupant's row may land in the host buffer after
+    add_request filled it with ones. Emulated here by writing the old row back into the host buffers after the add."""
+    mgr = CapacityManager(CapacityConfig(mode="varlen"), STAIR, num_spec_tokens=3, max_slots=2)
+    for s in (0, 1):
+        mgr.add_request(s)
+    both = torch.tensor([0, 1])
+    mgr.record_confidences(both, torch.full((2, 3), 0.1))
+    mgr.record_confidences(both, torch.full((2, 3), 0.2))
+    mgr.add_request(1)
+    for buf, old in zip(mgr._host, (0.1, 0.2), strict=True):  # the in-flight copies land late
+        buf[1].fill_(old)
+    assert np.allclose(mgr.stale_confidences(np.array([1])), 1.0)
+    mgr.record_confidences(both, torch.full((2, 3), 0.3))
+    assert np.allclose(mgr.stale_confidences(np.array([1])), 1.0)  # the stale snapshot still predates the add
+
+
+def test_request_weighted_mean_forgets_by_request_steps() -> None:
+    """A step of R requests decays the past by (1 - 1/memory)**R, so one full batch outweighs many single-request
+    steps (hand-computed values)."""
+    from dspark_cli.core.saturation import RequestWeightedMean
+
+    m = RequestWeightedMean(4)
+    m.add(1.0, 1)
+    m.add(0.0, 4)
+    decay = 0.75**4
+    assert m.value == pytest.approx(decay * 1.0 / (decay * 1.0 + 4.0))
+    m.add(2.0, 0)  # a step with no requests counts as one request
+    w, x = 0.75 * (decay + 4.0) + 1.0, 0.75 * decay + 2.0
+    assert m.value == pytest.approx(x / w)
+
+
+def test_rise_probes_are_not_held_back_by_the_probe_tax() -> None:
+    """A spent probe allowance defers timer and load-fall probes, but a rise probe fires once the load has settled
+    (class docstring: the tax does not hold them)."""
+    from dspark_cli.core.saturation import LOAD_SETTLE_STEPS, SaturationPolicy
+
+    pol = SaturationPolicy(patience=1, resume_every=1000)
+    assert pol.begin_step(16)
+    pol.observe(False, num_running=16)  # paused at 16 requests
+    assert not pol.drafting_enabled
+    for _ in range(6):
+        pol.record_step_ms(True, 10.0, kind="probe")  # earlier probes spent the allowance
+    assert pol.probe_allowance_ms < 0
+    got = [pol.begin_step(32) for _ in range(LOAD_SETTLE_STEPS + 1)]
+    assert got == [False] * LOAD_SETTLE_STEPS + [True]
+    assert pol.probing and pol.probe_trigger == "rise" and pol.counters.deferred_probe_steps == 0
+    # the same spent allowance does defer a load-fall probe
+    low = SaturationPolicy(patience=1, resume_every=1000)
+    low.begin_step(16)
+    low.observe(False, num_running=16)
+    for _ in range(6):
+        low.record_step_ms(True, 10.0, kind="probe")
+    assert not low.begin_step(8) and low.counters.deferred_probe_steps == 1
+
+
+def test_allocate_admits_a_prefix_even_where_a_hand_made_survival_rises() -> None:
+    """Survival rising along a request (a hand-made input: prefix_survival never rises) is made non-increasing
+    first, so a later slot's high value cannot buy it a place before the low slot it depends on."""
+    survival = torch.tensor([[0.2, 0.9, 0.9], [0.5, 0.4, 0.1]])
+    assert allocate(survival, torch.tensor([3, 3]), 2, use_triton=False).tolist() == [0, 2]
+    assert allocate(survival, torch.tensor([3, 3]), 4, use_triton=False).tolist() == [2, 2]  # ties: by position

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_cli.core.layout import build_mask_layout, build_varlen_layout, pick_padded_tokens
+from dspark_cli.core.rejection import rejection_sample
 
 
 @st.composite
@@ -266,3 +267,23 @@ def test_every_serving_layout_launch_is_a_variant_the_warm_up_compiled(monkeypat
                     build_varlen_layout(lt, drafts, admitted, start, num_reqs * (width + 1))
     assert recorder.keys <= warmed, recorder.keys - warmed
     assert len(recorder.keys) == 2
+
+
+@pytest.mark.parametrize("builder", ["varlen", "mask"])
+def test_out_of_range_admitted_counts_are_clamped_like_the_sampler_does(builder: str) -> None:
+    """The rejection sampler clamps admitted to [0, K]; a layout that does not would give a request more (or fewer)
+    rows than the sampler verifies."""
+    last, drafts, start = torch.tensor([1, 2, 3]), torch.tensor([[4, 5], [6, 7], [8, 9]]), torch.tensor([10, 20, 30])
+    wild, clamped = torch.tensor([5, -3, 1]), torch.tensor([2, 0, 1])
+    if builder == "varlen":
+        a = build_varlen_layout(last, drafts, wild, start, 8, use_triton=False)
+        b = build_varlen_layout(last, drafts, clamped, start, 8, use_triton=False)
+    else:
+        a, b = build_mask_layout(last, drafts, wild, start), build_mask_layout(last, drafts, clamped, start)
+    for f in ("input_ids", "positions", "req_index", "pos_in_req", "is_padding", "query_start_loc", "seq_lens",
+              "num_tokens", "num_logits_per_req"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    # and the sampler, fed the layout, agrees with itself on the clamped counts
+    logits = torch.randn(a.num_rows, 12, generator=torch.Generator().manual_seed(0))
+    ra, rb = rejection_sample(logits, a, drafts, wild), rejection_sample(logits, b, drafts, clamped)
+    assert torch.equal(ra.tokens, rb.tokens)

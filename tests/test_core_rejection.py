@@ -473,3 +473,30 @@ def test_a_placeholder_in_a_slot_no_row_verifies_is_read_as_a_token_not_an_index
     out = rejection_sample(logits, lay, drafts, admitted, temperature=temp, uniforms=u, use_triton=False)
     ref = rejection_sample(logits, lay, drafts.clamp_min(0), admitted, temperature=temp, uniforms=u, use_triton=False)
     assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.num_accepted, ref.num_accepted)
+
+
+def test_top_p_always_keeps_the_most_likely_token() -> None:
+    """A tiny top_p must leave exactly the argmax, not mask every token (an all -inf row: NaN probabilities, garbage
+    samples)."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0], [2.0, -1.0, 0.5, 0.0]])
+    temp = torch.ones(2)
+    for tp in (1e-9, 1e-12):
+        z = apply_sampling_params(logits, temp, torch.full((2,), tp))
+        assert torch.isfinite(z).sum(dim=-1).tolist() == [1, 1]
+        assert z.argmax(-1).tolist() == logits.argmax(-1).tolist()
+        assert sample(logits, temp, torch.full((2,), tp)).tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_p_uses_vllms_boundary_rule_on_exact_ties() -> None:
+    """vLLM drops the ascending prefix whose mass is <= 1 - top_p. Four equal logits (exact 0.25 masses, common with
+    bf16 logits) and top_p = 0.5 keep two."""
+    z = apply_sampling_params(torch.zeros(1, 4), torch.ones(1), torch.tensor([0.5]))
+    assert int(torch.isfinite(z).sum()) == 2
+
+
+def test_inverse_cdf_sampling_of_an_all_zero_row_returns_token_zero() -> None:
+    """The docstring promises 0 for an all-zero row; without the clamp searchsorted returns V, an out-of-range token
+    id."""
+    w = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 2.0, 0.0, 0.0, 0.0]])
+    for u in (0.0, 0.5, 1 - 2**-24):
+        assert inverse_cdf_sample(w, torch.full((2,), u)).tolist() == [0, 1]

@@ -479,3 +479,25 @@ def test_the_fix_hint_fits_where_the_curve_came_from(tmp_path: Path) -> None:
     with pytest.raises(SpsCurveError) as info:
         SpsCurve.from_points([(8, 10.0), (16, 10.0)], source="profiled SPS curve")
     assert str(info.value).endswith("re-profile with `dspark profile-sps`")
+
+
+def test_step_cost_cache_separates_sampling_from_greedy() -> None:
+    """A greedy lookup must not answer a later sampling one."""
+    curve = SpsCurve.from_points([(8, 10.0), (64, 20.0)], draft_ms=[(1, 1.0), (16, 3.0)],
+                                 draft_sampling_ms=[(1, 2.0), (16, 6.0)])
+    greedy = curve.step_cost_ms(4, 12)
+    sampled = curve.step_cost_ms(4, 12, sampling=True)
+    assert sampled == pytest.approx(float(curve.step_cost_ms(np.array(4), np.array(12), sampling=True)))
+    assert sampled > greedy
+    assert curve.step_cost_ms(4, 12, drafting=False) < greedy
+
+
+def test_an_sps_edit_of_half_a_percent_is_refused() -> None:
+    """An edit to dspark_sps_curve that moves a step's price by 0.5% must not pass as 'the same' as verify_curve_ms;
+    four-digit rounding still does."""
+    verify = [[8, 10.0], [16, 12.0]]
+    ok = {"verify_curve_ms": verify, "dspark_sps_curve": [[8, 100.0], [16, 83.33]]}
+    SpsCurve.from_dict(ok)
+    edited = {"verify_curve_ms": verify, "dspark_sps_curve": [[8, 100.5], [16, 83.33]]}
+    with pytest.raises(SpsCurveError, match="disagree"):
+        SpsCurve.from_dict(edited)

@@ -374,3 +374,47 @@ def test_online_sts_ignores_a_nan_confidence_instead_of_failing() -> None:
     assert torch.isfinite(sts.trials).all()
     assert sts.trials[0].sum().item() == 1.0 and sts.trials[1].sum().item() == 2.0
     assert torch.isfinite(sts.refit()).all()
+
+
+def test_fit_reports_the_mann_whitney_auc() -> None:
+    """The reported AUC is exact."""
+    conf = np.array([[0.1], [0.4], [0.35], [0.8]])
+    fit = fit_sts(conf, np.ones(4), np.array([0, 0, 1, 1]))
+    assert fit.auc[0] == pytest.approx(0.75)
+    ties = fit_sts(np.array([[0.5], [0.5], [0.9], [0.2]]), np.ones(4), np.array([1, 0, 1, 0]))
+    assert ties.auc[0] == pytest.approx(0.875)  # pairs (0.5 vs 0.5) count half
+
+
+def test_online_shift_ignores_a_miss_below_min_shift_gap_however_much_data() -> None:
+    """A 1% miss in the large is never worth a shift, even when 200k trials make it many standard deviations wide."""
+    n = 200_000
+    conf = torch.full((n, 1), 0.5)  # logit 0: no temperature changes it; calibrated rate 0.5
+    accepted = (torch.arange(n) < int(0.51 * n)).long()
+    sts = OnlineSTS(1, decay=1.0)
+    sts.record(conf, torch.ones(n, dtype=torch.long), accepted)
+    sts.refit()
+    assert float(sts.offsets[0]) == 0.0
+
+
+def test_thin_position_stays_anchored_to_its_predecessor_across_refits() -> None:
+    """Without given temperatures a position's prior is its predecessor's fit, so a position with few trials stays
+    near it -- and refits without new outcomes do not keep moving it (its own last fit as prior would re-count its
+    data every refit and drift it to its raw fit)."""
+    rng = np.random.default_rng(0)
+    n = 6000
+    logit = rng.normal(1.5, 2.0, size=(n, 2))
+    conf = 1 / (1 + np.exp(-logit))
+    p_true = 1 / (1 + np.exp(-logit / np.array([3.0, 0.5])))
+    acc = rng.random((n, 2)) < p_true
+    lead = np.argmin(np.c_[acc, np.zeros((n, 1), dtype=bool)], axis=1)
+    v = np.where(rng.random(n) < 0.05, 2, 1)  # position 2 is verified rarely
+    a = np.minimum(lead, v)
+    sts = OnlineSTS(2, decay=1.0, prior_weight=1000.0)
+    sts.record(torch.tensor(conf), torch.tensor(v), torch.tensor(a))
+    temps = []
+    for _ in range(12):
+        sts.refit()
+        temps.append(sts.temperatures.clone())
+    assert float(sts.trials[1].sum()) < 400
+    assert torch.allclose(temps[-1], temps[3])  # settled: no drift with no new outcomes
+    assert float(temps[-1][1]) > 1.5  # still near position 1's T (~3), far from its own thin fit (~0.5)
