@@ -91,7 +91,8 @@ def profile_sps(
     """Measure the engine's step cost vs batch tokens (verify) and requests (draft), plus its fixed per-step
     overhead; write sps_curve.json.
 
-    With --engine vllm, options this command does not know pass through to vLLM's engine.
+    With --engine vllm, options this command does not know are read as `dspark serve --engine vllm` reads them:
+    its capacity flags (--capacity-mode varlen or mask, as the server will run) and vLLM's own engine flags.
     """
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -404,7 +405,8 @@ def bench(
     serve: bool = typer.Option(False, "--serve", help="Start `dspark serve` per config (see --configs)."),
     configs: str = typer.Option(BENCH_CONFIGS, "--configs",
                                 help="With --serve: nospec, none, mask, varlen, each mode optionally +sts (mask and "
-                                     "varlen need --sps-curve)."),
+                                     "varlen need --sps-curve); +mixed, +proc or +thread change one serving flag, "
+                                     "CONFIG#N adds a replica (an A/A column)."),
     serve_args: str = typer.Option("", "--serve-args", help="Flags every `dspark serve` gets, e.g. '--model tiny'."),
     sps_curve: str = typer.Option(None, "--sps-curve", help="SPS curve FILE or 'auto' for mask/varlen configs."),
     concurrency: str = typer.Option("1,4,16", "--concurrency", "-c", help="Comma list of in-flight requests."),
@@ -413,18 +415,21 @@ def bench(
     waves: int = typer.Option(None, "--waves", help="Requests per cell = WAVES x concurrency instead of -n."),
     max_tokens: int = typer.Option(BENCH_MAX_TOKENS, "--max-tokens", help="Output tokens per request."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Keep outputs full length."),
-    temperature: float = typer.Option(0.0, "--temperature"),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature of every request (0: greedy)."),
     seed: int = typer.Option(0, "--seed", help="Request i is sent with seed + i (and seeds --dataset random)."),
     dataset: str = typer.Option("gsm8k", "--dataset",
                                 help="gsm8k, mt-bench, speed-bench, random, or a JSONL file path."),
     dataset_path: str = typer.Option(None, "--dataset-path", help="SPEED-Bench folder for --dataset speed-bench."),
-    speed_bench_subset: str = typer.Option("qualitative", "--speed-bench-subset"),
-    speed_bench_category: str = typer.Option(None, "--speed-bench-category"),
+    speed_bench_subset: str = typer.Option("qualitative", "--speed-bench-subset",
+                                           help="SPEED-Bench subset file (SUBSET.jsonl in --dataset-path)."),
+    speed_bench_category: str = typer.Option(None, "--speed-bench-category",
+                                             help="Only SPEED-Bench rows of this category."),
     input_len: int = typer.Option(128, "--input-len", help="Prompt tokens for --dataset random."),
     tokenizer: str = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) for --dataset random."),
     endpoint: str = typer.Option("chat", "--endpoint", help="chat (/v1/chat/completions) or completions."),
     model: str = typer.Option(None, "--model", help="Model name in requests (default: the server's first)."),
-    results_dir: Path = typer.Option(Path("bench-results"), "--results-dir", "-o"),
+    results_dir: Path = typer.Option(Path("bench-results"), "--results-dir", "--output", "-o",
+                                     help="Folder of the cells, the summary and the plots (a rerun resumes it)."),
     force: bool = typer.Option(False, "--force", help="Remeasure cells already in --results-dir."),
     warmup_prompts: int = typer.Option(4, "--warmup-prompts", help="Short warm-up requests per server (0 = none)."),
     warmup_max_tokens: int = typer.Option(16, "--warmup-max-tokens", min=1,
@@ -513,6 +518,15 @@ def bench(
         return
     if serve == (base_url is not None):
         raise DsparkError("pass exactly one of --serve (start a server per config) or --base-url URL")
+    simulate_only = [flag for flag, given in (
+        ("-k", num_spec_tokens is not None), ("--traces", bool(traces)), ("--policies", policies is not None),
+        ("--threshold", threshold is not None), ("--min-predicted-gain", min_predicted_gain != 0.0),
+        ("--saturation-patience", saturation_patience != 8), ("--sts", sts is not None),
+        ("--steps", sim_steps is not None), ("--sampling-draft", sampling_draft),
+        ("--manager-sps-curve", manager_sps_curve is not None)) if given]
+    if simulate_only:
+        _warn(f"{', '.join(simulate_only)}: only used with --simulate; a server's settings go in --serve-args "
+              "(e.g. --serve-args '-k 7') or on the server's own command line")
     if base_url is not None:
         base_url = server_root(base_url)
     if interleave and not serve:
@@ -537,6 +551,17 @@ def bench(
         common = shlex.split(serve_args)
     except ValueError as exc:
         raise DsparkError(f"--serve-args is not valid shell syntax: {exc}") from exc
+    if serve:
+        from dspark_cli.serve_config import flag_value
+
+        for flag in ("--port", "--host"):
+            if flag_value(common, flag) is not None:
+                raise DsparkError(f"--serve-args {flag}: bench picks each server's {flag[2:]}; pass bench's own "
+                                  f"{flag} instead")
+        if model is not None and not any(flag_value(common, f) is not None
+                                         for f in ("--model", "--served-model-name")):
+            raise DsparkError(f"--model names the model in requests; to serve {model}, pass --serve-args "
+                              f"'--model {model}'")
     cfgs = mx.parse_configs(configs, sps_curve, common) if serve else [mx.BenchConfig(label)]
     if serve and sps_curve not in (None, "auto") and any("--sps-curve" in cfg.serve_args for cfg in cfgs):
         from dspark_cli.core.sps import SpsCurve
@@ -663,6 +688,11 @@ def eval_gsm8k(
     if files and not compare:
         raise DsparkError("result files are only read with --compare (e.g. --compare a.jsonl b.jsonl)")
     if compare:
+        unused = [flag for flag, given in (("--base-url", base_url is not None), ("--port", port != 8000),
+                                           ("--output", output is not None), ("--limit", limit is not None),
+                                           ("--data", data is not None), ("--model", model is not None)) if given]
+        if unused:
+            _warn(f"{', '.join(unused)}: not used by --compare, which reads the result files it is given")
         rows, _, note = ev.compare(files or [])
         table = Table(title="GSM8K accuracy (shared questions)")
         for col in ("file", "n", "strict", "flexible", "invalid"):
@@ -674,11 +704,12 @@ def eval_gsm8k(
         console.print(table)
         console.print(note, highlight=False)
         return
+    if base_url is None and not 1 <= port <= 65535:
+        raise DsparkError(f"--port must be in 1..65535, got {port}")
     url = server_root(base_url or f"http://127.0.0.1:{port}")
-    if limit is not None and limit < 1:
-        raise DsparkError(f"--limit must be >= 1, got {limit}")
     cfg = ev.EvalConfig(base_url=url, num_shots=num_shots, limit=limit, concurrency=concurrency,
                         max_tokens=max_tokens, model=model, data=data)
+    ev.check_eval(cfg, output)  # before the progress bar: an error is then the only thing said
     with Progress(TextColumn("gsm8k"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("gsm8k", total=None)

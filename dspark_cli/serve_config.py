@@ -669,7 +669,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             ("sps curve", curve_label),
             ("sts", sts_label),
             ("device", s.device),
-            ("url", f"http://{s.host}:{s.port}/v1"),
+            ("url", f"http://{s.host}:{s.port}/v1" if s.port else "a free port, said once listening"),
         ]
         if s.record_traces:
             banner.insert(6, ("traces", s.record_traces))

@@ -172,3 +172,27 @@ def test_an_unwritable_output_is_refused_before_any_question(tmp_path: Path) -> 
     for bad in (afile / "r.jsonl", tmp_path):
         with pytest.raises(DsparkError, match="--output .*(cannot write there|is a folder)"):
             run_eval(cfg, bad)
+
+
+def test_the_cli_checks_its_settings_before_anything_is_drawn_or_sent(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import app
+
+    runner = CliRunner()
+    for args, said in ((["--num-shots", "9"], "--num-shots must be in 0..8"), (["-c", "0"], "--concurrency must be"),
+                       (["--port", "70000"], "--port must be in 1..65535, got 70000"),
+                       (["--data", str(tmp_path)], "is a folder; pass the GSM8K rows JSONL file"),
+                       (["--limit", "0"], "--limit must be >= 1")):
+        result = runner.invoke(app, ["eval", "gsm8k", *args])
+        assert isinstance(result.exception, DsparkError) and said in str(result.exception), (args, result.output)
+        assert result.stdout == ""  # no progress bar drawn before the error
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"question": "q", "answer": "a"}\n')
+    result = runner.invoke(app, ["eval", "gsm8k", "--data", str(bad)])
+    assert "(line 1): no field 'id'; each line is an object with id, question" in str(result.exception)
+    a = tmp_path / "a.jsonl"
+    append_row(a, EvalRow.score(_row(0), "The answer is 5.", SETTINGS))
+    result = runner.invoke(app, ["eval", "gsm8k", "--compare", str(a), str(a), "-o", str(tmp_path / "x.jsonl")])
+    assert result.exit_code == 0
+    assert "warning: --output: not used by --compare" in " ".join(result.stderr.split())

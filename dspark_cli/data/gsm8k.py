@@ -215,7 +215,11 @@ def load_gsm8k(limit: int | None = None, path: str | Path | None = None) -> list
                 rows.append(row)
                 if limit is not None and len(rows) >= limit:
                     break
-    except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
+    except KeyError as exc:
+        fields = ", ".join(GsmRow.__dataclass_fields__)
+        raise DsparkError(f"cannot read GSM8K rows from {source} (line {lineno}): no field {exc}; each line is an "
+                          f"object with {fields} (or an lm-eval 'doc' with question and answer)") from exc
+    except (OSError, EOFError, ValueError, TypeError) as exc:
         raise DsparkError(f"cannot read GSM8K rows from {source} (line {lineno}): {exc}") from exc
     return rows
 

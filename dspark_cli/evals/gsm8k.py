@@ -234,23 +234,32 @@ async def _run(cfg: EvalConfig, rows: Sequence[GsmRow], output: Path | None,
     return done
 
 
+def check_eval(cfg: EvalConfig, output: Path | None = None) -> None:
+    """Refuse, in one line, settings that cannot run, before any network traffic or progress display."""
+    if cfg.concurrency < 1:
+        raise DsparkError(f"--concurrency must be >= 1, got {cfg.concurrency}")
+    if cfg.max_tokens < 1:
+        raise DsparkError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
+    if cfg.limit is not None and cfg.limit < 1:
+        raise DsparkError(f"--limit must be >= 1, got {cfg.limit}")
+    build_prompt("", cfg.num_shots)  # validates --num-shots
+    if cfg.data is not None and Path(cfg.data).is_dir():
+        raise DsparkError(f"--data {cfg.data} is a folder; pass the GSM8K rows JSONL file")
+    if output is not None:
+        check_output_file(output, "--output")  # before any question: a bad path found after one loses its answer
+
+
 def run_eval(cfg: EvalConfig, output: Path | None = None, on_start: Callable[[int, int], None] | None = None,
              on_done: Callable[[EvalRow], None] | None = None) -> list[EvalRow]:
     """Score the first ``limit`` test questions; with ``output``, questions already in it are skipped.
 
     Returns every row of this run's question set (earlier and new), in question order.
     """
-    if cfg.concurrency < 1:
-        raise DsparkError(f"--concurrency must be >= 1, got {cfg.concurrency}")
-    if cfg.max_tokens < 1:
-        raise DsparkError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
-    build_prompt("", cfg.num_shots)  # validates --num-shots before any network traffic
+    check_eval(cfg, output)
     rows = load_gsm8k(limit=cfg.limit, path=cfg.data)
     if not rows:
         raise DsparkError(f"no GSM8K question to score: {cfg.data or 'the GSM8K file'} holds none"
                           + (" (--limit 0)" if cfg.limit == 0 else ""))
-    if output is not None:
-        check_output_file(output, "--output")  # before any question: a bad path found after one loses its answer
     if cfg.model is None:
         cfg = replace(cfg, model=asyncio.run(_served_model(cfg)))
     questions = {r.id: r.question for r in rows}

@@ -1,0 +1,40 @@
+"""`dspark bench` at the command line: flags given where they do nothing are said, and the ones that would be
+overridden or misread are refused, before any server starts or any request is sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from dspark_cli.cli import app
+from dspark_cli.errors import DsparkError
+
+runner = CliRunner()
+
+
+def _bench(*args: str) -> object:
+    return runner.invoke(app, ["bench", *args])
+
+
+def test_serve_args_that_bench_sets_itself_are_refused(tmp_path: Path) -> None:
+    for flag in ("--port", "--host"):
+        result = _bench("--serve", "--serve-args", f"--model tiny {flag} 9000", "-o", str(tmp_path / "r"))
+        assert isinstance(result.exception, DsparkError)
+        assert str(result.exception).startswith(f"--serve-args {flag}: bench picks each server's")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_request_model_name_is_not_taken_for_the_model_to_serve(tmp_path: Path) -> None:
+    # --model names the model in requests: the default server then answered 404 to every request of every cell
+    result = _bench("--serve", "--model", "tiny", "-o", str(tmp_path / "r"))
+    assert isinstance(result.exception, DsparkError)
+    assert str(result.exception) == "--model names the model in requests; to serve tiny, pass --serve-args '--model tiny'"
+
+
+def test_simulate_only_flags_with_a_server_are_said(tmp_path: Path) -> None:
+    # nothing listens on this port: the warning comes first, then the one-line failure to reach it
+    result = _bench("--base-url", "http://127.0.0.1:9", "-k", "7", "--policies", "manager", "-c", "1", "-n", "1",
+                    "-o", str(tmp_path / "r"))
+    said = " ".join(result.stderr.split())
+    assert "warning: -k, --policies: only used with --simulate; a server's settings go in --serve-args" in said
