@@ -132,6 +132,8 @@ class ServeSettings:
     method: str | None = None
     # vLLM SpeculativeConfig keys we do not interpret, kept verbatim for the vLLM launcher.
     vllm_speculative_config: dict[str, Any] = field(default_factory=dict)
+    # Settings a flag gave one value and --speculative-config another: (field, the flag's, the JSON's). Flags win.
+    overridden: tuple[tuple[str, Any, Any], ...] = ()
 
     @property
     def speculative(self) -> bool:
@@ -413,6 +415,8 @@ def build_settings(flags: dict[str, Any], speculative_config: str | None = None)
         merged["capacity_mode"] = "varlen"
     merged["vllm_speculative_config"] = {k: v for k, v in obj.items()
                                          if not k.startswith("dspark_") or k in VLLM_DSPARK_FIELDS}
+    merged["overridden"] = tuple((k, from_flags[k], from_json[k]) for k in from_flags
+                                 if k in from_json and from_flags[k] != from_json[k])
     settings = ServeSettings(**merged)
     _check_consistency(settings)
     return settings
@@ -421,7 +425,8 @@ def build_settings(flags: dict[str, Any], speculative_config: str | None = None)
 def ineffective_settings(s: ServeSettings) -> list[str]:
     """Settings given that cannot act on this server, each a sentence to warn with (not an error: a bench
     matrix hands every column's server the same common flags, its no-speculation column included)."""
-    out = []
+    out = [f"--{name.replace('_', '-')} {flag!r} overrides {given!r} from --speculative-config (flags win)"
+           for name, flag, given in s.overridden]
     if not s.speculative:
         moot = [flag for flag, on in (("--sps-curve", s.sps_curve is not None or s.sps_curve_points is not None),
                                       ("--sts", s.sts is not None), ("--online-sts", s.online_sts),

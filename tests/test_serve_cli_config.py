@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from dspark_cli.errors import DsparkError
-from dspark_cli.serve_config import DSPARK_KEYS, ServeSettings, build_settings, prepare_embedded
+from dspark_cli.serve_config import (
+    DSPARK_KEYS,
+    ServeSettings,
+    build_settings,
+    ineffective_settings,
+    prepare_embedded,
+)
 
 SEED_CURVE = [[8, 120.0], [16, 110.0], [32, 90.0], [64, 60.0], [128, 35.0]]
 
@@ -318,3 +324,11 @@ def test_a_curve_profiled_at_another_k_is_flagged(tmp_path: Path) -> None:
     launch = prepare_embedded(build_settings(_flags(num_speculative_tokens=4, sps_curve=str(path))))
     launch.cleanup()
     assert launch.warnings == []
+
+
+def test_a_flag_that_overrides_the_json_is_said() -> None:
+    s = build_settings(_flags(num_speculative_tokens=3), json.dumps({"num_speculative_tokens": 5}))
+    assert s.num_speculative_tokens == 3
+    assert "--num-speculative-tokens 3 overrides 5 from --speculative-config (flags win)" in ineffective_settings(s)
+    same = build_settings(_flags(num_speculative_tokens=5), json.dumps({"num_speculative_tokens": 5}))
+    assert not any("overrides" in w for w in ineffective_settings(same))
