@@ -5,7 +5,7 @@ look for vLLM's names (``vllm:spec_decode_num_drafts_total`` ...). Emitting exac
 keys (``model_name``, ``position``, ``finished_reason``) and sample suffixes lets every one of them read the
 embedded engine as if it were a vLLM server, so a benchmark can compare the two engines without a second
 parser. The format is the classic text format 0.0.4 as ``prometheus_client`` writes it (counters carry the
-``_total`` suffix in ``# HELP``/``# TYPE`` too); writing it by hand avoids a dependency for ~10 series.
+``_total`` suffix in ``# HELP``/``# TYPE`` too); writing it by hand avoids a dependency for a few dozen series.
 
 The per-request histograms (time to first token, inter-token latency, end-to-end latency, tokens per request)
 are measured by the HTTP server, not the engine: :class:`RequestMetrics` holds them as fixed bucket counters

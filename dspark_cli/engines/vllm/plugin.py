@@ -7,8 +7,8 @@ both in the defining module and, if already imported, in ``model_runner`` (which
 gate is a pure pass-through to upstream unless ``VllmConfig.additional_config`` carries our ``"dspark"``
 object. Only then, from inside the runner's ``initialize_kv_cache``, does it install the rest:
 
-* ``model_runner.ModelCudaGraphManager``: a subclass that turns ``varlen_decode`` off for a mask-mode
-  manager (uniform decode graphs; the backend may not replay varlen ones);
+* ``model_runner.ModelCudaGraphManager``: a subclass that turns ``varlen_decode`` off where no paused step
+  compacts (mask with ``mask_paused_compact: false``: uniform decode graphs only);
 * ``GPUModelRunner.capture_model``: attach the speculator hooks (STS inside the draft graph, outcomes,
   saturation) before any graph is captured;
 * ``GPUModelRunner.sample_tokens``: the saturation policy decides, after the step's budget, whether the
@@ -55,7 +55,7 @@ class PatchState:
 
     ``modules`` resolves a dotted module name (``sys.modules`` in vLLM; stand-in modules in tests);
     ``create`` builds our manager (``manager.create_manager`` in vLLM). ``varlen_override`` carries the
-    gate's decision (mask -> no varlen graphs) to the ModelCudaGraphManager built right after it in the
+    gate's decision (no varlen graphs where no paused step compacts) to the ModelCudaGraphManager built right after it in the
     same ``initialize_kv_cache``, keyed by the ``VllmConfig`` object both calls receive.
     """
 
@@ -202,7 +202,8 @@ def install_runtime_patches(state: PatchState) -> None:
                            f"{contract.VLLM_VERSION}): " + "; ".join(problems))
     assert runner is not None and rejection is not None
 
-    # ModelCudaGraphManager: varlen decode graphs only for a varlen manager.
+    # ModelCudaGraphManager: varlen decode graphs only for a manager whose steps compact (varlen, or mask whose
+    # paused steps compact: mask_paused_compact).
     cg_current = runner.ModelCudaGraphManager
     if not is_patched(cg_current):
         base = cg_current

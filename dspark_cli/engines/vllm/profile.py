@@ -8,7 +8,7 @@ vLLM's own step timing (forward and drafter parts, CUDA events; medians of ``--r
 overhead is a dummy step's wall time minus both. Rank 0's numbers become ``sps_curve.json`` (``core.sps.SpsCurve``).
 
 Command line: ``python -m dspark_cli.engines.vllm.profile MODEL [vllm serve flags] [--output F]
-[--replays N] [--warmup N]`` -- :func:`build_profile_command` writes it from ``dspark profile-sps`` args.
+[--replays N] [--warmup N] [--verify-layout dummy|uniform]`` -- :func:`build_profile_command` writes it from ``dspark profile-sps`` args.
 Runs only where vLLM runs (CUDA); the translation is CPU-tested.
 """
 
