@@ -237,7 +237,7 @@ def serve(
              "b_k = first*decay^(k-1) (first=0.8, decay=0.7, or last=X, or probs=a/b/c; spread=1.0 varies it "
              "per request) and the reported confidence is miscalibrated (temp=0.5, noise=0.3); seed=N."),
     num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", "-k",
-                                                      help="Drafted tokens per step (0 = no speculation)."),
+                                                      help="Drafted tokens per step (default 4; 0 = no speculation)."),
     capacity_mode: str | None = typer.Option(None, "--capacity-mode", help="none (default), mask or varlen; capacity settings alone imply varlen. "
                                               "mask keeps the uniform batch: on a dense model it prunes only under "
                                               "--budget-frac and otherwise pays through the saturation policy."),
@@ -249,12 +249,15 @@ def serve(
     sps_overhead_ms: float | None = typer.Option(None, "--sps-overhead-ms", help="Override the curve's per-step overhead."),
     sts: str | None = typer.Option(None, "--sts", help="sts.json from calibrate (offline STS temperatures)."),
     online_sts: bool | None = typer.Option(None, "--online-sts/--no-online-sts", help="Fit STS online from outcomes."),
-    budget_frac: float | None = typer.Option(None, "--budget-frac", help="Hard cap: verify <= this fraction of drafts."),
+    budget_frac: float | None = typer.Option(None, "--budget-frac",
+                                             help="Hard cap: verify <= this fraction of drafts, in (0, 1] (default 1)."),
     min_predicted_gain: float | None = typer.Option(None, "--min-predicted-gain",
                                                     help="Trim only when the predicted gain exceeds this fraction."),
     record_traces: str | None = typer.Option(None, "--record-traces", help="Append verification traces (JSONL) here."),
-    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Requests decoded together (more queue)."),
-    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length (prompt + output)."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs",
+                                            help="Requests decoded together, more queue (default 64)."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len",
+                                             help="Context length in tokens, prompt + output (default 2048)."),
     scheduler_delay_factor: float | None = typer.Option(
         None, "--scheduler-delay-factor",
         help="Embedded engine: while requests decode, newcomers wait up to this many times a prefill step's "
@@ -281,7 +284,7 @@ def serve(
     host: str | None = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: int | None = typer.Option(None, "--port", help="Port (default 8000)."),
     device: str | None = typer.Option(None, "--device", help="auto (default), cpu or cuda."),
-    seed: int | None = typer.Option(None, "--seed", help="Engine seed."),
+    seed: int | None = typer.Option(None, "--seed", help="Engine seed (default 0): the draws of requests sent without a seed."),
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model name the API reports."),
     speculative_config: str | None = typer.Option(None, "--speculative-config",
                                                   help="JSON, as for vllm serve; dspark_* keys are understood."),

@@ -369,7 +369,7 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         elif name == "record_traces":
             out[name] = _as_str(where, value)
         elif name in ("max_num_seqs", "max_model_len"):
-            out[name] = _as_int(where, value, minimum=1)
+            out[name] = _as_int(where, value, minimum=2 if name == "max_model_len" else 1)
         elif name == "scheduler_delay_factor":
             out[name] = _as_float(where, value, lo=0.0)
         elif name == "attention_backend":

@@ -83,11 +83,11 @@ class EngineConfig:
     def validate(self) -> None:
         """Reject impossible settings with one-line messages before anything is loaded."""
         if self.num_speculative_tokens < 0:
-            raise DsparkError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+            raise DsparkError(f"num_speculative_tokens (-k) must be >= 0, got {self.num_speculative_tokens}")
         if self.max_num_seqs < 1:
-            raise DsparkError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise DsparkError(f"max_num_seqs (--max-num-seqs) must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
-            raise DsparkError(f"max_model_len must be >= 2, got {self.max_model_len}")
+            raise DsparkError(f"max_model_len (--max-model-len) must be >= 2, got {self.max_model_len}")
         if self.block_size < 1:
             raise DsparkError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -97,7 +97,7 @@ class EngineConfig:
         if self.capture_sizes is not None and (not self.capture_sizes or min(self.capture_sizes) < 1):
             raise DsparkError(f"capture_sizes must be positive token counts, got {list(self.capture_sizes)}")
         if not self.scheduler_delay_factor >= 0.0:
-            raise DsparkError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
+            raise DsparkError(f"scheduler_delay_factor (--scheduler-delay-factor) must be >= 0, got {self.scheduler_delay_factor}")
         if self.dtype not in ("auto", *_DTYPES):
             raise DsparkError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.attention_backend not in BACKENDS:
