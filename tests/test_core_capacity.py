@@ -1720,3 +1720,15 @@ def test_allocate_admits_a_prefix_even_where_a_hand_made_survival_rises() -> Non
     survival = torch.tensor([[0.2, 0.9, 0.9], [0.5, 0.4, 0.1]])
     assert allocate(survival, torch.tensor([3, 3]), 2, use_triton=False).tolist() == [0, 2]
     assert allocate(survival, torch.tensor([3, 3]), 4, use_triton=False).tolist() == [2, 2]  # ties: by position
+
+
+def test_an_engine_limit_bounds_the_budget_search_and_its_price() -> None:
+    surv = np.full((4, 4), 0.99)
+    nd = np.full(4, 4)
+    free = choose_budget(surv, nd, 4, 4, STAIR, ARGMAX)
+    limited = choose_budget(surv, nd, 4, 4, STAIR, ARGMAX, max_budget=5)
+    assert free.budget > 5 and limited.budget <= 5
+    assert limited.step_ms == pytest.approx(STAIR.step_cost_ms(4, 4 + limited.budget))
+    assert limited.theta_all == free.theta_all  # every draft's Θ is still what "all" means
+    assert choose_budget(surv, nd, 4, 4, STAIR, CapacityConfig(mode="none"), max_budget=5).budget == 5
+    assert choose_budget(surv, nd, 4, 4, STAIR, ARGMAX, max_budget=-3).budget == 0

@@ -9,6 +9,7 @@ online STS -- are the real code on real CPU tensors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import runpy
 import sys
@@ -897,11 +898,58 @@ def test_a_request_the_resuming_step_left_out_never_has_its_stale_drafts_admitte
     m.get_num_tokens(per_req, drafts)  # r2 is back, with K placeholders for its -1 ids
     budget = m._batch_budget.budget
     assert list(m._batch_budget.counts[2]) == [K, K, 0] and 0 < budget <= 2 * K
-    m.reallocate_drafts(list(per_req), torch.arange(3))
+    cu, _, num_drafts, _ = m.reallocate_drafts(list(per_req), torch.arange(3))
     caps = m._batch_draft_capacity[:3].tolist()
     assert caps[2] == 0 and sum(caps) == budget
+    # vLLM sizes the logit rows by the count returned (num_reqs * bonus + it) and its kernels store at cu_num_logits'
+    # offsets unchecked: mask's uniform rows once came to 3 + 3K against 3 + 2K counted, writes past the buffers
+    assert int(cu[-1]) == 3 * m.num_bonus_tokens + num_drafts
     m.begin_drafting_step(_step_state(3))  # drafting: every slot holds real drafts again
     assert m._slot_real[:3].all()
+
+
+def test_a_split_other_than_the_scheduled_one_reaches_the_host_when_it_samples_in_shards(
+    manager_cls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch-sharded sampling (tensor parallelism, where placeholders always stay) plans its shards from the host's
+    split of the budget, exact only for none or every scheduled draft. A stale request admitting none while the
+    budget takes every admissible draft is neither: the device's split must be handed over."""
+    handed: list[tuple] = []
+    monkeypatch.setattr(sys.modules["vllm.v1.worker.gpu.spec_decode.adaptive_verification"], "AdmittedDraftCounts",
+                        lambda counts, event: handed.append((counts.tolist(), event)) or "admitted")
+    from dspark_cli.engines.vllm import manager
+
+    manager.build_manager_class.cache_clear()  # built again, importing the stand-in above
+    m = _make(manager.build_manager_class(Base), "varlen", r=3)
+    m._copy_admitted_drafts_to_host = True
+    m._admitted_drafts_cpu = torch.zeros(8, dtype=torch.int32)
+    m._admitted_drafts_event = types.SimpleNamespace(record=lambda: None)
+    m._copy_stream = types.SimpleNamespace(wait_stream=lambda stream: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    _record(m, [[0.99] * K] * 3)
+    m._slot_real[2] = False  # r2 was left out of the step that resumed drafting: its slot holds -1 ids
+    m._verify_all = True  # every admissible draft: 2K of the 3K scheduled
+    m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
+    _, _, num_drafts, admitted = m.reallocate_drafts(list(per_req), torch.arange(3))
+    assert num_drafts == 2 * K and admitted == "admitted" and handed[0][0][:3] == [K, K, 0]
+
+
+def test_the_logit_cap_bounds_the_budget_search_so_the_decision_is_priced_as_run(manager_cls) -> None:
+    """vLLM verifies at most one chunk of logit rows. The budget was chosen over every draft and clamped after,
+    so the saturation policy judged a step priced for drafts that were never verified."""
+    m = _make(manager_cls, "varlen", r=3)
+    m._max_total_logits = 3 * m.num_bonus_tokens + 4  # room for 4 of the 12 drafts
+    m.curve = SpsCurve.from_points([(4, 10.0), (8, 10.5), (16, 11.0), (32, 12.0)], [(1, 5.0), (8, 5.0)],
+                                   capture_sizes=[4, 8, 16, 32])
+    m._pause_supported = True
+    _record(m, [[0.99] * K] * 3)
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    m.get_num_tokens(per_req, {x: [0] * K for x in per_req})
+    decision, run = m._step_decision, m._batch_budget.budget
+    assert run == decision.budget == 4
+    assert decision.step_ms == pytest.approx(m.curve.step_cost_ms(3, 3 + 4))
 
 
 class _SlowEvent:

@@ -211,6 +211,7 @@ def choose_budget(
     sps: SpsCurve,
     cfg: CapacityConfig,
     sampling: bool = False,
+    max_budget: int | None = None,
 ) -> BudgetDecision:
     """Pick this step's verify budget on the host from stale survival; see the module docstring.
 
@@ -220,6 +221,9 @@ def choose_budget(
     will emit a token this step, ``sampling`` whether some request samples (the draft pass is then the
     sampling one, priced by the curve's sampling draft cost). Θ(n) is evaluated for every n in one
     vectorised cost lookup; the first maximum wins, so ties pick the smaller budget.
+
+    ``max_budget``: a limit of the engine's (vLLM verifies at most one chunk of logit rows). The choice is made
+    within it, so the decision's Θ and price are those of a budget that can run, not a larger one clamped after.
     """
     surv = np.asarray(stale_survival, dtype=np.float64)
     if surv.ndim != 2:
@@ -239,10 +243,11 @@ def choose_budget(
     no_draft_cost = float(sps.step_cost_ms(r, num_nondraft_tokens, drafting=False))
     theta_no_draft = float(num_sampling) / no_draft_cost
 
+    limit = total if max_budget is None else max(0, min(total, int(max_budget)))
     if cfg.mode == "none":
-        budget = total
+        budget = limit
     else:
-        cap = min(total, int(math.floor(cfg.budget_frac * total + 1e-9)))
+        cap = min(limit, int(math.floor(cfg.budget_frac * total + 1e-9)))
         if cfg.policy == "threshold":
             budget = min(cap, int((vals >= cfg.threshold).sum()))
         elif cfg.mode == "mask" and not cfg.mask_pruning_saves:

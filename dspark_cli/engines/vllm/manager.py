@@ -735,7 +735,10 @@ def build_manager_class(base: type) -> type:
                 num_sampling = int(np.count_nonzero(
                     self.req_states.num_computed_tokens_np[slots] + nondraft >= self.req_states.prefill_len.np[slots]
                 ))
-                decision = choose_budget(survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg)
+                # The cap (vLLM's one chunk of logit rows) bounds the search itself, so the decision the saturation
+                # policy judges is priced at the budget that runs.
+                decision = choose_budget(survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg,
+                                         max_budget=cap)
                 budget = min(decision.budget, cap)
                 self._step_decision = decision
                 if self._pause_supported:
@@ -768,7 +771,9 @@ def build_manager_class(base: type) -> type:
             if budget == 0 and not self._drafts_real and self.compact_paused:
                 return self._paused_layout(req_ids, r, idx_mapping)
             sched, nondraft, admissible = batch_budget.in_order(req_ids)
-            total = int(sched.sum())
+            # What the runner sizes the batch by: mask's uniform layout holds every scheduled draft's row, and a
+            # split other than the scheduled one must reach the host (below). `total` is what may be admitted.
+            scheduled_total = total = int(sched.sum())
             sched_gpu = self._sched_gpu[:r]
             async_tensor_h2d(sched, out=sched_gpu)
             limit_gpu = sched_gpu
@@ -795,7 +800,7 @@ def build_manager_class(base: type) -> type:
             if self.mode == "mask":
                 torch.cumsum(sched_gpu + self.num_bonus_tokens, dim=0, out=self._cu_num_logits[1 : r + 1])
                 self._mask_pending = r
-                return self._cu_num_logits[: r + 1], self.query_start_loc, total, None
+                return self._cu_num_logits[: r + 1], self.query_start_loc, scheduled_total, None
             nondraft_gpu = self._num_non_draft_tokens[:r]
             async_tensor_h2d(nondraft, out=nondraft_gpu)
             torch.cumsum(caps + self.num_bonus_tokens, dim=0, out=self._cu_num_logits[1 : r + 1])
@@ -803,7 +808,9 @@ def build_manager_class(base: type) -> type:
             torch.cumsum(caps + nondraft_gpu, dim=0, out=self.query_start_loc[1 : r + 1])
             self.query_start_loc[r + 1 :].fill_(int(nondraft.sum()) + budget)
             admitted = None
-            if self._copy_admitted_drafts_to_host and 0 < budget < total:
+            # The host's split of the budget (upstream's compact_batch) is exact only for 0 or every scheduled
+            # draft; any other split -- stale rows admitting none included -- is handed over.
+            if self._copy_admitted_drafts_to_host and 0 < budget < scheduled_total:
                 admitted_cpu = self._admitted_drafts_cpu[:r]
                 current = torch.cuda.current_stream(self.req_states.device)
                 self._copy_stream.wait_stream(current)
