@@ -574,6 +574,11 @@ def config_specs(base_spec: dict, ours: dict, lossless: bool = False,
     # --max-num-batched-tokens a request left out of the step that resumes drafting comes back holding the paused
     # step's -1 draft ids, which must never be admitted (manager._slot_real)
     specs["varlen-cycle-placeholders"] = {**specs["varlen-cycle"], "dspark_plain_paused_steps": False}
+    # ... the same for mask, whose uniform layout still holds such a request's rows: the manager must report them
+    # all to the runner, which sizes its logit-row buffers by that count
+    specs["mask-cycle-placeholders"] = {**specs["mask"], **{k: v for k, v in specs["varlen-cycle"].items()
+                                                            if k.startswith("dspark_") and k not in specs["varlen"]},
+                                        "dspark_plain_paused_steps": False}
     if lossless:
         # A dense target's mask batch is priced whole, so mask would verify everything and the check would say
         # nothing about its padding path: a budget cap makes every mask config prune.
@@ -598,7 +603,7 @@ def main() -> int:
                     help="comma list of nospec, all, upstream, varlen, mask, varlen-nosat, varlen-nosts, "
                          "varlen-startup, varlen-current, varlen-plain, varlen-placeholders, varlen-defer; for "
                          "--lossless also varlen-verify, varlen-cycle, varlen-cycle-current, varlen-cycle-plain, "
-                         "varlen-cycle-defer, varlen-cycle-placeholders, mask-plain")
+                         "varlen-cycle-defer, varlen-cycle-placeholders, mask-plain, mask-cycle-placeholders")
     ap.add_argument("--client", choices=("dspark", "vllm"), default="dspark",
                     help="dspark bench --base-url (one summary table in OUT/bench) or vllm bench serve")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the bench requests")

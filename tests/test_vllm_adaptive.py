@@ -320,6 +320,11 @@ def test_config_specs_keep_each_configs_own_settings_over_the_shared_ones() -> N
     cycles = [n for n in checked if n.startswith("varlen-cycle")]
     assert len(cycles) == 5 and all(checked[n]["dspark_probe_tax"] == 1.0 for n in cycles)
     assert DsparkVllmSettings(**settings_from_seed_keys(checked["varlen-cycle-defer"])).probe_tax == 1.0
+    # mask's stale-row path: pausing as often, placeholders kept, pruning to half like every mask config checked
+    mcp = checked["mask-cycle-placeholders"]
+    assert mcp["dspark_capacity_verification_mode"] == "mask" and mcp["dspark_plain_paused_steps"] is False
+    assert mcp["dspark_probe_tax"] == 1.0 and mcp["dspark_saturation_patience"] == 1 and mcp["dspark_budget_frac"] == 0.5
+    assert DsparkVllmSettings(**settings_from_seed_keys(mcp)).mode == "mask"
     # the curve-source A/B: varlen-alt exists only with --alt-sps-curve, and differs from varlen by its curve
     assert "varlen-alt" not in specs
     alt = adaptive.config_specs(base, {**ours, "sps_curve": "a.json"}, alt_curve="b.json")
