@@ -162,13 +162,6 @@ queue_vllm() {
   # Is section 29's slow regime at 256 requests vLLM's API process? The same configs with more of them.
   [[ -n ${VLLM_HIGH-} ]] && VLLM_CONC=${HIGH_CONC:-256} vllm_group "scaled, at ${HIGH_CONC:-256}" "$VLLM_HIGH"
   [[ ${REAL_SMOKE:-0} == mid ]] && real_smoke
-  # PROFILE_AB=1: the curve-source A/B of docs/PERFORMANCE.md section 8 -- a second profile whose verify batches
-  # at captured sizes are laid out as served (--verify-layout uniform, ~3 min), then varlen priced by each curve
-  # beside a no-speculation server (VLLM_GROUP_AB, default nospec#u,varlen,varlen-alt).
-  if [[ ${PROFILE_AB:-0} == 1 ]]; then
-    stage "profile-scaled, uniform verify layout" bash benchmarks/vllm_h200.sh "$ROOT/vllm" profile-scaled-uniform
-    vllm_group "scaled, curve A/B" "${VLLM_GROUP_AB-nospec#u,varlen,varlen-alt}"
-  fi
   # The served step anatomy (VLLM_ANATOMY=nospec#a,all#a at ANATOMY_CONC=256, default 16; one round): which steps
   # make a cell's time, long ones included -- where verify-all gains at 256 requests, or where a paused server
   # loses at 16 (section 29's anatomy run).

@@ -542,7 +542,7 @@ def config_specs(base_spec: dict, ours: dict, lossless: bool = False,
         "varlen-nosts": {**{k: v for k, v in varlen.items() if k not in ("dspark_online_sts", "dspark_sts")},
                          "dspark_online_sts": False},
         "varlen-startup": {k: v for k, v in varlen.items() if k != "dspark_sps_curve"},
-        # the curve-source A/B: varlen priced by --alt-sps-curve (e.g. a profile of another verify layout)
+        # a curve-source A/B: varlen priced by --alt-sps-curve (another profile of the same engine)
         **({"varlen-alt": {**varlen, "dspark_sps_curve": alt_curve}} if alt_curve else {}),
         "varlen-current": {**varlen, "dspark_draft_catchup_tokens": 0},  # the draft's K/V kept current while paused
         # a paused step's successor scheduled as plain decoding, no placeholder drafts (plain_paused_steps, the
@@ -613,7 +613,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--alt-sps-curve", default=None, metavar="FILE",
                     help="config varlen-alt: varlen priced by this curve instead of --dspark's (a curve-source A/B, "
-                         "e.g. a profile with --verify-layout uniform)")
+                         "e.g. one profiled under another compilation)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                     help="vLLM's token budget per step (default: vLLM's); small, a long prompt's chunks leave "
                          "decoding requests out of steps (the lossless check's varlen-cycle-placeholders)")

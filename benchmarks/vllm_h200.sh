@@ -62,9 +62,9 @@ KEEP=""
 # schedule the step after a paused one as plain decoding (plain_paused_steps).
 [[ -f $OUT/plain-paused-steps ]] && KEEP="$KEEP"', "plain_paused_steps": true'
 OURS_SCALED="{\"online_sts\": true$KEEP}"
-# The curve-source A/B (profile-scaled-uniform ran first): config varlen-alt is varlen priced by that curve.
+# A curve-source A/B: ALT_SPS_CURVE=FILE serves config varlen-alt, varlen priced by that curve.
 ALT_CURVE=()
-[[ -f $OUT/profile-scaled-uniform/sps_curve.json ]] && ALT_CURVE=(--alt-sps-curve "$OUT/profile-scaled-uniform/sps_curve.json")
+[[ -n ${ALT_SPS_CURVE-} ]] && ALT_CURVE=(--alt-sps-curve "$ALT_SPS_CURVE")
 [[ -f $OUT/profile-scaled/sps_curve.json ]] && \
   OURS_SCALED="{\"online_sts\": true, \"sps_curve\": \"$OUT/profile-scaled/sps_curve.json\"$KEEP}"
 profile() {  # TARGET DRAFT OUTDIR MAX_NUM_SEQS: dspark profile-sps --engine vllm with the serving stages' flags
@@ -72,7 +72,7 @@ profile() {  # TARGET DRAFT OUTDIR MAX_NUM_SEQS: dspark profile-sps --engine vll
   python3 -m dspark_cli.cli profile-sps --engine vllm "$1" -o "$3/sps_curve.json" \
     --speculative-config "{\"method\":\"draft_model\",\"model\":\"$2\",\"num_speculative_tokens\":7,\"dspark_capacity_verification_mode\":\"varlen\"}" \
     --engine-args "{\"load_format\":\"dummy\",\"max_model_len\":2048,\"max_num_seqs\":$4,\"gpu_memory_utilization\":0.35,\"dtype\":\"bfloat16\",\"compilation_config\":$(compilation_json),\"enable_flashinfer_autotune\":false}" \
-    ${VERIFY_LAYOUT:+--verify-layout "$VERIFY_LAYOUT"} 2>&1 | tee "$3/profile.log"
+    2>&1 | tee "$3/profile.log"
 }
 # The profile's compilation (PROFILE_COMPILATION, a vllm_adaptive.py --compilation name): decode-graphs, as every
 # curve so far was profiled. The curve prices decode steps, FULL graphs under either compilation; a profile under
@@ -93,10 +93,6 @@ case "$STAGE" in
   profile-scaled)  # the same with the scaled stage's engine flags
     read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
     profile "$TARGET" "$DRAFT" "$OUT/profile-scaled" 256 ;;
-  profile-scaled-uniform)  # the same, verify batches at captured sizes laid out as served (--verify-layout uniform):
-    # the scaled stage then serves varlen-alt priced by it beside varlen (docs/PERFORMANCE.md section 8)
-    read -r TARGET DRAFT < <(models random:llama-3-8b random:small:layers=1)
-    VERIFY_LAYOUT=uniform profile "$TARGET" "$DRAFT" "$OUT/profile-scaled-uniform" 256 ;;
   lossless)  # greedy outputs of every config against no speculation (real verification, no synthetic)
     read -r TARGET DRAFT < <(models random:smollm2-135m random:small:layers=2)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless" --load-format dummy \
@@ -132,6 +128,6 @@ case "$STAGE" in
     CURVE=() && [[ -f $OUT/profile-scaled/sps_curve.json ]] && CURVE=(--sps-curve "$OUT/profile-scaled/sps_curve.json")
     python3 benchmarks/vllm_step_anatomy.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/anatomy" "${CURVE[@]}" \
       --configs "${CONFIGS:-nospec,paused,all,mask-paused}" -c "${CONC:-64}" ;;
-  *) echo "unknown stage $STAGE (proof|scaled|lossless|lossless-real|profile|profile-scaled|profile-scaled-uniform|anatomy)" >&2
+  *) echo "unknown stage $STAGE (proof|scaled|lossless|lossless-real|profile|profile-scaled|anatomy)" >&2
      exit 2 ;;
 esac

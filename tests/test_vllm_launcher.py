@@ -283,8 +283,8 @@ def test_profiler_times_dummy_steps_and_never_replays_a_captured_graph_by_hand()
         reqs = n // 8 if uniform_decode else min(n, 4)
         collected.append(_Sample(0.01 * n, 0.2, n, reqs, n <= 16))
 
-    def runner(varlen: bool) -> SimpleNamespace:
-        graphs = {namedtuple("Desc", "num_tokens")(n): _Graph() for n in (16, 8)}
+    def runner(varlen: bool, sizes: tuple[int, ...] = (16, 8)) -> SimpleNamespace:
+        graphs = {namedtuple("Desc", "num_tokens")(n): _Graph() for n in sizes}
         return SimpleNamespace(
             cudagraph_manager=SimpleNamespace(graphs=graphs, varlen_decode=varlen), decode_query_len=8,
             max_num_tokens=64, max_num_reqs=4, step_timing=SimpleNamespace(collect=collect), _dummy_run=dummy_run)
@@ -300,12 +300,11 @@ def test_profiler_times_dummy_steps_and_never_replays_a_captured_graph_by_hand()
     out = profile_worker(SimpleNamespace(model_runner=runner(varlen=False)), replays=2, warmup=0)
     assert {n for n, u in runs if u} == {8, 16} and {n for n, u in runs if not u} == {24, 32, 64}
     assert out["draft_ms"] == [(1, 0.2), (2, 0.2)]
-    # --verify-layout uniform: varlen's captured sizes too, as n / (1 + k) requests of 1 + k tokens (a served
-    # verify batch's shape), where the default's plain dummy step is n one-token requests
+    # FULL mixed graphs (no capacity mode) are captured past max_num_seqs * (1 + k): a uniform step there would ask
+    # for 64 / 8 = 8 requests of a batch that holds 4, so that size runs as a plain dummy step
     runs.clear()
-    out = profile_worker(SimpleNamespace(model_runner=runner(varlen=True)), replays=2, warmup=0,
-                         verify_layout="uniform")
-    assert {n for n, u in runs if u} == {8, 16} and out["verify_layout"] == "uniform"
+    profile_worker(SimpleNamespace(model_runner=runner(varlen=False, sizes=(8, 16, 64))), replays=1, warmup=0)
+    assert {n for n, u in runs if u} == {8, 16} and (64, False) in runs
 
 
 def test_the_plugins_own_settings_travel_from_dspark_serve_too(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,7 @@ vLLM's own step timing (forward and drafter parts, CUDA events; medians of ``--r
 overhead is a dummy step's wall time minus both. Rank 0's numbers become ``sps_curve.json`` (``core.sps.SpsCurve``).
 
 Command line: ``python -m dspark_cli.engines.vllm.profile MODEL [vllm serve flags] [--output F]
-[--replays N] [--warmup N] [--verify-layout dummy|uniform]`` -- :func:`build_profile_command` writes it from ``dspark profile-sps`` args.
+[--replays N] [--warmup N]`` -- :func:`build_profile_command` writes it from ``dspark profile-sps`` args.
 Runs only where vLLM runs (CUDA); the translation is CPU-tested.
 """
 
@@ -24,14 +24,13 @@ from dspark_cli.errors import DsparkError
 
 MODULE = "dspark_cli.engines.vllm.profile"
 EXTENSION = f"{MODULE}.SpsProfileExtension"
-PROFILE_FLAGS = {"--output": "sps_curve.json", "--replays": "20", "--warmup": "3", "--verify-layout": "dummy"}
-# How verify batches at captured sizes are laid out. "dummy": vLLM's plain dummy step of n tokens, min(n,
-# max_num_seqs) requests (one token each below max_num_seqs), except mask mode's uniform graphs, reached by
-# uniform steps; "uniform": every captured size divisible by 1 + K as n / (1 + K) requests of 1 + K tokens, the
-# shape of a served verify batch (varlen graphs accept it). Below max_num_seqs "dummy" reads every request's
-# context once per token, which prices verification per token up to ~4x higher than serving pays (section 8 of
-# docs/PERFORMANCE.md); "uniform" is the experiment, not yet profiled on a GPU.
-VERIFY_LAYOUTS = ("dummy", "uniform")
+PROFILE_FLAGS = {"--output": "sps_curve.json", "--replays": "20", "--warmup": "3"}
+# How verify batches at captured sizes are laid out: vLLM's plain dummy step of n tokens, except at uniform
+# graphs' sizes (below). On varlen graphs vLLM 0.33's _dummy_run builds its batch from the captured graph's
+# descriptor, min(n, max_num_seqs) requests with the tokens spread evenly, whatever layout it was asked for: below
+# max_num_seqs every request is one token reading its whole context, which prices verification per token up to
+# ~4x above a served verify batch of n / (1 + K) requests (docs/PERFORMANCE.md section 8). Timing that shape
+# needs a dummy batch built by hand, not done without a GPU to check it on.
 
 
 def _split(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -53,8 +52,6 @@ def _split(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     for flag in ("--replays", "--warmup"):
         if flag in ours and (not ours[flag].isdigit() or int(ours[flag]) < (1 if flag == "--replays" else 0)):
             raise DsparkError(f"{flag}: expected a {'positive' if flag == '--replays' else 'non-negative'} integer")
-    if ours.get("--verify-layout", "dummy") not in VERIFY_LAYOUTS:
-        raise DsparkError(f"--verify-layout: expected one of {', '.join(VERIFY_LAYOUTS)}, got {ours['--verify-layout']!r}")
     return ours, rest
 
 
@@ -128,8 +125,8 @@ class SpsProfileExtension:
     travels as a string, and the worker already has the code.
     """
 
-    def dspark_profile_sps(self, replays: int, warmup: int, verify_layout: str = "dummy") -> dict[str, Any]:
-        return profile_worker(self, replays, warmup, verify_layout=verify_layout)
+    def dspark_profile_sps(self, replays: int, warmup: int) -> dict[str, Any]:
+        return profile_worker(self, replays, warmup)
 
 
 def summarize_steps(
@@ -174,8 +171,7 @@ def summarize_steps(
     }
 
 
-def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 4096,
-                   verify_layout: str = "dummy") -> dict[str, Any]:
+def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 4096) -> dict[str, Any]:
     """Runs inside each vLLM worker: whole dummy steps at every captured size and above, timed by vLLM.
 
     A captured FULL graph is never replayed on its own: it reads the attention metadata staged for the last
@@ -195,11 +191,14 @@ def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 40
     # Varlen graphs take a dummy step of n tokens as it comes (min(n, max_num_reqs) requests); mask mode's
     # FULL_DECODE_ONLY graphs are keyed by a uniform 1 + k tokens per request, so a plain dummy step would
     # run eagerly beside them: ask for a uniform decode batch at their sizes.
-    uniform = verify_layout == "uniform" or not getattr(runner.cudagraph_manager, "varlen_decode", True)
+    uniform = not getattr(runner.cudagraph_manager, "varlen_decode", True)
     query_len = int(getattr(runner, "decode_query_len", 1) or 1)
+    max_reqs = int(runner.max_num_reqs)
 
     def step(n: int) -> None:
-        if uniform and n in captured and n % query_len == 0:
+        # n / (1 + k) requests must fit the batch: FULL mixed graphs (no capacity mode, cudagraph_mode FULL) are
+        # captured above max_num_seqs * (1 + k), where a uniform step would ask for more requests than vLLM holds
+        if uniform and n in captured and n % query_len == 0 and n // query_len <= max_reqs:
             runner._dummy_run(n, uniform_decode=True, context_len=context_len)
         else:
             runner._dummy_run(n, context_len=context_len)
@@ -222,7 +221,6 @@ def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 40
     out = summarize_steps(list(samples), walls, captured, int(runner.max_num_reqs))
     out["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     out["context_len"] = context_len
-    out["verify_layout"] = verify_layout
     return out
 
 
@@ -255,8 +253,7 @@ def _profile(argv: list[str] | None) -> int:
     args.worker_extension_cls = EXTENSION
     llm = LLM(**{k: v for k, v in vars(args).items() if not k.startswith("_")})
     results = llm.collective_rpc("dspark_profile_sps", kwargs={
-        "replays": int(ours.get("--replays", 20)), "warmup": int(ours.get("--warmup", 3)),
-        "verify_layout": ours.get("--verify-layout", "dummy")})
+        "replays": int(ours.get("--replays", 20)), "warmup": int(ours.get("--warmup", 3))})
     r0 = results[0]
     spec = llm.llm_engine.vllm_config.speculative_config
     # Medians of a few replays per size still wobble (an 8B-shaped profile on the H200 measured the draft at
@@ -267,7 +264,6 @@ def _profile(argv: list[str] | None) -> int:
         meta={"engine": "vllm", "model": args.model, "device": r0["device"], "draft_source": r0["draft_source"],
               "measured_verify_ms": r0["verify_ms"], "measured_draft_ms": r0["draft_ms"],
               "k": getattr(spec, "num_speculative_tokens", None), "context_len": r0.get("context_len"),
-              "verify_layout": r0.get("verify_layout"),
               "tensor_parallel_size": args.tensor_parallel_size, "command": shlex.join(sys.argv)},
         source="vLLM dummy steps (FULL graphs at captured sizes)",
     )
