@@ -52,14 +52,12 @@ def _distinct_inputs(traces: Sequence[str | os.PathLike[str]], output: Path,
                      plot: Path | None) -> list[str | os.PathLike[str]]:
     """The trace inputs, each once; refuses an output that would overwrite one, or that a folder input would
     read as traces next time (a ``.jsonl`` written into it)."""
+    dests = [(dest.resolve(), flag) for dest, flag in ((output, "-o/--output"), (plot, "--plot")) if dest is not None]
     seen: set[Path] = set()
     out: list[str | os.PathLike[str]] = []
     for item in traces:
         resolved = Path(item).resolve()
-        for dest, flag in ((output, "-o/--output"), (plot, "--plot")):
-            if dest is None:
-                continue
-            dest = dest.resolve()
+        for dest, flag in dests:
             if dest == resolved:
                 raise DsparkError(f"{flag} {dest} is also a trace input; writing it would replace the traces: "
                                   "pass another path")

@@ -739,7 +739,7 @@ def build_manager_class(base: type) -> type:
                 # policy judges is priced at the budget that runs.
                 decision = choose_budget(survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg,
                                          max_budget=cap)
-                budget = min(decision.budget, cap)
+                budget = decision.budget
                 self._step_decision = decision
                 if self._pause_supported:
                     # Judged by its outcome once that is on the host (observe -> next get_num_tokens).
