@@ -584,6 +584,22 @@ def test_seeded_sampling_is_reproducible(tiny_pair: TinyPair) -> None:
     assert alone[0] == a[1]
 
 
+@pytest.mark.parametrize("draft", ["draft", None])
+def test_a_temperature_below_vllms_epsilon_is_greedy(tiny_pair: TinyPair, draft: str | None) -> None:
+    # 1e-39 over a logit of ~1 overflows float32: the samplers' softmax turned NaN and emitted token 0.
+    from dspark_cli.core.rejection import SAMPLING_EPS
+    from dspark_cli.engines.embedded import sequence
+
+    assert sequence.SAMPLING_EPS == SAMPLING_EPS
+    engine = make_engine(tiny_pair) if draft else make_engine(tiny_pair, draft=None)
+    ps = prompts(3)
+    greedy = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for t in (1e-39, 1e-6):
+        assert SamplingParams(temperature=t).greedy
+        assert engine.generate(ps, SamplingParams(temperature=t, max_tokens=8, ignore_eos=True)) == greedy
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+
+
 def test_no_draft_runs_plain_decoding(tiny_pair: TinyPair) -> None:
     engine = make_engine(tiny_pair, draft=None)
     out = engine.generate(prompts(2), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))

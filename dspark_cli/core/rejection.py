@@ -59,12 +59,17 @@ class RejectionOutput:
 
 RowMap = VerifyLayout | tuple[Tensor, Tensor, Tensor]
 
+# Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS). The engines map them to 0 where a request
+# enters: the samplers divide logits by the temperature, and below ~1e-37 a logit of 30 over it overflows
+# float32, so the softmax turns NaN and the lowest-index token comes out instead of the argmax.
+SAMPLING_EPS = 1e-5
+
 
 def apply_sampling_params(logits: Tensor, temperature: Tensor | None, top_p: Tensor | None) -> Tensor:
     """[N, V] float32 scores whose softmax is the distribution a request samples from.
 
     ``temperature[N]`` <= 0 marks greedy rows; they get temperature 1 here (callers take the argmax for
-    them). ``top_p[N]`` keeps the smallest set of tokens whose mass reaches ``top_p`` (at least one).
+    them). A positive temperature must be at least ``SAMPLING_EPS`` (the engines make smaller ones 0). ``top_p[N]`` keeps the smallest set of tokens whose mass reaches ``top_p`` (at least one).
     Both the speculative and the non-speculative samplers must use this function: losslessness is
     defined against exactly this distribution.
     """

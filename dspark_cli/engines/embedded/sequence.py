@@ -22,6 +22,9 @@ from dspark_cli.errors import DsparkError
 
 __all__ = ["SamplingParams", "Sequence", "SequenceStatus"]
 
+# core.rejection.SAMPLING_EPS, spelled out so the HTTP front, which builds SamplingParams, imports no torch
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -31,6 +34,10 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0  # greedy, as vLLM reads it; the samplers would overflow dividing by it
 
     def validate(self) -> None:
         if not self.temperature >= 0.0:
