@@ -89,6 +89,10 @@ def test_fit_input_validation() -> None:
         fit_sts(np.ones((5, 2)), np.ones(5), np.ones(5), grid=[1.0, -2.0])
     with pytest.raises(DsparkError, match="1 of 20 rows hold NaN or infinity"):  # was a numpy bincount error
         fit_sts(np.array([[0.5, np.nan]] + [[0.9, 0.8]] * 19), np.full(20, 2), np.full(20, 1))
+    # Counts no verify step can produce: more verified than K, more accepted than verified, negative.
+    for v, a, row in (([2, 9], [1, 0], 1), ([1, 1], [3, 1], 0), ([2, 2], [0, -1], 1)):
+        with pytest.raises(DsparkError, match=rf"1 of 2 rows break it \(row {row}: "):
+            fit_sts(np.full((2, 2), 0.5), np.array(v), np.array(a))
 
 
 def test_sts_json_round_trip_with_both_key_names(tmp_path: Path) -> None:

@@ -231,6 +231,11 @@ def fit_sts(
         raise DsparkError("STS fit needs one verified and one accepted count per confidence row")
     if bins < 1:
         raise DsparkError(f"STS fit needs bins >= 1, got {bins}")
+    impossible = (a < 0) | (a > v) | (v > k_pos)
+    if impossible.any():  # labels no verify step can produce: the fit would calibrate against fiction
+        i = int(np.flatnonzero(impossible)[0])
+        raise DsparkError(f"STS fit needs 0 <= accepted <= verified <= K={k_pos} per row; {int(impossible.sum())} "
+                          f"of {n_rows} rows break it (row {i}: verified={int(v[i])}, accepted={int(a[i])})")
     bad = ~np.isfinite(conf).all(axis=1)
     if bad.any():  # the trace reader refuses these; a direct caller gets the same one line, not a numpy error
         raise DsparkError(f"STS fit needs finite confidences; {int(bad.sum())} of {n_rows} rows hold NaN or "
