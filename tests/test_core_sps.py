@@ -447,6 +447,17 @@ def test_dspark_sps_curve_refusals_quote_the_point_the_user_wrote() -> None:
         SpsCurve.from_dict([[8, 100.0], [8, 90.0], [16, 50.0]], source="c.json")
 
 
+def test_numbers_written_as_text_are_refused_in_every_field_as_in_steps_per_sec() -> None:
+    # float() took "8" in the ms fields, so one file loaded where its steps/s twin was refused.
+    ok = {"verify_curve_ms": [[8, 1.0], [64, 3.0]], "overhead_ms": 0.5, "capture_sizes": [8, 64]}
+    SpsCurve.from_dict(ok, source="c.json")
+    for key, bad, match in (("verify_curve_ms", [["8", "1.0"], [64, 3.0]], r"verify_curve_ms\[0\] must hold numbers"),
+                            ("overhead_ms", "0.5", "overhead_ms must be a number, got '0.5'"),
+                            ("capture_sizes", [8, "64"], "capture_sizes holds text '64'")):
+        with pytest.raises(SpsCurveError, match=match):
+            SpsCurve.from_dict({**ok, key: bad}, source="c.json")
+
+
 def test_a_rising_steps_per_sec_curve_is_refused_in_steps_per_sec() -> None:
     with pytest.raises(SpsCurveError) as info:
         SpsCurve.from_dict({"dspark_sps_curve": [[1, 10], [8, 100]]}, source="c.json")

@@ -97,6 +97,8 @@ def _clean_points(
         x_raw, y_raw = item
         if isinstance(x_raw, bool) or isinstance(y_raw, bool):
             raise _fail(source, f"{what}[{i}] holds a boolean, expected numbers")
+        if isinstance(x_raw, (str, bytes)) or isinstance(y_raw, (str, bytes)):  # float("8") would take them
+            raise _fail(source, f"{what}[{i}] must hold numbers, not text: {item!r}")
         try:
             x_f, y = float(x_raw), float(y_raw)
         except (TypeError, ValueError):
@@ -187,6 +189,8 @@ def _clean_capture_sizes(sizes: Any, source: str) -> tuple[int, ...]:
     for s in sizes:
         if isinstance(s, bool):
             raise _fail(source, f"capture_sizes holds a boolean {s!r}")
+        if isinstance(s, (str, bytes)):
+            raise _fail(source, f"capture_sizes holds text {s!r}; expected positive integers")
         try:
             f = float(s)
         except (TypeError, ValueError):
@@ -198,8 +202,8 @@ def _clean_capture_sizes(sizes: Any, source: str) -> tuple[int, ...]:
 
 
 def _clean_overhead(value: Any, source: str) -> float:
-    if isinstance(value, bool):
-        raise _fail(source, "overhead_ms must be a number")
+    if isinstance(value, (bool, str, bytes)):
+        raise _fail(source, f"overhead_ms must be a number, got {value!r}")
     try:
         v = float(value)
     except (TypeError, ValueError):
