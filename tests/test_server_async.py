@@ -382,6 +382,27 @@ def test_model_alias_and_error_shapes(tokenizer, front: str) -> None:  # type: i
     asyncio.run(main())
 
 
+def test_a_completion_without_max_tokens_stops_at_vllms_16(tokenizer, front: str) -> None:  # type: ignore[no-untyped-def]
+    # It ran to the end of the context (2,000+ tokens at the default length), 100x what vLLM returns.
+    async def main() -> None:
+        ae, client = await _app_client(front, scripted(tokenizer=tokenizer))
+        try:
+            for extra in ({}, {"max_tokens": None}):
+                r = await client.post("/v1/completions", json={"prompt": "abc", "ignore_eos": True, **extra})
+                body = await r.json()
+                assert r.status == 200 and body["usage"]["completion_tokens"] == 16, body
+            # capped by what the context leaves, as vLLM caps it
+            r = await client.post("/v1/completions", json={"prompt": "a" * 60, "ignore_eos": True})
+            body = await r.json()
+            room = 64 - body["usage"]["prompt_tokens"]
+            assert r.status == 200 and 0 < room < 16 and body["usage"]["completion_tokens"] == room, body
+        finally:
+            await client.close()
+            await ae.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_consumer_that_falls_behind_gets_the_waiting_steps_merged(front: str) -> None:
     """While a consumer is busy the engine keeps stepping; what waits in its queue arrives as one output
     carrying every waiting token, in order, the last one's finish state included. A consumer that keeps

@@ -182,8 +182,13 @@ def parse_common(ctx: ServedModel, body: Any) -> tuple[dict[str, Any], list[str]
     return body, stops, model or ctx.served_model_name
 
 
-def _check_length(ctx: ServedModel, prompt_ids: list[int], body: dict[str, Any]) -> int:
-    """Return max_tokens (defaulting to the rest of the context, as vLLM does); 400 when it cannot fit."""
+# vLLM's CompletionRequest default (absent or null); its chat default is the rest of the context.
+COMPLETION_MAX_TOKENS = 16
+
+
+def _check_length(ctx: ServedModel, prompt_ids: list[int], body: dict[str, Any], default: int | None) -> int:
+    """Return max_tokens (``default``, capped by the rest of the context, when the request names none, as vLLM
+    does); 400 when it cannot fit."""
     limit = ctx.max_model_len
     n = len(prompt_ids)
     if n == 0:
@@ -193,7 +198,7 @@ def _check_length(ctx: ServedModel, prompt_ids: list[int], body: dict[str, Any])
         raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your prompt has "
                          f"{n} tokens, leaving no room for the completion. Please shorten the prompt.", "prompt")
     if requested is None:
-        return limit - n
+        return limit - n if default is None else min(default, limit - n)
     if n + requested > limit:
         raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
                          f"{n + requested} tokens ({n} in the prompt, {requested} for the completion). "
@@ -215,7 +220,7 @@ def _prompt_ids(ctx: ServedModel, prompt: Any) -> list[int]:
 
 
 def _choices(ctx: ServedModel, body: dict[str, Any], stops: list[str], model: str,
-             prompts: list[list[int]]) -> list[ParsedRequest]:
+             prompts: list[list[int]], default_max_tokens: int | None) -> list[ParsedRequest]:
     """One request per choice, in the order vLLM indexes them: prompt by prompt, each prompt's n samples."""
     n = body.get("n") or 1
     if len(prompts) * n > MAX_CHOICES:
@@ -223,7 +228,7 @@ def _choices(ctx: ServedModel, body: dict[str, Any], stops: list[str], model: st
                          "request", "n")
     out = []
     for p, ids in enumerate(prompts):
-        max_tokens = _check_length(ctx, ids, body)
+        max_tokens = _check_length(ctx, ids, body, default_max_tokens)
         for j in range(n):
             out.append(ParsedRequest(ids, _make_params(body, max_tokens, j), stops, bool(body.get("stream")),
                                      _include_usage(body), model, _continuous_usage(body),
@@ -241,7 +246,8 @@ def parse_completion(ctx: ServedModel, body: Any) -> list[ParsedRequest]:
     batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(x, (str, list)) for x in prompt)
     if batch and len({type(x) for x in prompt}) > 1:
         raise BadRequest("'prompt' must be a list of one kind: texts, or token-id lists", "prompt")
-    return _choices(ctx, body, stops, model, [_prompt_ids(ctx, x) for x in (prompt if batch else [prompt])])
+    return _choices(ctx, body, stops, model, [_prompt_ids(ctx, x) for x in (prompt if batch else [prompt])],
+                    COMPLETION_MAX_TOKENS)
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -294,5 +300,5 @@ def parse_chat(ctx: ServedModel, body: Any) -> list[ParsedRequest]:
     except Exception as exc:  # noqa: BLE001 -- template errors (jinja raise_exception) are the user's input
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
-    return _choices(ctx, body, stops, model, [ids])
+    return _choices(ctx, body, stops, model, [ids], None)
 
