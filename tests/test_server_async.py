@@ -403,6 +403,40 @@ def test_a_completion_without_max_tokens_stops_at_vllms_16(tokenizer, front: str
     asyncio.run(main())
 
 
+def test_a_large_chunked_body_is_parsed_off_the_event_loop(tokenizer, front: str,  # type: ignore[no-untyped-def]
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # A chunked upload names no Content-Length: its size used to read as 0, so it was parsed on the loop.
+    from dspark_cli.engines.embedded import server
+
+    on_thread: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def spy(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        on_thread.append(fn.__name__)
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(server.asyncio, "to_thread", spy)
+    body = b'{"prompt": "abc", "max_tokens": 2' + b" " * (server.PARSE_ON_LOOP_BYTES + 1) + b"}"
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(0, len(body), 4096):
+            yield body[i:i + 4096]
+
+    async def main() -> None:
+        ae, client = await _app_client(front, scripted(tokenizer=tokenizer))
+        try:
+            r = await client.post("/v1/completions", data=b'{"prompt": "abc", "max_tokens": 2}')
+            assert r.status == 200 and on_thread == []
+            r = await client.post("/v1/completions", data=chunks())
+            assert r.status == 200 and r.request_info.headers.get("Transfer-Encoding") == "chunked"
+            assert on_thread == ["parse_completion"]
+        finally:
+            await client.close()
+            await ae.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_consumer_that_falls_behind_gets_the_waiting_steps_merged(front: str) -> None:
     """While a consumer is busy the engine keeps stepping; what waits in its queue arrives as one output
     carrying every waiting token, in order, the last one's finish state included. A consumer that keeps

@@ -130,10 +130,11 @@ PARSE_ON_LOOP_BYTES = 64 * 1024
 # --------------------------------------------------------------------------------------------- handlers
 
 
-async def _read_json(request: web.Request) -> Any:
+async def _read_json(request: web.Request) -> tuple[Any, int]:
+    """The body's JSON and its size in bytes (as read: a chunked upload names no Content-Length)."""
     try:
         raw = await request.read()
-        return orjson.loads(raw)
+        return orjson.loads(raw), len(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON ({exc})") from None
 
@@ -254,9 +255,9 @@ async def _run(ctx: ServerContext, request: web.Request, chat: bool) -> web.Stre
     if not ctx.engine.healthy:
         return error_response(f"the server is not ready: {ctx.engine.state}", 503)
     try:
-        body = await _read_json(request)
+        body, size = await _read_json(request)
         parse = parse_chat if chat else parse_completion
-        if (request.content_length or 0) > PARSE_ON_LOOP_BYTES:
+        if size > PARSE_ON_LOOP_BYTES:
             # A long prompt's tokenization (seconds for megabytes; the tokenizer lets go of the GIL) would stall
             # every other stream on this loop: it runs on a worker thread.
             reqs = await asyncio.to_thread(parse, ctx, body)
