@@ -17,6 +17,7 @@
 #   QUEUE=rounds bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8's real matrix in paired rounds (+ mixed twins)
 #   QUEUE=floor bash benchmarks/h200_two_gpus.sh start ROOT         # one GPU: the two-server floor (A/A) and the engine process
 #   QUEUE=issue8 bash benchmarks/h200_two_gpus.sh start ROOT        # one GPU: issue 8's two matrices on the current code
+#                                         (SCALED_FIRST=1: the scaled matrix while the SmolLM2 parts come in)
 #   QUEUE=vllm bash benchmarks/h200_two_gpus.sh gpu ROOT  # exit 3 if the GPU cannot hold the queue: the first call
 #   bash benchmarks/h200_two_gpus.sh status ROOT      # what each queue is doing, and the tail of its log
 #   bash benchmarks/h200_two_gpus.sh collect ROOT DEST  # every result so far as DEST/results.tgz
@@ -359,13 +360,20 @@ queue_issue8() {
   [[ ${OVERHEAD:-1} == 1 ]] && stage "scheduling overhead at T=1 (llama-3-8b)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
     python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b --max-model-len 4096} \
     --temperature 1 --out "$ROOT/overhead_t1"
+  # SCALED_FIRST=1 serves the scaled matrix while the SmolLM2 parts are still being carried in: a sitting whose
+  # device time is short spends none of it waiting for them.
+  [[ ${SCALED_FIRST:-0} == 1 ]] && issue8_scaled
   PROBES=0 ROUNDS=${ROUNDS:-4} REUSE_CURVES=${REUSE_CURVES:-0} \
     REAL_CONFIGS=${REAL_CONFIGS:-nospec,nospec#2,none,mask,varlen,mask+sts,varlen+sts} queue_interleaved
+  [[ ${SCALED_FIRST:-0} == 1 ]] || issue8_scaled
+  [[ ${GSM8K:-1} == 1 ]] && stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
+}
+
+issue8_scaled() {
   mkdir -p "$ROOT/scaled"
   [[ ${REUSE_CURVES:-0} == 1 ]] && cp benchmarks/results/h200/embedded_matrix/2026-12-02/scaled/sps_curve.json "$ROOT/scaled/"
   CONFIGS=${SCALED_CONFIGS:-nospec,none,varlen+sts,varlen,mask+sts,mask} WAVES=${SCALED_WAVES:-3} \
     TOK=${SCALED_TOK:-256} stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
-  [[ ${GSM8K:-1} == 1 ]] && stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
 }
 
 queue_paused() {
