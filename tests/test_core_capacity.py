@@ -795,6 +795,30 @@ def _timed_step(mgr: CapacityManager, drafted_ms_scale: float, emitted: int) -> 
     return True
 
 
+def test_a_probe_is_not_planned_on_the_confidences_that_paused_drafting() -> None:
+    # Drafting paused on confidences of 0.05 (the budget verified nothing); by the time the timer probes they are
+    # 0.95. A probe plans on the snapshot before its own, which was taken before the pause: it verified nothing,
+    # was judged failed and doubled the wait. A snapshot older than the pause now reads as unknown (1).
+    cfg = CapacityConfig(mode="varlen", policy="argmax", saturation_patience=2, resume_every=4)
+    curve = SpsCurve.from_points([(1, 10.0), (64, 10.5), (512, 14.0)], [(1, 2.0), (64, 2.0)], 0.5)
+    mgr = CapacityManager(cfg, curve, 4, 16, "cpu")
+    slots = np.arange(16)  # a probe of 16 requests is judged on its first step (PROBE_REQUEST_STEPS)
+    budgets = []
+    for conf, emitted in ((0.05, 16), (0.95, 16 + 48)):
+        for _ in range(12):
+            if not mgr.begin_step(16):
+                continue
+            mgr.record_confidences(torch.from_numpy(slots), torch.full((16, 4), conf))
+            decision = mgr.plan(slots, np.full(16, 4), 16, 16, defer_saturation=True)
+            budgets.append((conf, mgr.saturation.probing, decision.budget))
+            mgr.record_outcome(emitted)
+        if conf == 0.05:
+            assert not mgr.drafting_enabled
+    probes = [b for c, probing, b in budgets if probing]
+    assert probes and probes[0] > 0, budgets
+    assert mgr.saturation.counters.probes["timer", "paid"] == 1 and mgr.drafting_enabled
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40), st.floats(0.25, 4.0))
 def test_a_plain_step_is_priced_as_the_curve_prices_it_at_any_load(num_reqs: int, scale: float) -> None:
@@ -1159,6 +1183,33 @@ def test_a_refill_cancels_a_low_load_probe_and_a_lucky_probe_does_not_reset_the_
         pol.begin_step(16)
         pol.observe_outcome(losing, 8, 16)
     assert not pol.drafting_enabled and pol.probe_wait == 2 * wait
+
+
+def test_a_resume_that_pays_is_judged_from_its_probe_not_from_the_steps_that_paused_drafting() -> None:
+    # 16 requests lose (0.7x plain decoding), then the batch drains to 2 where drafting pays 1.25x. The realized
+    # window still held the 16-request losses after the probe resumed drafting: the resume lost at once, backed
+    # off, and its probation put the probe tax in debt, so drafting ran on a few dozen of 1,500 steps.
+    pol = SaturationPolicy(patience=4, resume_every=16)
+    losing = BudgetDecision(budget=64, theta_best=20.0, theta_all=20.0, theta_no_draft=16.0, step_ms=1.0,
+                            total_drafts=112)
+    paying = BudgetDecision(budget=8, theta_best=3.0, theta_all=3.0, theta_no_draft=2.0, step_ms=1.0, total_drafts=14)
+    for _ in range(200):
+        if pol.begin_step(16):
+            pol.record_step_ms(True, 1.0)
+            pol.observe_outcome(losing, 11, 16)
+        else:
+            pol.record_step_ms(False, 1.0)
+    assert not pol.drafting_enabled
+    drafted = []
+    for i in range(1500):
+        d = pol.begin_step(2)
+        drafted.append(d)
+        pol.record_step_ms(d, 1.0)
+        if d:
+            pol.observe_outcome(paying, 2 + i % 2, 2)  # 2.5 tokens per step: 1.25x plain decoding
+    first = drafted.index(True)
+    assert all(drafted[first:]), f"re-paused {pol.counters.pauses - 1} times after step {first}"
+    assert pol.realized_gain is not None and pol.realized_gain > 1.0
 
 
 def _drive(pol: SaturationPolicy, steps: list[tuple[int, bool]]) -> list[bool]:

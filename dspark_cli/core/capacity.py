@@ -407,6 +407,10 @@ class CapacityManager:
         self._num_records = 0
         self._write = 0  # host buffer the next record fills
         self._added_at = np.full(max_slots, -1, dtype=np.int64)
+        # Confidences recorded before the last paused step: a probe's plan reads the snapshot before its own,
+        # taken before the pause however long ago; the pause may have come from confidences since recovered,
+        # and a probe planned on them verified nothing and failed, doubling the wait (unknown rows read 1).
+        self._records_at_pause = -1
         self.last_decision: BudgetDecision | None = None
         self._pending_running = 0
         self.timer = StepTimer(self.saturation)
@@ -430,7 +434,10 @@ class CapacityManager:
         :meth:`record_step_time` also gets a plain step now and then while drafting is on)."""
         if self.cfg.mode == "none":
             return True  # the policy never runs: no step is a probe
-        return self.timer.begin_step(num_running)
+        drafting = self.timer.begin_step(num_running)
+        if not drafting and not self.saturation.drafting_enabled:
+            self._records_at_pause = self._num_records
+        return drafting
 
     def record_step_time(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float | None = None) -> None:
         """Report a decode step's measured wall time (host clock, the step's own sync included).
@@ -475,7 +482,8 @@ class CapacityManager:
         self._write = 1 - w
 
     def stale_confidences(self, slots_np: np.ndarray) -> np.ndarray:
-        """Host confidences for ``slots_np`` from the snapshot before the latest one (ones for new slots)."""
+        """Host confidences for ``slots_np`` from the snapshot before the latest one (ones for new slots, and for
+        every slot when that snapshot predates a pause)."""
         slots_np = np.asarray(slots_np, dtype=np.int64)
         read = self._write  # the buffer the next record will overwrite holds the older snapshot
         event = self._events[read]
@@ -483,7 +491,10 @@ class CapacityManager:
             event.synchronize()  # issued a step ago: already complete in practice
         snap_id = self._host_record_id[read]
         rows = self._host[read].numpy()[slots_np].copy()
-        rows[self._added_at[slots_np] >= snap_id] = 1.0
+        if snap_id <= self._records_at_pause:
+            rows[:] = 1.0
+        else:
+            rows[self._added_at[slots_np] >= snap_id] = 1.0
         return rows
 
     # -- planning and allocation

@@ -664,7 +664,8 @@ class SaturationPolicy:
         cost model the decision used. A step pays when the prediction says so *and* the realized Θ beats
         plain decoding -- averaged over a request-weighted window (``REALIZED_MEMORY`` request-steps) to
         ride out acceptance noise, except for a probe, which is judged on its own outcome over at least
-        ``PROBE_REQUEST_STEPS`` request-steps (the history is what paused drafting). ``cost_scale`` is what
+        ``PROBE_REQUEST_STEPS`` request-steps (the history is what paused drafting; a probe that resumes
+        drafting restarts the window from its own outcome). ``cost_scale`` is what
         a drafting step really costs relative to plain decoding over what the curve says
         (:class:`StepTimeCalibration`); 1 trusts the curve.
         """
@@ -683,14 +684,24 @@ class SaturationPolicy:
             self._probe_steps += 1
             if self._probe_requests < PROBE_REQUEST_STEPS and self._probe_steps < PROBE_MAX_STEPS:
                 return decision.pays
-            realized = (self._probe_tokens / self._probe_ms) / (self._probe_requests / self._probe_plain)
+            probe_ratio = (self._probe_tokens / self._probe_ms) / (self._probe_requests / self._probe_plain)
+            probe_requests = self._probe_requests
             running = self._probe_running or r
             self._clear_probe()
-            realized /= PROBE_MARGIN
+            realized = probe_ratio / PROBE_MARGIN
             self.counters.last_probe = ProbeVerdict(self._probe_trigger, running, realized, decision.pays,
                                                     cost_scale)
-        else:
-            realized = self._realized.value
+            paid = decision.pays and realized >= 1.0
+            self.observe(paid, num_running=num_running)
+            if paid:
+                # The window still holds the steps that paused drafting (at another load, or before acceptance
+                # changed): judged by them, a resume that pays lost again within ``patience`` steps, backed off,
+                # and its probation drove the probe tax into debt for thousands of steps. The resumed drafting
+                # starts from what the probe showed.
+                self._realized = RequestWeightedMean(REALIZED_MEMORY)
+                self._realized.add(probe_ratio, probe_requests)
+            return paid
+        realized = self._realized.value
         paid = decision.pays and realized >= 1.0
         self.observe(paid, num_running=num_running)
         return paid
