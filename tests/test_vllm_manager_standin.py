@@ -341,6 +341,51 @@ def test_saturation_pauses_drafting_by_scheduling_zero_drafts_and_probes_back(ma
     assert [step(0.99, K) for _ in range(3)] == [K, K, K]
 
 
+def _upstream_record_confidences(self, confidence_probs, input_batch) -> None:
+    """Upstream's double buffer: budgets read the snapshot before the latest (its copy has landed)."""
+    ready = self._stale_idx ^ 1
+    self._stale_idx, write = ready, self._stale_idx
+    n = input_batch.num_reqs
+    self._confidence_probs[input_batch.idx_mapping] = confidence_probs[:n]
+    self._stale_confidences[write].np[:] = self._confidence_probs.numpy()
+
+
+def test_a_probe_is_not_planned_on_the_confidences_that_paused_drafting(manager_cls, monkeypatch) -> None:
+    # The budget reads the snapshot before the latest: on a probe's verification that is the last one before
+    # the pause. Confidences of 0.01 paused drafting; the probe's own are 0.99, and its first verification
+    # planned on 0.01: priced as not paying, where a probe of one step is then judged failed.
+    monkeypatch.setattr(Base, "record_confidences", _upstream_record_confidences)
+    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+    m._pause_supported = True
+    per_req = {f"r{i}": 1 + K for i in range(3)}
+    drafts = {x: [0] * K for x in per_req}
+    budgets = []
+
+    def step(conf: float, accepted: int) -> int:
+        if m._drafts_real:
+            _record(m, [[conf] * K] * 3)
+        m.get_num_tokens(per_req, drafts)
+        verified = m._batch_budget is not None and m._drafts_real
+        if verified:
+            budgets.append((m.saturation.probing, m._step_decision.pays))
+            m.reallocate_drafts(list(per_req), torch.arange(3))
+        runner = _step_state(3)
+        m.begin_drafting_step(runner)
+        if verified:
+            m.observe(torch.full((3,), 1 + accepted, dtype=torch.int32))
+        return runner.execute_model_state.num_spec_tokens_to_schedule
+
+    while m.saturation.drafting_enabled:
+        step(0.01, 0)
+    while step(0.01, 0) == 0:  # paused until a probe drafts
+        pass
+    budgets.clear()
+    while m.saturation.probing:
+        step(0.99, K)
+    assert budgets and budgets[0] == (True, True), budgets  # planned as paying, as the probe's drafts do
+    assert m.saturation.drafting_enabled
+
+
 class _Scheduler:
     """vLLM 0.33's asynchronous scheduler, as far as placeholder drafts go: each step hands every request it
     schedules one fresh list of K placeholders (drafts the step's propose will fill), published through the

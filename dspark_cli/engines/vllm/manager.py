@@ -593,6 +593,12 @@ def build_manager_class(base: type) -> type:
             self._mask_pending: int | None = None
             self._verify_pending: tuple[list[str], int, np.ndarray, bool] | None = None
             self._drafts_real = True  # whether the drafts verified next are real (not a paused step's stale ids)
+            # Whether a paused step came since the last confidences were recorded, and whether the snapshot the
+            # next budget reads (the one before the latest) predates a pause: a probe's verification would then
+            # plan on the confidences that paused drafting, however long ago, and verify nothing where they
+            # have since recovered. Such a snapshot reads as unknown (1), as a new request's does.
+            self._paused_since_record = False
+            self._stale_predates_pause = False
             # The same per request slot: a request the step that resumed drafting did not schedule (its token
             # budget ran out) still holds the paused step's -1 ids and vLLM's placeholders for them where the
             # placeholders are kept (plain_paused_steps off, or a worker in another process). Its next step must
@@ -704,6 +710,7 @@ def build_manager_class(base: type) -> type:
                     calibrated[:n].copy_(apply_temperatures(raw, self.temperatures, self.offsets))
             self._raw_slots[input_batch.idx_mapping] = raw
             super().record_confidences(calibrated, input_batch)
+            self._stale_predates_pause, self._paused_since_record = self._paused_since_record, False
 
         # ---------------------------------------------------------------- budget (host, stale)
         def get_num_tokens(self, num_tokens_per_req: dict[str, int], draft_tokens: dict[str, list[int]]) -> int:
@@ -730,6 +737,8 @@ def build_manager_class(base: type) -> type:
                 budget = cap if self._drafts_real else 0
             elif self._drafts_real:
                 stale = self._stale_confidences[self._stale_idx].np[slots]
+                if self._stale_predates_pause:
+                    stale = np.ones_like(stale)
                 survival = np.cumprod(np.clip(np.nan_to_num(stale.astype(np.float64), nan=0.0), 0.0, 1.0), axis=1)
                 survival[~real] = 0.0
                 num_sampling = int(np.count_nonzero(
@@ -970,6 +979,7 @@ def build_manager_class(base: type) -> type:
             if drafting and self._pause_supported:
                 drafting = self.timer.begin_step(state.input_batch.num_reqs)
                 if not drafting:
+                    self._paused_since_record = True
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
                     if self._drop_placeholders is not None and self._drop_placeholders():
                         self._plain_after_pause += 1
