@@ -1185,6 +1185,25 @@ def test_a_refill_cancels_a_low_load_probe_and_a_lucky_probe_does_not_reset_the_
     assert not pol.drafting_enabled and pol.probe_wait == 2 * wait
 
 
+def test_a_nan_step_price_is_not_judged_and_an_empty_step_sets_no_floor() -> None:
+    pol = SaturationPolicy(patience=2, resume_every=4)
+    nan = BudgetDecision(budget=5, theta_best=2.0, theta_all=2.0, theta_no_draft=1.0, step_ms=float("nan"),
+                         total_drafts=10)
+    assert pol.begin_step(16) and not pol.observe_outcome(nan, 40, 16)
+    assert pol.realized_gain is None  # one NaN in the window judged every later step by it
+    for _ in range(3):
+        pol.begin_step(16)
+        pol.observe_outcome(_decision(5, 1.3, 1.0), 40, 16)
+    assert pol.drafting_enabled and pol.realized_gain is not None and pol.realized_gain > 1.0
+    for _ in range(2):
+        pol.begin_step(16)
+        pol.observe_outcome(_decision(0, 0.5, 1.0), 0, 16)
+    assert not pol.drafting_enabled and pol.floor == 16
+    assert not pol.begin_step(0)  # no load-fall probe at 0 requests, whose unjudged end set the floor to 0
+    assert not pol.probing and pol.floor == 16
+    assert pol.begin_step(4) and pol.probe_trigger == "load"  # and a real drain still probes
+
+
 def test_a_resume_that_pays_is_judged_from_its_probe_not_from_the_steps_that_paused_drafting() -> None:
     # 16 requests lose (0.7x plain decoding), then the batch drains to 2 where drafting pays 1.25x. The realized
     # window still held the 16-request losses after the probe resumed drafting: the resume lost at once, backed

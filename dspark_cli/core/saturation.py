@@ -561,6 +561,8 @@ class SaturationPolicy:
         return len(loads) == loads.maxlen and loads[-1] < LOAD_SETTLE_RISE * loads[0]
 
     def _begin(self, num_running: int, measured: bool) -> bool:
+        if num_running < 1:
+            return not self._paused  # an empty step: no load to probe at, nor one to remember
         self._loads.append(num_running)
         if not self._paused:
             if self._ceiling is not None and num_running >= self._ceiling:
@@ -669,7 +671,10 @@ class SaturationPolicy:
         a drafting step really costs relative to plain decoding over what the curve says
         (:class:`StepTimeCalibration`); 1 trusts the curve.
         """
-        if decision.step_ms <= 0 or decision.theta_no_draft <= 0 or not cost_scale > 0:
+        if not (decision.step_ms > 0 and decision.theta_no_draft > 0 and cost_scale > 0):
+            return False  # NaN included: one NaN in the window would judge every later step by it
+        if not (math.isfinite(decision.step_ms) and math.isfinite(decision.theta_no_draft)
+                and math.isfinite(cost_scale)):
             return False
         r = max(1, num_running)
         step_ms = decision.step_ms * cost_scale
