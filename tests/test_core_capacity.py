@@ -1132,6 +1132,41 @@ def test_closed_loop_drafts_in_the_drains_where_low_load_pays_and_pauses_at_once
     assert losing_drafts <= 12 + 2 * 8, losing_drafts
 
 
+def test_a_ceiling_re_pause_keeps_the_floor_the_pause_had_found() -> None:
+    # Paused at 64 (floor 64); a load probe at 32 fails (floor 32); one at 16 pays (ceiling 64). Back at 64 the
+    # pause resumes where it was: 40 requests, above 0.75 x 32, begin no load probe that the floor rules out.
+    pol = SaturationPolicy(patience=1, resume_every=10**6)
+    pol.begin_step(64)
+    pol.observe(False, num_running=64)
+    assert not pol.drafting_enabled and pol.floor == 64
+    assert pol.begin_step(32) and pol.probe_trigger == "load"
+    pol.observe(False, num_running=32)
+    assert pol.floor == 32
+    assert pol.begin_step(16) and pol.probe_trigger == "load"
+    pol.observe(True, num_running=16)
+    assert pol.drafting_enabled and pol.ceiling == 64
+    assert not pol.begin_step(64) and pol.floor == 32
+    assert not pol.begin_step(40) and not pol.probing
+
+
+def test_the_probe_bank_holds_at_most_its_probes_worth_after_long_paused_stretches() -> None:
+    # Cheap probes (1 ms) between long runs of expensive paused steps (10 ms, 0.2 ms saved each): the allowance
+    # is capped at PROBE_BANK probes, so a long pause cannot buy a burst of probes later.
+    pol = SaturationPolicy(patience=1, resume_every=4)
+    pol.begin_step(16)
+    pol.observe(False, num_running=16)
+    probes = 0
+    for _ in range(5000):
+        if pol.begin_step(16):
+            probes += 1
+            pol.record_step_ms(True, 1.0)
+            pol.observe(False, num_running=16)
+        else:
+            pol.record_step_ms(False, 10.0)
+        assert pol.probe_allowance_ms <= PROBE_BANK * 1.0 + 1e-9
+    assert probes >= 10
+
+
 def test_a_timer_probe_that_pays_below_the_pausing_load_resumes_under_a_ceiling() -> None:
     """The H200's 16-request vLLM cell (docs/PERFORMANCE.md section 27): drafting lost at 16 requests, the timer
     probed as the cell drained and paid at 11, and the next cell's ramp to 64 requests began drafting. A timer
