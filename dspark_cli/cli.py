@@ -16,6 +16,7 @@ from rich.console import Console
 from typer.core import TyperCommand
 
 from dspark_cli import __version__
+from dspark_cli.core.saturation import PROBE_TAX
 from dspark_cli.errors import DsparkError
 
 app = typer.Typer(
@@ -471,6 +472,12 @@ def bench(
                                              help="With --simulate: the manager's minimum predicted gain."),
     saturation_patience: int = typer.Option(8, "--saturation-patience",
                                             help="With --simulate: non-paying steps before drafting pauses (0 = never)."),
+    resume_every: int = typer.Option(16, "--resume-every",
+                                     help="With --simulate: paused steps before the first probe (the served "
+                                          "dspark_resume_every)."),
+    probe_tax: float = typer.Option(PROBE_TAX, "--probe-tax",
+                                    help="With --simulate: share of paused time probes may spend (the served "
+                                         "dspark_probe_tax)."),
     sts: str = typer.Option(None, "--sts", help="With --simulate: offline sts.json (adds manager+offline-sts)."),
     sim_steps: int = typer.Option(None, "--steps", help="With --simulate: steps per concurrency (default: cover the traces once)."),
     sampling_draft: bool = typer.Option(False, "--sampling-draft",
@@ -512,6 +519,7 @@ def bench(
                 num_spec_tokens=num_spec_tokens, policies=policies, thresholds=threshold,
                 min_predicted_gain=min_predicted_gain, saturation_patience=saturation_patience, sts=sts,
                 num_steps=sim_steps, plots=plots, sampling=sampling_draft, manager_sps_curve=manager_sps_curve,
+                resume_every=resume_every, probe_tax=probe_tax,
                 on_progress=lambda c, name: progress.update(task, advance=1, description=f"c={c} {name}"),
             )
         console.print(sim.to_rich(run.cells, run.names, run.title))
@@ -524,7 +532,8 @@ def bench(
     simulate_only = [flag for flag, given in (
         ("-k", num_spec_tokens is not None), ("--traces", bool(traces)), ("--policies", policies is not None),
         ("--threshold", threshold is not None), ("--min-predicted-gain", min_predicted_gain != 0.0),
-        ("--saturation-patience", saturation_patience != 8), ("--sts", sts is not None),
+        ("--saturation-patience", saturation_patience != 8), ("--resume-every", resume_every != 16),
+        ("--probe-tax", probe_tax != PROBE_TAX), ("--sts", sts is not None),
         ("--steps", sim_steps is not None), ("--sampling-draft", sampling_draft),
         ("--manager-sps-curve", manager_sps_curve is not None)) if given]
     if simulate_only:

@@ -337,6 +337,16 @@ def test_cli_bench_simulate_end_to_end(tmp_path: Path) -> None:
                           timeout=300, env={**os.environ, "COLUMNS": "250"})
     assert moot.returncode == 0, moot.stderr
     assert "warning: --configs, --num-prompts: not used by --simulate" in moot.stderr
+    # the saturation policy's served settings replay as served
+    policy = subprocess.run([*cmd[:-6], "--results-dir", str(tmp_path / "p"), "--steps", "20", "--no-plots",
+                             "--resume-every", "4", "--probe-tax", "0.5"], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "COLUMNS": "250"})
+    assert policy.returncode == 0, policy.stderr
+    meta = json.loads((tmp_path / "p" / "simulate.json").read_text())
+    assert (meta["resume_every"], meta["probe_tax"]) == (4, 0.5), meta
+    taxless = subprocess.run([*cmd[:-6], "--results-dir", str(tmp_path / "q"), "--probe-tax", "0"],
+                             capture_output=True, text=True, timeout=300)
+    assert taxless.returncode == 1 and "probe_tax" in taxless.stderr and len(taxless.stderr.strip().splitlines()) == 1
 
 
 def test_request_ids_are_a_files_own(tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ from dspark_cli.core.capacity import (
     prefix_survival,
     schedule_paper,
 )
+from dspark_cli.core.saturation import PROBE_TAX
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.core.sts import OnlineSTS, apply_temperatures, load_sts
 from dspark_cli.core.traces import read_traces
@@ -282,6 +283,7 @@ class SimOptions:
     min_predicted_gain: float = 0.0
     saturation_patience: int = 8
     resume_every: int = 16
+    probe_tax: float = PROBE_TAX
     sts_temperatures: tuple[float, ...] | None = None  # offline STS (manager+offline-sts, online prior)
     num_steps: int | None = None  # None: default_num_steps
     # The curve the manager policies price with when it is not the one that times the steps (a mispriced
@@ -290,7 +292,8 @@ class SimOptions:
 
     def capacity_config(self) -> CapacityConfig:
         return CapacityConfig(mode="varlen", policy="argmax", min_predicted_gain=self.min_predicted_gain,
-                              saturation_patience=self.saturation_patience, resume_every=self.resume_every)
+                              saturation_patience=self.saturation_patience, resume_every=self.resume_every,
+                              probe_tax=self.probe_tax)
 
 
 def parse_families(spec: str | None, have_sts: bool) -> tuple[str, ...]:
@@ -691,6 +694,8 @@ def run_simulation(
     on_progress: Callable[[int, str], None] | None = None,
     sampling: bool = False,
     manager_sps_curve: str | os.PathLike[str] | None = None,
+    resume_every: int = 16,
+    probe_tax: float = PROBE_TAX,
 ) -> SimulationRun:
     """``dspark bench --simulate``: replay, write one JSON per concurrency as it finishes, then the summary
     (``simulate.json``, ``simulate.md``) and ``simulate_throughput.png``; all writes are atomic.
@@ -699,7 +704,9 @@ def run_simulation(
     curve's sampling draft pass (``draft_sampling_curve_ms``), as the engines price such batches.
     ``manager_sps_curve``: the curve the manager policies price with, when it differs from the one that
     times every step (``sps_curve``); with ``sampling`` it is read the same way (a curve without sampling
-    points prices sampling steps like greedy ones, as an engine given that file would)."""
+    points prices sampling steps like greedy ones, as an engine given that file would). ``resume_every`` and
+    ``probe_tax``: the saturation policy's, as ``dspark serve`` takes them (``dspark_resume_every``,
+    ``dspark_probe_tax``), so a served configuration replays as it ran."""
     if sps_curve is None or str(sps_curve) == "auto":
         raise DsparkError("--simulate needs a profiled curve: pass --sps-curve sps_curve.json "
                           "(from `dspark profile-sps`)")
@@ -727,6 +734,8 @@ def run_simulation(
         thresholds=parse_thresholds(thresholds),
         min_predicted_gain=min_predicted_gain,
         saturation_patience=saturation_patience,
+        resume_every=resume_every,
+        probe_tax=probe_tax,
         sts_temperatures=temps,
         num_steps=num_steps,
         manager_curve=manager_curve,
@@ -750,6 +759,8 @@ def run_simulation(
         "thresholds": list(opts.thresholds),
         "min_predicted_gain": min_predicted_gain,
         "saturation_patience": saturation_patience,
+        "resume_every": resume_every,
+        "probe_tax": probe_tax,
         "censoring": "a policy verifying beyond the recorded verified count is credited the recorded accepted "
                      "count (exact for traces recorded with capacity mode none)",
     }
