@@ -182,5 +182,8 @@ def run_calibration(
         out = fit.save(output)
     except OSError as exc:
         raise DsparkError(f"cannot write {output}: {exc.strerror or exc}") from None
-    plot_path = plot_reliability(conf, verified, accepted, fit, plot, bins) if plot is not None else None
+    try:
+        plot_path = plot_reliability(conf, verified, accepted, fit, plot, bins) if plot is not None else None
+    except KeyboardInterrupt:
+        raise DsparkError(f"interrupted; {out} was written, the diagram {plot} was not") from None
     return CalibrationResult(fit, out, plot_path, len(ts.records), ts.skipped, conf.shape[1], fit.warnings())

@@ -18,6 +18,7 @@ from typer.core import TyperCommand
 from dspark_cli import __version__
 from dspark_cli.core.saturation import PROBE_TAX
 from dspark_cli.errors import DsparkError
+from dspark_cli.signals import sigterm_as_interrupt
 
 app = typer.Typer(
     name="dspark",
@@ -123,7 +124,8 @@ def profile_sps(
                       transient=True) as progress:
             task = progress.add_task("profiling", total=None)
             try:
-                curve = ps.run_embedded(req, progress=lambda msg: progress.update(task, description=msg))
+                with sigterm_as_interrupt():
+                    curve = ps.run_embedded(req, progress=lambda msg: progress.update(task, description=msg))
             except KeyboardInterrupt:
                 raise DsparkError(f"interrupted; nothing written to {output}") from None
         used = curve.meta.get("context_len")
@@ -155,8 +157,11 @@ def calibrate(
 
     from dspark_cli.calibrate import run_calibration
 
-    with console.status("fitting STS"):
-        res = run_calibration(traces, output, plot=plot, bins=bins, skip_invalid=skip_invalid)
+    try:
+        with console.status("fitting STS"), sigterm_as_interrupt():
+            res = run_calibration(traces, output, plot=plot, bins=bins, skip_invalid=skip_invalid)
+    except KeyboardInterrupt:
+        raise DsparkError(f"interrupted; nothing written to {output}") from None
     if res.skipped:
         err_console.print(f"warning: skipped {res.skipped} invalid trace lines")
     fit = res.fit

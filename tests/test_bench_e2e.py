@@ -97,7 +97,8 @@ def test_serve_matrix_table_json_plots_and_resume(tmp_path: Path) -> None:
     assert "No capacity" in second.stdout
 
 
-def test_interrupted_matrix_keeps_cells_and_stops_its_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_matrix_keeps_cells_and_stops_its_server(tmp_path: Path, sig: signal.Signals) -> None:
     results = tmp_path / "res"
     cmd = _bench(results, "none")
     cmd[cmd.index("-n") + 1] = "4"
@@ -110,7 +111,7 @@ def test_interrupted_matrix_keeps_cells_and_stops_its_server(tmp_path: Path) -> 
         time.sleep(0.1)
     assert first_cell.exists(), proc.communicate()[1][-2000:] if proc.poll() is not None else "no cell in time"
     port = read_json(first_cell)["server"]["base_url"].rsplit(":", 1)[1]
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
         pytest.skip("the matrix finished before the interrupt landed")

@@ -57,6 +57,7 @@ from dspark_cli.bench.datasets import Prompt
 from dspark_cli.bench.metrics import counter_delta, dspark_counter_delta, prefix_cache_delta
 from dspark_cli.errors import DsparkError
 from dspark_cli.fileio import atomic_write_json, check_output_dir, read_json
+from dspark_cli.signals import sigterm_as_interrupt
 
 CELL_FORMAT = 1
 # A cell whose prompt tokens were at least this often prefix-cache hits is logged as unequal work.
@@ -755,52 +756,42 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
     total = len(spec.configs) * len(spec.concurrencies)
     if len(todo) < total:
         hooks.log(f"resuming: {total - len(todo)} of {total} cells already in {spec.results_dir}")
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def _term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    in_main = _is_main_thread()
-    if in_main:
-        signal.signal(signal.SIGTERM, _term)  # so a killed bench still stops its servers
     try:
-        if spec.serve and spec.interleave:
-            _run_interleaved(spec, todo, hooks)
-            todo = []
-        for cfg in spec.configs:
-            cells = [c for k, c in todo if k.name == cfg.name]
-            if not cells:
-                continue
-            if spec.serve:
-                _run_served_config(spec, cfg, cells, hooks)
-            else:
-                # A running server gets the same untimed passes as one the bench starts: on the H200 every
-                # speculative vLLM server JIT-compiled its draft-prefill and acceptance-refit kernels inside its
-                # first timed cell, which no-speculation servers never run (docs/PERFORMANCE.md section 27).
-                url = base_url.rstrip("/")
-                asyncio.run(_warmup(spec, cfg, url, hooks, cells))
-                for c in cells:
-                    hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
-                    external = {"mode": "external", "base_url": url}
-                    if spec.server_pid is not None:
-                        external["pid"] = spec.server_pid
-                    cell = asyncio.run(_measure(spec, cfg, c, url, external, hooks))
-                    _write_cell(spec, cell, hooks)
+        # SIGTERM takes the Ctrl-C path, so a killed bench still stops its servers and says how to resume
+        with sigterm_as_interrupt():
+            _run_cells(spec, todo, hooks, base_url)
     except KeyboardInterrupt:
         done = total - len(pending_cells(spec))
         raise BenchInterrupted(f"interrupted: {done} of {total} cells finished and kept in {spec.results_dir}; "
                                "rerun the same command to resume") from None
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
     return [c for c in (load_cell(cell_path(spec.results_dir, k.name, n))
                         for k in spec.configs for n in spec.concurrencies) if c is not None]
 
 
-def _is_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
+def _run_cells(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hooks: Hooks,
+               base_url: str | None) -> None:
+    if spec.serve and spec.interleave:
+        _run_interleaved(spec, todo, hooks)
+        todo = []
+    for cfg in spec.configs:
+        cells = [c for k, c in todo if k.name == cfg.name]
+        if not cells:
+            continue
+        if spec.serve:
+            _run_served_config(spec, cfg, cells, hooks)
+        else:
+            # A running server gets the same untimed passes as one the bench starts: on the H200 every
+            # speculative vLLM server JIT-compiled its draft-prefill and acceptance-refit kernels inside its
+            # first timed cell, which no-speculation servers never run (docs/PERFORMANCE.md section 27).
+            url = base_url.rstrip("/")
+            asyncio.run(_warmup(spec, cfg, url, hooks, cells))
+            for c in cells:
+                hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
+                external = {"mode": "external", "base_url": url}
+                if spec.server_pid is not None:
+                    external["pid"] = spec.server_pid
+                cell = asyncio.run(_measure(spec, cfg, c, url, external, hooks))
+                _write_cell(spec, cell, hooks)
 
 
 def interleaved_order(configs: Sequence[str], concurrencies: Sequence[int]) -> list[tuple[str, int]]:
