@@ -304,7 +304,7 @@ def serve(
     import importlib.util
     import logging
 
-    from dspark_cli.serve_config import build_settings, ineffective_settings
+    from dspark_cli.serve_config import build_settings, drafted_k, ineffective_settings
 
     stray = _stray_positional(ctx)
     if stray is not None:
@@ -329,7 +329,7 @@ def serve(
         from dspark_cli.fileio import check_output_file
 
         check_output_file(settings.record_traces, "--record-traces")  # before any weights load
-        check_appendable(settings.record_traces, "--record-traces")
+        check_appendable(settings.record_traces, "--record-traces", drafted_k(settings) or None)
     extra = [a for a in ctx.args if a != "--"]
     if settings.engine == "vllm":
         if settings.scheduler_delay_factor is not None:

@@ -137,3 +137,32 @@ def parse_non_finite_json(data: bytes) -> tuple[Any, list[str]] | None:
 
 def read_json(path: str | os.PathLike[str]) -> Any:
     return orjson.loads(Path(path).read_bytes())
+
+
+def drop_cut_last_line(path: str | os.PathLike[str]) -> int:
+    """Truncate a JSONL file's last line where a crash cut it (no newline at the end), so that appends start on
+    a line of their own instead of joining the fragment (two rows lost, and a bad line mid-file). Returns the
+    bytes dropped; a missing or empty file, or one that ends in a newline, is left alone."""
+    p = Path(path)
+    if not p.is_file():
+        return 0
+    with p.open("r+b") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        fh.seek(size - 1)
+        if fh.read(1) == b"\n":
+            return 0
+        end = size - 1
+        while end > 0:  # back to the last newline, a block at a time (trace files grow large)
+            start = max(0, end - 65536)
+            fh.seek(start)
+            at = fh.read(end - start).rfind(b"\n")
+            if at >= 0:
+                cut = start + at + 1
+                break
+            end = start
+        else:
+            cut = 0
+        fh.truncate(cut)
+        return size - cut

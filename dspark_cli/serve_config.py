@@ -518,6 +518,16 @@ def replace(settings: ServeSettings, **changes: Any) -> ServeSettings:
 _DEFAULT_K = 4
 
 
+def drafted_k(s: ServeSettings) -> int | None:
+    """The draft length the server will run (its traces' K): the embedded engine's default where unset, 0 with
+    no draft; None where vLLM decides (its own speculative config, not given here)."""
+    if s.engine == "vllm":
+        return s.num_speculative_tokens
+    if s.draft is None:
+        return 0
+    return _DEFAULT_K if s.num_speculative_tokens is None else s.num_speculative_tokens
+
+
 @dataclass
 class EmbeddedLaunch:
     """What `dspark serve` needs to start the embedded engine: a factory, server options, a banner."""
@@ -604,10 +614,8 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
     _check_model_ref("--model", s.model)
     if s.draft not in (None, "auto"):
         _check_model_ref("--draft", s.draft)
-    k = _DEFAULT_K if s.num_speculative_tokens is None else s.num_speculative_tokens
+    k = drafted_k(s) or 0
     draft = s.draft if k > 0 else None
-    if draft is None:
-        k = 0
     tmp = Path(tempfile.mkdtemp(prefix="dspark-serve-"))
     launch: EmbeddedLaunch | None = None
     try:

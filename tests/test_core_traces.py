@@ -67,6 +67,21 @@ def test_writer_appends_and_flushes_each_write(tmp_path: Path) -> None:
     assert [r.accepted for r in read_traces(path).records] == [1, 0]
 
 
+def test_appending_after_a_cut_last_line_drops_the_fragment(tmp_path: Path) -> None:
+    # A crash mid-write left half a row; the first appended row was joined onto it, losing both and leaving a bad
+    # line mid-file that dspark calibrate refused.
+    path = tmp_path / "traces.jsonl"
+    whole = b'{"conf": [0.5], "verified": 1, "accepted": 1}\n'
+    path.write_bytes(whole + whole[:20])
+    with TraceWriter(path) as w:
+        w.write({"conf": [0.4], "verified": 1, "accepted": 0})
+    assert [r.accepted for r in read_traces(path).records] == [1, 0]
+    path.write_bytes(whole[:20])  # the only row cut
+    with TraceWriter(path) as w:
+        w.write({"conf": [0.4], "verified": 1, "accepted": 0})
+    assert [r.accepted for r in read_traces(path).records] == [0]
+
+
 def test_reader_tolerates_missing_ids_extra_fields_blank_lines_and_folders(tmp_path: Path) -> None:
     (tmp_path / "a.jsonl").write_text(
         '{"conf": [0.5, 0.4], "verified": 2, "accepted": 1, "engine": "vllm", "latency_ms": 3.2}\n'

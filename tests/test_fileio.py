@@ -72,3 +72,19 @@ def test_a_link_is_written_through_and_a_special_file_is_refused(tmp_path: Path)
         with pytest.raises(DsparkError, match="is not a regular file"):
             call()
     assert not fifo.is_file()
+
+
+def test_a_cut_last_line_is_dropped_however_long_and_whole_files_are_left_alone(tmp_path: Path) -> None:
+    from dspark_cli.fileio import drop_cut_last_line
+
+    p = tmp_path / "rows.jsonl"
+    assert drop_cut_last_line(p) == 0  # missing
+    p.write_bytes(b"")
+    assert drop_cut_last_line(p) == 0
+    p.write_bytes(b"a\nb\n")
+    assert drop_cut_last_line(p) == 0 and p.read_bytes() == b"a\nb\n"
+    fragment = b"x" * 200_000  # spans several of the backward search's blocks
+    p.write_bytes(b"a\nb\n" + fragment)
+    assert drop_cut_last_line(p) == len(fragment) and p.read_bytes() == b"a\nb\n"
+    p.write_bytes(fragment)
+    assert drop_cut_last_line(p) == len(fragment) and p.read_bytes() == b""

@@ -55,12 +55,25 @@ def test_bad_flag_is_one_line_error_and_exit_1() -> None:
         (["--record-traces", "/proc/version/t.jsonl"], "--record-traces /proc/version/t.jsonl: cannot write there"),
         # traces are appended: rows after a curve would leave both unreadable
         (["--record-traces", "{curve}"], "holds something other than traces (line 1: not valid JSON"),
+        # and rows of another K would leave the file unreadable as one fit
+        (["--record-traces", "{k4}", "-k", "8"], "holds traces of K=4 and this server drafts K=8"),
+        (["--record-traces", "{k4}"], None),  # the default K (4) appends
     ],
 )
-def test_errors_raise_dspark_error(args: list[str], match: str, tmp_path: Path) -> None:
+def test_errors_raise_dspark_error(args: list[str], match: str | None, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     curve = tmp_path / "sps_curve.json"
     curve.write_text('{\n  "version": 1\n}\n')
-    args = [a.replace("{curve}", str(curve)) for a in args]
+    (tmp_path / "k4.jsonl").write_text('{"conf": [0.9, 0.8, 0.7, 0.6], "verified": 4, "accepted": 2}\n')
+    if "{k4}" in args:  # checked before the engine starts, which this test never lets happen
+        from dspark_cli import serve_config
+
+        def stop(*_: Any) -> None:
+            raise DsparkError("checks passed")
+
+        monkeypatch.setattr(serve_config, "prepare_embedded", stop)
+        match = match or "checks passed"
+    args = [a.replace("{curve}", str(curve)).replace("{k4}", str(tmp_path / "k4.jsonl")) for a in args]
     result = _invoke(args)
     assert isinstance(result.exception, DsparkError), result.output
     assert match in str(result.exception)

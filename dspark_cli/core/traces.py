@@ -20,6 +20,7 @@ import orjson
 import torch
 
 from dspark_cli.errors import DsparkError
+from dspark_cli.fileio import drop_cut_last_line
 
 _SHAPE_HINT = 'expected {"conf": [c_1..c_K], "verified": v, "accepted": a} with 0 <= a <= v <= K'
 
@@ -166,19 +167,23 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def check_appendable(path: str | os.PathLike[str], flag: str) -> None:
-    """Refuse, in one line, a non-empty file whose first row is not a trace: traces are appended, and rows
-    after a curve or an ``sts.json`` would leave both unreadable."""
+def check_appendable(path: str | os.PathLike[str], flag: str, k: int | None = None) -> None:
+    """Refuse, in one line, a non-empty file whose first row is not a trace, or (``k`` given) holds another K:
+    traces are appended, and rows after a curve or an ``sts.json`` would leave both unreadable, as rows of
+    another K leave the trace file (the reader takes one K per file)."""
     target = Path(path).expanduser()
     if not target.is_file() or target.stat().st_size == 0:
         return
     with target.open("rb") as fh:
         first = fh.readline()
     try:
-        _parse_line(first, None)
+        rec = _parse_line(first, None)
     except ValueError as exc:
         raise DsparkError(f"{flag} {path} holds something other than traces (line 1: {exc}); traces are appended "
                           "to it: pass a new file or a traces JSONL") from None
+    if k is not None and len(rec.conf) != k:
+        raise DsparkError(f"{flag} {path} holds traces of K={len(rec.conf)} and this server drafts K={k}; one file "
+                          f"holds one K (dspark calibrate reads it as one fit): pass a new file for K={k}")
 
 
 class TraceWriter:
@@ -194,6 +199,7 @@ class TraceWriter:
         self.decimals = decimals
         self.records_written = 0
         self.rows_skipped = 0  # rows write_batch refused to write (the reader would refuse them)
+        drop_cut_last_line(self.path)  # a crash's cut row would swallow the first appended one
         self._fh: IO[bytes] | None = self.path.open("ab")
 
     def _emit(self, data: bytes) -> None:

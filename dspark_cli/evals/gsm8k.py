@@ -31,7 +31,7 @@ import orjson
 
 from dspark_cli.data.gsm8k import COT_EXEMPLARS, GsmRow, load_gsm8k, normalize_number
 from dspark_cli.errors import DsparkError
-from dspark_cli.fileio import check_output_file
+from dspark_cli.fileio import check_output_file, drop_cut_last_line
 
 STOP = ["Q:", "Question:", "</s>", "<|im_end|>", "\n\n\n"]
 ROW_FORMAT = 1
@@ -134,13 +134,11 @@ def read_results(path: Path, repair: bool = False, hint: str = "use another --ou
     appends continue on a clean line); any other bad line is an error naming file:line, ending in ``hint``."""
     if not path.is_file():
         return []
+    if repair:
+        drop_cut_last_line(path)
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        if repair:
-            with open(path, "r+b") as fh:
-                fh.truncate(cut)
-        data = data[:cut]
+        data = data[:data.rfind(b"\n") + 1]
     rows = []
     for lineno, line in enumerate(data.splitlines(), 1):
         if not line.strip():
