@@ -442,7 +442,7 @@ case $ACTION in
       # GPU q, its own model cache (two processes building the same cache entry would race)
       gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed || $q == _rounds || $q == _floor || $q == _issue8 ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
-        "$(declare -f stage vllm_group real_smoke queue_interleaved gated_rounds queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
+        "$(declare -f stage vllm_group real_smoke queue_interleaved gated_rounds issue8_scaled queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
       echo $! >"$ROOT/queue$q.pid"
       echo "queue $q started (pid $!)"

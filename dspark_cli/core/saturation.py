@@ -212,10 +212,18 @@ class StepTimeCalibration:
         return {b: w.value for (d, b), w in sorted(self._windows.items()) if d == drafting and w.value is not None}
 
     def quotients(self) -> dict[int, float]:
-        """Drafting over plain measured/priced quotient of every load bucket holding both kinds of steps."""
+        """Drafting over plain measured/priced quotient of every load bucket holding both kinds of steps, its
+        drafting steps timed within the last ``STEP_TIME_STALE`` timed steps.
+
+        A drafting window is fed only while drafting runs, so through a pause it keeps what drafting cost before
+        it, however long ago. On an H100 (docs/PERFORMANCE.md section 35) the shape warm-up's first drafting
+        steps at 32 requests read 1.44 (their first-use costs; drafting at that load measured 1.05 on a twin
+        server), the policy paused on it, and every probe at 32 requests was judged by it for the rest of the
+        run: all failed, where drafting paid 5%. A stale drafting window judges nothing; a probe there is
+        judged as at a load drafting never ran at (:meth:`relative_draft_cost`)."""
         plain = self.ratios(False)
         return {b: min(max(d / plain[b], 1.0 / STEP_TIME_CLAMP), STEP_TIME_CLAMP)
-                for b, d in self.ratios(True).items() if b in plain}
+                for b, d in self.ratios(True).items() if b in plain and self._age((True, b)) <= STEP_TIME_STALE}
 
     def relative_draft_cost(self, num_reqs: int, drafting_ms: float = 0.0, plain_ms: float = 0.0) -> float:
         """How much more (> 1) or less a drafting step of ``num_reqs`` requests really costs, relative to
@@ -453,10 +461,13 @@ class SaturationPolicy:
     ``PROBE_TAX``) of its wall time (at most ``PROBE_BANK`` probes' worth is kept; it starts full, at the
     first probe's cost), and probe steps -- and
     the drafting steps of a resume until it has lasted ``2 x patience`` steps, the window in which a lucky
-    probe shows itself -- spend their whole wall time from it. A due probe (timer or load fall) waits
-    while the allowance is negative, so probing costs at most ``PROBE_BANK`` probes plus about ``probe_tax``
-    of paused time, whatever
-    triggers it. An engine that reports no times is never held back. ``counters`` says what happened.
+    probe shows itself -- spend their whole wall time from it. A due timer probe waits while the allowance is
+    negative, so timer probing costs at most ``PROBE_BANK`` probes plus about ``probe_tax`` of paused time.
+    Load-fall and rise probes (and the probation of a resume they made) neither wait on the allowance nor
+    spend from it: each lowers the floor or raises the top by a quarter or a third of the load, so a pause holds
+    a few dozen at most, and a debt they ran up at a heavy load silenced a light one (paused steps at 16
+    requests repay 0.2 ms each; section 35).
+    An engine that reports no times is never held back. ``counters`` says what happened.
 
     ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
     """
@@ -597,8 +608,13 @@ class SaturationPolicy:
             self._measure_wait += 1  # this paused step times the load, and the probe is judged by it
             self.counters.unmeasured_probe_steps += 1
             return False
-        if self._allowance_ms < 0 and trigger != "rise":
-            self.counters.deferred_probe_steps += 1  # due, but probing has spent its share of paused time
+        if self._allowance_ms < 0 and trigger == "timer":
+            # Due, but probing has spent its share of paused time. Only timer probes wait: load-fall and rise
+            # probes are bounded by the loads they lower the floor to and raise the top to (one per 4/3 of
+            # load), and a debt run up at a heavy load -- a shape warm-up's drain probes at 256 requests, 100-240
+            # ms a step -- took 1,300 paused steps to repay at 16 requests (0.2 ms each; section 35), through
+            # two whole cells where drafting paid.
+            self.counters.deferred_probe_steps += 1
             return False
         self._measure_wait = 0
         self._probe_trigger = trigger
@@ -641,7 +657,10 @@ class SaturationPolicy:
                 self._probe_step_ms = measured_ms
             else:
                 self._probe_step_ms = 0.75 * self._probe_step_ms + 0.25 * measured_ms
-        if kind in ("probe", "probation"):
+        # Only timer probes, and the probation of a resume one made, are rationed, so only they spend: load-fall
+        # and rise probes are bounded by the floor and top they move, and their debt (a rise probe at 256
+        # requests, 240 ms a step) kept every timer probe of a 16-request cell waiting (section 35).
+        if kind in ("probe", "probation") and self._probe_trigger == "timer":
             self._allowance_ms -= measured_ms
 
     @property
