@@ -548,6 +548,10 @@ def bench(
         base_url = server_root(base_url)
     if interleave and not serve:
         raise DsparkError("--interleave starts the configs' servers itself; it needs --serve")
+    if interleave and port is not None:  # before any folder or progress bar
+        raise DsparkError("--interleave runs every config's server at once, each on a free port; drop --port")
+    if base_url is not None and sps_curve is not None:
+        served_only.append("--sps-curve")  # a running server prices with the curve it was started with
     if base_url is not None and served_only:
         _warn(f"{', '.join(served_only)}: for the servers --serve starts; ignored with --base-url (one config, "
               "--label)")

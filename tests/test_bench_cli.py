@@ -38,3 +38,18 @@ def test_simulate_only_flags_with_a_server_are_said(tmp_path: Path) -> None:
                     "-o", str(tmp_path / "r"))
     said = " ".join(result.stderr.split())
     assert "warning: -k, --policies: only used with --simulate; a server's settings go in --serve-args" in said
+
+
+def test_a_curve_a_running_server_never_reads_is_said(tmp_path: Path) -> None:
+    result = _bench("--base-url", "http://127.0.0.1:9", "--sps-curve", str(tmp_path / "none.json"), "-c", "1",
+                    "-n", "1", "-o", str(tmp_path / "r"))
+    said = " ".join(result.stderr.split())
+    assert "warning: --sps-curve: for the servers --serve starts; ignored with --base-url" in said
+
+
+def test_interleave_with_a_port_is_refused_before_any_folder_is_made(tmp_path: Path) -> None:
+    result = _bench("--serve", "--interleave", "--port", "8123", "--configs", "none", "-c", "1", "-n", "4",
+                    "-o", str(tmp_path / "r"))
+    assert isinstance(result.exception, DsparkError)
+    assert str(result.exception).startswith("--interleave runs every config's server at once")
+    assert not (tmp_path / "r").exists()

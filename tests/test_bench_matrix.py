@@ -324,6 +324,25 @@ def test_a_waves_sweep_takes_a_new_concurrency_and_says_what_else_differs(tmp_pa
         pending_cells(spec)
 
 
+def test_a_cell_that_sent_other_prompts_is_refused_though_the_workload_reads_alike(tmp_path: Path) -> None:
+    """The workload names a dataset, not its contents: a JSONL file rewritten with longer prompts between two
+    runs resumed into one table (65 and 1,348 prompt tokens per cell under one dataset name). Each cell now
+    keeps its prompts' fingerprint; a cell saved before that is resumed on its workload alone."""
+    spec = _spec(tmp_path)
+    cell = {"dspark_bench_cell": CELL_FORMAT, "config": "none", "concurrency": 1, "metrics": {"failed": 0},
+            "workload": spec.workload, "prompts_sha256": spec.cell_prompts_sha256(1)}
+    atomic_write_json(cell_path(tmp_path, "none", 1), cell)
+    assert ("none", 1) not in [(k.name, c) for k, c in pending_cells(spec)]
+    spec.prompts = [Prompt(text="x" * 500)]
+    with pytest.raises(DsparkError, match="none__c1.json sent other prompts"):
+        pending_cells(spec)
+    atomic_write_json(cell_path(tmp_path, "none", 1), {k: v for k, v in cell.items() if k != "prompts_sha256"})
+    assert ("none", 1) not in [(k.name, c) for k, c in pending_cells(spec)]
+    # a waves sweep that raises its top concurrency keeps every finished cell's prompts
+    spec.prompts, spec.waves = [Prompt(text=str(i)) for i in range(8)], 2
+    assert spec.cell_prompts_sha256(1) == MatrixSpec(**{**spec.__dict__, "prompts": spec.prompts[:2]}).cell_prompts_sha256(1)
+
+
 def test_a_label_resumed_against_another_server_is_refused(tmp_path: Path) -> None:
     """``--base-url A --label x`` then ``--base-url B --label x`` into one folder would table two servers'
     cells in one column."""

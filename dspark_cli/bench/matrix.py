@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import datetime as _dt
 import errno
+import hashlib
 import os
 import re
 import shlex
@@ -41,6 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from dspark_cli import __version__
 from dspark_cli.bench.client import (
@@ -293,6 +296,15 @@ class MatrixSpec:
     # own pid is recorded without it).
     server_pid: int | None = None
 
+    def cell_prompts_sha256(self, concurrency: int) -> str:
+        """A fingerprint of one cell's prompts, so a resumed cell is known to have sent the same requests: the
+        workload names a dataset, not its contents (a JSONL file edited between runs, another ``--tokenizer``
+        for random prompts, another ``--dataset-path``)."""
+        h = hashlib.sha256()
+        for prompt in self.cell_prompts(concurrency):
+            h.update(orjson.dumps([prompt.text, prompt.messages]))
+        return h.hexdigest()
+
     def cell_prompts(self, concurrency: int) -> list[Prompt]:
         """The prompts of one cell: identical for every config at a concurrency (equal work per cell).
 
@@ -341,6 +353,12 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
                     f"{cell_path(spec.results_dir, cfg.name, c)} was measured with a different workload "
                     f"({workload_difference(cell.get('workload') or {}, spec.workload)}); use another --results-dir "
                     "or --force to remeasure")
+            sha = None if cell is None else cell.get("prompts_sha256")  # None: a cell saved before it was kept
+            if sha is not None and sha != spec.cell_prompts_sha256(c):
+                raise DsparkError(
+                    f"{cell_path(spec.results_dir, cfg.name, c)} sent other prompts (the dataset's contents, "
+                    "--tokenizer or --dataset-path changed since); use another --results-dir or --force to "
+                    "remeasure")
             if cell is not None and not spec.serve and spec.load.base_url:
                 was = (cell.get("server") or {}).get("base_url")
                 if was is not None and was.rstrip("/") != spec.load.base_url.rstrip("/"):
@@ -611,6 +629,7 @@ def _cell_record(spec: MatrixSpec, cfg: BenchConfig, c: int, results: Sequence[R
         # 1 may be what limits the cell (bench.cpu; None: not measured).
         "cpu": cpu.to_dict() if cpu is not None else None,
         "workload": spec.workload,
+        "prompts_sha256": spec.cell_prompts_sha256(c),
         "server": server,
         "started_at": started,
         "finished_at": _now(),
