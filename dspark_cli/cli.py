@@ -129,7 +129,11 @@ def profile_sps(
             except KeyboardInterrupt:
                 raise DsparkError(f"interrupted; nothing written to {output}") from None
         used = curve.meta.get("context_len")
-        if used is not None and used != context_len:
+        source = ctx.get_parameter_source("context_len")
+        given = source is not None and source.name != "DEFAULT"  # by name: typer may bring its own click
+        # The default is fitted to a short --max-model-len without a word; a shrink for the KV pool is said.
+        fits = context_len if max_model_len is None else min(context_len, max_model_len - 1)
+        if used is not None and ((given and used != context_len) or used < fits):
             _warn(f"--context-len {context_len}: the synthetic requests held {used} tokens of KV (what "
                   "--max-model-len and the KV pool allow for --max-num-seqs requests); the curve prices that")
     for table in curve_tables(curve):

@@ -62,7 +62,7 @@ REFUSALS = [
     ("duplicate", spec_obj(verify_curve_ms=[[8, 10.0], [8, 11.0], [16, 12.0]]), "twice"),
     ("far-drop", spec_obj(verify_curve_ms=[[8, 10.0], [16, 20.0], [32, 12.0], [64, 30.0]]), "not monotone"),
     ("flat", spec_obj(verify_curve_ms=[[8, 10.0], [16, 10.05], [64, 10.1]]), "flat"),
-    ("single-point", [[8, 100.0]], "flat"),
+    ("single-point", [[8, 100.0]], "holds one batch size (8 tokens); a curve needs at least two"),
     ("negative-overhead", spec_obj(overhead_ms=-1.0), "overhead_ms"),
     ("string-overhead", spec_obj(overhead_ms="x"), "overhead_ms"),
     ("bad-capture", spec_obj(capture_sizes=[8, -16]), "capture_sizes"),

@@ -69,6 +69,7 @@ def test_cpu_profile_of_the_tiny_pair_rises_and_leaves_the_engine_untouched(engi
     assert curve.capture_sizes == ()  # CPU never pads: no staircase
     assert [r for r, _ in m.overhead_by_reqs] == [1, 4, 8] and curve.overhead_ms >= 0
     assert curve.meta["engine"] == "embedded" and curve.meta["k"] == K and curve.meta["overhead_source"] == "measured"
+    assert curve.meta["overhead_measured_ms"] == curve.overhead_ms
     # the overhead steps ran real requests, and left nothing behind
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == free
     assert _counters(engine) == stats
@@ -113,6 +114,7 @@ def test_given_overhead_replaces_the_measured_one(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     curve = SpsCurve.load(out)
     assert curve.overhead_ms == 0.75 and curve.meta["overhead_source"] == "given"
+    assert curve.meta["overhead_measured_ms"] is None and curve.meta["overhead_by_reqs_ms"] == []  # not a 0.0
     assert curve.meta["capture_sizes_requested"] == [1, 2, 6]
     assert [x for x, _ in curve.verify_ms] == [1, 2, 6, 9, 12]  # the requested sizes + beyond the largest
     # a context longer than the model and its KV pool allow is profiled at what fits, and said so (sizes far
@@ -123,6 +125,12 @@ def test_given_overhead_replaces_the_measured_one(tmp_path: Path) -> None:
     held = SpsCurve.load(out).meta["context_len"]
     assert 2 <= held < 100000
     assert f"--context-len 100000: the synthetic requests held {held} tokens of KV" in " ".join(long.output.split())
+    # the default context is fitted to a short model without a word, but shrunk for the KV pool it is said
+    short = _invoke(["tiny", "--device", "cpu", "--max-num-seqs", "4", "-k", "2", "--warmup", "0", "--replays", "2",
+                     "--capture-sizes", "1,24", "--overhead-ms", "0.5", "--max-model-len", "100", "-o", str(out)])
+    assert short.exit_code == 0, short.output
+    held = SpsCurve.load(out).meta["context_len"]
+    assert held < 99 and f"--context-len 128: the synthetic requests held {held}" in " ".join(short.output.split())
 
 
 # ---------------------------------------------------------------------------------------------- refusals

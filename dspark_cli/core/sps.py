@@ -140,6 +140,9 @@ def _clean_points(
             running, prev_x = y, x
         repaired.append((x, running))
     if require_rise:
+        if len(repaired) < 2:
+            raise _fail(source, f"{what} holds one batch size ({xs[0]} tokens); a curve needs at least two, so the "
+                                "cost of verifying more can be read off it")
         costs = [y for _, y in repaired]
         ratio = max(costs) / min(costs)
         if ratio < MIN_COST_RATIO:

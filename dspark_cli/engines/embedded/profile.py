@@ -97,7 +97,8 @@ def curve_from_measurements(m: SpsMeasurements, overhead_ms: float | None = None
         raise DsparkError(f"--overhead-ms must be a finite number >= 0, got {overhead_ms!r}")
     meta = dict(m.meta)
     meta["overhead_source"] = "measured" if overhead_ms is None else "given"
-    meta["overhead_measured_ms"] = m.overhead_ms
+    # None where nothing was timed (the overhead was given): 0.0 read as a measured zero
+    meta["overhead_measured_ms"] = m.overhead_ms if m.overhead_by_reqs else None
     meta["overhead_by_reqs_ms"] = [[r, round(v, 6)] for r, v in m.overhead_by_reqs]
     meta["measured_verify_ms"] = [[x, round(y, 6)] for x, y in m.verify_ms]
     meta["measured_draft_ms"] = [[x, round(y, 6)] for x, y in m.draft_ms]
@@ -264,7 +265,8 @@ def _synthetic_seqs(engine: LLMEngine, context_len: int, need_reqs: int) -> tupl
         per_seq_blocks = engine.block_manager.blocks_for(ctx + k + 1)
     if need_reqs * per_seq_blocks > engine.block_manager.num_free_blocks:
         raise DsparkError(f"the KV pool ({engine.block_manager.num_free_blocks} free blocks) is too small to profile "
-                          f"{need_reqs} requests; lower --max-num-seqs")
+                          f"{need_reqs} requests (the sizes past the largest batch take up to twice --max-num-seqs); "
+                          "raise --max-model-len, which sizes the pool with --max-num-seqs, or lower --capture-sizes")
     gen = torch.Generator().manual_seed(0)
     seqs: list[Sequence] = []
     for i in range(need_reqs):
