@@ -752,3 +752,40 @@ def test_an_unusable_results_dir_is_one_line_before_any_work(tmp_path: Path) -> 
     (good / "cells" / ".none__c1.json.abc.tmp").write_text("{")  # a killed run's half-written cell
     prepare_results_dir(good)
     assert good.is_dir() and not list((good / "cells").glob(".*.tmp"))
+
+
+def test_a_server_that_dies_mid_cell_is_named_with_its_exit_status_and_log(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed mid-cell, a server left only connection errors to read ("61 of 64 requests failed
+    (ClientConnectorError ...)"): the refusal now says it exited, with what status, and shows its log's end."""
+    from dspark_cli.bench import matrix as mx
+
+    log = tmp_path / "serve.log"
+    log.write_text("starting\nKilled\n")
+    dead = ServerProcess([sys.executable, "-c", "raise SystemExit(9)"], log, "http://127.0.0.1:9", 5.0)
+
+    class Exited:
+        pid = 4321
+
+        def poll(self) -> int:
+            return -9
+
+    def served(spec: MatrixSpec, cfg: BenchConfig, hooks: object) -> tuple[str, dict, ServerProcess]:
+        dead.proc = Exited()  # type: ignore[assignment]
+        return "http://127.0.0.1:9", {"mode": "serve"}, dead
+
+    async def nothing(*args: object, **kwargs: object) -> None:
+        return None
+
+    async def failed_cell(spec: MatrixSpec, cfg: BenchConfig, c: int, *args: object) -> dict:
+        return {"config": cfg.name, "concurrency": c,
+                "metrics": {"completed": 3, "failed": 61, "errors": ["ClientConnectorError: cannot connect"]}}
+
+    monkeypatch.setattr(mx, "_served_process", served)
+    monkeypatch.setattr(mx, "_warmup", nothing)
+    monkeypatch.setattr(mx, "_measure", failed_cell)
+    monkeypatch.setattr(ServerProcess, "__enter__", lambda self: self)
+    monkeypatch.setattr(ServerProcess, "__exit__", lambda self, *exc: None)
+    with pytest.raises(ServerStartError, match=r"61 of 64 requests .* the server had exited with status -9") as info:
+        mx._run_served_config(_spec(tmp_path), BenchConfig("none"), [1], mx.Hooks())
+    assert info.value.log_tail.endswith("Killed")

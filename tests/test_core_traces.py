@@ -149,9 +149,11 @@ def test_empty_inputs() -> None:
     assert TraceSet([], 0).num_positions == 0
 
 
-def test_write_batch_skips_rows_its_reader_would_refuse(tmp_path: Path) -> None:
+def test_write_batch_skips_rows_its_reader_would_refuse(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A NaN confidence (a head that overflowed) or counts outside 0 <= accepted <= verified <= K used to be
-    written, and one such line made the whole file unreadable to `dspark calibrate`."""
+    written, and one such line made the whole file unreadable to `dspark calibrate`. Skipped rows are said, at
+    the first and at every tenfold count."""
+    caplog.set_level("WARNING", logger="dspark.traces")
     path = tmp_path / "t.jsonl"
     writer = TraceWriter(path)
     n = writer.write_batch(np.array([[0.9, 0.5], [np.nan, 0.2], [0.9, 0.5], [0.4, np.inf]]),
@@ -160,6 +162,8 @@ def test_write_batch_skips_rows_its_reader_would_refuse(tmp_path: Path) -> None:
     writer.close()
     assert n == 1 and writer.records_written == 1 and writer.rows_skipped == 4
     assert len(read_traces(path).records) == 1
+    said = [r.getMessage() for r in caplog.records if r.name == "dspark.traces"]
+    assert len(said) == 1 and "3 trace rows skipped so far" in said[0]
 
 
 def test_write_skips_a_row_its_reader_would_refuse(tmp_path: Path) -> None:

@@ -510,6 +510,10 @@ class ServerProcess:
         finally:
             log.close()
 
+    def exit_status(self) -> int | None:
+        """The server's exit status if it has ended (a crash mid-cell), else None."""
+        return None if self.proc is None else self.proc.poll()
+
     def wait_healthy(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.timeout_s
@@ -968,5 +972,13 @@ def _run_served_config(spec: MatrixSpec, cfg: BenchConfig, concurrencies: list[i
         for c in concurrencies:
             hooks.cell_started(cfg.name, c, len(spec.cell_prompts(c)))
             cell = asyncio.run(_measure(spec, cfg, c, base_url, server, hooks))
-            _write_cell(spec, cell, hooks)
+            try:
+                _write_cell(spec, cell, hooks)
+            except DsparkError as exc:
+                code = process.exit_status()
+                if code is None:
+                    raise
+                # Connection errors alone hid why: the server's own end and its log's last lines say it.
+                raise ServerStartError(f"{exc}; the server had exited with status {code} (full log: "
+                                       f"{process.log_path})", _tail(process.log_path)) from None
     hooks.log(f"{cfg.name}: server stopped")

@@ -8,6 +8,7 @@ and point at ``file:line`` for anything else, so a truncated or hand-edited file
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -21,6 +22,8 @@ import torch
 
 from dspark_cli.errors import DsparkError
 from dspark_cli.fileio import drop_cut_last_line
+
+_log = logging.getLogger("dspark.traces")
 
 _SHAPE_HINT = 'expected {"conf": [c_1..c_K], "verified": v, "accepted": a} with 0 <= a <= v <= K'
 
@@ -202,6 +205,17 @@ class TraceWriter:
         drop_cut_last_line(self.path)  # a crash's cut row would swallow the first appended one
         self._fh: IO[bytes] | None = self.path.open("ab")
 
+    def _skipped(self, n: int) -> None:
+        """Count rows left out; say so at the first and at every tenfold count (a head that overflows would
+        otherwise lose traces without a word)."""
+        if n <= 0:
+            return
+        before, self.rows_skipped = self.rows_skipped, self.rows_skipped + n
+        if len(str(self.rows_skipped)) > len(str(before)) or before == 0:
+            _log.warning("%s: %d trace rows skipped so far (a confidence that is not a number in [0, 1], or "
+                         "counts outside 0 <= accepted <= verified <= K): dspark calibrate would refuse them",
+                         self.path, self.rows_skipped)
+
     def _emit(self, data: bytes) -> None:
         if self._fh is None:
             raise DsparkError(f"{self.path}: trace writer is closed")
@@ -215,7 +229,7 @@ class TraceWriter:
         try:
             _parse_line(data, None)
         except ValueError:
-            self.rows_skipped += 1
+            self._skipped(1)
             return False
         self._emit(data)
         self.records_written += 1
@@ -246,7 +260,7 @@ class TraceWriter:
         keep = np.ones(r, dtype=bool) if valid is None else _to_numpy(valid).astype(bool).reshape(-1)
         k = c.shape[1] if c.ndim == 2 else 0
         sound = np.all(np.isfinite(c) & (c >= 0.0) & (c <= 1.0), axis=1) & (a >= 0) & (a <= v) & (v <= k)
-        self.rows_skipped += int(np.count_nonzero(keep & ~sound))
+        self._skipped(int(np.count_nonzero(keep & ~sound)))
         keep = keep & sound
         reqs: list[Any] | None
         if requests is None:
