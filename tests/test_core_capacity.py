@@ -1869,6 +1869,19 @@ def test_rise_and_load_fall_probes_are_not_held_back_by_the_probe_tax() -> None:
     assert low.counters.deferred_probe_steps > 0  # the timer probe came due and waits
 
 
+def _sixteen_request_cell(pol: SaturationPolicy, paying: BudgetDecision) -> list[bool]:
+    """Section 35's 16-request cell, timed as served (paused steps 10.9 ms, drafting 23 ms), drafting paying
+    2 tokens a ms where plain decoding makes 1.5: which of its 765 steps drafted."""
+    drafted = []
+    for _ in range(765):
+        d = pol.begin_step(16)
+        drafted.append(d)
+        pol.record_step_ms(d, 23.0 if d else 10.9)
+        if d:
+            pol.observe_outcome(paying, 2, 16)
+    return drafted
+
+
 def test_a_heavy_loads_probe_debt_does_not_keep_a_light_load_from_drafting() -> None:
     """docs/PERFORMANCE.md section 35 (H100, Llama-3-8B shape): drafting paused at 32 requests in the shape
     warm-up, whose drains then probed at heavy loads (100-240 ms a step) past the allowance. The 16-request cell
@@ -1887,13 +1900,7 @@ def test_a_heavy_loads_probe_debt_does_not_keep_a_light_load_from_drafting() -> 
     assert pol.probe_allowance_ms < -400
     paying = BudgetDecision(budget=48, theta_best=2.0, theta_all=2.0, theta_no_draft=1.5, step_ms=1.0,
                             total_drafts=112)
-    drafted = []
-    for _ in range(765):
-        d = pol.begin_step(16)
-        drafted.append(d)
-        pol.record_step_ms(d, 23.0 if d else 10.9)
-        if d:
-            pol.observe_outcome(paying, 2, 16)  # 2 tokens a ms where plain decoding makes 1.5
+    drafted = _sixteen_request_cell(pol, paying)
     assert drafted.index(True) == 0 and sum(drafted) >= 0.95 * len(drafted), sum(drafted)
     assert pol.counters.probes["load", "paid"] == 1 and pol.ceiling == 32
     # The same run's mask server paused at 14 requests, so 16 is no load fall: its timer probes were due, and
@@ -1912,13 +1919,7 @@ def test_a_heavy_loads_probe_debt_does_not_keep_a_light_load_from_drafting() -> 
     pol.observe_outcome(BudgetDecision(budget=512, theta_best=300.0, theta_all=300.0, theta_no_draft=200.0,
                                        step_ms=1.0, total_drafts=1792), 128, 256)  # 0.64x plain decoding
     assert not pol.drafting_enabled and pol.probe_allowance_ms >= 0
-    drafted = []
-    for _ in range(765):
-        d = pol.begin_step(16)
-        drafted.append(d)
-        pol.record_step_ms(d, 23.0 if d else 10.9)
-        if d:
-            pol.observe_outcome(paying, 2, 16)
+    drafted = _sixteen_request_cell(pol, paying)
     assert drafted.index(True) <= 16 and sum(drafted) >= 0.95 * len(drafted), sum(drafted)
 
 
