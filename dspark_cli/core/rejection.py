@@ -69,7 +69,8 @@ def apply_sampling_params(logits: Tensor, temperature: Tensor | None, top_p: Ten
     """[N, V] float32 scores whose softmax is the distribution a request samples from.
 
     ``temperature[N]`` <= 0 marks greedy rows; they get temperature 1 here (callers take the argmax for
-    them). A positive temperature must be at least ``SAMPLING_EPS`` (the engines make smaller ones 0). ``top_p[N]`` keeps the smallest set of tokens whose mass reaches ``top_p`` (at least one).
+    them). A positive temperature must be at least ``SAMPLING_EPS`` (the engines make smaller ones 0).
+    ``top_p[N]`` keeps the smallest set of tokens whose mass reaches ``top_p`` (at least one).
     Both the speculative and the non-speculative samplers must use this function: losslessness is
     defined against exactly this distribution.
     """

@@ -690,11 +690,8 @@ class SaturationPolicy:
         a drafting step really costs relative to plain decoding over what the curve says
         (:class:`StepTimeCalibration`); 1 trusts the curve.
         """
-        if not (decision.step_ms > 0 and decision.theta_no_draft > 0 and cost_scale > 0):
-            return False  # NaN included: one NaN in the window would judge every later step by it
-        if not (math.isfinite(decision.step_ms) and math.isfinite(decision.theta_no_draft)
-                and math.isfinite(cost_scale)):
-            return False
+        if not all(0 < x < math.inf for x in (decision.step_ms, decision.theta_no_draft, cost_scale)):
+            return False  # NaN fails too: one NaN in the window would judge every later step by it
         r = max(1, num_running)
         step_ms = decision.step_ms * cost_scale
         ratio = (emitted_tokens / step_ms) / decision.theta_no_draft
