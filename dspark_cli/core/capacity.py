@@ -455,7 +455,7 @@ class CapacityManager:
             elif self.last_decision is not None:
                 priced_ms = self.last_decision.step_ms
             else:
-                self.saturation.record_step_ms(drafting, measured_ms)
+                self.saturation.record_step_ms(drafting, measured_ms, num_running=num_reqs)
                 return
         self.timer.record(drafting, num_reqs, measured_ms, priced_ms)
 

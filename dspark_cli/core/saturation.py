@@ -55,8 +55,9 @@ LOAD_RISE = 4 / 3
 LOAD_SETTLE_STEPS = 4
 LOAD_SETTLE_RISE = 1.05
 # SaturationPolicy's probe tax, for engines that time their steps: probes (and the drafting steps of a resume
-# until it is confirmed) may spend at most PROBE_TAX of the paused steps' wall time; the allowance saved up
-# while paused is capped at PROBE_BANK probes' worth, so a long pause cannot fund a burst of probes.
+# until it is confirmed) may spend at most PROBE_TAX of the paused steps' wall time at their load (power-of-two
+# buckets, as StepTimeCalibration's); each load's allowance is capped at PROBE_BANK of its probes' worth, so a
+# long pause cannot fund a burst of probes.
 PROBE_TAX = 0.02
 PROBE_BANK = 4
 # A due probe waits (at most PROBE_MEASURE_WAIT paused steps) until a paused step at its load has been timed:
@@ -328,7 +329,7 @@ class StepTimer:
         for the probe tax only. ``kind``: :attr:`SaturationPolicy.step_kind` as the step began; None for the
         step begun last (an engine that reports each step before beginning the next)."""
         kind = self.saturation.step_kind if kind is None else kind
-        self.saturation.record_step_ms(drafting, measured_ms, kind)
+        self.saturation.record_step_ms(drafting, measured_ms, kind, num_reqs)
         self._reported = True
         if not drafting:
             self._plain_in_flight = False
@@ -345,6 +346,15 @@ class StepTimer:
         """What to pass :meth:`SaturationPolicy.observe_outcome` for a step of ``num_running`` requests priced
         by ``decision`` (its drafting and plain prices inform a load whose drafting was never measured)."""
         return self.step_times.relative_draft_cost(num_running, decision.step_ms, decision.plain_ms)
+
+
+@dataclass
+class ProbeAllowance:
+    """The probe tax's account at one load bucket: what is left to spend (ms), and its mean probe step (ms;
+    None before the bucket's first probe, which finds the account full)."""
+
+    allowance_ms: float = 0.0
+    probe_step_ms: float | None = None
 
 
 @dataclass
@@ -467,6 +477,16 @@ class SaturationPolicy:
     spend from it: each lowers the floor or raises the top by a quarter or a third of the load, so a pause holds
     a few dozen at most, and a debt they ran up at a heavy load silenced a light one (paused steps at 16
     requests repay 0.2 ms each; section 35).
+
+    **One allowance per load** (:class:`ProbeAllowance`, power-of-two buckets of the running requests, as
+    :class:`StepTimeCalibration`'s). The tax bounds what probing costs the load it probes at; one account for
+    all loads let a heavy load's debt hold a light load's probes. On an H100 (Llama-3-8B shape,
+    docs/PERFORMANCE.md section 36) the shape warm-up's timer probes at 124-256 requests (250 ms a step, with
+    their catch-ups) left a debt that paused steps at 16 requests repay at 0.2 ms each: one server deferred 735
+    of its 16-request cell's 765 steps and drafted none, another 122 before a probe that paid 1.33x. Each
+    bucket keeps its own account, so a server holds at most ``PROBE_BANK`` unfunded probes per bucket (nine
+    buckets up to 256 requests) and each load pays at most ``probe_tax`` of its own paused time after that.
+
     An engine that reports no times is never held back. ``counters`` says what happened.
 
     ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
@@ -512,9 +532,11 @@ class SaturationPolicy:
         # few steps was a probe's false positive, and the backoff goes on from where it was (see _pause).
         self._drafting_since_resume = 0
         self._wait_at_resume: int | None = None
-        # The probe tax (record_step_ms): allowance in ms, the mean probe step's ms, and what this step is.
-        self._allowance_ms = 0.0
-        self._probe_step_ms: float | None = None
+        # The probe tax (record_step_ms): one account per load bucket, the buckets a probation spent from (forgiven
+        # if the resume holds), the load of the step begun last, and what that step is.
+        self._accounts: dict[int, ProbeAllowance] = {}
+        self._probation_buckets: set[int] = set()
+        self._last_running = 0
         self._step_kind = "drafting"
         self._loads: deque[int] = deque(maxlen=LOAD_SETTLE_STEPS + 1)  # the last steps' loads, this one's last
         self.counters = SaturationCounters()
@@ -575,6 +597,7 @@ class SaturationPolicy:
         if num_running < 1:
             return not self._paused  # an empty step: no load to probe at, nor one to remember
         self._loads.append(num_running)
+        self._last_running = num_running
         if not self._paused:
             if self._ceiling is not None and num_running >= self._ceiling:
                 floor = self._ceiling_floor
@@ -608,12 +631,12 @@ class SaturationPolicy:
             self._measure_wait += 1  # this paused step times the load, and the probe is judged by it
             self.counters.unmeasured_probe_steps += 1
             return False
-        if self._allowance_ms < 0 and trigger == "timer":
-            # Due, but probing has spent its share of paused time. Only timer probes wait: load-fall and rise
-            # probes are bounded by the loads they lower the floor to and raise the top to (one per 4/3 of
-            # load), and a debt run up at a heavy load -- a shape warm-up's drain probes at 256 requests, 100-240
-            # ms a step -- took 1,300 paused steps to repay at 16 requests (0.2 ms each; section 35), through
-            # two whole cells where drafting paid.
+        if trigger == "timer" and self.probe_allowance_at(num_running) < 0:
+            # Due, but probing has spent its share of this load's paused time. Only timer probes wait: load-fall
+            # and rise probes are bounded by the loads they lower the floor to and raise the top to (one per 4/3
+            # of load), and a debt run up at a heavy load -- a shape warm-up's drain probes at 256 requests,
+            # 100-240 ms a step -- took 1,300 paused steps to repay at 16 requests (0.2 ms each; section 35),
+            # through two whole cells where drafting paid.
             self.counters.deferred_probe_steps += 1
             return False
         self._measure_wait = 0
@@ -629,9 +652,11 @@ class SaturationPolicy:
         return (not self._paused and self._wait_at_resume is not None
                 and self._drafting_since_resume < 2 * self.patience)
 
-    def record_step_ms(self, drafting: bool, measured_ms: float, kind: str | None = None) -> None:
+    def record_step_ms(self, drafting: bool, measured_ms: float, kind: str | None = None,
+                       num_running: int | None = None) -> None:
         """Report the wall time of a step (the probe tax): of kind ``kind`` (:attr:`step_kind` when it began),
-        None for the step begun by the last :meth:`begin_step`.
+        None for the step begun by the last :meth:`begin_step`, and of ``num_running`` requests (the account it
+        saves into or spends from; None: the load of the step begun last).
 
         A paused step saves ``probe_tax`` of its time; a probe step, or a drafting step on probation, spends
         all of its time. ``drafting`` is whether the step drafted: a plain step the engine took while drafting
@@ -644,29 +669,40 @@ class SaturationPolicy:
         if not (measured_ms > 0 and math.isfinite(measured_ms)):
             return
         kind = self._step_kind if kind is None else kind
+        bucket = StepTimeCalibration.load_bucket(self._last_running if num_running is None else num_running)
+        account = self._accounts.setdefault(bucket, ProbeAllowance())
         if not drafting:
-            if kind == "paused":
-                cap = math.inf if self._probe_step_ms is None else PROBE_BANK * self._probe_step_ms
-                self._allowance_ms = min(self._allowance_ms + self.probe_tax * measured_ms, cap)
+            if kind == "paused" and account.probe_step_ms is not None:
+                # A bucket that has not probed yet saves nothing: its first probe finds the account full anyway.
+                account.allowance_ms = min(account.allowance_ms + self.probe_tax * measured_ms,
+                                           PROBE_BANK * account.probe_step_ms)
             return
         if kind == "probe":
-            if self._probe_step_ms is None:
-                # The allowance starts full: the first probes (a fresh server learning where drafting pays,
-                # online STS calibrating on what probes verify) do not wait for paused time to fund them.
-                self._allowance_ms = max(self._allowance_ms, PROBE_BANK * measured_ms)
-                self._probe_step_ms = measured_ms
+            if account.probe_step_ms is None:
+                # The allowance starts full: the first probes at a load (a fresh server learning where drafting
+                # pays, online STS calibrating on what probes verify) do not wait for paused time to fund them.
+                account.allowance_ms = max(account.allowance_ms, PROBE_BANK * measured_ms)
+                account.probe_step_ms = measured_ms
             else:
-                self._probe_step_ms = 0.75 * self._probe_step_ms + 0.25 * measured_ms
+                account.probe_step_ms = 0.75 * account.probe_step_ms + 0.25 * measured_ms
         # Only timer probes, and the probation of a resume one made, are rationed, so only they spend: load-fall
         # and rise probes are bounded by the floor and top they move, and their debt (a rise probe at 256
         # requests, 240 ms a step) kept every timer probe of a 16-request cell waiting (section 35).
         if kind in ("probe", "probation") and self._probe_trigger == "timer":
-            self._allowance_ms -= measured_ms
+            account.allowance_ms -= measured_ms
+            self._probation_buckets.add(bucket)  # forgiven if the resume this probe may make holds
 
     @property
     def probe_allowance_ms(self) -> float:
-        """What the probe tax has left to spend (ms; negative: due probes wait until paused steps repay it)."""
-        return self._allowance_ms
+        """What the probe tax has left to spend at the load of the step begun last (ms; negative: a timer probe due
+        there waits until paused steps repay it)."""
+        return self.probe_allowance_at(self._last_running)
+
+    def probe_allowance_at(self, num_running: int) -> float:
+        """What the probe tax has left to spend at ``num_running`` requests (ms; 0 where nothing was saved or
+        spent at that load yet)."""
+        account = self._accounts.get(StepTimeCalibration.load_bucket(num_running))
+        return 0.0 if account is None else account.allowance_ms
 
     @property
     def realized_gain(self) -> float | None:
@@ -760,7 +796,10 @@ class SaturationPolicy:
         self._drafting_since_resume += 1
         if self._wait_at_resume is not None and self._drafting_since_resume == 2 * self.patience + 1:
             # Past probation: the resume held, and what its probation spent was no probing tax after all.
-            self._allowance_ms = max(self._allowance_ms, 0.0)
+            for bucket in self._probation_buckets:
+                account = self._accounts[bucket]
+                account.allowance_ms = max(account.allowance_ms, 0.0)
+            self._probation_buckets.clear()
         if paid:
             self._streak = 0
             return
@@ -791,6 +830,7 @@ class SaturationPolicy:
     def _resume(self) -> None:
         self.counters.resumes += 1
         self._wait_at_resume = self._probe_wait
+        self._probation_buckets.clear()
         self._drafting_since_resume = 0
         self._paused = False
         self._probing = False
