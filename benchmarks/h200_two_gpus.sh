@@ -288,9 +288,16 @@ queue_interleaved() {
   mkdir -p "$ROOT/real"
   # REUSE_CURVES=0: no copy, so h200_matrix.sh profiles the real pair on this machine first (~30 s)
   [[ ${REUSE_CURVES:-1} == 1 ]] && cp benchmarks/results/h200/embedded_matrix/2026-12-02/real/sps_curve.json "$ROOT/real/"
+  # Every server's KV pool holds --max-num-seqs full-length requests: at the default --max-model-len (2048) a
+  # SmolLM2 server takes 12-18 GB, and seven of them do not fit an 80 GB card (section 36: the sixth ran out of
+  # memory at start-up). GSM8K prompts (at most ~250 tokens) and 128 output tokens fit 512, so a card under
+  # 100 GB serves them at 512 (REAL_MAX_MODEL_LEN overrides it on any card).
+  local mib len=${REAL_MAX_MODEL_LEN:-}
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  [[ -z $len && ${mib:-0} -lt 100000 ]] && len=512
   CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
     CONFIGS=${REAL_CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts} \
-    SERVE_EXTRA="--phase-timing host" BENCH_EXTRA="--interleave${ROUNDS:+ --rounds $ROUNDS}" \
+    SERVE_EXTRA="--phase-timing host${len:+ --max-model-len $len}" BENCH_EXTRA="--interleave${ROUNDS:+ --rounds $ROUNDS}" \
     stage "real matrix, interleaved" bash benchmarks/h200_matrix.sh "$ROOT" real
   [[ ${PROBES:-1} == 1 ]] && stage "engine alone at 256 (nospec,varlen), after" env PYTHONPATH="/tmp/dspark-site:$PWD" python3 \
     benchmarks/embedded_engine.py --steps-only --temperature 1 --configs nospec,varlen --concurrency 256 \
