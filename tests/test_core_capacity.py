@@ -1870,6 +1870,20 @@ def test_rise_and_load_fall_probes_are_not_held_back_by_the_probe_tax() -> None:
     assert low.counters.deferred_probe_steps > 0  # the timer probe came due and waits
 
 
+_LOSING = BudgetDecision(budget=96, theta_best=4.0, theta_all=4.0, theta_no_draft=3.0, step_ms=1.0, total_drafts=224)
+
+
+def _paused_by_losing_steps(load: int, step_ms: float) -> SaturationPolicy:
+    """A policy (patience 8, timer every 16 paused steps) whose drafting steps at ``load``, timed at ``step_ms``,
+    made 2 tokens a ms where plain decoding makes 3, until it paused."""
+    pol = SaturationPolicy(patience=8, resume_every=16)
+    while pol.drafting_enabled:
+        pol.begin_step(load)
+        pol.record_step_ms(True, step_ms)
+        pol.observe_outcome(_LOSING, 2, load)
+    return pol
+
+
 def _sixteen_request_cell(pol: SaturationPolicy, paying: BudgetDecision) -> list[bool]:
     """Section 35's 16-request cell, timed as served (paused steps 10.9 ms, drafting 23 ms), drafting paying
     2 tokens a ms where plain decoding makes 1.5: which of its 765 steps drafted."""
@@ -1889,13 +1903,7 @@ def test_a_heavy_loads_probe_debt_does_not_keep_a_light_load_from_drafting() -> 
     that followed began with the load at half the pausing one, drafting paid there 1.1-1.2x, yet its load probe
     waited out the debt at 0.2 ms saved per paused step: 597 deferred steps, the whole cell paused, 10.7% below
     verifying everything."""
-    pol = SaturationPolicy(patience=8, resume_every=16)
-    losing = BudgetDecision(budget=96, theta_best=4.0, theta_all=4.0, theta_no_draft=3.0, step_ms=1.0,
-                            total_drafts=224)
-    while pol.drafting_enabled:
-        pol.begin_step(32)
-        pol.record_step_ms(True, 25.0)
-        pol.observe_outcome(losing, 2, 32)  # 2 tokens a ms where plain decoding makes 3
+    pol = _paused_by_losing_steps(32, 25.0)
     for _ in range(6):
         pol.record_step_ms(True, 240.0, kind="probe")  # the warm-up's drain probes at 256 requests
     assert pol.probe_allowance_ms < -400
@@ -1907,11 +1915,7 @@ def test_a_heavy_loads_probe_debt_does_not_keep_a_light_load_from_drafting() -> 
     # The same run's mask server paused at 14 requests, so 16 is no load fall: its timer probes were due, and
     # waited on the debt of a rise probe at 256 requests (765 deferred steps, the whole cell). A rise probe is
     # untaxed, so it runs up no debt either.
-    pol = SaturationPolicy(patience=8, resume_every=16)
-    while pol.drafting_enabled:
-        pol.begin_step(14)
-        pol.record_step_ms(True, 20.0)
-        pol.observe_outcome(losing, 1, 14)
+    pol = _paused_by_losing_steps(14, 20.0)
     while not pol.begin_step(256):  # the load climbs, settles, and the rise probe fires
         pol.record_step_ms(False, 26.0)
     assert pol.probe_trigger == "rise"
@@ -1931,16 +1935,10 @@ def test_a_heavy_loads_timer_probe_debt_does_not_hold_a_light_loads_timer_probe(
     deferred 735 of 765 steps waiting for paused steps of 11 ms to repay that debt at 2% each, drafted none, and
     ran 16% below verifying everything, where drafting paid 1.1-1.3x. The tax rations probing per load: a
     light load's timer probe owes nothing to a heavy load's."""
-    pol = SaturationPolicy(patience=8, resume_every=16)
-    losing = BudgetDecision(budget=96, theta_best=4.0, theta_all=4.0, theta_no_draft=3.0, step_ms=1.0,
-                            total_drafts=224)
-    while pol.drafting_enabled:
-        pol.begin_step(52)
-        pol.record_step_ms(True, 30.0)
-        pol.observe_outcome(losing, 2, 52)
+    pol = _paused_by_losing_steps(52, 30.0)
     assert pol.begin_step(17) and pol.probe_trigger == "load"  # the drain: a load-fall probe, which fails
     pol.record_step_ms(True, 25.0)
-    pol.observe_outcome(losing, 2, 17)
+    pol.observe_outcome(_LOSING, 2, 17)
     assert not pol.drafting_enabled and pol.floor == 17
     # the warm-up's last waves: a rise probe at 256 requests (untaxed), then timer probes there that fail until
     # the allowance is in debt
@@ -1948,7 +1946,7 @@ def test_a_heavy_loads_timer_probe_debt_does_not_hold_a_light_loads_timer_probe(
         while not pol.begin_step(256):
             pol.record_step_ms(False, 25.0)
         pol.record_step_ms(True, 250.0)
-        pol.observe_outcome(losing, 2, 256)
+        pol.observe_outcome(_LOSING, 2, 256)
         assert not pol.drafting_enabled
     assert pol.counters.probes["rise", "failed"] == 1 and pol.counters.probes["timer", "failed"] >= 1
     paying = BudgetDecision(budget=48, theta_best=2.0, theta_all=2.0, theta_no_draft=1.5, step_ms=1.0,
