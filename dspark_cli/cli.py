@@ -262,7 +262,8 @@ def serve(
     budget_frac: float | None = typer.Option(None, "--budget-frac",
                                              help="Hard cap: verify <= this fraction of drafts, in (0, 1] (default 1)."),
     min_predicted_gain: float | None = typer.Option(None, "--min-predicted-gain",
-                                                    help="Trim only when the predicted gain exceeds this fraction."),
+                                                    help="Trim only when the predicted gain reaches this fraction (default 0.03; 0 under "
+                                                         "--capacity-policy threshold)."),
     record_traces: str | None = typer.Option(None, "--record-traces", help="Append verification traces (JSONL) here."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs",
                                             help="Requests decoded together, more queue (default 64)."),
@@ -477,8 +478,9 @@ def bench(
                                  "paper, argmax, manager, manager+sts, mask, mask+sts, manager+offline-sts (default: "
                                  "nospec to manager+sts, and manager+offline-sts with --sts; the oracle always)."),
     threshold: str = typer.Option(None, "--threshold", help="With --simulate: comma list of survival thresholds (default: 0.3,0.5,0.7)."),
-    min_predicted_gain: float = typer.Option(0.0, "--min-predicted-gain",
-                                             help="With --simulate: the manager's minimum predicted gain."),
+    min_predicted_gain: float | None = typer.Option(
+        None, "--min-predicted-gain", help="With --simulate: the manager's minimum predicted gain before it trims "
+                                           "(default: the served default, 0.03)."),
     saturation_patience: int = typer.Option(8, "--saturation-patience",
                                             help="With --simulate: non-paying steps before drafting pauses (0 = never)."),
     resume_every: int = typer.Option(16, "--resume-every",
@@ -540,7 +542,7 @@ def bench(
         raise DsparkError("pass exactly one of --serve (start a server per config) or --base-url URL")
     simulate_only = [flag for flag, given in (
         ("-k", num_spec_tokens is not None), ("--traces", bool(traces)), ("--policies", policies is not None),
-        ("--threshold", threshold is not None), ("--min-predicted-gain", min_predicted_gain != 0.0),
+        ("--threshold", threshold is not None), ("--min-predicted-gain", min_predicted_gain is not None),
         ("--saturation-patience", saturation_patience != 8), ("--resume-every", resume_every != 16),
         ("--probe-tax", probe_tax != PROBE_TAX), ("--sts", sts is not None),
         ("--steps", sim_steps is not None), ("--sampling-draft", sampling_draft),

@@ -107,7 +107,7 @@ class ServeSettings:
     online_sts: bool = False
     confidence_temperature: float | None = None
     budget_frac: float = 1.0
-    min_predicted_gain: float = 0.0
+    min_predicted_gain: float | None = None  # None: the core's default (CapacityConfig.trim_margin)
     record_traces: str | None = None
     saturation_patience: int | None = None
     resume_every: int | None = None
@@ -152,7 +152,8 @@ class ServeSettings:
         out["dspark_confidence_threshold"] = self.confidence_threshold if self.capacity_policy == "threshold" else 0.0
         out["dspark_policy"] = self.capacity_policy
         out["dspark_online_sts"] = self.online_sts
-        out["dspark_min_predicted_gain"] = self.min_predicted_gain
+        if self.min_predicted_gain is not None:
+            out["dspark_min_predicted_gain"] = self.min_predicted_gain
         if self.sts is not None:
             out["dspark_sts"] = self.sts
         if self.confidence_temperature is not None:
@@ -442,7 +443,7 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
             ("--sps-overhead-ms", s.sps_overhead_ms is not None),
             ("--capacity-policy", s.capacity_policy != default.capacity_policy),
             ("--budget-frac", s.budget_frac != default.budget_frac),
-            ("--min-predicted-gain", s.min_predicted_gain != default.min_predicted_gain),
+            ("--min-predicted-gain", s.min_predicted_gain is not None),
             ("dspark_confidence_temperature", s.confidence_temperature is not None),
             *((f"dspark_{name}", getattr(s, name) is not None)
               for name in ("saturation_patience", "resume_every", "probe_tax", "sts_refit_interval",
@@ -643,10 +644,11 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             sts_label = f"static temperature {s.confidence_temperature:g}"
         extra: dict[str, Any] = {k: v for k, v in (("saturation_patience", s.saturation_patience),
                                                    ("resume_every", s.resume_every),
-                                                   ("probe_tax", s.probe_tax)) if v is not None}
+                                                   ("probe_tax", s.probe_tax),
+                                                   ("min_predicted_gain", s.min_predicted_gain)) if v is not None}
         capacity = CapacityConfig(mode=s.capacity_mode, policy=s.capacity_policy, budget_frac=s.budget_frac,
                                   threshold=s.confidence_threshold if s.capacity_policy == "threshold" else 0.0,
-                                  min_predicted_gain=s.min_predicted_gain, **extra)
+                                  **extra)
         if capacity.mode != "none" and capacity.policy != "threshold" and curve_path is None:
             raise DsparkError(f"--capacity-mode {capacity.mode} with the {capacity.policy} policy needs an SPS "
                               "curve: pass --sps-curve FILE (from `dspark profile-sps`) or --sps-curve auto")
@@ -672,8 +674,8 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             mode_label = f"{capacity.mode}, {capacity.policy} policy"
         if capacity.budget_frac < 1.0:
             mode_label += f", budget <= {capacity.budget_frac:g} of drafts"
-        if capacity.min_predicted_gain > 0:
-            mode_label += f", min gain {capacity.min_predicted_gain:g}"
+        if s.min_predicted_gain is not None:
+            mode_label += f", min gain {capacity.trim_margin:g}"
         banner = [
             ("model", s.model + (f" (served as {served})" if served != s.model else "")),
             ("draft", draft if draft is not None else "none"),

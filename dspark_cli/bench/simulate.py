@@ -58,6 +58,7 @@ from rich.table import Table
 
 from dspark_cli import __version__
 from dspark_cli.core.capacity import (
+    MIN_PREDICTED_GAIN,
     CapacityConfig,
     CapacityManager,
     allocate,
@@ -280,7 +281,7 @@ class SimOptions:
 
     families: tuple[str, ...] = DEFAULT_FAMILIES
     thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
-    min_predicted_gain: float = 0.0
+    min_predicted_gain: float = MIN_PREDICTED_GAIN
     saturation_patience: int = 8
     resume_every: int = 16
     probe_tax: float = PROBE_TAX
@@ -686,7 +687,7 @@ def run_simulation(
     num_spec_tokens: int | None = None,
     policies: str | None = None,
     thresholds: str | None = None,
-    min_predicted_gain: float = 0.0,
+    min_predicted_gain: float | None = None,
     saturation_patience: int = 8,
     sts: str | os.PathLike[str] | None = None,
     num_steps: int | None = None,
@@ -732,7 +733,7 @@ def run_simulation(
     opts = SimOptions(
         families=parse_families(policies, temps is not None),
         thresholds=parse_thresholds(thresholds),
-        min_predicted_gain=min_predicted_gain,
+        min_predicted_gain=MIN_PREDICTED_GAIN if min_predicted_gain is None else min_predicted_gain,
         saturation_patience=saturation_patience,
         resume_every=resume_every,
         probe_tax=probe_tax,
@@ -757,7 +758,7 @@ def run_simulation(
         "num_records": data.num_records,
         "num_requests": len(data.requests),
         "thresholds": list(opts.thresholds),
-        "min_predicted_gain": min_predicted_gain,
+        "min_predicted_gain": opts.min_predicted_gain,
         "saturation_patience": saturation_patience,
         "resume_every": resume_every,
         "probe_tax": probe_tax,

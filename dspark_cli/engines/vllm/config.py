@@ -55,7 +55,7 @@ class DsparkVllmSettings:
     policy: str = "argmax"
     budget_frac: float = 1.0
     threshold: float = 0.0
-    min_predicted_gain: float = 0.0
+    min_predicted_gain: float | None = None  # None: the core's default (CapacityConfig.trim_margin)
     saturation_patience: int = 8
     resume_every: int = 16
     # The share of paused time that probes may spend (core.saturation); None keeps the core's default.
@@ -102,7 +102,8 @@ class DsparkVllmSettings:
         _choice(f"{w}.policy", self.policy, POLICIES)
         _number(f"{w}.budget_frac", self.budget_frac, 0.0, 1.0, lo_open=True)
         _number(f"{w}.threshold", self.threshold, 0.0, 1.0)
-        _number(f"{w}.min_predicted_gain", self.min_predicted_gain, 0.0, math.inf)
+        if self.min_predicted_gain is not None:
+            _number(f"{w}.min_predicted_gain", self.min_predicted_gain, 0.0, math.inf)
         _integer(f"{w}.saturation_patience", self.saturation_patience, 0)
         _integer(f"{w}.resume_every", self.resume_every, 1)
         if self.probe_tax is not None:
@@ -174,7 +175,7 @@ class DsparkVllmSettings:
             policy=self.policy,  # type: ignore[arg-type]
             budget_frac=self.budget_frac,
             threshold=self.threshold,
-            min_predicted_gain=self.min_predicted_gain,
+            **({} if self.min_predicted_gain is None else {"min_predicted_gain": self.min_predicted_gain}),
             saturation_patience=self.saturation_patience,
             resume_every=self.resume_every,
             **({} if self.probe_tax is None else {"probe_tax": self.probe_tax}),
