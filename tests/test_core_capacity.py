@@ -1961,7 +1961,7 @@ def test_a_heavy_loads_timer_probe_debt_does_not_hold_a_light_loads_timer_probe(
     124-256 requests (~250 ms a step with their catch-ups) failed into the probe tax's debt. Its 16-request cell
     deferred 735 of 765 steps waiting for paused steps of 11 ms to repay that debt at 2% each, drafted none, and
     ran 16% below verifying everything, where drafting paid 1.1-1.3x. The tax rations probing per load: a
-    light load's timer probe owes nothing to a heavy load's."""
+    light load's timer probe owes nothing to a heavy load's; nor does it wait out the backoff of their failures."""
     pol = _paused_by_losing_steps(52, 30.0)
     assert pol.begin_step(17) and pol.probe_trigger == "load"  # the drain: a load-fall probe, which fails
     pol.record_step_ms(True, 25.0)
@@ -1978,12 +1978,37 @@ def test_a_heavy_loads_timer_probe_debt_does_not_hold_a_light_loads_timer_probe(
     assert pol.counters.probes["rise", "failed"] == 1 and pol.counters.probes["timer", "failed"] >= 1
     paying = BudgetDecision(budget=48, theta_best=2.0, theta_all=2.0, theta_no_draft=1.5, step_ms=1.0,
                             total_drafts=112)
-    wait = pol.probe_wait
+    assert pol.probe_wait >= 16 * 16  # backed off by the heavy load's failures
     drafted = _sixteen_request_cell(pol, paying)
     assert pol.counters.deferred_probe_steps == 0 and pol.counters.probes["timer", "paid"] == 1
-    # the timer, backed off by the heavy load's failures, is what the light load waits for (section 36)
-    assert drafted.index(True) <= wait and all(drafted[wait:]), (wait, sum(drafted))
+    # once the load holds at 16, the heavy load's backoff no longer applies: the pause's own wait does
+    first = drafted.index(True)
+    assert first <= 16 and all(drafted[first:]), (first, sum(drafted))
     assert pol.begin_step(256) is False and pol.probe_allowance_ms < 0  # the heavy load's debt stands: its own timer probes still wait
+
+
+def test_alternating_steady_loads_that_both_lose_probe_within_the_tax() -> None:
+    """Drafting loses at 256 and at 16 requests, and the load alternates between long steady phases of each: every
+    fall to 16 resets the timer's backoff (the failures at 256 say nothing about 16), so 16 is probed once a
+    phase, but the probe tax still bounds what probing costs each load."""
+    pol = SaturationPolicy(patience=8, resume_every=16)
+    step_ms = {256: (25.0, 250.0), 16: (11.0, 22.0)}  # (paused, probe)
+    spent = {256: 0.0, 16: 0.0}
+    paused = {256: 0.0, 16: 0.0}
+    for _ in range(20):
+        for load in (256, 16):
+            for _ in range(300):
+                if pol.begin_step(load):
+                    kind, ms = pol.step_kind, step_ms[load][1]
+                    pol.observe_outcome(_LOSING, 2, load)
+                    pol.record_step_ms(True, ms, kind=kind, num_running=load)
+                    spent[load] += ms if kind == "probe" else 0.0
+                else:
+                    pol.record_step_ms(False, step_ms[load][0], kind="paused", num_running=load)
+                    paused[load] += step_ms[load][0]
+    for load in (256, 16):
+        assert spent[load] <= PROBE_TAX * paused[load] + (PROBE_BANK + 1) * step_ms[load][1], (load, spent, paused)
+    assert pol.counters.probes["timer", "failed"] >= 20  # 16 is probed again after each heavy phase
 
 
 def test_a_step_reported_late_is_charged_to_the_probe_tax_at_its_own_load() -> None:

@@ -417,7 +417,12 @@ class SaturationPolicy:
       drafting steps was a false positive and doubles it too, instead of starting over). A probe costs a
       whole speculative step plus the draft's catch-up over the pause, so under sustained saturation
       fixed-rate probes would tax throughput by ~1/resume_every forever; the backoff bounds that tax at
-      1/(MAX_PROBE_BACKOFF x resume_every).
+      1/(MAX_PROBE_BACKOFF x resume_every). The backoff is what timer probes failed at their load: once the
+      load holds steady (``LOAD_SETTLE_STEPS`` steps within ``LOAD_SETTLE_RISE``) at a lower power-of-two
+      bucket than the last failed timer probe's, the wait goes back to what the pause began with. On an H100
+      (docs/PERFORMANCE.md section 36) a shape warm-up's timer probes failed at 124-256 requests and backed the
+      wait off to 256 paused steps before a 16-request cell where drafting paid 1.1-1.3x; a batch draining
+      through the buckets is not steady, so a closed loop's drains keep the backoff.
     * **load fell**: when the number of running requests falls to <= 3/4 of the lowest load at which
       drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs at
       once: the contention that made drafting unprofitable may be gone. A failed one lowers that floor to
@@ -517,6 +522,8 @@ class SaturationPolicy:
         self._ceiling_floor = 0
         self._paused_steps = 0
         self._probe_wait = resume_every
+        self._pause_wait = resume_every  # the wait this pause began with
+        self._timer_failed_bucket = 0  # load bucket of this pause's last failed timer probe (0: none since)
         self._measure_wait = 0  # paused steps a due probe has waited for its load to be timed
         self._probing = False
         self._top = 0  # highest load at which drafting was found not to pay during this pause
@@ -588,6 +595,11 @@ class SaturationPolicy:
             self._step_kind = "probation" if self.on_probation else "drafting"
         return drafting
 
+    def _steady(self) -> bool:
+        """Whether the last ``LOAD_SETTLE_STEPS`` steps' loads lie within ``LOAD_SETTLE_RISE`` of each other."""
+        loads = self._loads
+        return len(loads) == loads.maxlen and max(loads) < LOAD_SETTLE_RISE * min(loads)
+
     def _settled(self) -> bool:
         """Whether the load grew by less than ``LOAD_SETTLE_RISE`` over the last ``LOAD_SETTLE_STEPS`` steps."""
         loads = self._loads
@@ -614,6 +626,10 @@ class SaturationPolicy:
                 return False
             return True  # a probe lasts until its verdict is observed (one step unless judged on outcomes)
         self._paused_steps += 1
+        if (self._timer_failed_bucket > StepTimeCalibration.load_bucket(num_running) and self._steady()):
+            # A lighter load than the timer's failures were at, holding: their backoff says nothing about it.
+            self._probe_wait = self._pause_wait
+            self._timer_failed_bucket = 0
         if num_running <= LOAD_FALL * self._floor:
             trigger = "load"
         elif self._top > 0 and num_running >= LOAD_RISE * self._top:  # 0: the pausing load was not given
@@ -791,6 +807,7 @@ class SaturationPolicy:
                 if trigger == "timer":
                     self._paused_steps = 0
                     self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.resume_every)
+                    self._timer_failed_bucket = StepTimeCalibration.load_bucket(self._probe_running)
             self._probing = False
             return
         self._drafting_since_resume += 1
@@ -823,7 +840,8 @@ class SaturationPolicy:
         self._paused = True
         self._floor = self._paused_at = self._top = num_running
         self._paused_steps = 0
-        self._probe_wait = probe_wait
+        self._probe_wait = self._pause_wait = probe_wait
+        self._timer_failed_bucket = 0
         self._streak = 0
         self._ceiling = None
 
