@@ -296,7 +296,7 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
                                                   obj["dspark_confidence_temperature"], lo=0.0, lo_open=True)
     if "dspark_online_sts" in obj:
         out["online_sts"] = _as_bool(f"{w} dspark_online_sts", obj["dspark_online_sts"])
-    if "dspark_min_predicted_gain" in obj:
+    if obj.get("dspark_min_predicted_gain") is not None:  # null: the core's default, as the vLLM plugin reads it
         out["min_predicted_gain"] = _as_float(f"{w} dspark_min_predicted_gain", obj["dspark_min_predicted_gain"],
                                               lo=0.0)
     if "dspark_sts" in obj:

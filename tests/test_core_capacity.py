@@ -15,6 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dspark_cli.core.capacity import (
+    MIN_PREDICTED_GAIN,
     BudgetDecision,
     CapacityConfig,
     CapacityManager,
@@ -253,8 +254,6 @@ def test_the_default_margin_keeps_the_full_draft_where_trimming_predicts_a_perce
     survivals): at 16 requests argmax trimmed to 3 drafts a request for a predicted gain of about 1%, and two runs
     realized -0.2% and -5.3%; at 32 requests a predicted 6-7% realized 3-4%. By default a trim must predict
     MIN_PREDICTED_GAIN; the threshold policy still prunes as its threshold says."""
-    from dspark_cli.core.capacity import MIN_PREDICTED_GAIN
-
     curve = SpsCurve.from_points(  # the H100's profile, rounded
         [(1, 8.56), (16, 9.57), (32, 9.73), (64, 9.99), (128, 10.76), (256, 12.83), (512, 18.42), (1024, 33.12)],
         [(1, 7.85), (16, 8.17), (32, 8.26), (64, 8.67), (128, 9.94), (256, 12.56)], 2.33,
@@ -272,6 +271,20 @@ def test_the_default_margin_keeps_the_full_draft_where_trimming_predicts_a_perce
     threshold = CapacityConfig(mode="varlen", policy="threshold", threshold=0.1)
     assert threshold.trim_margin == 0.0
     assert choose_budget(np.tile(surv, (16, 1)), np.full(16, 7), 16, 16, curve, threshold).budget == 48
+
+
+def test_the_margin_keeps_a_trim_that_pays_where_the_full_draft_does_not() -> None:
+    """A trim predicted to beat plain decoding where the full draft is predicted to lose to it is no marginal win:
+    kept full, the step would count as losing and push the saturation policy toward a pause."""
+    # one request: verifying t tokens costs 5 + t ms, the draft pass 8 ms; plain decoding 6 ms
+    curve = SpsCurve.from_points([(1, 6.0), (2, 7.0), (3, 8.0), (4, 9.0), (5, 10.0)], [(1, 8.0)], 0.0,
+                                 [1, 2, 3, 4, 5])
+    surv = np.cumprod([[0.9, 0.7, 0.5, 0.45]], axis=1)
+    plain = choose_budget(surv, np.array([4]), 1, 1, curve, ARGMAX)
+    d = choose_budget(surv, np.array([4]), 1, 1, curve, CapacityConfig(mode="varlen"))
+    assert plain.budget < 4 and plain.pays and d.theta_all <= d.theta_no_draft  # the trim pays, the full draft not
+    assert d.theta_best / d.theta_all - 1 < MIN_PREDICTED_GAIN  # ... by less than the margin
+    assert d.budget == plain.budget and d.pays
 
 
 def test_budget_decision_reports_predictions() -> None:
@@ -2009,6 +2022,66 @@ def test_alternating_steady_loads_that_both_lose_probe_within_the_tax() -> None:
     for load in (256, 16):
         assert spent[load] <= PROBE_TAX * paused[load] + (PROBE_BANK + 1) * step_ms[load][1], (load, spent, paused)
     assert pol.counters.probes["timer", "failed"] >= 20  # 16 is probed again after each heavy phase
+
+
+def _fail_timer_probes(pol: SaturationPolicy, load: int, failures: int) -> None:
+    """Paused steps at ``load`` (timed at 10 ms) until ``failures`` more timer probes there have failed."""
+    target = pol.counters.probes["timer", "failed"] + failures
+    while pol.counters.probes["timer", "failed"] < target:
+        if pol.begin_step(load):
+            kind = pol.step_kind
+            pol.observe_outcome(_LOSING, 2, load)
+            pol.record_step_ms(True, 30.0, kind=kind, num_running=load)
+        else:
+            pol.record_step_ms(False, 10.0, kind="paused", num_running=load)
+
+
+def test_the_backoff_reset_waits_for_a_lighter_load_that_holds() -> None:
+    """The reset of the timer's backoff (section 36) needs a load at or below 3/4 of the failed probe's that holds
+    for the pause's first wait: a full batch losing a request, a drain, or a straggler tail shorter than that
+    keeps the backoff; and the backoff earned at the lighter load itself is kept."""
+    pol = _paused_by_losing_steps(256, 30.0)
+    _fail_timer_probes(pol, 256, 5)
+    backed_off = pol.probe_wait
+    assert backed_off >= 16 * 32
+    for load in [255] * 40 + list(range(250, 0, -10)) + [3] * 10 + [256] * 4:  # no hold at a lighter load
+        assert not pol.begin_step(load) or pol.probe_trigger != "timer", load
+        pol.record_step_ms(False, 10.0, kind="paused", num_running=load)
+    assert pol.probe_wait == backed_off
+    # backoff earned at 16 requests, then a failure at 256: back at a steady 16 the wait is 16's, not the pause's
+    pol = _paused_by_losing_steps(16, 30.0)
+    _fail_timer_probes(pol, 16, 3)
+    wait_at_16 = pol.probe_wait
+    _fail_timer_probes(pol, 256, 1)
+    assert pol.probe_wait == 2 * wait_at_16
+    for _ in range(16):
+        assert not pol.begin_step(16)
+    assert pol.probe_wait == wait_at_16 > 16
+
+
+def test_a_resume_that_fails_at_another_load_leaves_no_debt_the_load_cannot_repay() -> None:
+    """Probation is charged to the load its probe ran at: a timer probe paid at 16 requests, the load moved to 64
+    and drafting lost there within probation. Charged to 64, whose bucket had no probe, the debt was one that
+    paused steps never repay (they save only where a probe ran), and every timer probe at 64 waited for good."""
+    pol = SaturationPolicy(patience=2, resume_every=4)
+    paying = BudgetDecision(budget=48, theta_best=2.0, theta_all=2.0, theta_no_draft=1.5, step_ms=1.0,
+                            total_drafts=112)
+    while pol.drafting_enabled:
+        pol.begin_step(16)
+        pol.observe_outcome(_LOSING, 2, 16)
+    while not pol.begin_step(16):
+        pol.record_step_ms(False, 10.0)
+    assert pol.probing and pol.probe_trigger == "timer"
+    pol.observe_outcome(paying, 2, 16)
+    pol.record_step_ms(True, 20.0, kind="probe", num_running=16)
+    assert pol.drafting_enabled
+    while pol.drafting_enabled:  # on probation at 64 requests, losing
+        assert pol.begin_step(64) and pol.on_probation
+        pol.observe_outcome(_LOSING, 2, 64)
+        pol.record_step_ms(True, 50.0, kind="probation", num_running=64)
+    assert pol.probe_allowance_at(64) == 0.0 and pol.probe_allowance_at(16) < 0
+    _fail_timer_probes(pol, 64, 3)  # the timer still probes at 64
+    assert pol.counters.deferred_probe_steps == 0
 
 
 def test_a_step_reported_late_is_charged_to_the_probe_tax_at_its_own_load() -> None:

@@ -165,6 +165,21 @@ def test_dspark_keys_round_trip_for_the_vllm_launcher() -> None:
     assert set(keys) <= set(DSPARK_KEYS)
 
 
+def test_a_null_min_predicted_gain_is_the_cores_default_on_both_engines() -> None:
+    """``"dspark_min_predicted_gain": null`` means the core's default (CapacityConfig.trim_margin), as the vLLM
+    plugin reads it; the embedded path refused it as "expected a number"."""
+    spec = {"dspark_capacity_verification_mode": "varlen", "dspark_sps_curve": SEED_CURVE,
+            "dspark_min_predicted_gain": None}
+    s = build_settings({}, json.dumps(spec))
+    assert s.min_predicted_gain is None and "dspark_min_predicted_gain" not in s.dspark_keys()
+    launch = prepare_embedded(s)
+    launch.cleanup()
+    assert launch.engine_config.capacity.min_predicted_gain is None
+    launch = prepare_embedded(build_settings({}, json.dumps({**spec, "dspark_min_predicted_gain": 0.1})))
+    launch.cleanup()
+    assert launch.engine_config.capacity.trim_margin == 0.1
+
+
 def test_saturation_settings_reach_the_capacity_config() -> None:
     spec = {"dspark_capacity_verification_mode": "varlen", "dspark_sps_curve": SEED_CURVE,
             "dspark_saturation_patience": 0, "dspark_resume_every": 5, "dspark_policy": "paper"}

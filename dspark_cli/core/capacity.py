@@ -279,8 +279,11 @@ def choose_budget(
         else:
             budget = int(np.argmax(theta[: cap + 1]))
         margin = cfg.trim_margin
-        if margin > 0 and budget < cap and theta[budget] < theta[cap] * (1 + margin):
-            budget = cap  # the predicted win is within the model's error: keep the full draft
+        if (margin > 0 and budget < cap and theta[budget] < theta[cap] * (1 + margin)
+                and not theta[cap] <= theta_no_draft < theta[budget]):
+            # The predicted win is within the model's error: keep the full draft -- unless the trim pays where the
+            # full draft would not (kept, the step would count as losing and push the saturation policy to pause).
+            budget = cap
     return BudgetDecision(
         budget=budget,
         theta_best=float(theta[budget]),

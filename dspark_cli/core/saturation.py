@@ -418,11 +418,12 @@ class SaturationPolicy:
       whole speculative step plus the draft's catch-up over the pause, so under sustained saturation
       fixed-rate probes would tax throughput by ~1/resume_every forever; the backoff bounds that tax at
       1/(MAX_PROBE_BACKOFF x resume_every). The backoff is what timer probes failed at their load: once the
-      load holds steady (``LOAD_SETTLE_STEPS`` steps within ``LOAD_SETTLE_RISE``) at a lower power-of-two
-      bucket than the last failed timer probe's, the wait goes back to what the pause began with. On an H100
-      (docs/PERFORMANCE.md section 36) a shape warm-up's timer probes failed at 124-256 requests and backed the
-      wait off to 256 paused steps before a 16-request cell where drafting paid 1.1-1.3x; a batch draining
-      through the buckets is not steady, so a closed loop's drains keep the backoff.
+      load has held within ``LOAD_SETTLE_RISE`` for as many paused steps as the pause's first wait, at or below
+      ``LOAD_FALL`` of the load where the last timer probe failed, the wait goes back to that first wait, or to
+      what failures at this load's power-of-two bucket had backed it off to. On an H100 (docs/PERFORMANCE.md
+      section 36) a shape warm-up's timer probes failed at 124-256 requests and backed the wait off to 256
+      paused steps before a 16-request cell where drafting paid 1.1-1.3x. A draining batch, a straggler tail
+      shorter than that wait, or a full batch losing a request or two is no such load, and keeps the backoff.
     * **load fell**: when the number of running requests falls to <= 3/4 of the lowest load at which
       drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs at
       once: the contention that made drafting unprofitable may be gone. A failed one lowers that floor to
@@ -523,7 +524,13 @@ class SaturationPolicy:
         self._paused_steps = 0
         self._probe_wait = resume_every
         self._pause_wait = resume_every  # the wait this pause began with
-        self._timer_failed_bucket = 0  # load bucket of this pause's last failed timer probe (0: none since)
+        # The backoff's reset (class docstring): the load of this pause's last failed timer probe (0: none), the
+        # wait failures left at each load bucket, and the paused steps the load has held since within
+        # LOAD_SETTLE_RISE (between the lowest and highest of them) and at or below LOAD_FALL of that load.
+        self._timer_failed_load = 0
+        self._failed_waits: dict[int, int] = {}
+        self._held_steps = 0
+        self._held_range = (0, 0)
         self._measure_wait = 0  # paused steps a due probe has waited for its load to be timed
         self._probing = False
         self._top = 0  # highest load at which drafting was found not to pay during this pause
@@ -542,7 +549,7 @@ class SaturationPolicy:
         # The probe tax (record_step_ms): one account per load bucket, the buckets a probation spent from (forgiven
         # if the resume holds), the load of the step begun last, and what that step is.
         self._accounts: dict[int, ProbeAllowance] = {}
-        self._probation_buckets: set[int] = set()
+        self._probe_bucket = 0  # load bucket of the probe in progress, or of the last (its probation spends there)
         self._last_running = 0
         self._step_kind = "drafting"
         self._loads: deque[int] = deque(maxlen=LOAD_SETTLE_STEPS + 1)  # the last steps' loads, this one's last
@@ -595,10 +602,21 @@ class SaturationPolicy:
             self._step_kind = "probation" if self.on_probation else "drafting"
         return drafting
 
-    def _steady(self) -> bool:
-        """Whether the last ``LOAD_SETTLE_STEPS`` steps' loads lie within ``LOAD_SETTLE_RISE`` of each other."""
-        loads = self._loads
-        return len(loads) == loads.maxlen and max(loads) < LOAD_SETTLE_RISE * min(loads)
+    def _hold_lighter_load(self, num_running: int) -> None:
+        """Count a paused step toward the backoff's reset, and reset it once the lighter load has held."""
+        if not (self._timer_failed_load and num_running <= LOAD_FALL * self._timer_failed_load):
+            self._held_steps = 0
+            return
+        lo, hi = self._held_range if self._held_steps else (num_running, num_running)
+        lo, hi = min(lo, num_running), max(hi, num_running)
+        if hi >= LOAD_SETTLE_RISE * lo:  # the load moved: the hold starts again here
+            self._held_steps, lo, hi = 0, num_running, num_running
+        self._held_steps += 1
+        self._held_range = (lo, hi)
+        if self._held_steps >= self._pause_wait:
+            bucket = StepTimeCalibration.load_bucket(num_running)
+            self._probe_wait = max(self._pause_wait, self._failed_waits.get(bucket, 0))
+            self._timer_failed_load = self._held_steps = 0
 
     def _settled(self) -> bool:
         """Whether the load grew by less than ``LOAD_SETTLE_RISE`` over the last ``LOAD_SETTLE_STEPS`` steps."""
@@ -626,10 +644,7 @@ class SaturationPolicy:
                 return False
             return True  # a probe lasts until its verdict is observed (one step unless judged on outcomes)
         self._paused_steps += 1
-        if (self._timer_failed_bucket > StepTimeCalibration.load_bucket(num_running) and self._steady()):
-            # A lighter load than the timer's failures were at, holding: their backoff says nothing about it.
-            self._probe_wait = self._pause_wait
-            self._timer_failed_bucket = 0
+        self._hold_lighter_load(num_running)
         if num_running <= LOAD_FALL * self._floor:
             trigger = "load"
         elif self._top > 0 and num_running >= LOAD_RISE * self._top:  # 0: the pausing load was not given
@@ -659,6 +674,7 @@ class SaturationPolicy:
         self._probe_trigger = trigger
         self._probing = True
         self._probe_running = num_running
+        self._probe_bucket = StepTimeCalibration.load_bucket(num_running)
         return True
 
     @property
@@ -685,7 +701,12 @@ class SaturationPolicy:
         if not (measured_ms > 0 and math.isfinite(measured_ms)):
             return
         kind = self._step_kind if kind is None else kind
-        bucket = StepTimeCalibration.load_bucket(self._last_running if num_running is None else num_running)
+        if kind == "probation":
+            # Part of what the probe that resumed drafting cost: charged where it probed, whatever the load now
+            # (a bucket no probe ran at has no allowance to fund it, nor one that paused steps would repay).
+            bucket = self._probe_bucket
+        else:
+            bucket = StepTimeCalibration.load_bucket(self._last_running if num_running is None else num_running)
         account = self._accounts.setdefault(bucket, ProbeAllowance())
         if not drafting:
             if kind == "paused" and account.probe_step_ms is not None:
@@ -706,7 +727,6 @@ class SaturationPolicy:
         # requests, 240 ms a step) kept every timer probe of a 16-request cell waiting (section 35).
         if kind in ("probe", "probation") and self._probe_trigger == "timer":
             account.allowance_ms -= measured_ms
-            self._probation_buckets.add(bucket)  # forgiven if the resume this probe may make holds
 
     @property
     def probe_allowance_ms(self) -> float:
@@ -807,16 +827,17 @@ class SaturationPolicy:
                 if trigger == "timer":
                     self._paused_steps = 0
                     self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.resume_every)
-                    self._timer_failed_bucket = StepTimeCalibration.load_bucket(self._probe_running)
+                    self._timer_failed_load = self._probe_running
+                    self._failed_waits[StepTimeCalibration.load_bucket(self._probe_running)] = self._probe_wait
+                    self._held_steps = 0
             self._probing = False
             return
         self._drafting_since_resume += 1
         if self._wait_at_resume is not None and self._drafting_since_resume == 2 * self.patience + 1:
-            # Past probation: the resume held, and what its probation spent was no probing tax after all.
-            for bucket in self._probation_buckets:
-                account = self._accounts[bucket]
+            # Past probation: the resume held, and what its probe and probation spent was no probing tax after all.
+            account = self._accounts.get(self._probe_bucket)
+            if account is not None:
                 account.allowance_ms = max(account.allowance_ms, 0.0)
-            self._probation_buckets.clear()
         if paid:
             self._streak = 0
             return
@@ -841,14 +862,16 @@ class SaturationPolicy:
         self._floor = self._paused_at = self._top = num_running
         self._paused_steps = 0
         self._probe_wait = self._pause_wait = probe_wait
-        self._timer_failed_bucket = 0
+        self._timer_failed_load = self._held_steps = 0
+        self._failed_waits.clear()
         self._streak = 0
         self._ceiling = None
 
     def _resume(self) -> None:
         self.counters.resumes += 1
         self._wait_at_resume = self._probe_wait
-        self._probation_buckets.clear()
+        self._timer_failed_load = self._held_steps = 0
+        self._failed_waits.clear()
         self._drafting_since_resume = 0
         self._paused = False
         self._probing = False
