@@ -376,11 +376,16 @@ queue_issue8() {
   [[ ${GSM8K:-1} == 1 ]] && stage "gsm8k" bash benchmarks/h200_matrix.sh "$ROOT" gsm8k
 }
 
+# SCALED_BENCH_EXTRA and SCALED_SERVE_EXTRA reach the scaled matrix's bench and servers only: with
+# SCALED_CONFIGS=nospec,none,varlen+sts, SCALED_BENCH_EXTRA="--interleave --rounds 2" and SCALED_SERVE_EXTRA=
+# "--max-model-len 512" the three servers are up at once (~36 GB each: an H200, not an 80 GB card) and the
+# issue's two ratios are read in paired rounds instead of across servers served one after another (section 36).
 issue8_scaled() {
   mkdir -p "$ROOT/scaled"
   [[ ${REUSE_CURVES:-0} == 1 ]] && cp benchmarks/results/h200/embedded_matrix/2026-12-02/scaled/sps_curve.json "$ROOT/scaled/"
   CONFIGS=${SCALED_CONFIGS:-nospec,none,varlen+sts,varlen,mask+sts,mask} WAVES=${SCALED_WAVES:-3} \
-    TOK=${SCALED_TOK:-256} stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
+    TOK=${SCALED_TOK:-256} BENCH_EXTRA=${SCALED_BENCH_EXTRA:-} SERVE_EXTRA=${SCALED_SERVE_EXTRA:-} \
+    stage "scaled matrix" bash benchmarks/h200_matrix.sh "$ROOT" scaled
 }
 
 queue_paused() {
