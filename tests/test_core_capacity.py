@@ -1423,7 +1423,7 @@ def _timed_closed_loop(pol: SaturationPolicy, generations: int, paused_ms: float
 def test_a_step_left_out_of_the_calibration_still_counts_for_the_probe_tax() -> None:
     policy = SaturationPolicy(patience=2, resume_every=4)
     seen: list[tuple[bool, float]] = []
-    policy.record_step_ms = lambda drafting, ms, kind=None, num_running=None: seen.append((drafting, ms))  # type: ignore[method-assign]
+    policy.record_step_ms = lambda drafting, ms, kind=None, num_running=None, trigger=None: seen.append((drafting, ms))  # type: ignore[method-assign]
     timer = StepTimer(policy)
     timer.record(True, 16, 40.0, 10.0, calibrate=False)  # e.g. a step that also caught a paused draft up
     timer.record(False, 16, 30.0, 10.0, calibrate=False)
@@ -2082,6 +2082,20 @@ def test_a_resume_that_fails_at_another_load_leaves_no_debt_the_load_cannot_repa
     assert pol.probe_allowance_at(64) == 0.0 and pol.probe_allowance_at(16) < 0
     _fail_timer_probes(pol, 64, 3)  # the timer still probes at 64
     assert pol.counters.deferred_probe_steps == 0
+
+
+def test_a_late_probe_step_is_charged_by_the_trigger_it_began_under() -> None:
+    """Times reported late carry the trigger of their probe: a failed timer probe's step, reported after a
+    load-fall probe began, is the timer's to pay; a load-fall probe's step, reported after a timer probe
+    began, is not."""
+    pol = _paused_by_losing_steps(64, 30.0)
+    _fail_timer_probes(pol, 64, 1)  # the allowance at 64 is funded (a probe ran there)
+    before = pol.probe_allowance_at(64)
+    assert pol.begin_step(40) and pol.probe_trigger == "load"  # a load-fall probe begins ...
+    pol.record_step_ms(True, 50.0, kind="probe", num_running=64, trigger="timer")  # ... the timer probe's time
+    assert pol.probe_allowance_at(64) == before - 50.0
+    pol.record_step_ms(True, 50.0, kind="probe", num_running=64, trigger="load")
+    assert pol.probe_allowance_at(64) == before - 50.0
 
 
 def test_a_step_reported_late_is_charged_to_the_probe_tax_at_its_own_load() -> None:

@@ -574,6 +574,40 @@ def test_step_times_that_come_back_steps_late_judge_drafting_as_timely_ones_do(m
         assert times.ratio(True, 3) == pytest.approx(timely.timer.step_times.ratio(True, 3))
 
 
+def test_a_held_resume_leaves_no_probe_debt_when_its_times_come_back_late(manager_cls) -> None:
+    """The resume's last probation step is timed two decisions after the outcome that confirmed the resume (and
+    forgave its probation). Charged then, it was a debt at the load that had just shown drafting pays: when
+    drafting later lost there and paused, the first timer probe waited out that debt at 2% of each paused step
+    (24 deferred steps with one step of lag, 50 with two), where timely times deferred none."""
+    from dspark_cli.engines.vllm.step_clock import StepIntervals
+
+    def run(lag: int | None) -> tuple[float, int]:
+        m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+        m._pause_supported = m._timed = True
+        sat = m.saturation
+        now = [0.0]
+        _fake_clock(m, now)
+        if lag is not None:
+            m._intervals = StepIntervals(_GpuBehind(now, lag))
+        drafting_ms = 15.0  # against 30 ms paused: drafting pays, the probe resumes it and the resume holds
+        for _ in range(60):
+            real = m._drafts_real
+            now[0] += (drafting_ms if real else 30.0) / 1e3
+            _bonus_only_step(m, real)
+        assert sat.counters.resumes >= 1 and sat.drafting_enabled and not sat.on_probation
+        held, pauses = sat.probe_allowance_at(3), sat.counters.pauses
+        drafting_ms = 45.0  # now drafting loses: it pauses again, and the timer's first probe is due after 3
+        while not (sat.counters.pauses > pauses and sat.probing):
+            real = m._drafts_real
+            now[0] += (drafting_ms if real else 30.0) / 1e3
+            _bonus_only_step(m, real)
+        return held, sat.counters.deferred_probe_steps
+
+    for lag in (None, 1, 2):
+        held, deferred = run(lag)
+        assert held >= 0.0 and deferred == 0, (lag, held, deferred)
+
+
 def test_a_draft_catch_up_is_not_charged_to_drafting(manager_cls) -> None:
     """The scene above, with a paused draft_model draft that defers its K/V (engines/vllm/upkeep.py): the
     step that resumes drafting (a probe) also writes the K/V of the whole pause, 45 ms more here. Measured

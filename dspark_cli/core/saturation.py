@@ -323,13 +323,14 @@ class StepTimer:
         return drafting
 
     def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float,
-               calibrate: bool = True, kind: str | None = None) -> None:
+               calibrate: bool = True, kind: str | None = None, trigger: str | None = None) -> None:
         """A step's measured wall time and what the curve charged for it. ``calibrate=False``: the step did
         work that is neither drafting's nor a paused step's cost (a draft catching up over a pause); it counts
-        for the probe tax only. ``kind``: :attr:`SaturationPolicy.step_kind` as the step began; None for the
-        step begun last (an engine that reports each step before beginning the next)."""
+        for the probe tax only. ``kind`` and ``trigger``: :attr:`SaturationPolicy.step_kind` and
+        :attr:`SaturationPolicy.probe_trigger` as the step began; None for the step begun last (an engine that
+        reports each step before beginning the next)."""
         kind = self.saturation.step_kind if kind is None else kind
-        self.saturation.record_step_ms(drafting, measured_ms, kind, num_reqs)
+        self.saturation.record_step_ms(drafting, measured_ms, kind, num_reqs, trigger)
         self._reported = True
         if not drafting:
             self._plain_in_flight = False
@@ -550,6 +551,7 @@ class SaturationPolicy:
         # if the resume holds), the load of the step begun last, and what that step is.
         self._accounts: dict[int, ProbeAllowance] = {}
         self._probe_bucket = 0  # load bucket of the probe in progress, or of the last (its probation spends there)
+        self._probation_held = False  # the resume outlasted its probation: late reports of it are not charged
         self._last_running = 0
         self._step_kind = "drafting"
         self._loads: deque[int] = deque(maxlen=LOAD_SETTLE_STEPS + 1)  # the last steps' loads, this one's last
@@ -685,10 +687,16 @@ class SaturationPolicy:
                 and self._drafting_since_resume < 2 * self.patience)
 
     def record_step_ms(self, drafting: bool, measured_ms: float, kind: str | None = None,
-                       num_running: int | None = None) -> None:
+                       num_running: int | None = None, trigger: str | None = None) -> None:
         """Report the wall time of a step (the probe tax): of kind ``kind`` (:attr:`step_kind` when it began),
-        None for the step begun by the last :meth:`begin_step`, and of ``num_running`` requests (the account it
-        saves into or spends from; None: the load of the step begun last).
+        None for the step begun by the last :meth:`begin_step`, of ``num_running`` requests (the account it
+        saves into or spends from; None: the load of the step begun last), and begun while :attr:`probe_trigger`
+        was ``trigger`` (None: as it is now). An engine that learns a step's time steps later passes all three
+        as the step began: by then a load-fall probe may have followed a failed timer probe (whose last step went
+        uncharged), or a timer probe a load-fall one (charged to the timer's tax), and the resume a probation
+        step belonged to may have been confirmed already (its last step, reported after the forgiveness, was a
+        debt left at a load that had just shown drafting pays; on vLLM, two decisions late, it held that load's
+        next timer probe back 50 paused steps in a replay).
 
         A paused step saves ``probe_tax`` of its time; a probe step, or a drafting step on probation, spends
         all of its time. ``drafting`` is whether the step drafted: a plain step the engine took while drafting
@@ -701,6 +709,9 @@ class SaturationPolicy:
         if not (measured_ms > 0 and math.isfinite(measured_ms)):
             return
         kind = self._step_kind if kind is None else kind
+        trigger = self._probe_trigger if trigger is None else trigger
+        if kind == "probation" and self._probation_held:
+            return  # the resume held: what its probation cost was no probing tax
         if kind == "probation":
             # Part of what the probe that resumed drafting cost: charged where it probed, whatever the load now
             # (a bucket no probe ran at has no allowance to fund it, nor one that paused steps would repay).
@@ -725,7 +736,7 @@ class SaturationPolicy:
         # Only timer probes, and the probation of a resume one made, are rationed, so only they spend: load-fall
         # and rise probes are bounded by the floor and top they move, and their debt (a rise probe at 256
         # requests, 240 ms a step) kept every timer probe of a 16-request cell waiting (section 35).
-        if kind in ("probe", "probation") and self._probe_trigger == "timer":
+        if kind in ("probe", "probation") and trigger == "timer":
             account.allowance_ms -= measured_ms
 
     @property
@@ -838,6 +849,7 @@ class SaturationPolicy:
             account = self._accounts.get(self._probe_bucket)
             if account is not None:
                 account.allowance_ms = max(account.allowance_ms, 0.0)
+            self._probation_held = True
         if paid:
             self._streak = 0
             return
@@ -870,6 +882,7 @@ class SaturationPolicy:
     def _resume(self) -> None:
         self.counters.resumes += 1
         self._wait_at_resume = self._probe_wait
+        self._probation_held = False
         self._timer_failed_load = self._held_steps = 0
         self._failed_waits.clear()
         self._drafting_since_resume = 0

@@ -66,6 +66,7 @@ class _Begun(NamedTuple):
     catchups: int  # draft catch-ups paid before it (engines.vllm.upkeep)
     heavy: bool  # its step's batch carried a prompt chunk (prompt_heavy)
     kind: str  # what it is to the probe tax (SaturationPolicy.step_kind)
+    trigger: str  # what had started the probe in progress or the last (SaturationPolicy.probe_trigger)
 
 
 class _StepRecord(NamedTuple):
@@ -77,6 +78,7 @@ class _StepRecord(NamedTuple):
     decode: bool  # neither its batch nor the one before carried a prompt chunk (prompt_heavy)
     calibrate: bool  # no paused draft caught up in it
     kind: str  # what it was to the probe tax as it began (SaturationPolicy.step_kind)
+    trigger: str  # SaturationPolicy.probe_trigger as it began
 
 
 def pruned_token_mask(
@@ -986,7 +988,7 @@ def build_manager_class(base: type) -> type:
                 self._decisions[drafting] += 1
                 if self._timed:
                     self._last_begin = _Begun(mark, drafting, int(state.input_batch.num_reqs), self._catchups_paid(),
-                                              heavy, self.saturation.step_kind)
+                                              heavy, self.saturation.step_kind, self.saturation.probe_trigger)
                     self._maybe_report(self._clock())
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
@@ -1075,12 +1077,12 @@ def build_manager_class(base: type) -> type:
                 if priced > 0:
                     self._intervals.close(last.mark, mark, _StepRecord(
                         last.drafted, last.num_reqs, priced, decode=not (last.heavy or heavy),
-                        calibrate=self._catchups_paid() == last.catchups, kind=last.kind))
+                        calibrate=self._catchups_paid() == last.catchups, kind=last.kind, trigger=last.trigger))
             for measured, step in self._intervals.finished():
                 if measured > STEP_TIME_CLAMP * step.priced_ms:
                     continue
                 self.timer.record(step.drafted, step.num_reqs, measured, step.priced_ms,
-                                  calibrate=step.decode and step.calibrate, kind=step.kind)
+                                  calibrate=step.decode and step.calibrate, kind=step.kind, trigger=step.trigger)
                 if not step.decode:
                     self._prefill_times.record(step.drafted, step.num_reqs, measured, step.priced_ms)
 
