@@ -608,6 +608,33 @@ def test_a_held_resume_leaves_no_probe_debt_when_its_times_come_back_late(manage
         assert held >= 0.0 and deferred == 0, (lag, held, deferred)
 
 
+def test_a_probe_step_far_over_its_price_still_pays_the_probe_tax(manager_cls) -> None:
+    """A step over STEP_TIME_CLAMP x its price is no measure of drafting against paused steps, and was dropped
+    whole; but a probe that catches the draft up over a long pause runs that long (~4.4x at 256 requests on the
+    H100, section 36), and dropped it cost the probe tax nothing."""
+    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+    m._pause_supported = m._timed = True
+    sat = m.saturation
+    charged: list[tuple[str | None, float]] = []
+    record = sat.record_step_ms
+
+    def spy(drafting: bool, ms: float, kind: str | None = None, num_running: int | None = None,
+            trigger: str | None = None) -> None:
+        charged.append((kind, ms))
+        record(drafting, ms, kind, num_running, trigger)
+
+    sat.record_step_ms = spy  # type: ignore[method-assign]
+    now = [0.0]
+    _fake_clock(m, now)
+    for _ in range(40):
+        real = m._drafts_real
+        probing = real and sat.probing
+        now[0] += (2000.0 if probing else 45.0 if real else 30.0) / 1e3  # drafting loses, and pauses
+        _bonus_only_step(m, real)
+    assert sat.counters.probe_steps >= 1
+    assert ("probe", pytest.approx(2000.0)) in charged
+
+
 def test_a_draft_catch_up_is_not_charged_to_drafting(manager_cls) -> None:
     """The scene above, with a paused draft_model draft that defers its K/V (engines/vllm/upkeep.py): the
     step that resumes drafting (a probe) also writes the K/V of the whole pause, 45 ms more here. Measured

@@ -1079,11 +1079,14 @@ def build_manager_class(base: type) -> type:
                         last.drafted, last.num_reqs, priced, decode=not (last.heavy or heavy),
                         calibrate=self._catchups_paid() == last.catchups, kind=last.kind, trigger=last.trigger))
             for measured, step in self._intervals.finished():
-                if measured > STEP_TIME_CLAMP * step.priced_ms:
-                    continue
+                # Over STEP_TIME_CLAMP x its price a time measures a stall or a long catch-up, not what drafting
+                # costs against a paused step; but it was spent, so the probe tax still counts it (a probe at 256
+                # requests that catches the draft up over a long pause runs ~4.4x its price: section 36).
+                timed = measured <= STEP_TIME_CLAMP * step.priced_ms
                 self.timer.record(step.drafted, step.num_reqs, measured, step.priced_ms,
-                                  calibrate=step.decode and step.calibrate, kind=step.kind, trigger=step.trigger)
-                if not step.decode:
+                                  calibrate=timed and step.decode and step.calibrate, kind=step.kind,
+                                  trigger=step.trigger)
+                if timed and not step.decode:
                     self._prefill_times.record(step.drafted, step.num_reqs, measured, step.priced_ms)
 
         def _catchups_paid(self) -> int:
