@@ -547,8 +547,8 @@ class SaturationPolicy:
         # few steps was a probe's false positive, and the backoff goes on from where it was (see _pause).
         self._drafting_since_resume = 0
         self._wait_at_resume: int | None = None
-        # The probe tax (record_step_ms): one account per load bucket, the buckets a probation spent from (forgiven
-        # if the resume holds), the load of the step begun last, and what that step is.
+        # The probe tax (record_step_ms): one account per load bucket, the probe whose bucket a probation spends
+        # from, whether its resume has held, the load of the step begun last, and what that step is.
         self._accounts: dict[int, ProbeAllowance] = {}
         self._probe_bucket = 0  # load bucket of the probe in progress, or of the last (its probation spends there)
         self._probation_held = False  # the resume outlasted its probation: late reports of it are not charged
