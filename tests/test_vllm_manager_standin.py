@@ -608,31 +608,57 @@ def test_a_held_resume_leaves_no_probe_debt_when_its_times_come_back_late(manage
         assert held >= 0.0 and deferred == 0, (lag, held, deferred)
 
 
-def test_a_probe_step_far_over_its_price_still_pays_the_probe_tax(manager_cls) -> None:
-    """A step over STEP_TIME_CLAMP x its price is no measure of drafting against paused steps, and was dropped
-    whole; but a probe that catches the draft up over a long pause runs that long (~4.4x at 256 requests on the
-    H100, section 36), and dropped it cost the probe tax nothing."""
+def _charged_probe_steps(manager_cls, probe_ms: float, idle_after_probe_s: float = 0.0) -> tuple[list, Any]:
+    """Drafting loses (45 ms against 30 paused) and pauses; every probe step takes ``probe_ms``, and the first is
+    followed by ``idle_after_probe_s`` of idling (the batch emptied, its interval still open). Returns what each
+    probe step was charged to the probe tax (measured ms) and the manager."""
     m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
     m._pause_supported = m._timed = True
     sat = m.saturation
-    charged: list[tuple[str | None, float]] = []
+    charged: list[float] = []
     record = sat.record_step_ms
 
     def spy(drafting: bool, ms: float, kind: str | None = None, num_running: int | None = None,
             trigger: str | None = None) -> None:
-        charged.append((kind, ms))
+        if kind == "probe":
+            charged.append(ms)
         record(drafting, ms, kind, num_running, trigger)
 
     sat.record_step_ms = spy  # type: ignore[method-assign]
     now = [0.0]
     _fake_clock(m, now)
+    idle = idle_after_probe_s
     for _ in range(40):
         real = m._drafts_real
         probing = real and sat.probing
-        now[0] += (2000.0 if probing else 45.0 if real else 30.0) / 1e3  # drafting loses, and pauses
+        now[0] += (probe_ms if probing else 45.0 if real else 30.0) / 1e3
+        if probing:
+            now[0], idle = now[0] + idle, 0.0
         _bonus_only_step(m, real)
     assert sat.counters.probe_steps >= 1
-    assert ("probe", pytest.approx(2000.0)) in charged
+    return charged, m
+
+
+def test_a_probe_step_far_over_its_price_still_pays_the_probe_tax(manager_cls) -> None:
+    """A step over STEP_TIME_CLAMP x its price is no measure of drafting against paused steps, and was dropped
+    whole; but a probe that catches the draft up over a long pause runs that long (~4.4x at 256 requests on the
+    H100, section 36), and dropped it cost the probe tax nothing. It is charged up to PROBE_TAX_CLAMP x its price."""
+    timely, _ = _charged_probe_steps(manager_cls, 45.0)
+    slow, _ = _charged_probe_steps(manager_cls, 2000.0)
+    assert timely and all(ms == pytest.approx(45.0) for ms in timely)
+    # charged (not dropped), at the clamp: PROBE_TAX_CLAMP x the same price each time, well over a timely probe
+    assert slow and all(ms == pytest.approx(slow[0]) for ms in slow) and 45.0 < slow[0] < 2000.0, slow
+
+
+def test_an_idle_gap_after_a_probe_step_is_no_probe_tax_debt(manager_cls) -> None:
+    """The last step's interval stays open while the server idles: a minute after a timer probe step, as the
+    batch emptied, was charged as a minute's probe, a debt paused steps repay at 2% each (~100k steps of that
+    load's timer probes held back). The tax counts an interval at most PROBE_TAX_CLAMP x its price."""
+    from dspark_cli.core.saturation import PROBE_TAX_CLAMP
+
+    charged, m = _charged_probe_steps(manager_cls, 45.0, idle_after_probe_s=60.0)
+    assert max(charged) < 1000.0, charged
+    assert m.saturation.probe_allowance_at(3) > -PROBE_TAX_CLAMP * 45.0 * 4
 
 
 def test_a_draft_catch_up_is_not_charged_to_drafting(manager_cls) -> None:

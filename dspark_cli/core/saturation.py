@@ -36,6 +36,10 @@ REALIZED_MEMORY = 64
 # and how often a drafting engine takes one plain step just to measure plain decoding.
 STEP_TIME_MEMORY = 256
 STEP_TIME_CLAMP = 4.0
+# An engine that times a step as an interval between decisions counts at most PROBE_TAX_CLAMP x the step's price
+# for the probe tax: a probe's catch-up over a long pause runs ~4.4x (H100, section 36), an interval the server
+# idled through any length (vLLM's manager).
+PROBE_TAX_CLAMP = 2 * STEP_TIME_CLAMP
 PLAIN_SAMPLE_EVERY = 64
 # A window not fed for more than STEP_TIME_STALE timed steps (all loads and kinds) restarts with its next sample,
 # and a drafting step at a load whose plain window is that old takes a plain step to measure it: times from

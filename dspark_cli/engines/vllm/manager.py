@@ -519,7 +519,13 @@ def build_manager_class(base: type) -> type:
         prefix_survival,
         warm_up_allocate,
     )
-    from dspark_cli.core.saturation import STEP_TIME_CLAMP, SaturationPolicy, StepTimeCalibration, StepTimer
+    from dspark_cli.core.saturation import (
+        PROBE_TAX_CLAMP,
+        STEP_TIME_CLAMP,
+        SaturationPolicy,
+        StepTimeCalibration,
+        StepTimer,
+    )
     from dspark_cli.core.sts import OnlineSTS, apply_temperatures
 
     class DsparkVerificationManager(base):  # type: ignore[misc, valid-type]
@@ -1045,8 +1051,10 @@ def build_manager_class(base: type) -> type:
             decision drafted, else as plain decoding of that batch's non-draft tokens. On CUDA the interval is read
             between two events in the GPU's stream order, which is what makes it that decision's work: the host's
             clock, under vLLM's asynchronous scheduling, read the decision before it. Skipped: a drafting
-            interval whose batch got no budget decision (vLLM scheduled it no drafts), and an interval past
-            ``STEP_TIME_CLAMP`` times its price (the server idled between requests).
+            interval whose batch got no budget decision (vLLM scheduled it no drafts). An interval past
+            ``STEP_TIME_CLAMP`` times its price (a long catch-up, a stall, or the server idling between requests:
+            the last step's interval stays open until the next) is no measure of a step and stays out of the
+            calibration; the probe tax still counts it, at most ``PROBE_TAX_CLAMP`` times its price.
 
             An interval in which the paused draft caught up (the probe that resumes drafting, a paused step
             before a prompt chunk, or one past the pending budget) still counts for the probe tax, but not for
@@ -1080,12 +1088,14 @@ def build_manager_class(base: type) -> type:
                         calibrate=self._catchups_paid() == last.catchups, kind=last.kind, trigger=last.trigger))
             for measured, step in self._intervals.finished():
                 # Over STEP_TIME_CLAMP x its price a time measures a stall or a long catch-up, not what drafting
-                # costs against a paused step; but it was spent, so the probe tax still counts it (a probe at 256
-                # requests that catches the draft up over a long pause runs ~4.4x its price: section 36).
+                # costs against a paused step; but a catch-up was spent (a probe at 256 requests that catches the
+                # draft up over a long pause runs ~4.4x its price: section 36), so the probe tax counts it -- up
+                # to PROBE_TAX_CLAMP x its price: an interval the server idled through (a minute after a probe
+                # step, as a batch emptied) would have been a debt of a minute, held for ~100k paused steps.
                 timed = measured <= STEP_TIME_CLAMP * step.priced_ms
-                self.timer.record(step.drafted, step.num_reqs, measured, step.priced_ms,
-                                  calibrate=timed and step.decode and step.calibrate, kind=step.kind,
-                                  trigger=step.trigger)
+                self.timer.record(step.drafted, step.num_reqs, min(measured, PROBE_TAX_CLAMP * step.priced_ms),
+                                  step.priced_ms, calibrate=timed and step.decode and step.calibrate,
+                                  kind=step.kind, trigger=step.trigger)
                 if timed and not step.decode:
                     self._prefill_times.record(step.drafted, step.num_reqs, measured, step.priced_ms)
 
