@@ -58,7 +58,6 @@ from rich.table import Table
 
 from dspark_cli import __version__
 from dspark_cli.core.capacity import (
-    MIN_PREDICTED_GAIN,
     CapacityConfig,
     CapacityManager,
     allocate,
@@ -281,7 +280,7 @@ class SimOptions:
 
     families: tuple[str, ...] = DEFAULT_FAMILIES
     thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
-    min_predicted_gain: float = MIN_PREDICTED_GAIN
+    min_predicted_gain: float | None = None  # None: the served default (CapacityConfig.trim_margin)
     saturation_patience: int = 8
     resume_every: int = 16
     probe_tax: float = PROBE_TAX
@@ -733,7 +732,7 @@ def run_simulation(
     opts = SimOptions(
         families=parse_families(policies, temps is not None),
         thresholds=parse_thresholds(thresholds),
-        min_predicted_gain=MIN_PREDICTED_GAIN if min_predicted_gain is None else min_predicted_gain,
+        min_predicted_gain=min_predicted_gain,
         saturation_patience=saturation_patience,
         resume_every=resume_every,
         probe_tax=probe_tax,
@@ -758,7 +757,7 @@ def run_simulation(
         "num_records": data.num_records,
         "num_requests": len(data.requests),
         "thresholds": list(opts.thresholds),
-        "min_predicted_gain": opts.min_predicted_gain,
+        "min_predicted_gain": opts.capacity_config().trim_margin,
         "saturation_patience": saturation_patience,
         "resume_every": resume_every,
         "probe_tax": probe_tax,

@@ -36,9 +36,9 @@ REALIZED_MEMORY = 64
 # and how often a drafting engine takes one plain step just to measure plain decoding.
 STEP_TIME_MEMORY = 256
 STEP_TIME_CLAMP = 4.0
-# An engine that times a step as an interval between decisions counts at most PROBE_TAX_CLAMP x the step's price
-# for the probe tax: a probe's catch-up over a long pause runs ~4.4x (H100, section 36), an interval the server
-# idled through any length (vLLM's manager).
+# StepTimer counts at most PROBE_TAX_CLAMP x a step's price for the probe tax: a probe's catch-up over a long pause
+# runs ~4.4x (H100, section 36), an interval the server idled through any length (vLLM's manager times a step as
+# the interval between two decisions).
 PROBE_TAX_CLAMP = 2 * STEP_TIME_CLAMP
 PLAIN_SAMPLE_EVERY = 64
 # A window not fed for more than STEP_TIME_STALE timed steps (all loads and kinds) restarts with its next sample,
@@ -332,9 +332,11 @@ class StepTimer:
         work that is neither drafting's nor a paused step's cost (a draft catching up over a pause); it counts
         for the probe tax only. ``kind`` and ``trigger``: :attr:`SaturationPolicy.step_kind` and
         :attr:`SaturationPolicy.probe_trigger` as the step began; None for the step begun last (an engine that
-        reports each step before beginning the next)."""
+        reports each step before beginning the next). The probe tax counts at most ``PROBE_TAX_CLAMP`` x the
+        price: a catch-up was spent, an interval a server idled through was not."""
         kind = self.saturation.step_kind if kind is None else kind
-        self.saturation.record_step_ms(drafting, measured_ms, kind, num_reqs, trigger)
+        taxed = min(measured_ms, PROBE_TAX_CLAMP * priced_ms) if priced_ms > 0 else measured_ms
+        self.saturation.record_step_ms(drafting, taxed, kind, num_reqs, trigger)
         self._reported = True
         if not drafting:
             self._plain_in_flight = False

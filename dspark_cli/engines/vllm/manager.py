@@ -519,13 +519,7 @@ def build_manager_class(base: type) -> type:
         prefix_survival,
         warm_up_allocate,
     )
-    from dspark_cli.core.saturation import (
-        PROBE_TAX_CLAMP,
-        STEP_TIME_CLAMP,
-        SaturationPolicy,
-        StepTimeCalibration,
-        StepTimer,
-    )
+    from dspark_cli.core.saturation import STEP_TIME_CLAMP, SaturationPolicy, StepTimeCalibration, StepTimer
     from dspark_cli.core.sts import OnlineSTS, apply_temperatures
 
     class DsparkVerificationManager(base):  # type: ignore[misc, valid-type]
@@ -1089,13 +1083,13 @@ def build_manager_class(base: type) -> type:
             for measured, step in self._intervals.finished():
                 # Over STEP_TIME_CLAMP x its price a time measures a stall or a long catch-up, not what drafting
                 # costs against a paused step; but a catch-up was spent (a probe at 256 requests that catches the
-                # draft up over a long pause runs ~4.4x its price: section 36), so the probe tax counts it -- up
-                # to PROBE_TAX_CLAMP x its price: an interval the server idled through (a minute after a probe
-                # step, as a batch emptied) would have been a debt of a minute, held for ~100k paused steps.
+                # draft up over a long pause runs ~4.4x its price: section 36), so the probe tax counts it, up to
+                # PROBE_TAX_CLAMP x its price (StepTimer.record): an interval the server idled through (a minute
+                # after a probe step, as a batch emptied) would have been a debt held for ~100k paused steps.
                 timed = measured <= STEP_TIME_CLAMP * step.priced_ms
-                self.timer.record(step.drafted, step.num_reqs, min(measured, PROBE_TAX_CLAMP * step.priced_ms),
-                                  step.priced_ms, calibrate=timed and step.decode and step.calibrate,
-                                  kind=step.kind, trigger=step.trigger)
+                self.timer.record(step.drafted, step.num_reqs, measured, step.priced_ms,
+                                  calibrate=timed and step.decode and step.calibrate, kind=step.kind,
+                                  trigger=step.trigger)
                 if timed and not step.decode:
                     self._prefill_times.record(step.drafted, step.num_reqs, measured, step.priced_ms)
 
