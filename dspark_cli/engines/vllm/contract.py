@@ -75,6 +75,9 @@ SCHEDULER = "vllm.v1.core.sched.scheduler"
 REQUEST = "vllm.v1.request"
 MODEL_STATE = "vllm.v1.worker.gpu.model_states.default"
 ENGINE_CORE = "vllm.v1.engine.core"
+# The kernel warm-up before graph capture, whose draft pass can exceed what torch.compile covers (warmup_overflow).
+WARMUP = "vllm.v1.worker.gpu.warmup"
+KERNEL_CONFIG = "vllm.config.kernel"
 
 Kind = Literal[
     "function",  # module-level def; params must appear (in this order) among its parameters
@@ -425,7 +428,63 @@ CONTRACT: tuple[Assumption, ...] = (
                why="benchmarks/vllm_adaptive.py --api-servers: more API processes, should one limit a cell"),
     Assumption(ENVS, "VLLM_DISABLE_COMPILE_CACHE", "contains", ('"VLLM_DISABLE_COMPILE_CACHE"',),
                why="benchmarks/vllm_adaptive.py starts torch.compile servers that share a cache key without it"),
+    # --- the start-up warm-up that a draft_model server's token budget must cover (warmup_overflow)
+    Assumption(WARMUP, "_warmup_kernels", "contains",
+               ("prompt_len = decode_query_len + 1", "// max(prompt_len, decode_query_len),",
+                "model_runner.scheduler_config.max_num_seqs,", "num_decode_steps = 5 if num_spec_steps > 0 else 3",
+                "decode_len = prompt_len + num_decode_steps * decode_query_len",
+                "(model_runner.kv_cache_config.num_blocks - 1) // max_blocks_per_req"),
+               why="the warm-up prefills min(max_num_seqs, budget // (K + 2), what the KV cache holds) requests of "
+                   "K + 2 tokens"),
+    Assumption(WARMUP, "_reserved_block_count", "contains",
+               ("num_tokens = min(num_tokens + num_lookahead_tokens, max_model_len)",),
+               why="a warm-up request holds blocks for its tokens plus the lookahead (warmup_kv_cap)"),
+    Assumption(VLLM_CONFIG, "VllmConfig._set_compile_ranges", "contains",
+               ("compile_range_end = self.scheduler_config.max_num_batched_tokens",),
+               why="torch.compile covers batches up to the token budget, the draft model's included"),
+    Assumption(KERNEL_CONFIG, "KernelConfig.enable_jit_warmup", "field",
+               why="the warm-up runs only with it on (the default); off is the refusal's third way out"),
 )
+
+
+def warmup_overflow(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
+                    max_warmup_reqs: int | None = None) -> str | None:
+    """Why a ``draft_model`` server compiled by torch.compile would stop in vLLM's start-up warm-up (None: it
+    would not).
+
+    The warm-up (``warmup.py``'s ``_warmup_kernels``, run with ``enable_jit_warmup``, the default) prefills
+    ``min(max_num_seqs, budget // (K + 2))`` requests of ``K + 2`` tokens, filling the token budget; the draft's
+    prefill pass then runs over those tokens plus one per request (``prepare_prefill_inputs``), while
+    torch.compile covers batches up to the budget only (``_set_compile_ranges``). Past it vLLM stops with
+    "Shape: N out of considered ranges" after loading the weights. The scheduler leaves that one slot per request
+    when it serves, the warm-up does not: every budget smaller than ``max_num_seqs x (K + 3)`` trips it once
+    the budget, not ``max_num_seqs``, bounds the warm-up (256 tokens with 128 requests at K=7: 280). Found on
+    the H200 (2026-12-05). ``max_warmup_reqs`` is the KV cache's cap on the warm-up's requests, where known.
+    """
+    k = num_speculative_tokens
+    prompt_len = k + 2  # decode_query_len (1 + K) + 1
+    reqs = min(max_num_seqs, max_num_batched_tokens // prompt_len)
+    if max_warmup_reqs is not None:
+        reqs = min(reqs, max(1, max_warmup_reqs))
+    tokens = reqs * (prompt_len + 1)
+    if tokens <= max_num_batched_tokens:
+        return None
+    return (f"vLLM {VLLM_VERSION}'s start-up warm-up would run the draft model over {tokens} tokens ({reqs} requests "
+            f"of {prompt_len}, plus one each), more than the {max_num_batched_tokens} torch.compile covers "
+            f"(--max-num-batched-tokens), and stop there; use --max-num-seqs {max_num_batched_tokens // (k + 3)} or "
+            f"fewer, --max-num-batched-tokens {max_num_seqs * (k + 3)} or more, or --kernel-config "
+            "'{\"enable_jit_warmup\": false}'")
+
+
+def warmup_kv_cap(num_blocks: int, block_size: int, num_speculative_tokens: int, num_lookahead_tokens: int,
+                  max_model_len: int) -> int:
+    """How many requests vLLM's warm-up fits into a KV cache of ``num_blocks`` (one full-attention group): each
+    holds the blocks of its prompt, five decode steps of ``1 + K`` tokens and the lookahead; block 0 is the null
+    block."""
+    k = num_speculative_tokens
+    decode_len = (k + 2) + 5 * (k + 1)
+    per_req = -(-min(decode_len + num_lookahead_tokens, max_model_len) // block_size)
+    return max(1, (num_blocks - 1) // per_req)
 
 
 def source_files() -> tuple[str, ...]:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
-from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR, VLLM_VERSION
+from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR, VLLM_VERSION, warmup_kv_cap, warmup_overflow
 from dspark_cli.engines.vllm.step_clock import StepIntervals, clock_for
 from dspark_cli.engines.vllm.upkeep import CatchupBuffers, DraftUpkeep, catchup_batch
 
@@ -461,6 +461,33 @@ def check_mask_rows(max_num_reqs: int, k: int, num_bonus_tokens: int, max_total_
                          f"({max_total_logits}); use --max-num-seqs {most} or fewer, fewer draft tokens, or varlen")
 
 
+VLLM_COMPILE = 3  # vLLM's CompilationMode.VLLM_COMPILE: torch.compile, whose ranges end at the token budget
+
+
+def check_draft_warmup(vllm_config: Any, kv_groups: int) -> None:
+    """Refuse at start-up what vLLM 0.33's warm-up would stop on after the weights load (``contract.
+    warmup_overflow``): a ``draft_model`` server under torch.compile whose token budget, not ``max_num_seqs``,
+    bounds the warm-up. Said only where that is certain: one KV cache group, whose blocks per warm-up request
+    are known (``contract.warmup_kv_cap``), and a KV cache already sized (the worker sets ``num_gpu_blocks``
+    before the runner builds this manager)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method != "draft_model" or kv_groups != 1:
+        return
+    mode = vllm_config.compilation_config.mode
+    if getattr(mode, "value", mode) != VLLM_COMPILE or not vllm_config.kernel_config.enable_jit_warmup:
+        return
+    cache = vllm_config.cache_config
+    if cache.num_gpu_blocks is None:
+        return
+    k = int(spec.num_speculative_tokens)
+    cap = warmup_kv_cap(int(cache.num_gpu_blocks), int(cache.block_size), k, int(vllm_config.num_lookahead_tokens),
+                        int(vllm_config.model_config.max_model_len))
+    sched = vllm_config.scheduler_config
+    problem = warmup_overflow(int(sched.max_num_seqs), int(sched.max_num_batched_tokens), k, max_warmup_reqs=cap)
+    if problem is not None:
+        raise ValueError(f"dspark: {problem}")
+
+
 def create_manager(settings: DsparkVllmSettings, av_module: Any, kwargs: dict[str, Any]) -> Any:
     """Our replacement for ``maybe_create_adaptive_verification_manager`` (called by the plugin's gate).
 
@@ -471,6 +498,7 @@ def create_manager(settings: DsparkVllmSettings, av_module: Any, kwargs: dict[st
     """
     mode = settings.mode
     vllm_config = kwargs["vllm_config"]
+    check_draft_warmup(vllm_config, len(kwargs["attn_groups"]))
     compact_paused = mode == "varlen"
     if mode == "varlen" or settings.mask_paused_compact:
         reason = _varlen_unsupported(av_module, kwargs)
