@@ -51,6 +51,7 @@ prefill chunk (``OUT/anatomy/``). It adds a few microseconds of host time per st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -77,7 +78,7 @@ from benchmarks.vllm_step_anatomy import table as anatomy_table  # noqa: E402
 from dspark_cli.bench.matrix import cell_path, load_cell  # noqa: E402
 from dspark_cli.bench.metrics import SpecDecodeCounters, counter_delta  # noqa: E402
 from dspark_cli.bench.report import numbers, paired_delta_of  # noqa: E402
-from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET  # noqa: E402
+from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET, warmup_overflow  # noqa: E402
 from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
 from dspark_cli.engines.vllm.manager import REPORT_EVERY_S  # noqa: E402
 
@@ -326,11 +327,20 @@ class _Server:
     log_path: Path
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        """Its whole process group; one that already exited with every child is gone, which is no error: a server
+        that failed at start-up raised ProcessLookupError here once, which stopped the lossless check before its
+        other configs served and before results.json was written (section 37)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            self.proc.wait()
+            return
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 def _wait_for_line(srv: _Server, needle: str, timeout: float) -> None:
@@ -669,6 +679,12 @@ def main() -> int:
                     help="with --lossless: then N concurrent requests of staggered lengths per config, each of "
                          "which must come back complete (served, not compared)")
     args = ap.parse_args()
+    # Every server would load its weights and then stop in vLLM's warm-up (the plugin refuses ours there too):
+    # said before any starts.
+    overflow = (None if args.compilation != "piecewise" or args.max_num_batched_tokens is None
+                else warmup_overflow(args.max_num_seqs, args.max_num_batched_tokens, args.k))
+    if overflow is not None:
+        ap.error(overflow)
     if args.startup_timeout is None:
         args.startup_timeout = 420.0 if args.compilation == "piecewise" else 240.0
     args.out.mkdir(parents=True, exist_ok=True)

@@ -118,6 +118,9 @@ def test_bad_rounds_and_configs_are_refused_before_anything_starts(tmp_path: Pat
     assert bad.returncode == 2 and "config 'varlen@0': the API server count after '@' must be a positive" in bad.stderr
     bad = run("--configs", "nospec,varlen@x#2")
     assert bad.returncode == 2 and "config 'varlen@x#2'" in bad.stderr
+    # every drafting server would load its weights and then stop in vLLM's warm-up (section 37)
+    bad = run("--configs", "nospec,varlen", "--k", "7", "--max-num-batched-tokens", "256")
+    assert bad.returncode == 2 and "--max-num-seqs 25 or fewer" in bad.stderr
 
 
 # A stand-in for `python -m vllm.entrypoints.cli.main serve ...`: the log lines vllm_adaptive.py waits for, then a
@@ -257,7 +260,8 @@ def test_the_lossless_check_serves_the_defer_ab_without_prefix_caching_and_repor
         [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
          "--out", str(out), "--k", "4", "--configs", "nospec,varlen-cycle-plain,varlen-cycle-defer",
          "--overlap-starts", "3", "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--lossless", "2",
-         "--smoke", "3", "--prefix-caching", "off", "--max-num-batched-tokens", "256"],
+         "--smoke", "3", "--prefix-caching", "off", "--max-num-batched-tokens", "256",
+             "--max-num-seqs", "36"],
         capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads((out / "lossless.json").read_text())
@@ -330,3 +334,14 @@ def test_config_specs_keep_each_configs_own_settings_over_the_shared_ones() -> N
     alt = adaptive.config_specs(base, {**ours, "sps_curve": "a.json"}, alt_curve="b.json")
     assert alt["varlen-alt"] == {**alt["varlen"], "dspark_sps_curve": "b.json"}
     assert all("dspark_budget_frac" not in s for n, s in checked.items() if s and n not in masks)
+
+
+def test_stopping_a_server_that_already_exited_is_no_error(tmp_path: Path) -> None:
+    """A server that failed at start-up is gone with its process group by the time its group stops; on the H200
+    (section 37) stopping it raised, which ended the lossless check before its other configs served."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    proc.wait()
+    adaptive._Server("varlen", 0, proc, tmp_path / "serve.log").stop()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    adaptive._Server("nospec", 0, live, tmp_path / "serve.log").stop()
+    assert live.returncode is not None
