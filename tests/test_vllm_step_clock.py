@@ -71,6 +71,10 @@ def test_the_host_clock_is_final_at_once_and_cuda_is_not_the_cpu_default() -> No
 
 
 def _sleep_cycles_per_ms() -> float:
+    """Cycles of ``torch.cuda._sleep`` per ms at the clock the test's kernels will see. The test failed once as the
+    first GPU work of a fresh machine (section 37) and passed on the next run: a GPU that idled may run its first
+    kernels at another clock than later ones, so a warm-up kernel comes before the calibration."""
+    torch.cuda._sleep(50_000_000)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(10_000_000)
