@@ -136,6 +136,10 @@ piecewise = json.loads(argv[argv.index("--compilation-config") + 1])["mode"] == 
 assert (os.environ.get("VLLM_DISABLE_COMPILE_CACHE") == "1") == piecewise, argv
 # benchmark servers run without prefix caching (equal work per cell); the lossless check keeps it
 assert ("--no-enable-prefix-caching" in argv) == (os.environ.get("EXPECT_PREFIX_CACHING") == "off"), argv
+# a server that stops before it is up, as section 37's stopped in vLLM's warm-up: the one whose argv holds this
+stop_at = os.environ.get("STANDIN_EXIT_AT_START")
+if stop_at and any(stop_at in a for a in argv):
+    sys.exit("AssertionError: Shape: 280 out of considered ranges: [(1, 256)] (stand-in)")
 # --max-num-batched-tokens reaches every server where a test asks for it
 want_bt = os.environ.get("EXPECT_BATCHED_TOKENS")
 assert not want_bt or argv[argv.index("--max-num-batched-tokens") + 1] == want_bt, argv
@@ -260,8 +264,7 @@ def test_the_lossless_check_serves_the_defer_ab_without_prefix_caching_and_repor
         [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
          "--out", str(out), "--k", "4", "--configs", "nospec,varlen-cycle-plain,varlen-cycle-defer",
          "--overlap-starts", "3", "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--lossless", "2",
-         "--smoke", "3", "--prefix-caching", "off", "--max-num-batched-tokens", "256",
-             "--max-num-seqs", "36"],
+         "--smoke", "3", "--prefix-caching", "off", "--max-num-batched-tokens", "256", "--max-num-seqs", "36"],
         capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads((out / "lossless.json").read_text())
@@ -271,6 +274,30 @@ def test_the_lossless_check_serves_the_defer_ab_without_prefix_caching_and_repor
     assert all(d > 0 for d in ab["drafts"]) and all(0 <= f <= 1 for f in ab["first_position"])
     assert "draft_defer_prompts A/B (varlen-cycle-plain vs varlen-cycle-defer)" in run.stdout
     assert "lossless greedy: OK" in run.stdout
+
+
+def test_a_config_that_did_not_start_fails_the_check_apart_and_the_others_still_serve(tmp_path: Path) -> None:
+    """Exit 5, not 1: a server that stopped before it was up says nothing about a served path, so the queue does
+    not switch the matrix to its fallback (section 37 served group 1 with the draft kept current for that). The
+    configs after it are still served and checked."""
+    import json
+
+    from dspark_cli.engines.embedded.assets import TINY_DIR
+
+    env, draft = _stand_in_vllm(tmp_path)
+    env["STANDIN_EXIT_AT_START"] = '"draft_defer_prompts":true'
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
+         "--out", str(out), "--k", "4", "--configs", "nospec,varlen-cycle-defer,varlen-verify",
+         "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--lossless", "2"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 5, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "lossless greedy: FAILED (a config did not start)" in run.stdout
+    report = json.loads((out / "lossless.json").read_text())
+    assert [e["config"] for e in report["errors"]] == ["varlen-cycle-defer"]
+    assert report["errors"][0]["error"].startswith("not started: server exited with 1")
+    assert report["summary"]["varlen-verify"]["identical_to_nospec"] == 2
 
 
 def _served(first: float, drafts: int, deferred: int | None = 100) -> dict:
