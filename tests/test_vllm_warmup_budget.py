@@ -45,6 +45,7 @@ def test_a_kv_cache_too_small_for_the_warm_up_requests_caps_them() -> None:
     assert warmup_overflow(128, 256, 7, max_warmup_reqs=10) is None
     assert warmup_overflow(128, 256, 7, max_warmup_reqs=warmup_kv_cap(100_000, 16, 7, 7, 2048)) is not None
     assert warmup_kv_cap(2, 16, 7, 7, 2048) == 1  # vLLM warms up one request at least
+    assert warmup_kv_cap(81, 16, 7, 7, 2048, groups=2) == 10  # a draft's group of its own doubles the blocks
 
 
 def _config(**changes: object) -> types.SimpleNamespace:
@@ -72,6 +73,7 @@ def test_the_plugin_refuses_only_what_the_warm_up_would_stop_on() -> None:
     check_draft_warmup(_config(blocks=None), kv_groups=1)  # a KV cache not sized yet: not certain
     check_draft_warmup(_config(), kv_groups=2)  # hybrid caches: the warm-up's blocks per request not known here
     check_draft_warmup(_config(blocks=41), kv_groups=1)  # the KV cache caps the warm-up at 10 requests
+    check_draft_warmup(_config(blocks=161), kv_groups=1)  # 40 requests with one group, 20 if the draft has its own
     check_draft_warmup(types.SimpleNamespace(speculative_config=None), kv_groups=1)
 
 

@@ -477,13 +477,13 @@ def warmup_overflow(max_num_seqs: int, max_num_batched_tokens: int, num_speculat
 
 
 def warmup_kv_cap(num_blocks: int, block_size: int, num_speculative_tokens: int, num_lookahead_tokens: int,
-                  max_model_len: int) -> int:
-    """How many requests vLLM's warm-up fits into a KV cache of ``num_blocks`` (one full-attention group): each
-    holds the blocks of its prompt, five decode steps of ``1 + K`` tokens and the lookahead; block 0 is the null
-    block."""
+                  max_model_len: int, groups: int = 1) -> int:
+    """How many requests vLLM's warm-up fits into a KV cache of ``num_blocks`` whose ``groups`` full-attention
+    groups each hold a request's prompt, five decode steps of ``1 + K`` tokens and the lookahead; block 0 is the
+    null block. With ``groups`` an upper bound on the cache's groups, this is a lower bound on the warm-up's."""
     k = num_speculative_tokens
     decode_len = (k + 2) + 5 * (k + 1)
-    per_req = -(-min(decode_len + num_lookahead_tokens, max_model_len) // block_size)
+    per_req = -(-min(decode_len + num_lookahead_tokens, max_model_len) // block_size) * groups
     return max(1, (num_blocks - 1) // per_req)
 
 

@@ -467,9 +467,10 @@ VLLM_COMPILE = 3  # vLLM's CompilationMode.VLLM_COMPILE: torch.compile, whose ra
 def check_draft_warmup(vllm_config: Any, kv_groups: int) -> None:
     """Refuse at start-up what vLLM 0.33's warm-up would stop on after the weights load (``contract.
     warmup_overflow``): a ``draft_model`` server under torch.compile whose token budget, not ``max_num_seqs``,
-    bounds the warm-up. Said only where that is certain: one KV cache group, whose blocks per warm-up request
-    are known (``contract.warmup_kv_cap``), and a KV cache already sized (the worker sets ``num_gpu_blocks``
-    before the runner builds this manager)."""
+    bounds the warm-up. Said only where that is certain: a KV cache already sized (the worker sets
+    ``num_gpu_blocks`` before the runner builds this manager) that holds the warm-up's requests even if the draft
+    keeps a KV cache group of its own beside the target's one (``contract.warmup_kv_cap``, a lower bound); a
+    target of several groups (hybrid attention) is left to vLLM."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None or spec.method != "draft_model" or kv_groups != 1:
         return
@@ -481,7 +482,7 @@ def check_draft_warmup(vllm_config: Any, kv_groups: int) -> None:
         return
     k = int(spec.num_speculative_tokens)
     cap = warmup_kv_cap(int(cache.num_gpu_blocks), int(cache.block_size), k, int(vllm_config.num_lookahead_tokens),
-                        int(vllm_config.model_config.max_model_len))
+                        int(vllm_config.model_config.max_model_len), groups=kv_groups + 1)
     sched = vllm_config.scheduler_config
     problem = warmup_overflow(int(sched.max_num_seqs), int(sched.max_num_batched_tokens), k, max_warmup_reqs=cap)
     if problem is not None:
