@@ -101,9 +101,10 @@ case "$STAGE" in
   lossless-real)  # the same check with real weights: SmolLM2-135M and its distilled draft, as plain Llama dirs
     # Converted with the host's own torch and the gguf wheel of /tmp/dspark-site (carry .whl at the start),
     # from the GGUF parts in /tmp/smol (carry .carry/smol/part1..4, as for h200_matrix.sh's real setup).
-    # BATCHED_TOKENS caps the requests at BATCHED_TOKENS / (K + 3): vLLM 0.33's warm-up of a draft_model server
-    # under torch.compile overflows a budget smaller than max_num_seqs x (K + 3) (contract.warmup_overflow; 256
-    # tokens with the default 128 stopped every drafting server of the check in section 37). The smoke sends 16.
+    # BATCHED_TOKENS caps the requests (128 otherwise) at BATCHED_TOKENS / (K + 3), K=7 here: vLLM 0.33's warm-up
+    # of a draft_model server under torch.compile overflows a budget smaller than max_num_seqs x (K + 3)
+    # (contract.warmup_overflow; 256 tokens with 128 requests stopped every drafting server of the check in
+    # section 37). The smoke sends 16.
     read -r TARGET DRAFT < <(env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/vllm_real_pair.py \
       "$OUT/real-pair" --parts /tmp/smol)
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless-real" \
@@ -111,7 +112,7 @@ case "$STAGE" in
       --dspark '{"online_sts": true}' --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" \
       ${COMPILATION:+--compilation "$COMPILATION"} ${KV_GIB:+--kv-cache-gib "$KV_GIB"} \
       ${PREFIX_CACHING:+--prefix-caching "$PREFIX_CACHING"} ${BATCHED_TOKENS:+--max-num-batched-tokens "$BATCHED_TOKENS"} \
-      ${BATCHED_TOKENS:+--max-num-seqs $((BATCHED_TOKENS / 10))} ;;
+      ${BATCHED_TOKENS:+--max-num-seqs $((BATCHED_TOKENS / 10 < 128 ? BATCHED_TOKENS / 10 : 128))} ;;
   scaled)
     # Ours without the profiled curve would be the varlen-startup ablation under other names: refused unless
     # asked for (STARTUP_CURVE=1); the queues profile or copy the curve first.

@@ -121,6 +121,10 @@ def test_bad_rounds_and_configs_are_refused_before_anything_starts(tmp_path: Pat
     # every drafting server would load its weights and then stop in vLLM's warm-up (section 37)
     bad = run("--configs", "nospec,varlen", "--k", "7", "--max-num-batched-tokens", "256")
     assert bad.returncode == 2 and "--max-num-seqs 25 or fewer" in bad.stderr
+    for fine in (("--configs", "nospec,varlen", "--compilation", "decode-graphs"),  # no torch.compile ranges
+                 ("--configs", "nospec#2,nospec")):  # no draft to warm up
+        run_ = run(*fine, "--k", "7", "--max-num-batched-tokens", "256", "--lossless", "1", "--startup-timeout", "5")
+        assert "warm-up" not in run_.stderr
 
 
 # A stand-in for `python -m vllm.entrypoints.cli.main serve ...`: the log lines vllm_adaptive.py waits for, then a
@@ -298,6 +302,20 @@ def test_a_config_that_did_not_start_fails_the_check_apart_and_the_others_still_
     assert [e["config"] for e in report["errors"]] == ["varlen-cycle-defer"]
     assert report["errors"][0]["error"].startswith("not started: server exited with 1")
     assert report["summary"]["varlen-verify"]["identical_to_nospec"] == 2
+
+
+def test_the_lossless_verdict_tells_a_config_that_did_not_start_from_one_that_failed_or_differs(
+        tmp_path: Path) -> None:
+    same, other = [[1, 2, 3]], [[1, 2, 4]]
+    not_started = {"config": "mask", "error": "not started: server exited with 1"}
+    failed = {"config": "varlen-cycle", "error": "HTTP Error 500"}
+    verdict = adaptive._report_lossless
+    assert verdict({"nospec": same, "varlen": same}, [], tmp_path) == 0
+    assert verdict({"nospec": same, "varlen": same}, [not_started], tmp_path) == 5
+    assert verdict({"nospec": same, "varlen": other}, [not_started], tmp_path) == 3  # a wrong output is never hidden
+    assert verdict({"nospec": same, "varlen": same}, [not_started, failed], tmp_path) == 1
+    assert verdict({"varlen": same}, [{"config": "nospec", "error": "not started: no KV line"}], tmp_path) == 5
+    assert verdict({"varlen": same}, [], tmp_path) == 3  # nothing to compare with
 
 
 def _served(first: float, drafts: int, deferred: int | None = 100) -> dict:

@@ -29,13 +29,18 @@ def test_the_sittings_server_is_refused_with_the_shape_vllm_stopped_on() -> None
 
 @given(seqs=st.integers(1, 2048), budget=st.integers(1, 20_000), k=st.integers(1, 15))
 def test_either_way_out_the_refusal_names_is_served(seqs: int, budget: int, k: int) -> None:
-    if budget <= k + 2:
-        return  # vLLM refuses a budget that holds no request with its drafts before any warm-up
+    if budget <= k:
+        return  # vLLM refuses a budget no larger than its lookahead (num_speculative_tokens) before any warm-up
     if seqs * (k + 3) <= budget:
         assert warmup_overflow(seqs, budget, k) is None  # room for the draft's extra token of every request
-    if warmup_overflow(seqs, budget, k) is None:
+    problem = warmup_overflow(seqs, budget, k)
+    if problem is None:
         return
-    assert warmup_overflow(budget // (k + 3), budget, k) is None
+    fewer = budget // (k + 3)
+    if fewer:
+        assert f"--max-num-seqs {fewer} or fewer" in problem and warmup_overflow(fewer, budget, k) is None
+    else:
+        assert "--max-num-seqs" not in problem  # no request count fits: only a larger budget does
     assert warmup_overflow(seqs, seqs * (k + 3), k) is None
 
 

@@ -457,9 +457,10 @@ def warmup_overflow(max_num_seqs: int, max_num_batched_tokens: int, num_speculat
     prefill pass then runs over those tokens plus one per request (``prepare_prefill_inputs``), while
     torch.compile covers batches up to the budget only (``_set_compile_ranges``). Past it vLLM stops with
     "Shape: N out of considered ranges" after loading the weights. The scheduler leaves that one slot per request
-    when it serves, the warm-up does not: every budget smaller than ``max_num_seqs x (K + 3)`` trips it once
-    the budget, not ``max_num_seqs``, bounds the warm-up (256 tokens with 128 requests at K=7: 280). Found on
-    the H200 (2026-12-05). ``max_warmup_reqs`` is the KV cache's cap on the warm-up's requests, where known.
+    when it serves, the warm-up does not: a budget below ``max_num_seqs x (K + 3)`` trips it but where it holds
+    only a few warm-up requests (256 tokens with 128 requests at K=7: 280; found on the H200, 2026-12-05).
+    ``max_warmup_reqs`` is the KV cache's cap on the warm-up's requests, where known. The ways out the message
+    names each serve (tests/test_vllm_warmup_budget.py); fewer requests only where one still fits.
     """
     k = num_speculative_tokens
     prompt_len = k + 2  # decode_query_len (1 + K) + 1
@@ -469,10 +470,12 @@ def warmup_overflow(max_num_seqs: int, max_num_batched_tokens: int, num_speculat
     tokens = reqs * (prompt_len + 1)
     if tokens <= max_num_batched_tokens:
         return None
+    fewer = max_num_batched_tokens // (k + 3)
     return (f"vLLM {VLLM_VERSION}'s start-up warm-up would run the draft model over {tokens} tokens ({reqs} requests "
             f"of {prompt_len}, plus one each), more than the {max_num_batched_tokens} torch.compile covers "
-            f"(--max-num-batched-tokens), and stop there; use --max-num-seqs {max_num_batched_tokens // (k + 3)} or "
-            f"fewer, --max-num-batched-tokens {max_num_seqs * (k + 3)} or more, or --kernel-config "
+            f"(--max-num-batched-tokens), and stop there; use "
+            + (f"--max-num-seqs {fewer} or fewer, " if fewer else "")
+            + f"--max-num-batched-tokens {max_num_seqs * (k + 3)} or more, or --kernel-config "
             "'{\"enable_jit_warmup\": false}'")
 
 
