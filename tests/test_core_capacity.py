@@ -34,6 +34,7 @@ from dspark_cli.core.saturation import (
     PROBE_MARGIN,
     PROBE_MEASURE_WAIT,
     PROBE_TAX,
+    PROBE_TAX_CLAMP,
     STEP_TIME_MEMORY,
     STEP_TIME_STALE,
     RequestWeightedMean,
@@ -1423,7 +1424,7 @@ def _timed_closed_loop(pol: SaturationPolicy, generations: int, paused_ms: float
 def test_a_step_left_out_of_the_calibration_still_counts_for_the_probe_tax() -> None:
     policy = SaturationPolicy(patience=2, resume_every=4)
     seen: list[tuple[bool, float]] = []
-    policy.record_step_ms = lambda drafting, ms, kind=None, num_running=None, trigger=None: seen.append((drafting, ms))  # type: ignore[method-assign]
+    policy.record_step_ms = lambda drafting, ms, kind=None, num_running=None, trigger=None, probe_bucket=None: seen.append((drafting, ms))  # type: ignore[method-assign]
     timer = StepTimer(policy)
     timer.record(True, 16, 40.0, 10.0, calibrate=False)  # e.g. a step that also caught a paused draft up
     timer.record(False, 16, 30.0, 10.0, calibrate=False)
@@ -2057,6 +2058,104 @@ def test_the_backoff_reset_waits_for_a_lighter_load_that_holds() -> None:
     for _ in range(16):
         assert not pol.begin_step(16)
     assert pol.probe_wait == wait_at_16 > 16
+
+
+_PAYING = BudgetDecision(budget=48, theta_best=2.0, theta_all=2.0, theta_no_draft=1.5, step_ms=1.0, total_drafts=112)
+
+
+def _policy_step(pol: SaturationPolicy, load: int, outcome: BudgetDecision) -> bool:
+    """One step at ``load`` (drafting 30 ms, paused 10), judged by ``outcome`` where it drafts."""
+    drafting = pol.begin_step(load)
+    kind = pol.step_kind
+    if drafting:
+        pol.observe_outcome(outcome, 2, load)
+    pol.record_step_ms(drafting, 30.0 if drafting else 10.0, kind=kind, num_running=load)
+    return drafting
+
+
+def test_a_light_load_that_wobbles_by_a_request_still_resets_the_backoff() -> None:
+    """At 16 requests 5% is less than one request: a request finishing and the next arriving a step later moved
+    the load to 15 for a step, which restarted the hold every time; with one such step in every 12 the reset
+    never came, and section 36's 16-request cell waited out the heavy load's backoff (~500 paused steps)."""
+    for every in (None, 12, 5):
+        pol = _paused_by_losing_steps(256, 30.0)
+        _fail_timer_probes(pol, 256, 5)
+        assert pol.probe_wait >= 16 * 32
+        assert _policy_step(pol, 16, _LOSING) and pol.probe_trigger == "load"  # the drain's load-fall probe fails there
+        loads = [15 if every and i % every == every - 1 else 16 for i in range(200)]
+        first = next(i for i, load in enumerate(loads) if _policy_step(pol, load, _PAYING))
+        assert first <= 20, (every, first)
+
+
+def test_a_backoff_carried_into_a_new_pause_resets_at_a_lighter_load_that_holds() -> None:
+    """A resume that lost within its probation at 256 requests pauses again with twice its wait, and a ceiling
+    the load came back to with the ceiling's: backoffs earned at the heavy load, which a lighter load that holds
+    resets, as it resets a failed timer probe's. They had carried into the 16-request cell whole."""
+    def drain_to_paying_16(pol: SaturationPolicy) -> int:
+        assert _policy_step(pol, 16, _LOSING) and pol.probe_trigger == "load"  # the drain's load-fall probe fails
+        return next(i for i in range(2000) if _policy_step(pol, 16, _PAYING))
+
+    lucky = _paused_by_losing_steps(256, 30.0)
+    _fail_timer_probes(lucky, 256, 4)
+    while not _policy_step(lucky, 256, _PAYING):  # a timer probe at 256 pays by luck ...
+        pass
+    while lucky.drafting_enabled:  # ... and drafting loses again within its probation
+        _policy_step(lucky, 256, _LOSING)
+    assert lucky.probe_wait >= 16 * 32
+    assert drain_to_paying_16(lucky) <= 20
+    ceiling = _paused_by_losing_steps(256, 30.0)
+    _fail_timer_probes(ceiling, 256, 5)
+    assert _policy_step(ceiling, 100, _PAYING) and ceiling.drafting_enabled and ceiling.ceiling == 256
+    for _ in range(30):
+        _policy_step(ceiling, 100, _PAYING)
+    assert not _policy_step(ceiling, 256, _PAYING)  # the load that did not pay is back: paused with the backoff
+    assert ceiling.probe_wait >= 16 * 32
+    assert drain_to_paying_16(ceiling) <= 20
+    # at the heavy load itself the carried backoff stands
+    again = _paused_by_losing_steps(256, 30.0)
+    _fail_timer_probes(again, 256, 4)
+    while not _policy_step(again, 256, _PAYING):
+        pass
+    while again.drafting_enabled:
+        _policy_step(again, 256, _LOSING)
+    wait = again.probe_wait
+    for _ in range(wait - 1):
+        assert not _policy_step(again, 256, _LOSING)
+
+
+def test_a_probation_step_reported_late_is_charged_where_its_probe_ran() -> None:
+    """vLLM reports a step's time a decision or two late: a probation step reported after a drain's load-fall
+    probe began at 4 requests was charged to 4's account, which no paused step there could repay, and never to
+    16's, where the resume was bought."""
+    pol = SaturationPolicy(patience=2, resume_every=4)
+    while pol.drafting_enabled:
+        _policy_step(pol, 16, _LOSING)
+    while not pol.begin_step(16):
+        pol.record_step_ms(False, 10.0, num_running=16)
+    pol.record_step_ms(True, 20.0, kind="probe", num_running=16)
+    pol.observe_outcome(_PAYING, 2, 16)  # a timer probe at 16 pays: probation
+    begun = []
+    while pol.drafting_enabled:
+        pol.begin_step(16)
+        begun.append((pol.step_kind, pol.probe_trigger, pol.probe_bucket))
+        pol.observe_outcome(_LOSING, 2, 16)
+    at_16 = pol.probe_allowance_at(16)
+    assert pol.begin_step(4) and pol.probe_trigger == "load"  # the drain: a load-fall probe at 4
+    for kind, trigger, bucket in begun:  # the probation steps' times come in now
+        assert kind == "probation"
+        pol.record_step_ms(True, 50.0, kind=kind, num_running=16, trigger=trigger, probe_bucket=bucket)
+    assert pol.probe_allowance_at(16) == at_16 - 50.0 * len(begun) and pol.probe_allowance_at(4) == 0.0
+
+
+def test_a_step_timed_whole_is_taxed_whole_and_an_interval_up_to_the_clamp() -> None:
+    """The embedded engine times the step itself: a probe's catch-up over a long pause (300 ms at a 20 ms price)
+    is all probing cost. vLLM's manager times the interval between two decisions, which a server can idle
+    through: there the tax counts PROBE_TAX_CLAMP x the price at most."""
+    for clamp, charged in ((None, 300.0), (PROBE_TAX_CLAMP, PROBE_TAX_CLAMP * 20.0)):
+        policy = SaturationPolicy(patience=2, resume_every=4)
+        StepTimer(policy, tax_clamp=clamp).record(True, 16, 300.0, 20.0, kind="probe", trigger="timer")
+        # the bucket's first probe finds its account full (PROBE_BANK probes of this one's time), then spends it
+        assert policy.probe_allowance_at(16) == pytest.approx((PROBE_BANK - 1) * charged)
 
 
 def test_a_resume_that_fails_at_another_load_leaves_no_debt_the_load_cannot_repay() -> None:

@@ -619,10 +619,10 @@ def _charged_probe_steps(manager_cls, probe_ms: float, idle_after_probe_s: float
     record = sat.record_step_ms
 
     def spy(drafting: bool, ms: float, kind: str | None = None, num_running: int | None = None,
-            trigger: str | None = None) -> None:
+            trigger: str | None = None, probe_bucket: int | None = None) -> None:
         if kind == "probe":
             charged.append(ms)
-        record(drafting, ms, kind, num_running, trigger)
+        record(drafting, ms, kind, num_running, trigger, probe_bucket)
 
     sat.record_step_ms = spy  # type: ignore[method-assign]
     now = [0.0]

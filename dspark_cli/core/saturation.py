@@ -36,9 +36,10 @@ REALIZED_MEMORY = 64
 # and how often a drafting engine takes one plain step just to measure plain decoding.
 STEP_TIME_MEMORY = 256
 STEP_TIME_CLAMP = 4.0
-# StepTimer counts at most PROBE_TAX_CLAMP x a step's price for the probe tax: a probe's catch-up over a long pause
-# runs ~4.4x (H100, section 36), an interval the server idled through any length (vLLM's manager times a step as
-# the interval between two decisions).
+# An engine that times a step as the interval between two decisions (vLLM's manager) builds its StepTimer with
+# tax_clamp=PROBE_TAX_CLAMP, so the probe tax counts at most that many times a step's price: a probe's catch-up over
+# a long pause runs ~4.4x (H100, section 36), an interval the server idled through any length. One that times the
+# step itself (the embedded engine) counts it whole: its probe's catch-up is all work the probe cost.
 PROBE_TAX_CLAMP = 2 * STEP_TIME_CLAMP
 PLAIN_SAMPLE_EVERY = 64
 # A window not fed for more than STEP_TIME_STALE timed steps (all loads and kinds) restarts with its next sample,
@@ -276,8 +277,9 @@ class StepTimer:
     drafting against what pausing really costs there, not against the curve's price of plain decoding.
     """
 
-    def __init__(self, saturation: SaturationPolicy) -> None:
+    def __init__(self, saturation: SaturationPolicy, tax_clamp: float | None = None) -> None:
         self.saturation = saturation
+        self.tax_clamp = tax_clamp  # PROBE_TAX_CLAMP where a step's time may hold idle time; None: counted whole
         self.step_times = StepTimeCalibration()
         self._drafting_since_plain = 0  # drafting steps (probes aside) begun since the last plain one
         self._plain_in_flight = False  # a plain step was begun and its time has not come back yet
@@ -327,16 +329,19 @@ class StepTimer:
         return drafting
 
     def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float,
-               calibrate: bool = True, kind: str | None = None, trigger: str | None = None) -> None:
+               calibrate: bool = True, kind: str | None = None, trigger: str | None = None,
+               probe_bucket: int | None = None) -> None:
         """A step's measured wall time and what the curve charged for it. ``calibrate=False``: the step did
         work that is neither drafting's nor a paused step's cost (a draft catching up over a pause); it counts
-        for the probe tax only. ``kind`` and ``trigger``: :attr:`SaturationPolicy.step_kind` and
-        :attr:`SaturationPolicy.probe_trigger` as the step began; None for the step begun last (an engine that
-        reports each step before beginning the next). The probe tax counts at most ``PROBE_TAX_CLAMP`` x the
-        price: a catch-up was spent, an interval a server idled through was not."""
+        for the probe tax only. ``kind``, ``trigger`` and ``probe_bucket``: :attr:`SaturationPolicy.step_kind`,
+        :attr:`SaturationPolicy.probe_trigger` and :attr:`SaturationPolicy.probe_bucket` as the step began; None
+        for the step begun last (an engine that reports each step before beginning the next). With ``tax_clamp``
+        the probe tax counts at most that many times the price: a catch-up was spent, an interval a server idled
+        through was not."""
         kind = self.saturation.step_kind if kind is None else kind
-        taxed = min(measured_ms, PROBE_TAX_CLAMP * priced_ms) if priced_ms > 0 else measured_ms
-        self.saturation.record_step_ms(drafting, taxed, kind, num_reqs, trigger)
+        clamp = self.tax_clamp
+        taxed = min(measured_ms, clamp * priced_ms) if clamp is not None and priced_ms > 0 else measured_ms
+        self.saturation.record_step_ms(drafting, taxed, kind, num_reqs, trigger, probe_bucket)
         self._reported = True
         if not drafting:
             self._plain_in_flight = False
@@ -425,12 +430,14 @@ class SaturationPolicy:
       whole speculative step plus the draft's catch-up over the pause, so under sustained saturation
       fixed-rate probes would tax throughput by ~1/resume_every forever; the backoff bounds that tax at
       1/(MAX_PROBE_BACKOFF x resume_every). The backoff is what timer probes failed at their load: once the
-      load has held within ``LOAD_SETTLE_RISE`` for as many paused steps as the pause's first wait, at or below
-      ``LOAD_FALL`` of the load where the last timer probe failed, the wait goes back to that first wait, or to
-      what failures at this load's power-of-two bucket had backed it off to. On an H100 (docs/PERFORMANCE.md
+      load has held within ``LOAD_SETTLE_RISE`` (or one request) for ``resume_every`` paused steps, at or below
+      ``LOAD_FALL`` of the load where the last timer probe failed, the wait goes back to ``resume_every``, or
+      to what failures at this load's power-of-two bucket had backed it off to. On an H100 (docs/PERFORMANCE.md
       section 36) a shape warm-up's timer probes failed at 124-256 requests and backed the wait off to 256
       paused steps before a 16-request cell where drafting paid 1.1-1.3x. A draining batch, a straggler tail
       shorter than that wait, or a full batch losing a request or two is no such load, and keeps the backoff.
+      A pause that starts backed off (a resume lost within its probation, a ceiling the load came back to) was
+      backed off at its load, as a failed timer probe's wait is, and resets alike.
     * **load fell**: when the number of running requests falls to <= 3/4 of the lowest load at which
       drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs at
       once: the contention that made drafting unprofitable may be gone. A failed one lowers that floor to
@@ -582,6 +589,11 @@ class SaturationPolicy:
         return self._probe_trigger
 
     @property
+    def probe_bucket(self) -> int:
+        """The load bucket of the probe in progress, or the last one: where its probation's steps are charged."""
+        return self._probe_bucket
+
+    @property
     def floor(self) -> int:
         """The lowest load at which drafting was found not to pay in this pause (0 before any pause)."""
         return self._floor
@@ -617,7 +629,9 @@ class SaturationPolicy:
             return
         lo, hi = self._held_range if self._held_steps else (num_running, num_running)
         lo, hi = min(lo, num_running), max(hi, num_running)
-        if hi >= LOAD_SETTLE_RISE * lo:  # the load moved: the hold starts again here
+        # The load moved (by more than one request, which at 16 is already over 5%: a request finishing every few
+        # steps must not keep a light load from ever holding): the hold starts again here.
+        if hi - lo > max((LOAD_SETTLE_RISE - 1.0) * lo, 1):
             self._held_steps, lo, hi = 0, num_running, num_running
         self._held_steps += 1
         self._held_range = (lo, hi)
@@ -693,7 +707,8 @@ class SaturationPolicy:
                 and self._drafting_since_resume < 2 * self.patience)
 
     def record_step_ms(self, drafting: bool, measured_ms: float, kind: str | None = None,
-                       num_running: int | None = None, trigger: str | None = None) -> None:
+                       num_running: int | None = None, trigger: str | None = None,
+                       probe_bucket: int | None = None) -> None:
         """Report the wall time of a step (the probe tax): of kind ``kind`` (:attr:`step_kind` when it began),
         None for the step begun by the last :meth:`begin_step`, of ``num_running`` requests (the account it
         saves into or spends from; None: the load of the step begun last), and begun while :attr:`probe_trigger`
@@ -702,7 +717,9 @@ class SaturationPolicy:
         uncharged), or a timer probe a load-fall one (charged to the timer's tax), and the resume a probation
         step belonged to may have been confirmed already (its last step, reported after the forgiveness, was a
         debt left at a load that had just shown drafting pays; on vLLM, two decisions late, it held that load's
-        next timer probe back 50 paused steps in a replay).
+        next timer probe back 50 paused steps in a replay). ``probe_bucket``: :attr:`probe_bucket` as the step
+        began (None: as it is now), where a probation step is charged: reported late, after a load-fall probe
+        moved it, a probation step was charged to the new probe's load, one that paused steps there cannot repay.
 
         A paused step saves ``probe_tax`` of its time; a probe step, or a drafting step on probation, spends
         all of its time. ``drafting`` is whether the step drafted: a plain step the engine took while drafting
@@ -721,9 +738,11 @@ class SaturationPolicy:
         if kind == "probation":
             # Part of what the probe that resumed drafting cost: charged where it probed, whatever the load now
             # (a bucket no probe ran at has no allowance to fund it, nor one that paused steps would repay).
-            bucket = self._probe_bucket
+            bucket = self._probe_bucket if probe_bucket is None else probe_bucket
         else:
             bucket = StepTimeCalibration.load_bucket(self._last_running if num_running is None else num_running)
+        if kind == "probation" and self._accounts.get(bucket, ProbeAllowance()).probe_step_ms is None:
+            return  # no probe was timed there: a debt its paused steps could not repay (they save nothing yet)
         account = self._accounts.setdefault(bucket, ProbeAllowance())
         if not drafting:
             if kind == "paused" and account.probe_step_ms is not None:
@@ -879,9 +898,15 @@ class SaturationPolicy:
         self._paused = True
         self._floor = self._paused_at = self._top = num_running
         self._paused_steps = 0
-        self._probe_wait = self._pause_wait = probe_wait
+        self._probe_wait = probe_wait
+        self._pause_wait = self.resume_every
         self._timer_failed_load = self._held_steps = 0
         self._failed_waits.clear()
+        if probe_wait > self.resume_every:
+            # A backoff carried into this pause (a resume that lost on probation, a ceiling the load came back to)
+            # was earned at this load, as a failed timer probe's is: a lighter load that holds may reset it.
+            self._timer_failed_load = num_running
+            self._failed_waits[StepTimeCalibration.load_bucket(num_running)] = probe_wait
         self._streak = 0
         self._ceiling = None
 

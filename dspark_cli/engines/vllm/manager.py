@@ -67,6 +67,7 @@ class _Begun(NamedTuple):
     heavy: bool  # its step's batch carried a prompt chunk (prompt_heavy)
     kind: str  # what it is to the probe tax (SaturationPolicy.step_kind)
     trigger: str  # what had started the probe in progress or the last (SaturationPolicy.probe_trigger)
+    probe_bucket: int  # that probe's load bucket, where a probation step is charged (SaturationPolicy.probe_bucket)
 
 
 class _StepRecord(NamedTuple):
@@ -79,6 +80,7 @@ class _StepRecord(NamedTuple):
     calibrate: bool  # no paused draft caught up in it
     kind: str  # what it was to the probe tax as it began (SaturationPolicy.step_kind)
     trigger: str  # SaturationPolicy.probe_trigger as it began
+    probe_bucket: int  # SaturationPolicy.probe_bucket as it began
 
 
 def pruned_token_mask(
@@ -548,7 +550,13 @@ def build_manager_class(base: type) -> type:
         prefix_survival,
         warm_up_allocate,
     )
-    from dspark_cli.core.saturation import STEP_TIME_CLAMP, SaturationPolicy, StepTimeCalibration, StepTimer
+    from dspark_cli.core.saturation import (
+        PROBE_TAX_CLAMP,
+        STEP_TIME_CLAMP,
+        SaturationPolicy,
+        StepTimeCalibration,
+        StepTimer,
+    )
     from dspark_cli.core.sts import OnlineSTS, apply_temperatures
 
     class DsparkVerificationManager(base):  # type: ignore[misc, valid-type]
@@ -567,7 +575,7 @@ def build_manager_class(base: type) -> type:
             # Step times (between drafting decisions, in the GPU's stream order on CUDA: step_clock says why):
             # the probe tax, and what a drafting step costs against a paused one, which in vLLM is not plain
             # decoding (core.saturation.StepTimer).
-            self.timer = StepTimer(self.saturation)
+            self.timer = StepTimer(self.saturation, tax_clamp=PROBE_TAX_CLAMP)
             # Prefill steps (prompt_heavy, or the step after one) feed no window the policy reads; timed here
             # apart, for the log only, catch-ups included: a paused step that admits prompts also catches the
             # draft up, and that is what such a step costs. Under decode-only graphs they run the target eagerly,
@@ -1017,7 +1025,8 @@ def build_manager_class(base: type) -> type:
                 self._decisions[drafting] += 1
                 if self._timed:
                     self._last_begin = _Begun(mark, drafting, int(state.input_batch.num_reqs), self._catchups_paid(),
-                                              heavy, self.saturation.step_kind, self.saturation.probe_trigger)
+                                              heavy, self.saturation.step_kind, self.saturation.probe_trigger,
+                                              self.saturation.probe_bucket)
                     self._maybe_report(self._clock())
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
@@ -1108,7 +1117,8 @@ def build_manager_class(base: type) -> type:
                 if priced > 0:
                     self._intervals.close(last.mark, mark, _StepRecord(
                         last.drafted, last.num_reqs, priced, decode=not (last.heavy or heavy),
-                        calibrate=self._catchups_paid() == last.catchups, kind=last.kind, trigger=last.trigger))
+                        calibrate=self._catchups_paid() == last.catchups, kind=last.kind, trigger=last.trigger,
+                        probe_bucket=last.probe_bucket))
             for measured, step in self._intervals.finished():
                 # Over STEP_TIME_CLAMP x its price a time measures a stall or a long catch-up, not what drafting
                 # costs against a paused step; but a catch-up was spent (a probe at 256 requests that catches the
@@ -1118,7 +1128,7 @@ def build_manager_class(base: type) -> type:
                 timed = measured <= STEP_TIME_CLAMP * step.priced_ms
                 self.timer.record(step.drafted, step.num_reqs, measured, step.priced_ms,
                                   calibrate=timed and step.decode and step.calibrate, kind=step.kind,
-                                  trigger=step.trigger)
+                                  trigger=step.trigger, probe_bucket=step.probe_bucket)
                 if timed and not step.decode:
                     self._prefill_times.record(step.drafted, step.num_reqs, measured, step.priced_ms)
 
