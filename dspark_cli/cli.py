@@ -247,7 +247,7 @@ def serve(
              "b_k = first*decay^(k-1) (first=0.8, decay=0.7, or last=X, or probs=a/b/c; spread=1.0 varies it "
              "per request) and the reported confidence is miscalibrated (temp=0.5, noise=0.3); seed=N."),
     num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", "-k",
-                                                      help="Drafted tokens per step (default 4; 0 = no speculation)."),
+                                                      help="Drafted tokens per step (default 4 where there is a draft; 0 = no speculation)."),
     capacity_mode: str | None = typer.Option(None, "--capacity-mode", help="none (default), mask or varlen; capacity settings alone imply varlen. "
                                               "mask keeps the uniform batch: on a dense model it prunes only under "
                                               "--budget-frac and otherwise pays through the saturation policy."),

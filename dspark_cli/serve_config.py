@@ -516,7 +516,7 @@ def replace(settings: ServeSettings, **changes: Any) -> ServeSettings:
 # ---------------------------------------------------------------------------------------- embedded launch
 
 # The embedded engine's default draft length when neither a flag nor the JSON sets it (EngineConfig's).
-_DEFAULT_K = 4
+DEFAULT_K = 4
 
 
 def drafted_k(s: ServeSettings) -> int | None:
@@ -526,7 +526,7 @@ def drafted_k(s: ServeSettings) -> int | None:
         return s.num_speculative_tokens
     if s.draft is None:
         return 0
-    return _DEFAULT_K if s.num_speculative_tokens is None else s.num_speculative_tokens
+    return DEFAULT_K if s.num_speculative_tokens is None else s.num_speculative_tokens
 
 
 @dataclass

@@ -569,3 +569,35 @@ def test_profile_sps_says_the_launchers_warnings_too(capsys: pytest.CaptureFixtu
     out = capsys.readouterr()
     assert f"warning: {capacity_mode_none_warning(['--online-sts'])}" in out.err
     assert "--additional-config" not in out.out
+
+
+def test_without_a_draft_length_vllm_drafts_the_default_where_a_draft_is_there_and_a_capacity_mode_says_so(
+        tmp_path: Path) -> None:
+    """No -k under --engine vllm: a capacity mode went to vLLM with no draft model nor draft count, and the bench's
+    `none` column (--capacity-mode none) served no speculation at all, a second nospec column. The documented
+    default (4) now drafts wherever a draft is there; without one, plain vLLM, and a capacity mode says why not."""
+    import json
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import app
+
+    def spec_of(*argv: str) -> dict | None:
+        result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", *argv],
+                                    env={"DSPARK_VLLM_MODELS": str(tmp_path)})
+        assert result.exception is None, result.output
+        line = shlex.split(next(x for x in result.output.splitlines() if x.startswith("vllm serve")))
+        return json.loads(line[line.index("--speculative-config") + 1]) if "--speculative-config" in line else None
+
+    for mode in ("varlen", "none"):
+        spec = spec_of("--capacity-mode", mode, *(["--sps-curve", "auto"] if mode != "none" else []))
+        assert spec is not None and spec["num_speculative_tokens"] == 4 and spec["model"], (mode, spec)
+    assert spec_of("--model", "/ckpt/t", "--draft", "/ckpt/d")["num_speculative_tokens"] == 4
+    assert spec_of("--model", "/ckpt/t") is None  # a checkpoint and no draft: plain vLLM, as before
+    assert spec_of("-k", "0") is None
+    assert spec_of("-k", "7", "--capacity-mode", "varlen", "--sps-curve", "auto")["num_speculative_tokens"] == 7
+    result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t",
+                                      "--capacity-mode", "varlen", "--sps-curve", "auto"])
+    assert isinstance(result.exception, DsparkError)
+    assert "--capacity-mode varlen needs speculative decoding" in str(result.exception)

@@ -20,6 +20,7 @@ With no dspark setting at all the command is ``vllm serve`` with the arguments u
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import os
@@ -49,7 +50,13 @@ from dspark_cli.engines.vllm.contract import (
 )
 from dspark_cli.engines.vllm.models import VllmModels, describe, method_marker, vllm_models
 from dspark_cli.errors import DsparkError
-from dspark_cli.serve_config import CAPACITY_FLAGS, capacity_mode_none_warning, curve_k_warning, flag_value
+from dspark_cli.serve_config import (
+    CAPACITY_FLAGS,
+    DEFAULT_K,
+    capacity_mode_none_warning,
+    curve_k_warning,
+    flag_value,
+)
 
 SPEC_FLAGS = ("--speculative-config", "-sc")
 ADDITIONAL_FLAG = "--additional-config"
@@ -491,6 +498,9 @@ def argv_from_serve_settings(settings: Any, extra: list[str], models: VllmModels
         # Handed on with mode none, so that the command-line path's refusal (the plugin stays inert in mode none,
         # and records no traces) is this path's too; the CLI warns about the other settings mode none ignores.
         spec.update(dspark_capacity_verification_mode="none", dspark_record_traces=settings.record_traces)
+    if settings.capacity_mode != "none" and settings.num_speculative_tokens != 0 and not spec.get("num_speculative_tokens"):
+        raise DsparkError(f"--capacity-mode {settings.capacity_mode} needs speculative decoding, and vLLM has no "
+                          "draft here: pass --draft PATH (or a model with a draft of its own) and -k N")
     if settings.num_speculative_tokens == 0:
         # No speculation (the bench's nospec column): vLLM takes no speculative config for it, and refuses one
         # of 0 tokens (SpeculativeConfig.num_speculative_tokens > 0).
@@ -517,7 +527,15 @@ def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool =
     # Before any model is converted or copied: a machine without vLLM is told so first.
     executable = None if dry_run else _vllm_executable()
     if not isinstance(args, (list, tuple)):
-        models = vllm_models(args.model, args.draft, speculative=bool(args.num_speculative_tokens), build=not dry_run)
+        spec_json = getattr(args, "vllm_speculative_config", None) or {}
+        k_given = args.num_speculative_tokens is not None or "num_speculative_tokens" in spec_json
+        # No draft length given: the documented default (DEFAULT_K) wherever a draft is there to draft with (the
+        # model's own, --draft, or the JSON's model); else plain vLLM. Without it, a capacity mode was handed to
+        # vLLM with no draft at all, and --capacity-mode none (the bench's column) served no speculation.
+        speculative = bool(args.num_speculative_tokens) if k_given else args.draft is not None
+        models = vllm_models(args.model, args.draft, speculative=speculative, build=not dry_run)
+        if not k_given and (models.draft is not None or spec_json.get("model") is not None):
+            args = dataclasses.replace(args, num_speculative_tokens=DEFAULT_K)
         if models.served_name is not None:
             sys.stderr.write(f"dspark: {describe(models)}\n")
         args = argv_from_serve_settings(args, extra or [], models)
