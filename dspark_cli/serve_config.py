@@ -140,7 +140,9 @@ class ServeSettings:
         return self.draft is not None and self.num_speculative_tokens != 0
 
     def dspark_keys(self) -> dict[str, Any]:
-        """The settings as canonical ``dspark_*`` keys (what the vLLM launcher puts in --additional-config)."""
+        """The settings as canonical ``dspark_*`` keys (what the vLLM launcher puts in --additional-config): those
+        set away from their defaults only, so that a default never overrides what the user's own
+        ``--additional-config`` object sets (a policy, online STS and a budget there were dropped so)."""
         out: dict[str, Any] = {"dspark_capacity_verification_mode": self.capacity_mode}
         if self.sps_curve_points is not None:
             out["dspark_sps_curve"] = [list(p) for p in self.sps_curve_points]
@@ -148,10 +150,14 @@ class ServeSettings:
             out["dspark_sps_curve"] = self.sps_curve
         if self.sps_overhead_ms is not None:
             out["dspark_sps_overhead_ms"] = self.sps_overhead_ms
-        out["dspark_budget_frac"] = self.budget_frac
-        out["dspark_confidence_threshold"] = self.confidence_threshold if self.capacity_policy == "threshold" else 0.0
-        out["dspark_policy"] = self.capacity_policy
-        out["dspark_online_sts"] = self.online_sts
+        if self.budget_frac != 1.0:
+            out["dspark_budget_frac"] = self.budget_frac
+        if self.capacity_policy == "threshold":
+            out["dspark_confidence_threshold"] = self.confidence_threshold
+        elif self.capacity_policy != "argmax":
+            out["dspark_policy"] = self.capacity_policy
+        if self.online_sts:
+            out["dspark_online_sts"] = True
         if self.min_predicted_gain is not None:
             out["dspark_min_predicted_gain"] = self.min_predicted_gain
         if self.sts is not None:

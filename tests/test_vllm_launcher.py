@@ -601,3 +601,29 @@ def test_without_a_draft_length_vllm_drafts_the_default_where_a_draft_is_there_a
                                       "--capacity-mode", "varlen", "--sps-curve", "auto"])
     assert isinstance(result.exception, DsparkError)
     assert "--capacity-mode varlen needs speculative decoding" in str(result.exception)
+
+
+def test_the_users_additional_config_keeps_what_no_flag_sets() -> None:
+    """dspark serve wrote every setting's default into the speculative config, laid over the user's own
+    --additional-config dspark object: its policy, online STS and budget were dropped without a word. A flag
+    set away from its default still wins."""
+    import json
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import app
+
+    def dspark_of(*argv: str) -> dict:
+        result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t", "--draft",
+                                          "/ckpt/d", "-k", "7", "--capacity-mode", "varlen", "--sps-curve", "auto",
+                                          *argv])
+        assert result.exception is None, result.output
+        line = shlex.split(next(x for x in result.output.splitlines() if x.startswith("vllm serve")))
+        return json.loads(line[line.index("--additional-config") + 1])["dspark"]
+
+    user = {"policy": "paper", "online_sts": True, "budget_frac": 0.5, "saturation_patience": 0}
+    got = dspark_of("--additional-config", json.dumps({"dspark": user}))
+    assert {k: got[k] for k in user} == user and got["mode"] == "varlen"
+    got = dspark_of("--confidence-threshold", "0.3", "--additional-config", json.dumps({"dspark": user}))
+    assert got["policy"] == "threshold" and got["threshold"] == 0.3 and got["budget_frac"] == 0.5
