@@ -789,3 +789,17 @@ def test_a_server_that_dies_mid_cell_is_named_with_its_exit_status_and_log(tmp_p
     with pytest.raises(ServerStartError, match=r"61 of 64 requests .* the server had exited with status -9") as info:
         mx._run_served_config(_spec(tmp_path), BenchConfig("none"), [1], mx.Hooks())
     assert info.value.log_tail.endswith("Killed")
+
+
+def test_a_configs_own_flags_go_before_the_passthrough_of_the_common_ones(tmp_path: Path) -> None:
+    """--serve-args "--engine vllm -k 7 -- --gpu-memory-utilization 0.4": the nospec column's -k 0 went after the
+    --, straight to vllm serve (which has no -k), and its server would not start; nor would --host and --port
+    have reached dspark serve."""
+    from dspark_cli.bench.matrix import before_passthrough, served_args
+
+    spec = MatrixSpec(**{**_spec(tmp_path).__dict__,
+                         "serve_args": ("--engine", "vllm", "-k", "7", "--", "--gpu-memory-utilization", "0.4")})
+    nospec = BenchConfig("nospec", serve_args=("-k", "0"))
+    assert served_args(spec, nospec) == ["--engine", "vllm", "-k", "7", "-k", "0", "--",
+                                         "--gpu-memory-utilization", "0.4"]
+    assert before_passthrough(["-k", "7"], ["--port", "1"]) == ["-k", "7", "--port", "1"]

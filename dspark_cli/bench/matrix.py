@@ -94,7 +94,7 @@ class BenchInterrupted(DsparkError):
 @dataclass(frozen=True)
 class BenchConfig:
     name: str
-    serve_args: tuple[str, ...] = ()  # appended after the common flags, so they win over repeats
+    serve_args: tuple[str, ...] = ()  # after the common flags (so they win over repeats), before any --
     sts: bool = False
 
 
@@ -389,8 +389,16 @@ def workload_difference(was: dict[str, Any], now: dict[str, Any]) -> str:
 
 
 def served_args(spec: MatrixSpec, cfg: BenchConfig) -> list[str]:
-    """What a config's server is started with, but where it listens: what makes its cells its own."""
-    return [*spec.serve_args, *cfg.serve_args]
+    """What a config's server is started with, but where it listens: what makes its cells its own. The config's
+    own arguments go before a ``--`` in ``--serve-args`` (what follows it passes to vLLM unread): after it, the
+    nospec column's ``-k 0`` reached ``vllm serve``, which has no ``-k``."""
+    return before_passthrough(list(spec.serve_args), cfg.serve_args)
+
+
+def before_passthrough(args: list[str], extra: Sequence[str]) -> list[str]:
+    """``args`` with ``extra`` inserted before its ``--`` (appended where there is none)."""
+    cut = args.index("--") if "--" in args else len(args)
+    return [*args[:cut], *extra, *args[cut:]]
 
 
 def setup_args(args: Sequence[str]) -> list[str]:
@@ -858,7 +866,7 @@ def _run_interleaved(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hook
     by_name = {cfg.name: cfg for cfg in spec.configs}
     pending = {(cfg.name, c) for cfg, c in todo}
     names = [cfg.name for cfg in spec.configs if any(k == cfg.name for k, _ in pending)]
-    check_shared_device([[*spec.serve_args, *by_name[name].serve_args] for name in names])
+    check_shared_device([served_args(spec, by_name[name]) for name in names])
     servers: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         for name in names:
@@ -954,7 +962,7 @@ def _served_process(spec: MatrixSpec, cfg: BenchConfig, hooks: Hooks) -> tuple[s
     """A config's server (not started yet: enter it), its URL and what its cells record about it."""
     port = _bind_probe(spec.host, spec.port) if spec.port else _free_port(spec.host)
     base_url = f"http://{url_host(spec.host)}:{port}"
-    args = [*served_args(spec, cfg), "--host", spec.host, "--port", str(port)]
+    args = before_passthrough(served_args(spec, cfg), ["--host", spec.host, "--port", str(port)])
     log_path = spec.results_dir / "logs" / f"{safe_name(cfg.name)}.log"
     hooks.log(f"{cfg.name}: starting server ({' '.join(args)})")
     # common_args: the --serve-args every column shares, so a later run into this folder tables only cells of
