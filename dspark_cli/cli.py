@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -60,7 +61,47 @@ def _root(
     """Confidence-scheduled speculative decoding that pays off at every load."""
 
 
-@app.command("profile-sps", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+_RAW_ARGS = "dspark.raw_args"
+
+
+def _dotted_short_flags_passed_through(args: list[str]) -> list[str]:
+    """vLLM's dotted short flags (``-cc.cudagraph_mode=PIECEWISE``, ``-ac.backend X``) moved after ``--``, with a
+    value that follows them: Click reads a single-dash word as a cluster of short options, so ``-ac.backend=X``
+    hit ``-k`` and ``-cc.cudagraph_mode=...`` hit ``-o`` (profile-sps wrote its curve to a file named ``de=...``).
+    Their place among vLLM's flags does not matter: its parser gathers dotted flags into one JSON it appends."""
+    cut = args.index("--") if "--" in args else len(args)
+    kept: list[str] = []
+    moved: list[str] = []
+    i = 0
+    while i < cut:
+        tok = args[i]
+        if _DOTTED_SHORT.match(tok):
+            moved.append(tok)
+            if "=" not in tok and i + 1 < cut and not args[i + 1].startswith("-"):
+                moved.append(args[i + 1])
+                i += 1
+        else:
+            kept.append(tok)
+        i += 1
+    if not moved:
+        return list(args)
+    return [*kept, "--", *args[cut + 1:], *moved] if cut < len(args) else [*kept, "--", *moved]
+
+
+_DOTTED_SHORT = re.compile(r"^-[A-Za-z]+\.")
+
+
+class _RawArgsCommand(TyperCommand):
+    """A command that keeps its raw arguments: the parser drops ``--``, and with it where a bare word stood."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        args = _dotted_short_flags_passed_through(args)
+        ctx.meta[_RAW_ARGS] = list(args)
+        return super().parse_args(ctx, args)
+
+
+@app.command("profile-sps", cls=_RawArgsCommand,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def profile_sps(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Target: tiny, smollm2-135m, a checkpoint dir, random:<shape> "
@@ -186,17 +227,6 @@ def calibrate(
         _warn(warning)
     written = [res.output] + ([res.plot] if res.plot is not None else [])
     console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False, soft_wrap=True)
-
-
-_RAW_ARGS = "dspark.raw_args"
-
-
-class _RawArgsCommand(TyperCommand):
-    """A command that keeps its raw arguments: the parser drops ``--``, and with it where a bare word stood."""
-
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
-        ctx.meta[_RAW_ARGS] = list(args)
-        return super().parse_args(ctx, args)
 
 
 def _stray_positional(ctx: typer.Context) -> str | None:

@@ -627,3 +627,31 @@ def test_the_users_additional_config_keeps_what_no_flag_sets() -> None:
     assert {k: got[k] for k in user} == user and got["mode"] == "varlen"
     got = dspark_of("--confidence-threshold", "0.3", "--additional-config", json.dumps({"dspark": user}))
     assert got["policy"] == "threshold" and got["threshold"] == 0.3 and got["budget_frac"] == 0.5
+
+
+def test_vllms_dotted_short_flags_reach_it_whole(tmp_path: Path) -> None:
+    """Click read ``-ac.backend=X`` as a cluster of short options and hit ``-k`` ("Invalid value for '-k'"), and
+    profile-sps read ``-cc.cudagraph_mode=PIECEWISE`` through ``-o``: its curve went to a file named ``de=PIECEWISE``
+    and the refusal of piecewise-only graphs never saw the flag."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import _dotted_short_flags_passed_through, app
+
+    assert _dotted_short_flags_passed_through(["-k", "7", "-cc.mode", "3", "--x", "-ac.backend=F", "--", "--y"]) == \
+        ["-k", "7", "--x", "--", "--y", "-cc.mode", "3", "-ac.backend=F"]
+    assert _dotted_short_flags_passed_through(["-k", "7", "-O3"]) == ["-k", "7", "-O3"]
+    runner = CliRunner()
+    result = runner.invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t", "--draft", "/ckpt/d",
+                                 "-k", "7", "-ac.backend=FLASHINFER"])
+    assert result.exception is None, result.output
+    line = shlex.split(next(x for x in result.output.splitlines() if x.startswith("vllm serve")))
+    assert "-ac.backend=FLASHINFER" in line and '"num_speculative_tokens":7' in line[line.index("--speculative-config") + 1]
+    out = tmp_path / "curve.json"
+    for command in (["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t", "--sps-curve", "auto"],
+                    ["profile-sps", "/ckpt/t", "--engine", "vllm", "--dry-run", "--output", str(out)]):
+        result = runner.invoke(app, [*command, "--draft", "/ckpt/d", "-k", "7", "--capacity-mode", "varlen",
+                                     "-cc.cudagraph_mode=PIECEWISE"])
+        assert "full CUDA graphs" in str(result.exception) + result.output, (command[0], result.output)
+    assert not out.exists() and not Path("de=PIECEWISE").exists()
