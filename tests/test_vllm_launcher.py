@@ -655,3 +655,23 @@ def test_vllms_dotted_short_flags_reach_it_whole(tmp_path: Path) -> None:
                                      "-cc.cudagraph_mode=PIECEWISE"])
         assert "full CUDA graphs" in str(result.exception) + result.output, (command[0], result.output)
     assert not out.exists() and not Path("de=PIECEWISE").exists()
+
+
+def test_vllms_speculative_shorthands_are_folded_into_the_speculative_config() -> None:
+    """vLLM 0.33 merges --spec-method/--spec-model/--spec-tokens into the speculative config; the launcher did not
+    see them: a capacity mode with --spec-method ngram went unrefused (nothing would be trimmed), and -k with
+    --spec-method mtp was refused for want of a draft mtp does not need."""
+    with pytest.raises(DsparkError, match="speculative method 'ngram'"):
+        plan_vllm_serve(["m", "--capacity-mode", "varlen", "--sps-curve", "auto", "--spec-method", "ngram",
+                         "--spec-tokens", "4"])
+    plan = plan_vllm_serve(["m", "--speculative-config", '{"num_speculative_tokens": 1}', "--spec-method=mtp"])
+    assert plan.speculative_config == {"num_speculative_tokens": 1, "method": "mtp"}
+    assert "--spec-method=mtp" not in plan.argv
+    plan = plan_vllm_serve(["m", "--spec_model", "/d", "--spec-tokens", "3", "--capacity-mode", "varlen",
+                            "--sps-curve", "auto"])
+    assert plan.speculative_config["model"] == "/d" and plan.speculative_config["num_speculative_tokens"] == 3
+    assert plan.settings is not None and plan.speculative_config["enable_adaptive_verification"] is True
+    with pytest.raises(DsparkError, match="--spec-tokens and the speculative config's 'num_speculative_tokens'"):
+        plan_vllm_serve(["m", "-sc", '{"model": "/d", "num_speculative_tokens": 3}', "--spec-tokens", "5"])
+    with pytest.raises(DsparkError, match="--spec-tokens: expected an integer, got 'many'"):
+        plan_vllm_serve(["m", "--spec-tokens", "many"])

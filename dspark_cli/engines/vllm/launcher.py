@@ -59,6 +59,9 @@ from dspark_cli.serve_config import (
 )
 
 SPEC_FLAGS = ("--speculative-config", "-sc")
+# vLLM 0.33's shorthands, which its parser merges into the speculative config (EngineArgs.create_speculative_config):
+# folded into the one the launcher writes, so that its checks see them and vLLM finds no key given twice.
+SPEC_SHORTHANDS = {"--spec-method": "method", "--spec-model": "model", "--spec-tokens": "num_speculative_tokens"}
 ADDITIONAL_FLAG = "--additional-config"
 
 # The toolkit's own serve flags (same names as the embedded engine's) -> settings field and value type.
@@ -118,7 +121,7 @@ def _convert(flag: str, value: str, kind: str) -> Any:
         if kind == "float":
             return float(value)
     except ValueError:
-        raise DsparkError(f"{flag}: expected a {'integer' if kind == 'int' else 'number'}, got {value!r}") from None
+        raise DsparkError(f"{flag}: expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}") from None
     return value
 
 
@@ -151,6 +154,7 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     spec: dict[str, Any] | None = None
     additional: dict[str, Any] = {}
     flag_values: dict[str, Any] = {}
+    shorthands: dict[str, tuple[str, Any]] = {}  # speculative config key -> (flag, value)
     i = 0
     while i < len(args):
         tok = args[i]
@@ -158,6 +162,15 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
         if tok == "--":
             passthrough.extend(args[i:])
             break
+        if _long_flag(name) in SPEC_SHORTHANDS:
+            flag = _long_flag(name)
+            if not eq and i + 1 >= len(args):
+                raise DsparkError(f"{flag} needs a value")
+            value = inline if eq else args[i + 1]
+            key = SPEC_SHORTHANDS[flag]
+            shorthands[key] = (flag, _convert(flag, value, "int") if key == "num_speculative_tokens" else value)
+            i += 1 if eq else 2
+            continue
         if name in DSPARK_FLAGS:
             field_name, kind = DSPARK_FLAGS[name]
             if kind in ("bool", "nobool"):
@@ -201,6 +214,18 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
         passthrough.append(tok)
         i += 1
 
+    if shorthands:
+        if spec is None:
+            spec = {}
+            passthrough.append(SPEC_FLAGS[0])
+            spec_pos = len(passthrough)
+            passthrough.append("{}")
+        for key, (flag, value) in shorthands.items():
+            if key in spec:
+                raise DsparkError(f"{flag} and the speculative config's {key!r} are both given: vLLM {VLLM_VERSION} "
+                                  "refuses that; keep one")
+            spec[key] = value
+        passthrough[spec_pos] = orjson.dumps(spec).decode()
     if spec is not None:
         # Whatever else is asked: vLLM reads the method from the draft's path before any setting of ours acts.
         _check_method_detection({k: v for k, v in spec.items() if not is_seed_key(k)})
@@ -245,6 +270,10 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     new_additional = {k: v for k, v in additional.items() if k != ADDITIONAL_CONFIG_KEY}
     warnings: list[str] = []
     if settings.active:
+        if not new_spec.get("num_speculative_tokens"):
+            raise DsparkError(f"--capacity-mode {settings.mode} needs speculative decoding, and vLLM has no draft "
+                              "length here: pass -k N (or num_speculative_tokens in --speculative-config) and a "
+                              "draft (--draft PATH, a model with a draft of its own, or a method that needs none)")
         _check_adaptive_method(new_spec, settings.mode)
         _check_full_graphs(passthrough, settings.mode)
         mismatch = None if draft_len is None else curve_k_warning(_curve_k(settings.sps_curve), draft_len)
@@ -498,9 +527,6 @@ def argv_from_serve_settings(settings: Any, extra: list[str], models: VllmModels
         # Handed on with mode none, so that the command-line path's refusal (the plugin stays inert in mode none,
         # and records no traces) is this path's too; the CLI warns about the other settings mode none ignores.
         spec.update(dspark_capacity_verification_mode="none", dspark_record_traces=settings.record_traces)
-    if settings.capacity_mode != "none" and settings.num_speculative_tokens != 0 and not spec.get("num_speculative_tokens"):
-        raise DsparkError(f"--capacity-mode {settings.capacity_mode} needs speculative decoding, and vLLM has no "
-                          "draft here: pass --draft PATH (or a model with a draft of its own) and -k N")
     if settings.num_speculative_tokens == 0:
         # No speculation (the bench's nospec column): vLLM takes no speculative config for it, and refuses one
         # of 0 tokens (SpeculativeConfig.num_speculative_tokens > 0).
