@@ -596,6 +596,7 @@ def test_without_a_draft_length_vllm_drafts_the_default_where_a_draft_is_there_a
     assert spec_of("--model", "/ckpt/t", "--draft", "/ckpt/d")["num_speculative_tokens"] == 4
     assert spec_of("--model", "/ckpt/t") is None  # a checkpoint and no draft: plain vLLM, as before
     assert spec_of("-k", "0") is None
+    assert spec_of("--spec-tokens", "5")["num_speculative_tokens"] == 5  # vLLM's own shorthand counts as given
     assert spec_of("-k", "7", "--capacity-mode", "varlen", "--sps-curve", "auto")["num_speculative_tokens"] == 7
     result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t",
                                       "--capacity-mode", "varlen", "--sps-curve", "auto"])

@@ -554,13 +554,14 @@ def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool =
     executable = None if dry_run else _vllm_executable()
     if not isinstance(args, (list, tuple)):
         spec_json = getattr(args, "vllm_speculative_config", None) or {}
-        k_given = args.num_speculative_tokens is not None or "num_speculative_tokens" in spec_json
+        given = [k for k in (args.num_speculative_tokens, spec_json.get("num_speculative_tokens"),
+                             flag_value([_long_flag(a) for a in extra or []], "--spec-tokens")) if k is not None]
         # No draft length given: the documented default (DEFAULT_K) wherever a draft is there to draft with (the
         # model's own, --draft, or the JSON's model); else plain vLLM. Without it, a capacity mode was handed to
         # vLLM with no draft at all, and --capacity-mode none (the bench's column) served no speculation.
-        speculative = bool(args.num_speculative_tokens) if k_given else args.draft is not None
+        speculative = given[0] not in (0, "0") if given else args.draft is not None
         models = vllm_models(args.model, args.draft, speculative=speculative, build=not dry_run)
-        if not k_given and (models.draft is not None or spec_json.get("model") is not None):
+        if not given and (models.draft is not None or spec_json.get("model") is not None):
             args = dataclasses.replace(args, num_speculative_tokens=DEFAULT_K)
         if models.served_name is not None:
             sys.stderr.write(f"dspark: {describe(models)}\n")
