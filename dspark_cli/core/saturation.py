@@ -537,7 +537,6 @@ class SaturationPolicy:
         self._ceiling_floor = 0
         self._paused_steps = 0
         self._probe_wait = resume_every
-        self._pause_wait = resume_every  # the wait this pause began with
         # The backoff's reset (class docstring): the load of this pause's last failed timer probe (0: none), the
         # wait failures left at each load bucket, and the paused steps the load has held since within
         # LOAD_SETTLE_RISE (between the lowest and highest of them) and at or below LOAD_FALL of that load.
@@ -635,9 +634,9 @@ class SaturationPolicy:
             self._held_steps, lo, hi = 0, num_running, num_running
         self._held_steps += 1
         self._held_range = (lo, hi)
-        if self._held_steps >= self._pause_wait:
+        if self._held_steps >= self.resume_every:
             bucket = StepTimeCalibration.load_bucket(num_running)
-            self._probe_wait = max(self._pause_wait, self._failed_waits.get(bucket, 0))
+            self._probe_wait = max(self.resume_every, self._failed_waits.get(bucket, 0))
             self._timer_failed_load = self._held_steps = 0
 
     def _settled(self) -> bool:
@@ -899,7 +898,6 @@ class SaturationPolicy:
         self._floor = self._paused_at = self._top = num_running
         self._paused_steps = 0
         self._probe_wait = probe_wait
-        self._pause_wait = self.resume_every
         self._timer_failed_load = self._held_steps = 0
         self._failed_waits.clear()
         if probe_wait > self.resume_every:
