@@ -639,6 +639,12 @@ class SaturationPolicy:
             self._probe_wait = max(self.resume_every, self._failed_waits.get(bucket, 0))
             self._timer_failed_load = self._held_steps = 0
 
+    def _backed_off_at(self, num_running: int) -> None:
+        """The timer's wait is backed off at this load: what a lighter load that holds resets (class docstring)."""
+        self._timer_failed_load = num_running
+        self._failed_waits[StepTimeCalibration.load_bucket(num_running)] = self._probe_wait
+        self._held_steps = 0
+
     def _settled(self) -> bool:
         """Whether the load grew by less than ``LOAD_SETTLE_RISE`` over the last ``LOAD_SETTLE_STEPS`` steps."""
         loads = self._loads
@@ -862,9 +868,7 @@ class SaturationPolicy:
                 if trigger == "timer":
                     self._paused_steps = 0
                     self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.resume_every)
-                    self._timer_failed_load = self._probe_running
-                    self._failed_waits[StepTimeCalibration.load_bucket(self._probe_running)] = self._probe_wait
-                    self._held_steps = 0
+                    self._backed_off_at(self._probe_running)
             self._probing = False
             return
         self._drafting_since_resume += 1
@@ -903,8 +907,7 @@ class SaturationPolicy:
         if probe_wait > self.resume_every:
             # A backoff carried into this pause (a resume that lost on probation, a ceiling the load came back to)
             # was earned at this load, as a failed timer probe's is: a lighter load that holds may reset it.
-            self._timer_failed_load = num_running
-            self._failed_waits[StepTimeCalibration.load_bucket(num_running)] = probe_wait
+            self._backed_off_at(num_running)
         self._streak = 0
         self._ceiling = None
 
