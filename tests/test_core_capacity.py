@@ -39,6 +39,7 @@ from dspark_cli.core.saturation import (
     STEP_TIME_STALE,
     RequestWeightedMean,
     SaturationPolicy,
+    StepCharge,
     StepTimeCalibration,
     StepTimer,
 )
@@ -2153,7 +2154,7 @@ def test_a_step_timed_whole_is_taxed_whole_and_an_interval_up_to_the_clamp() -> 
     through: there the tax counts PROBE_TAX_CLAMP x the price at most."""
     for clamp, charged in ((None, 300.0), (PROBE_TAX_CLAMP, PROBE_TAX_CLAMP * 20.0)):
         policy = SaturationPolicy(patience=2, resume_every=4)
-        StepTimer(policy, tax_clamp=clamp).record(True, 16, 300.0, 20.0, kind="probe", trigger="timer")
+        StepTimer(policy, tax_clamp=clamp).record(True, 16, 300.0, 20.0, charge=StepCharge("probe", "timer", 16))
         # the bucket's first probe finds its account full (PROBE_BANK probes of this one's time), then spends it
         assert policy.probe_allowance_at(16) == pytest.approx((PROBE_BANK - 1) * charged)
 

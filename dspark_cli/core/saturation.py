@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from dspark_cli.core.checks import check_int, check_probe_tax
 
@@ -329,19 +329,18 @@ class StepTimer:
         return drafting
 
     def record(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float,
-               calibrate: bool = True, kind: str | None = None, trigger: str | None = None,
-               probe_bucket: int | None = None) -> None:
+               calibrate: bool = True, charge: StepCharge | None = None) -> None:
         """A step's measured wall time and what the curve charged for it. ``calibrate=False``: the step did
         work that is neither drafting's nor a paused step's cost (a draft catching up over a pause); it counts
-        for the probe tax only. ``kind``, ``trigger`` and ``probe_bucket``: :attr:`SaturationPolicy.step_kind`,
-        :attr:`SaturationPolicy.probe_trigger` and :attr:`SaturationPolicy.probe_bucket` as the step began; None
-        for the step begun last (an engine that reports each step before beginning the next). With ``tax_clamp``
-        the probe tax counts at most that many times the price: a catch-up was spent, an interval a server idled
+        for the probe tax only. ``charge``: :attr:`SaturationPolicy.step_charge` as the step began; None for the
+        step begun last (an engine that reports each step before beginning the next). With ``tax_clamp`` the
+        probe tax counts at most that many times the price: a catch-up was spent, an interval a server idled
         through was not."""
-        kind = self.saturation.step_kind if kind is None else kind
+        charge = self.saturation.step_charge if charge is None else charge
+        kind = charge.kind
         clamp = self.tax_clamp
         taxed = min(measured_ms, clamp * priced_ms) if clamp is not None and priced_ms > 0 else measured_ms
-        self.saturation.record_step_ms(drafting, taxed, kind, num_reqs, trigger, probe_bucket)
+        self.saturation.record_step_ms(drafting, taxed, kind, num_reqs, charge.trigger, charge.probe_bucket)
         self._reported = True
         if not drafting:
             self._plain_in_flight = False
@@ -358,6 +357,16 @@ class StepTimer:
         """What to pass :meth:`SaturationPolicy.observe_outcome` for a step of ``num_running`` requests priced
         by ``decision`` (its drafting and plain prices inform a load whose drafting was never measured)."""
         return self.step_times.relative_draft_cost(num_running, decision.step_ms, decision.plain_ms)
+
+
+class StepCharge(NamedTuple):
+    """What a step is to the probe tax as it begins (:attr:`SaturationPolicy.step_charge`): its kind, the trigger
+    of the probe in progress or the last, and that probe's load bucket. An engine that learns a step's time steps
+    later keeps this with the step and reports the time with it."""
+
+    kind: str
+    trigger: str
+    probe_bucket: int
 
 
 @dataclass
@@ -591,6 +600,11 @@ class SaturationPolicy:
     def probe_bucket(self) -> int:
         """The load bucket of the probe in progress, or the last one: where its probation's steps are charged."""
         return self._probe_bucket
+
+    @property
+    def step_charge(self) -> StepCharge:
+        """What the step begun last is to the probe tax (:class:`StepCharge`)."""
+        return StepCharge(self._step_kind, self._probe_trigger, self._probe_bucket)
 
     @property
     def floor(self) -> int:

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from dspark_cli.core.saturation import StepCharge
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
 from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR, VLLM_VERSION, warmup_kv_cap, warmup_overflow
 from dspark_cli.engines.vllm.step_clock import StepIntervals, clock_for
@@ -65,9 +66,7 @@ class _Begun(NamedTuple):
     num_reqs: int
     catchups: int  # draft catch-ups paid before it (engines.vllm.upkeep)
     heavy: bool  # its step's batch carried a prompt chunk (prompt_heavy)
-    kind: str  # what it is to the probe tax (SaturationPolicy.step_kind)
-    trigger: str  # what had started the probe in progress or the last (SaturationPolicy.probe_trigger)
-    probe_bucket: int  # that probe's load bucket, where a probation step is charged (SaturationPolicy.probe_bucket)
+    charge: StepCharge  # what it is to the probe tax (SaturationPolicy.step_charge)
 
 
 class _StepRecord(NamedTuple):
@@ -78,9 +77,7 @@ class _StepRecord(NamedTuple):
     priced_ms: float
     decode: bool  # neither its batch nor the one before carried a prompt chunk (prompt_heavy)
     calibrate: bool  # no paused draft caught up in it
-    kind: str  # what it was to the probe tax as it began (SaturationPolicy.step_kind)
-    trigger: str  # SaturationPolicy.probe_trigger as it began
-    probe_bucket: int  # SaturationPolicy.probe_bucket as it began
+    charge: StepCharge  # what it was to the probe tax as it began
 
 
 def pruned_token_mask(
@@ -1025,8 +1022,7 @@ def build_manager_class(base: type) -> type:
                 self._decisions[drafting] += 1
                 if self._timed:
                     self._last_begin = _Begun(mark, drafting, int(state.input_batch.num_reqs), self._catchups_paid(),
-                                              heavy, self.saturation.step_kind, self.saturation.probe_trigger,
-                                              self.saturation.probe_bucket)
+                                              heavy, self.saturation.step_charge)
                     self._maybe_report(self._clock())
             else:
                 self._last_begin = None  # vLLM scheduled no drafts: the next interval is no step of ours
@@ -1117,8 +1113,7 @@ def build_manager_class(base: type) -> type:
                 if priced > 0:
                     self._intervals.close(last.mark, mark, _StepRecord(
                         last.drafted, last.num_reqs, priced, decode=not (last.heavy or heavy),
-                        calibrate=self._catchups_paid() == last.catchups, kind=last.kind, trigger=last.trigger,
-                        probe_bucket=last.probe_bucket))
+                        calibrate=self._catchups_paid() == last.catchups, charge=last.charge))
             for measured, step in self._intervals.finished():
                 # Over STEP_TIME_CLAMP x its price a time measures a stall or a long catch-up, not what drafting
                 # costs against a paused step; but a catch-up was spent (a probe at 256 requests that catches the
@@ -1127,8 +1122,7 @@ def build_manager_class(base: type) -> type:
                 # after a probe step, as a batch emptied) would have been a debt held for ~100k paused steps.
                 timed = measured <= STEP_TIME_CLAMP * step.priced_ms
                 self.timer.record(step.drafted, step.num_reqs, measured, step.priced_ms,
-                                  calibrate=timed and step.decode and step.calibrate, kind=step.kind,
-                                  trigger=step.trigger, probe_bucket=step.probe_bucket)
+                                  calibrate=timed and step.decode and step.calibrate, charge=step.charge)
                 if timed and not step.decode:
                     self._prefill_times.record(step.drafted, step.num_reqs, measured, step.priced_ms)
 
