@@ -108,8 +108,9 @@ queue_stalls() {
 # 4; SmolLM2 parts carried to /tmp/smol as for QUEUE=vllm-lossless) over nospec and forced-verification configs
 # (varlen-verify; varlen-cycle-plain, pausing and probing often, each paused step's successor plain; mask-plain,
 # pruning to half the drafts, likewise), with a concurrent smoke per config; should a config fail while it
-# serves, the matrix keeps the draft's K/V current (one that did not start says nothing of that: section 37). Section 16's sitting ran nospec, varlen, varlen-current:
-# both of ours accepted no draft (so outputs matched trivially), which varlen-verify now rules in or out.
+# serves, the matrix keeps the draft's K/V current (one that did not start says nothing of that: section 37).
+# Section 16's sitting ran nospec, varlen, varlen-current: both of ours accepted no draft (so outputs matched
+# trivially), which varlen-verify now rules in or out.
 # PLAIN_IF_LOSSLESS=1 (with REAL_SMOKE=1): if the check passes, every config of ours then serves
 # plain_paused_steps (ROOT/vllm/plain-paused-steps; varlen-placeholders names the default path beside it).
 # REAL_SMOKE=after: the same check after groups 1 and 2, where a sitting short of device time loses it, not

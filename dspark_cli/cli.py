@@ -85,7 +85,7 @@ def _dotted_short_flags_passed_through(args: list[str]) -> list[str]:
         i += 1
     if not moved:
         return list(args)
-    return [*kept, "--", *args[cut + 1:], *moved] if cut < len(args) else [*kept, "--", *moved]
+    return [*kept, "--", *args[cut + 1:], *moved]
 
 
 _DOTTED_SHORT = re.compile(r"^-[A-Za-z]+\.")
