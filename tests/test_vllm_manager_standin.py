@@ -1121,3 +1121,27 @@ def test_a_verification_outcome_still_on_its_way_is_judged_after_the_next_launch
     m.reallocate_drafts(list(per_req), torch.arange(3))
     m.begin_drafting_step(_step_state(3))
     assert m._outcome_pending is None and event.waited == 1 and m._outcome_waits == 1
+
+
+def test_the_start_up_profile_skips_the_batches_whose_draft_pass_vllm_would_overflow(manager_cls, caplog) -> None:
+    """docs/PERFORMANCE.md section 38: a draft_model server of 256 tokens and 25 requests stopped in vLLM's
+    start-up profile, whose dummy run of 256 tokens ran the draft over 257 (``contract.dummy_draft_overflow``).
+    The profile keeps every other size; a user's curve skips the profile whole."""
+    rs = types.SimpleNamespace(num_speculative_steps=K, max_num_reqs=25, max_num_batched_tokens=256,
+                               device=torch.device("cpu"), req_id_to_index={})
+    captured = [1, 2, 4, *range(8, 257, 8)]
+
+    def profiled(method: str) -> list[int]:
+        cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
+                                    model_config=types.SimpleNamespace(is_moe=False),
+                                    speculative_config=types.SimpleNamespace(method=method))
+        m = manager_cls(settings=DsparkVllmSettings(mode="varlen"), mode="varlen", vllm_config=cfg, req_states=rs,
+                        query_start_loc=torch.zeros(26, dtype=torch.int32), num_bonus_tokens=1,
+                        max_total_logits=10_000)
+        return [b["num_tokens"] for b in m.batches_to_profile(captured)]
+
+    with caplog.at_level(logging.INFO, logger="vllm.dspark"):
+        kept = profiled("draft_model")
+    assert kept == [n for n in captured if n not in (232, 240, 248, 256)]
+    assert "skips 4 batch sizes (232, 240, 248, 256)" in caplog.text and "up to 257 tokens" in caplog.text
+    assert profiled("eagle3") == captured  # no correction slot, no trim

@@ -1,4 +1,5 @@
-"""vLLM 0.33's start-up warm-up against a draft_model server's token budget (contract.warmup_overflow).
+"""vLLM 0.33's start-up warm-up and start-up profile against a draft_model server's token budget
+(contract.warmup_overflow, contract.dummy_draft_overflow).
 
 On the H200 (docs/PERFORMANCE.md section 37) every drafting server of the lossless check, served with
 ``--max-num-batched-tokens 256`` and 128 requests at K=7, loaded its weights and stopped in the warm-up with
@@ -14,7 +15,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dspark_cli.engines.vllm.contract import warmup_kv_cap, warmup_overflow
+from dspark_cli.engines.vllm.contract import (
+    default_capture_sizes,
+    dummy_draft_overflow,
+    profile_overflow,
+    profile_sizes,
+    warmup_kv_cap,
+    warmup_overflow,
+)
 from dspark_cli.engines.vllm.manager import check_draft_warmup
 
 
@@ -90,3 +98,72 @@ def test_the_manager_is_not_built_for_a_server_whose_warm_up_would_stop() -> Non
     kwargs = {"vllm_config": _config(), "attn_groups": [[object()]]}
     with pytest.raises(ValueError, match=r"--max-num-seqs 25 or fewer"):
         create_manager(DsparkVllmSettings(mode="varlen"), types.SimpleNamespace(), kwargs)
+
+
+# vLLM 0.33's default capture sizes up to 256 tokens: 1, 2, 4, then every 8
+CAPTURED_256 = [1, 2, 4, *range(8, 257, 8)]
+
+
+def test_the_profile_batches_that_stopped_the_sittings_servers_overflow() -> None:
+    """Section 38: past the warm-up, every drafting server of the lossless check (256 tokens, 25 requests, K=7)
+    stopped in the start-up profile's dummy run of 256 tokens with "Shape: 257 out of considered ranges"."""
+    assert dummy_draft_overflow(256, CAPTURED_256, 25, 256, 1) == 257  # 231 tokens padded to 232, plus 25 slots
+    assert [n for n in CAPTURED_256 if dummy_draft_overflow(n, CAPTURED_256, 25, 256, 1)] == [232, 240, 248, 256]
+    assert dummy_draft_overflow(224, CAPTURED_256, 25, 256, 1) is None  # 224 + 25 fit untrimmed
+    assert dummy_draft_overflow(256, CAPTURED_256, 25, 256, 0) is None  # no extra slot (EAGLE-like): no trim
+    assert dummy_draft_overflow(512, [*CAPTURED_256, 512], 256, 8192, 1) is None  # the matrices' servers
+    assert dummy_draft_overflow(384, CAPTURED_256, 25, 384, 1) is None  # past the largest graph: unpadded
+
+
+def _simulated_draft_tokens(num_tokens: int, captured: list[int], max_reqs: int, budget: int) -> int:
+    """vLLM 0.33's path, step by step: ``_dummy_run``'s trim, the dispatcher's candidate ranges (every count from
+    one past the previous captured size up to a captured size replays that size's graph), ``make_dummy`` at the
+    graph's size, and the draft's prefill over it plus one slot per request."""
+    reqs = min(num_tokens, max_reqs)  # a draft_model speculator's num_query_per_req is 1
+    tokens = min(num_tokens, budget - reqs)
+    ranges: dict[int, int] = {}
+    start = 0
+    for size in sorted(captured):
+        for i in range(start, size + 1):
+            ranges[i] = size
+        start = size + 1
+    return ranges.get(tokens, tokens) + reqs
+
+
+@given(budget=st.integers(16, 2048), max_reqs=st.integers(1, 512), step=st.sampled_from([8, 16]),
+       data=st.data())
+def test_the_profile_keeps_exactly_the_batches_whose_draft_pass_fits(budget: int, max_reqs: int, step: int,
+                                                                       data: st.DataObject) -> None:
+    largest = data.draw(st.integers(8, budget))
+    captured = sorted({1, 2, 4, *range(8, largest + 1, step)})
+    tails = sorted({min(captured[-1] * 2, budget), budget})
+    for n in captured + tails:
+        simulated = _simulated_draft_tokens(n, captured, max_reqs, budget)
+        over = dummy_draft_overflow(n, captured, max_reqs, budget, 1)
+        assert (over is not None) == (simulated > budget), (n, simulated, over)
+        if over is not None:
+            assert over == simulated and n + min(n, max_reqs) > budget  # only trimmed batches overflow
+
+
+def test_the_default_capture_sizes_are_the_ones_the_sittings_servers_logged() -> None:
+    """Both lists as vLLM 0.33 printed them in section 38's server logs (compilation config, K=7)."""
+    assert default_capture_sizes(25, 256, 7) == CAPTURED_256  # the lossless check: 25 requests, 256 tokens
+    assert default_capture_sizes(256, 8192, 7) == [*CAPTURED_256, *range(272, 513, 16)]  # group 1's servers
+    assert profile_sizes(CAPTURED_256, 256) == CAPTURED_256  # the budget is captured: no tail
+    assert profile_sizes([1, 2, 4, 8], 64) == [1, 2, 4, 8, 12, 16, 32, 64]
+
+
+def test_upstreams_profile_overflow_is_named_with_a_budget_that_serves() -> None:
+    problem = profile_overflow(25, 256, 7)
+    assert problem is not None and "over 257 tokens" in problem and "--max-num-batched-tokens 425 or more" in problem
+    assert profile_overflow(25, 425, 7) is None
+    assert profile_overflow(256, 8192, 7) is None and profile_overflow(1024, 8192, 7) is None  # vLLM's defaults
+
+
+@given(seqs=st.integers(1, 1024), budget=st.integers(16, 4096), k=st.integers(1, 15))
+def test_the_budget_profile_overflow_names_serves(seqs: int, budget: int, k: int) -> None:
+    problem = profile_overflow(seqs, budget, k)
+    if problem is None:
+        return
+    enough = int(problem.rsplit("--max-num-batched-tokens ", 1)[1].split()[0])
+    assert enough > budget and profile_overflow(seqs, enough, k) is None

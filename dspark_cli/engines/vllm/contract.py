@@ -444,6 +444,33 @@ CONTRACT: tuple[Assumption, ...] = (
                why="torch.compile covers batches up to the token budget, the draft model's included"),
     Assumption(KERNEL_CONFIG, "KernelConfig.enable_jit_warmup", "field",
                why="the warm-up runs only with it on (the default); off is the refusal's third way out"),
+    # --- the start-up profile's dummy runs, whose draft pass can exceed the budget too (dummy_draft_overflow)
+    Assumption(AV, "AdaptiveVerificationManager.batches_to_profile", "contains",
+               ("for num_tokens in capture_sizes + sorted(tail_sizes):", '"num_tokens": num_tokens,'),
+               why="the start-up profile dummy-runs every captured token count, and sizes past the largest"),
+    Assumption(RUNNER, "GPUModelRunner._dummy_run", "contains",
+               ("num_reqs = min(num_tokens, self.max_num_reqs)",
+                "- num_reqs * self.speculator.num_extra_query_per_req,"),
+               why="a dummy run takes min(tokens, max_num_seqs) requests and trims its tokens to budget - requests x "
+                   "the speculator's extra slots"),
+    Assumption(RUNNER, "GPUModelRunner.execute_model", "contains",
+               ("input_batch = InputBatch.make_dummy(", "batch_desc.num_tokens,"),
+               why="the dummy batch is built at the graph's padded token count, not the trimmed one"),
+    Assumption(STANDALONE_AR, "StandaloneARSpeculator", "contains", ("num_extra_query_per_req = 1",),
+               why="a draft_model speculator's prefill pass adds one correction slot per request"),
+    Assumption(AV, "AdaptiveVerificationManager.batches_to_profile", "contains",
+               ("tail_sizes.add(min(size + size // 2, max_num_tokens))", "size = min(size * 2, max_num_tokens)"),
+               why="past the largest captured count the profile runs half as much again, then doublings to the "
+                   "budget (profile_sizes)"),
+    Assumption(VLLM_CONFIG, "VllmConfig._set_cudagraph_sizes", "contains",
+               ("1024 if current_platform.is_device_capability_family(100) else 512",
+                "max_num_seqs * decode_query_len * 2, default_max_graph_size",
+                "max_cudagraph_capture_size = min(max_num_tokens, max_cudagraph_capture_size)",
+                "range(8, min(max_cudagraph_capture_size + 1, 256), 8)",
+                "range(256, max_cudagraph_capture_size + 1, 16)",
+                "counts += list(range(8, min(max_reqs + 1, 256), 8))",
+                "cudagraph_capture_sizes.append(max_num_tokens)"),
+               why="the token counts vLLM captures by default (default_capture_sizes)"),
 )
 
 
@@ -477,6 +504,79 @@ def warmup_overflow(max_num_seqs: int, max_num_batched_tokens: int, num_speculat
             + (f"--max-num-seqs {fewer} or fewer, " if fewer else "")
             + f"--max-num-batched-tokens {max_num_seqs * (k + 3)} or more, or --kernel-config "
             "'{\"enable_jit_warmup\": false}'")
+
+
+def dummy_draft_overflow(num_tokens: int, captured: list[int], max_num_reqs: int, max_num_batched_tokens: int,
+                         extra_per_req: int) -> int | None:
+    """The tokens a speculator's prefill pass would run in vLLM's dummy run of ``num_tokens`` (a batch of the
+    start-up profile, ``batches_to_profile``) where they exceed the token budget torch.compile covers; None where
+    they fit.
+
+    ``_dummy_run`` takes ``min(num_tokens, max_num_seqs)`` requests and, for a speculator with extra query slots
+    per request (a ``draft_model`` one has one), trims the tokens to ``budget - requests x extra``, which would
+    fit. But ``execute_model`` then builds the dummy batch at its graph's padded size, the smallest captured
+    count at or above the trimmed one, and the draft's prefill runs over that plus the extra slots: past the
+    budget wherever the trim lands between two captured counts. 256 tokens with 25 requests at K=7 on the H200
+    (2026-12-05): trimmed to 231, padded to 232, and the draft's pass stopped vLLM's start-up at 257 with "Shape:
+    257 out of considered ranges". Real steps are not padded so (the scheduler leaves the slots), and counts past
+    the largest captured one run unpadded.
+    """
+    if extra_per_req <= 0:
+        return None
+    reqs = min(num_tokens, max_num_reqs, max_num_batched_tokens)
+    tokens = min(num_tokens, max_num_batched_tokens - reqs * extra_per_req)
+    padded = min((c for c in captured if c >= tokens), default=tokens)
+    draft = padded + reqs * extra_per_req
+    return draft if draft > max_num_batched_tokens else None
+
+
+def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
+                          platform_max: int = 512) -> list[int]:
+    """The token counts vLLM 0.33 captures graphs for when the user names none (``_set_cudagraph_sizes``, without
+    dynamic speculative decoding or the interactivity mode); ``platform_max`` is 1024 on Blackwell, else 512."""
+    q = num_speculative_tokens + 1
+    ceiling = min(min(max_num_seqs * q * 2, platform_max), max_num_batched_tokens)
+    sizes = {n for n in (1, 2, 4) if n <= ceiling}
+    sizes.update(range(8, min(ceiling + 1, 256), 8))
+    sizes.update(range(256, ceiling + 1, 16))
+    if max_num_batched_tokens <= ceiling:
+        sizes.add(max_num_batched_tokens)
+    reqs = min(max_num_seqs, platform_max)
+    counts = {n for n in (1, 2, 4) if n <= reqs} | set(range(8, min(reqs + 1, 256), 8))
+    counts |= set(range(256, reqs + 1, 16)) | {reqs}
+    uncapped = min(max_num_seqs * q * 2, platform_max)  # the decode sizes' ceiling, before the budget's
+    sizes.update(n * q for n in counts if n * q <= uncapped and n * q <= max_num_batched_tokens)
+    return sorted(sizes)
+
+
+def profile_sizes(captured: list[int], max_num_batched_tokens: int) -> list[int]:
+    """The token counts of vLLM's start-up profile (``batches_to_profile``): every captured count, then half as
+    much again past the largest and doublings up to the budget."""
+    if not captured:
+        return []
+    size = captured[-1]
+    tails = {min(size + size // 2, max_num_batched_tokens)}
+    while size < max_num_batched_tokens:
+        size = min(size * 2, max_num_batched_tokens)
+        tails.add(size)
+    return list(captured) + sorted(tails - set(captured))
+
+
+def profile_overflow(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
+                     platform_max: int = 512) -> str | None:
+    """Why vLLM 0.33's own adaptive verification would stop a ``draft_model`` server under torch.compile in its
+    start-up profile (None: it would not): some profile batch runs the draft past the budget
+    (:func:`dummy_draft_overflow`) on the default capture sizes. dspark's manager leaves such batches out of its
+    profile; upstream's runs them all."""
+    captured = default_capture_sizes(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, platform_max)
+    over = [d for n in profile_sizes(captured, max_num_batched_tokens)
+            if (d := dummy_draft_overflow(n, captured, max_num_seqs, max_num_batched_tokens, 1)) is not None]
+    if not over:
+        return None
+    enough = min(max_num_seqs * (num_speculative_tokens + 1) * 2, platform_max) + max_num_seqs
+    return (f"vLLM {VLLM_VERSION}'s start-up profile of its adaptive verification would run the draft model over "
+            f"{max(over)} tokens, more than the {max_num_batched_tokens} torch.compile covers "
+            f"(--max-num-batched-tokens), and stop there; use --max-num-batched-tokens {enough} or more")
 
 
 def warmup_kv_cap(num_blocks: int, block_size: int, num_speculative_tokens: int, num_lookahead_tokens: int,

@@ -41,7 +41,13 @@ import torch
 
 from dspark_cli.core.saturation import StepCharge
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
-from dspark_cli.engines.vllm.contract import INVALID_DRAFTS_ATTR, VLLM_VERSION, warmup_kv_cap, warmup_overflow
+from dspark_cli.engines.vllm.contract import (
+    INVALID_DRAFTS_ATTR,
+    VLLM_VERSION,
+    dummy_draft_overflow,
+    warmup_kv_cap,
+    warmup_overflow,
+)
 from dspark_cli.engines.vllm.step_clock import StepIntervals, clock_for
 from dspark_cli.engines.vllm.upkeep import CatchupBuffers, DraftUpkeep, catchup_batch
 
@@ -595,6 +601,10 @@ def build_manager_class(base: type) -> type:
             self.curve: Any = None
             self._verify_all = False  # the start-up profile was flat: no curve, verify every draft
             self._capture_sizes: list[int] = []
+            # Query slots a speculator's prefill pass adds per request (a draft_model one: 1), which vLLM's dummy
+            # runs do not budget for once padded (contract.dummy_draft_overflow); attach reads the speculator's own.
+            spec_config = getattr(vllm_config, "speculative_config", None)
+            self._draft_extra_slots = int(getattr(spec_config, "method", None) == "draft_model")
             k = self.num_speculative_steps
             device = self.req_states.device
             max_reqs = self.req_states.max_num_reqs
@@ -686,7 +696,19 @@ def build_manager_class(base: type) -> type:
             if self._user_curve is not None:
                 self._cudagraph_limit = capture_sizes[-1] if capture_sizes else 0
                 return iter(())  # the user's curve replaces the start-up profile
-            return super().batches_to_profile(capture_sizes)
+            batches = list(super().batches_to_profile(capture_sizes))
+            budget = int(self.req_states.max_num_batched_tokens)
+            overflow = {b["num_tokens"]: dummy_draft_overflow(b["num_tokens"], self._capture_sizes,
+                                                                int(self.req_states.max_num_reqs), budget,
+                                                                self._draft_extra_slots) for b in batches}
+            skipped = sorted(n for n, over in overflow.items() if over is not None)
+            if skipped:
+                # vLLM would stop its own start-up on these (upstream's manager does); the curve is fitted over
+                # the sizes left and extends past them as it does past the largest one.
+                logger.info("dspark: the start-up profile skips %d batch sizes (%s): their dummy runs would run the "
+                            "draft over up to %d tokens, past the %d torch.compile covers", len(skipped),
+                            ", ".join(map(str, skipped)), max(overflow[n] for n in skipped), budget)
+            return iter([b for b in batches if overflow[b["num_tokens"]] is None])
 
         def set_initial_cost_curves(self, samples: list[Any]) -> None:
             from dspark_cli.core.sps import SpsCurve
@@ -918,6 +940,7 @@ def build_manager_class(base: type) -> type:
             # (engines.vllm.upkeep: drafts after resuming are as good as before the pause); in mask mode
             # the prefill pass still runs. Other speculators only trim (budget 0).
             standalone = isinstance(spec, StandaloneARSpeculator)
+            self._draft_extra_slots = int(getattr(spec, "num_extra_query_per_req", 0))
             self._pause_supported = (
                 (isinstance(spec, DFlashSpeculator) or standalone)
                 and self._dp_size == 1 and self.cfg.saturation_patience > 0
