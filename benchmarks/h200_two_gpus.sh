@@ -141,8 +141,9 @@ queue_vllm() {
     real_smoke
     local smoke=$?
     [[ $smoke == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
-    # 5: a config did not start (section 37: vLLM's warm-up), which says nothing about the served path
-    [[ $smoke == 5 ]] && echo "a config did not start: the matrix serves the default path"
+    # 5 or 6: a config did not start (sections 37-38: vLLM's warm-up, its start-up profile), which says nothing
+    # about the served path
+    [[ $smoke == 5 || $smoke == 6 ]] && echo "a config did not start: the matrix serves the default path"
     # Outputs that differ from no speculation make the matrix's speeds meaningless: the rest of the sitting is
     # better spent reading the check's diff (MATRIX_IF_DIFFERS=1 measures anyway).
     [[ $smoke == 3 && ${MATRIX_IF_DIFFERS:-0} != 1 ]] && { echo "outputs differ from no speculation: no matrix"; return 3; }
@@ -162,18 +163,25 @@ queue_vllm() {
   # compacted by default (mask-compact before section 28); uniform mask, paused at 1.5-1.7x a plain step
   # (section 25), and the curve-source ablation last: what a short sitting loses first. An empty VLLM_GROUPn
   # (VLLM_GROUP2=) skips that group, for a budget too short for all of them.
+  # ANATOMY_FIRST=1: the anatomy below before group 1 (sections 37 and 38 lost it to the device time, last in line)
+  [[ ${ANATOMY_FIRST:-0} == 1 ]] && vllm_anatomy
   vllm_group "scaled, group 1" "${VLLM_GROUP1-nospec,all,upstream,varlen}"
   # Is section 29's slow regime at 256 requests vLLM's API process? The same configs with more of them.
   [[ -n ${VLLM_HIGH-} ]] && VLLM_CONC=${HIGH_CONC:-256} vllm_group "scaled, at ${HIGH_CONC:-256}" "$VLLM_HIGH"
   [[ ${REAL_SMOKE:-0} == mid ]] && real_smoke
-  # The served step anatomy (VLLM_ANATOMY=nospec#a,all#a at ANATOMY_CONC=256, default 16; one round): which steps
-  # make a cell's time, long ones included -- where verify-all gains at 256 requests, or where a paused server
-  # loses at 16 (section 29's anatomy run).
-  [[ -n ${VLLM_ANATOMY-} ]] && ANATOMY=1 VLLM_ROUNDS=1 VLLM_CONC=${ANATOMY_CONC:-16} RETRY_IN_ROW=0 \
-    vllm_group "scaled, anatomy at ${ANATOMY_CONC:-16}" "$VLLM_ANATOMY"
+  [[ ${ANATOMY_FIRST:-0} == 1 ]] || vllm_anatomy
   vllm_group "scaled, group 2" "${VLLM_GROUP2-nospec#2,mask,varlen-nosat,varlen-nosts}"
   [[ ${REAL_SMOKE:-0} == after ]] && real_smoke
   vllm_group "scaled, group 3" "${VLLM_GROUP3-nospec#3,mask-uniform,varlen-startup}"
+}
+
+# The served step anatomy (VLLM_ANATOMY=nospec#a,all#a at ANATOMY_CONC=256, default 16; one round): which steps
+# make a cell's time, long ones included -- where verify-all gains at 256 requests, or where a paused server loses
+# at 16 (section 29's anatomy run).
+vllm_anatomy() {
+  [[ -n ${VLLM_ANATOMY-} ]] || return 0
+  ANATOMY=1 VLLM_ROUNDS=1 VLLM_CONC=${ANATOMY_CONC:-16} RETRY_IN_ROW=0 \
+    vllm_group "scaled, anatomy at ${ANATOMY_CONC:-16}" "$VLLM_ANATOMY"
 }
 
 # LABEL CONFIGS: one group of up to four 8B-shaped vLLM servers. KV_GIB (default 11: 87k tokens of a draft_model
@@ -192,8 +200,10 @@ vllm_group() {
   local failed
   # Only configs whose servers never served (no "round" in their error rows): a server that failed mid-round has
   # cells recorded against its port, which a server started again on another port could not resume.
+  # and only where a lone start could help (retry_alone: not a cause that repeats, section 38)
   failed=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['results']
-print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x and 'round' not in x)))" "$ROOT/vllm/scaled/results.json") || return 1
+print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x and 'round' not in x
+                             and x.get('retry_alone', True))))" "$ROOT/vllm/scaled/results.json") || return 1
   [[ -n $failed ]] || return 1
   echo "$1: $failed failed with the servers started together; again in a row"
   OVERLAP=4 GPU_UTIL=0.22 CONFIGS=$failed KV_GIB= VLLM_ROUNDS=${VLLM_ROUNDS-2} stage "$1, in a row ($failed)" \
@@ -204,7 +214,8 @@ print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x and 'round' 
 # servers get a fixed KV cache (REAL_KV_GIB, default 2: ~90k tokens of target KV, where the check needs a few
 # thousand) and start together: in a row they took 7 of a sitting's 30 minutes (2026-12-03). Should a config
 # fail to serve that way (exit 1, or 5 where it did not start; 3 is an output that differs), the check runs again
-# with the servers in a row.
+# with the servers in a row; not on exit 6, where every server that did not start named a cause a lone start
+# repeats (section 38: vLLM's start-up profile stopped them all, and the row cost 4 minutes to say so again).
 # REAL_PREFIX_CACHING=off serves the check without vLLM's prefix cache, which draft_defer_prompts needs: with
 # REAL_SMOKE_CONFIGS=nospec,varlen-cycle-plain,varlen-cycle-defer the check's defer A/B then says whether a draft
 # whose prompts waited for the catch-ups drafts as well as one that wrote them (exit 4 where it clearly does not).

@@ -78,7 +78,13 @@ from benchmarks.vllm_step_anatomy import table as anatomy_table  # noqa: E402
 from dspark_cli.bench.matrix import cell_path, load_cell  # noqa: E402
 from dspark_cli.bench.metrics import SpecDecodeCounters, counter_delta  # noqa: E402
 from dspark_cli.bench.report import numbers, paired_delta_of  # noqa: E402
-from dspark_cli.engines.vllm.contract import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET, warmup_overflow  # noqa: E402
+from dspark_cli.engines.vllm.contract import (  # noqa: E402
+    PLUGIN_GROUP,
+    PLUGIN_NAME,
+    PLUGIN_TARGET,
+    profile_overflow,
+    warmup_overflow,
+)
 from dspark_cli.engines.vllm.launcher import plan_vllm_serve  # noqa: E402
 from dspark_cli.engines.vllm.manager import REPORT_EVERY_S  # noqa: E402
 
@@ -305,7 +311,8 @@ def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], o
     if any(v.get("smoke") and v["smoke"]["complete"] != v["smoke"]["requests"] for v in table.values()):
         print("lossless greedy: FAILED (a concurrent request came back short)")
         return 1
-    errors = [r["error"] for r in results if "error" in r]
+    failed = [r for r in results if "error" in r]
+    errors = [r["error"] for r in failed]
     if any(not e.startswith(NOT_STARTED) for e in errors):
         print("lossless greedy: FAILED (a config did not serve)")
         return 1
@@ -313,10 +320,12 @@ def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], o
         print("lossless greedy: FAILED (outputs differ)")
         return 3  # 3: some config's output differs from nospec's (whether or not every config started)
     if errors:
-        # 5: every failure came before a server was up: nothing says a served path fails (section 37's servers
-        # stopped in vLLM's warm-up), so the queue keeps serving the default path
-        print("lossless greedy: FAILED (a config did not start)")
-        return 5
+        # 5 or 6: every failure came before a server was up: nothing says a served path fails (section 37's servers
+        # stopped in vLLM's warm-up), so the queue keeps serving the default path. 5: starting them again one at
+        # a time may help (a timeout, memory, no cause in the log); 6: each said a cause a lone start repeats.
+        retry = any(r.get("retry_alone", True) for r in failed)
+        print(f"lossless greedy: FAILED (a config did not start{'' if retry else '; not for want of memory'})")
+        return 5 if retry else 6
     if ref is None:
         print("lossless greedy: FAILED (no nospec output to compare with)")
         return 3
@@ -324,7 +333,45 @@ def _report_lossless(outputs: dict[str, list[list[int]]], results: list[dict], o
     return 4 if ab is not None and ab["verdict"] == "lower" else 0  # 4: a deferred prompt's draft drafts worse
 
 
-NOT_STARTED = "not started: "  # a config's error that came before its server was up (the lossless check's exit 5)
+NOT_STARTED = "not started: "  # a config's error that came before its server was up (the lossless check's exit 5/6)
+# What a server that stopped at start-up said last: the exception vLLM's engine core raised. Its own wrapper
+# ("Engine core initialization failed") names no cause, so it is passed over.
+CAUSE_RE = re.compile(r"\b((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (.+)$")
+WRAPPER_CAUSES = ("Engine core initialization failed",)
+# Causes that starting the server alone, not beside the others, can take away: memory the others held.
+CONTENTION_SIGNS = ("out of memory", "outofmemory", "no available memory", "free memory", "insufficient memory")
+
+
+class NotStarted(RuntimeError):
+    """A server that was never up. ``retry_alone``: whether starting it again alone could help -- a start-up
+    timeout, an unknown cause or a memory error, not a cause that a lone start repeats (section 38: every
+    drafting server of the lossless check stopped on vLLM's start-up profile, then again in a row, 4 minutes)."""
+
+    def __init__(self, message: str, retry_alone: bool) -> None:
+        super().__init__(message)
+        self.retry_alone = retry_alone
+
+
+def start_cause(log_text: str) -> str | None:
+    """The last exception a stopped server's log names (``AssertionError: Shape: 257 out of ...``), or None."""
+    causes = [m.group(1) + ": " + m.group(2).strip() for line in log_text.splitlines()
+              if (m := CAUSE_RE.search(line)) and not m.group(2).startswith(WRAPPER_CAUSES)]
+    return causes[-1] if causes else None
+
+
+def not_started(exc: Exception, log_text: str | None) -> NotStarted:
+    """``exc`` from waiting for a server, as a :class:`NotStarted` that names the log's cause where there is one."""
+    cause = start_cause(log_text) if log_text is not None else None
+    retry = cause is None or any(sign in cause.lower() for sign in CONTENTION_SIGNS)
+    return NotStarted(f"{NOT_STARTED}{exc}" + (f" [{cause}]" if cause else ""), retry_alone=retry)
+
+
+def error_row(name: str, exc: Exception, **fields: object) -> dict:
+    """A result row for a config that failed; a server never up says whether a lone start could help."""
+    row: dict = {"config": name, **fields, "error": str(exc)}
+    if isinstance(exc, NotStarted):
+        row["retry_alone"] = exc.retry_alone
+    return row
 KV_LINE = "KV cache size:"  # vLLM's log line once a server has sized its KV cache (allocation follows)
 
 
@@ -752,6 +799,11 @@ def main() -> int:
         overflow = warmup_overflow(args.max_num_seqs, args.max_num_batched_tokens, args.k)
         if overflow is not None:
             ap.error(overflow)
+        # vLLM's own manager then profiles every captured size, and a draft pass past the budget stops it (section
+        # 38); ours leaves those sizes out of the profile
+        overflow = profile_overflow(args.max_num_seqs, args.max_num_batched_tokens, args.k)
+        if overflow is not None and any(config_parts(n)[0] == "upstream" for n in args.configs.split(",")):
+            ap.error(f"config upstream: {overflow}")
     if args.overlap_starts < 1:
         ap.error("--overlap-starts must be >= 1")
     if args.overlap_starts * args.gpu_memory_utilization > 0.95:
@@ -790,7 +842,8 @@ def main() -> int:
         try:
             _wait_ready(srv.port, srv.proc, args.startup_timeout)
         except RuntimeError as exc:
-            raise RuntimeError(f"{NOT_STARTED}{exc}") from exc
+            exited = srv.proc.poll() is not None
+            raise not_started(exc, srv.log_path.read_text(errors="replace") if exited else None) from exc
         log_text = srv.log_path.read_text(errors="replace")
         active = ACTIVE_LINE in log_text
         ours_expected = srv.name.startswith(("varlen", "mask"))
@@ -838,7 +891,7 @@ def main() -> int:
                 check_ready(srv)
                 ready.append(srv)
             except RuntimeError as exc:
-                results.append({"config": srv.name, "error": str(exc)})
+                results.append(error_row(srv.name, exc))
                 print(f"  {srv.name} FAILED: {exc} (log: {srv.log_path})", flush=True)
         rows: list[dict] = []
         for r in range(args.rounds):
@@ -873,7 +926,8 @@ def main() -> int:
                     try:
                         _wait_for_line(group[-1], KV_LINE, args.startup_timeout)
                     except RuntimeError as exc:  # its own measurement reports it; the rest are not started
-                        results.extend({"config": n, "error": f"{NOT_STARTED}{exc}"} for n in batch[i:])
+                        results.extend(error_row(n, NotStarted(f"{NOT_STARTED}{exc}", retry_alone=True))
+                                       for n in batch[i:])
                         break
                 group.append(start(name))
             for srv in group:  # every server of the group up first: graph captures would disturb the cells
@@ -887,7 +941,7 @@ def main() -> int:
                 try:
                     measure(srv)
                 except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
-                    results.append({"config": srv.name, "error": str(exc)})
+                    results.append(error_row(srv.name, exc))
                     print(f"  {srv.name} FAILED: {exc} (log: {srv.log_path})", flush=True)
         finally:
             # Stopped together after the group: a server stopping frees memory under a later one's profile.

@@ -8,7 +8,8 @@
 #   bash benchmarks/vllm_h200.sh OUT lossless        # greedy token ids of upstream/varlen/mask against nospec
 #   bash benchmarks/vllm_h200.sh OUT lossless-real   # the same with real SmolLM2 weights and its distilled draft,
 #                                                    # then SMOKE (16) concurrent requests per config; exit 3:
-#                                                    # all served, some output differs; 1: a config failed
+#                                                    # all served, some output differs; 1: a config failed;
+#                                                    # 5/6: one did not start (6: not for want of memory)
 #                                                    # (KV_GIB=G: the servers start together, G GiB of KV each;
 #                                                    # PREFIX_CACHING=off: served without it, as the defer A/B
 #                                                    # needs, which exits 4 where the deferring draft drafts worse)

@@ -121,10 +121,15 @@ def test_bad_rounds_and_configs_are_refused_before_anything_starts(tmp_path: Pat
     # every drafting server would load its weights and then stop in vLLM's warm-up (section 37)
     bad = run("--configs", "nospec,varlen", "--k", "7", "--max-num-batched-tokens", "256")
     assert bad.returncode == 2 and "--max-num-seqs 25 or fewer" in bad.stderr
+    # the warm-up fits 25 requests, but vLLM's own manager would then stop in its start-up profile (section 38);
+    # ours leaves the overflowing sizes out of it
+    bad = run("--configs", "nospec,upstream", "--k", "7", "--max-num-batched-tokens", "256", "--max-num-seqs", "25")
+    assert bad.returncode == 2 and "config upstream: " in bad.stderr and "--max-num-batched-tokens 425" in bad.stderr
     for fine in (("--configs", "nospec,varlen", "--compilation", "decode-graphs"),  # no torch.compile ranges
+                 ("--configs", "nospec,varlen", "--max-num-seqs", "25"),
                  ("--configs", "nospec#2,nospec")):  # no draft to warm up
         run_ = run(*fine, "--k", "7", "--max-num-batched-tokens", "256", "--lossless", "1", "--startup-timeout", "5")
-        assert "warm-up" not in run_.stderr
+        assert "warm-up" not in run_.stderr and "start-up profile" not in run_.stderr
 
 
 # A stand-in for `python -m vllm.entrypoints.cli.main serve ...`: the log lines vllm_adaptive.py waits for, then a
@@ -143,7 +148,7 @@ assert ("--no-enable-prefix-caching" in argv) == (os.environ.get("EXPECT_PREFIX_
 # a server that stops before it is up, as section 37's stopped in vLLM's warm-up: the one whose argv holds this
 stop_at = os.environ.get("STANDIN_EXIT_AT_START")
 if stop_at and any(stop_at in a for a in argv):
-    sys.exit("AssertionError: Shape: 280 out of considered ranges: [(1, 256)] (stand-in)")
+    sys.exit(os.environ.get("STANDIN_EXIT_CAUSE", "AssertionError: Shape: 280 out of considered ranges: [(1, 256)]"))
 # --max-num-batched-tokens reaches every server where a test asks for it
 want_bt = os.environ.get("EXPECT_BATCHED_TOKENS")
 assert not want_bt or argv[argv.index("--max-num-batched-tokens") + 1] == want_bt, argv
@@ -281,27 +286,49 @@ def test_the_lossless_check_serves_the_defer_ab_without_prefix_caching_and_repor
 
 
 def test_a_config_that_did_not_start_fails_the_check_apart_and_the_others_still_serve(tmp_path: Path) -> None:
-    """Exit 5, not 1: a server that stopped before it was up says nothing about a served path, so the queue does
+    """Exit 6, not 1: a server that stopped before it was up says nothing about a served path, so the queue does
     not switch the matrix to its fallback (section 37 served group 1 with the draft kept current for that). The
-    configs after it are still served and checked."""
+    configs after it are still served and checked. Its log's cause, an assertion of vLLM's start-up, is one a
+    lone start repeats (6: the queue starts no row of them, section 38); out of memory may not be (5)."""
     import json
 
     from dspark_cli.engines.embedded.assets import TINY_DIR
 
     env, draft = _stand_in_vllm(tmp_path)
     env["STANDIN_EXIT_AT_START"] = '"draft_defer_prompts":true'
-    out = tmp_path / "out"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
-         "--out", str(out), "--k", "4", "--configs", "nospec,varlen-cycle-defer,varlen-verify",
-         "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--lossless", "2"],
-        capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 5, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "lossless greedy: FAILED (a config did not start)" in run.stdout
-    report = json.loads((out / "lossless.json").read_text())
-    assert [e["config"] for e in report["errors"]] == ["varlen-cycle-defer"]
-    assert report["errors"][0]["error"].startswith("not started: server exited with 1")
-    assert report["summary"]["varlen-verify"]["identical_to_nospec"] == 2
+    for cause, code in (("AssertionError: Shape: 257 out of considered ranges: [(1, 256)]", 6),
+                        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB", 5)):
+        out = tmp_path / f"out{code}"
+        run = subprocess.run(
+            [sys.executable, str(SCRIPT), "--model", str(TINY_DIR / "target"), "--draft", str(draft),
+             "--out", str(out), "--k", "4", "--configs", "nospec,varlen-cycle-defer,varlen-verify",
+             "--gpu-memory-utilization", "0.2", "--kv-cache-gib", "1", "--lossless", "2"],
+            capture_output=True, text=True, timeout=600, env={**env, "STANDIN_EXIT_CAUSE": cause})
+        assert run.returncode == code, run.stdout[-2000:] + run.stderr[-2000:]
+        assert "lossless greedy: FAILED (a config did not start" in run.stdout
+        report = json.loads((out / "lossless.json").read_text())
+        assert [e["config"] for e in report["errors"]] == ["varlen-cycle-defer"]
+        error = report["errors"][0]
+        assert error["error"] == f"not started: server exited with 1 [{cause}]"
+        assert error["retry_alone"] is (code == 5)
+        assert report["summary"]["varlen-verify"]["identical_to_nospec"] == 2
+
+
+def test_a_stopped_servers_cause_is_the_last_exception_its_log_names() -> None:
+    log = ("INFO loading\n(EngineCore pid=1) ERROR [core.py:1584] AssertionError: Shape: 257 out of considered "
+           "ranges: [(1, 256)]\nTraceback (most recent call last):\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert adaptive.start_cause(log) == "AssertionError: Shape: 257 out of considered ranges: [(1, 256)]"
+    assert adaptive.start_cause("INFO nothing went wrong here\n") is None
+    timeout = adaptive.not_started(RuntimeError("server not ready after 900 s"), None)
+    assert timeout.retry_alone and str(timeout) == "not started: server not ready after 900 s"
+    unknown = adaptive.not_started(RuntimeError("server exited with -9"), "INFO killed\n")
+    assert unknown.retry_alone  # no cause in its log: a lone start may tell
+    memory = adaptive.not_started(RuntimeError("server exited with 1"),
+                                  "ValueError: No available memory for the cache blocks. Try increasing ...\n")
+    assert memory.retry_alone
+    refused = adaptive.not_started(RuntimeError("server exited with 1"), "ValueError: dspark: vLLM 0.33.0's ...\n")
+    assert not refused.retry_alone
 
 
 def test_the_lossless_verdict_tells_a_config_that_did_not_start_from_one_that_failed_or_differs(
@@ -316,6 +343,9 @@ def test_the_lossless_verdict_tells_a_config_that_did_not_start_from_one_that_fa
     assert verdict({"nospec": same, "varlen": same}, [not_started, failed], tmp_path) == 1
     assert verdict({"varlen": same}, [{"config": "nospec", "error": "not started: no KV line"}], tmp_path) == 5
     assert verdict({"varlen": same}, [], tmp_path) == 3  # nothing to compare with
+    repeats = {**not_started, "retry_alone": False}
+    assert verdict({"nospec": same, "varlen": same}, [repeats], tmp_path) == 6
+    assert verdict({"nospec": same, "varlen": same}, [repeats, not_started], tmp_path) == 5  # one may start alone
 
 
 def _served(first: float, drafts: int, deferred: int | None = 100) -> dict:
