@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_cli.engines.vllm.manager import SPECULATOR_MANAGER_ATTR, install_speculator_hooks
-from dspark_cli.engines.vllm.upkeep import CatchupBuffers, DraftUpkeep, catchup_rows
+from dspark_cli.engines.vllm.upkeep import CatchupBuffers, DraftUpkeep, catchup_budget, catchup_rows
 
 K = 3
 MAX_REQS = 6
@@ -53,6 +53,9 @@ class Speculator:
         self.kv = torch.full((MAX_REQS, MAX_LEN + K + 2), -1, dtype=torch.int64)
         self.draft_tokens = torch.zeros(MAX_REQS, K, dtype=torch.int64)
         self.prefill_tokens = 0  # tokens run through the draft (prefill rows, catch-ups included)
+        # torch.compile's range for the draft's passes ends at the token budget (vLLM's _set_compile_ranges): a
+        # test that schedules no step past it sets this, and a pass over more tokens stops vLLM (section 38)
+        self.compile_range_end: int | None = None
         self.drafting_reads = 0
         self._last: list[tuple[int, int]] = []
 
@@ -60,6 +63,9 @@ class Speculator:
                  skip_attn: bool, num_tokens_across_dp: Any) -> None:
         qsl = batch.query_start_loc.tolist()
         assert list(batch.query_start_loc_np[: num_reqs + 1]) == qsl[: num_reqs + 1]  # host and device agree
+        if self.compile_range_end is not None:  # prepare_prefill_inputs: the batch's tokens plus one per request
+            assert int(batch.num_tokens) + num_reqs <= self.compile_range_end, (
+                f"Shape: {int(batch.num_tokens) + num_reqs} out of considered ranges: [(1, {self.compile_range_end})]")
         self._last = []
         for i in range(num_reqs):
             slot = int(batch.idx_mapping[i])
@@ -250,6 +256,44 @@ def test_catch_ups_ride_the_steps_own_prefill_pass_where_they_fit() -> None:
         upkeep = runner.manager._upkeep
         assert upkeep.catchups > 0 and upkeep.skipped_steps > 0
         assert (upkeep.separate_catchups > 0) is separate, (max_num_tokens, upkeep.separate_catchups)
+
+
+def test_a_catch_up_never_runs_the_draft_past_the_token_budget() -> None:
+    """torch.compile's range for the draft's passes ends at the token budget, and a pass past it stops vLLM
+    mid-serving as its start-up profile stopped the lossless check at 257 (docs/PERFORMANCE.md section 38). With
+    the check's 256 tokens and 25 requests, a catch-up budget of 256 - 25 let 25 paused requests owing 225
+    tokens catch up over 225 + 25 + 25 = 275, and a catch-up rode a step's own pass wherever the speculator's
+    buffers (the budget plus a slot per request) held it, a prompt chunk included. Here: 6 slots, a budget of 40
+    tokens; five requests decode paused, then a sixth arrives with a prompt of 14 tokens while 20 are owed: one
+    pass would run 20 + 5 + 14 + 6 = 45."""
+    rng = random.Random(5)
+    budget_tokens = 40
+    runner = Runner(catchup_budget(2048, budget_tokens, MAX_REQS), budget_tokens, rng)
+    for _ in range(5):
+        runner.add()
+    runner.step(True)  # the prompts' prefill (not under the range check: the scheduler would chunk it)
+    for req in runner.running:
+        req.budget = 10_000
+    runner.spec.compile_range_end = budget_tokens
+    for _ in range(5):
+        runner.step(False)  # paused: pure decode steps, 5 tokens owed each
+    upkeep = runner.manager._upkeep
+    assert int(upkeep.pending.sum()) == 20 and upkeep.catchups == 0
+    runner.add()
+    newcomer = runner.running[-1]
+    extra = [rng.randrange(50) for _ in range(14 - len(newcomer.prompt))]
+    runner.commit(newcomer.slot, extra)
+    newcomer.prompt += extra
+    newcomer.budget = 10_000
+    runner.step(False)  # the prompt's step: the owed 20 catch up in a pass of their own, then the step's pass
+    assert upkeep.separate_catchups == 1
+    for _ in range(12):
+        runner.step(False)  # six requests: catch-ups at a decode step, 24 owed + 6 rows + 6 slots = 36
+    assert upkeep.catchups > 1
+    for _ in range(3):
+        runner.step(True)  # resume: the draft drafts from its whole context
+    assert runner.spec.drafting_reads > 0
+    assert catchup_budget(2048, 256, 25) == 206 and catchup_budget(2048, 8192, 256) == 2048
 
 
 def test_pausing_skips_most_draft_passes_and_catches_up_in_few() -> None:

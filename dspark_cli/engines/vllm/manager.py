@@ -49,7 +49,7 @@ from dspark_cli.engines.vllm.contract import (
     warmup_overflow,
 )
 from dspark_cli.engines.vllm.step_clock import StepIntervals, clock_for
-from dspark_cli.engines.vllm.upkeep import CatchupBuffers, DraftUpkeep, catchup_batch
+from dspark_cli.engines.vllm.upkeep import CatchupBuffers, DraftUpkeep, catchup_batch, catchup_budget
 
 logger = logging.getLogger("vllm.dspark")
 # Admissible survival for every scheduled draft slot (reallocate_drafts: the budget must be met exactly).
@@ -378,10 +378,13 @@ def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -
                 owed = upkeep.owed(slots)
                 if owed.any():
                     owed = upkeep.fit(owed)
-                    # A batch that verifies no drafts (every query token committed) whose rows fit the
-                    # speculator's expanded buffers: one pass, rows run on through each query.
-                    whole = (int(batch.num_draft_tokens or 0) == 0 and int(owed.sum()) + int(batch.num_tokens) + r
-                             <= int(spec.max_num_tokens) + int(spec.max_num_reqs))
+                    # A batch that verifies no drafts (every query token committed) whose rows, one slot per
+                    # request included, fit the token budget: one pass, rows run on through each query. The
+                    # expanded buffers hold a request count more, but torch.compile's range for the draft ends
+                    # at the budget, and a pass past it stops vLLM (section 38's "Shape: 257"); a catch-up of
+                    # its own (owed + r <= the upkeep budget + r, within it) then the step's pass fit each.
+                    whole = (int(batch.num_draft_tokens or 0) == 0
+                             and int(owed.sum()) + int(batch.num_tokens) + r <= int(spec.max_num_tokens))
                     rows = catchup_batch(batch, m.req_states.all_token_ids.gpu, owed, m._catchup_buffers,
                                          whole_query=whole)
                     upkeep.paid(slots, merged=whole)
@@ -973,7 +976,8 @@ def build_manager_class(base: type) -> type:
             no paused step there is a pure decode step (with ``plain_paused_steps`` the steps after a pause are,
             but they then match none of uniform mask's 1 + K decode graphs and run piecewise or eagerly: the
             fallback a backend without varlen graph replay gets, not measured yet). The budget leaves room for
-            the prefill kernel's correction slot per request in the speculator's expanded buffers. Not with a
+            each request's query token and the prefill kernel's correction slot within the token budget, where
+            the draft's compile range ends (``upkeep.catchup_budget``). Not with a
             sliding-window draft: a catch-up writes through the block table below the window, whose blocks may
             already be another request's.
             """
@@ -991,7 +995,7 @@ def build_manager_class(base: type) -> type:
                 logger.info("dspark: the draft attends over a sliding window of %d tokens: its K/V is kept current "
                             "while paused", window)
                 return
-            budget = min(wanted, int(spec.max_num_tokens) - int(spec.max_num_reqs))
+            budget = catchup_budget(wanted, int(spec.max_num_tokens), int(spec.max_num_reqs))
             if budget < int(spec.max_num_reqs):
                 logger.info("dspark: max_num_batched_tokens %d leaves no catch-up budget over %d requests: the "
                             "draft's K/V is kept current while paused", spec.max_num_tokens, spec.max_num_reqs)

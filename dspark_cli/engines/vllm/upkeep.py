@@ -50,6 +50,17 @@ import numpy as np
 import torch
 
 
+def catchup_budget(wanted: int, max_num_tokens: int, max_num_reqs: int) -> int:
+    """The most tokens a batch may owe before a paused step catches up (``draft_catchup_tokens``, capped).
+
+    A catch-up pass of its own runs one row per request, the owed positions and the request's first query
+    token, and the speculator's prefill adds a correction slot to each: owed + 2 x requests tokens, which must
+    stay within the token budget, where torch.compile's range for the draft ends (a pass past it stops vLLM:
+    "Shape: N out of considered ranges", docs/PERFORMANCE.md section 38). Leaving one slot per request, as
+    before, let 25 requests owing 225 tokens at a budget of 256 run the draft over 275."""
+    return min(wanted, max_num_tokens - 2 * max_num_reqs)
+
+
 class DraftUpkeep:
     """How many K/V positions the draft owes each request slot, and when to pay them (host only).
 
