@@ -372,6 +372,8 @@ def error_row(name: str, exc: Exception, **fields: object) -> dict:
     if isinstance(exc, NotStarted):
         row["retry_alone"] = exc.retry_alone
     return row
+
+
 KV_LINE = "KV cache size:"  # vLLM's log line once a server has sized its KV cache (allocation follows)
 
 

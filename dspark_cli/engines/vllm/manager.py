@@ -381,8 +381,9 @@ def install_speculator_hooks(spec: Any, *, calibrate: bool, skip_decode: bool) -
                     # A batch that verifies no drafts (every query token committed) whose rows, one slot per
                     # request included, fit the token budget: one pass, rows run on through each query. The
                     # expanded buffers hold a request count more, but torch.compile's range for the draft ends
-                    # at the budget, and a pass past it stops vLLM (section 38's "Shape: 257"); a catch-up of
-                    # its own (owed + r <= the upkeep budget + r, within it) then the step's pass fit each.
+                    # at the budget, and a pass past it stops vLLM (section 38's "Shape: 257"). Else a catch-up
+                    # of its own (owed + 2 x requests tokens, within the budget by upkeep.catchup_budget), then
+                    # the step's own pass (within it by vLLM's scheduler).
                     whole = (int(batch.num_draft_tokens or 0) == 0
                              and int(owed.sum()) + int(batch.num_tokens) + r <= int(spec.max_num_tokens))
                     rows = catchup_batch(batch, m.req_states.all_token_ids.gpu, owed, m._catchup_buffers,
