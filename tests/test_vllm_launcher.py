@@ -194,11 +194,11 @@ def test_draft_paths_that_would_flip_the_method_are_refused(path: str) -> None:
 
 
 def test_profiler_prices_sizes_above_the_capture_limit() -> None:
-    from dspark_cli.engines.vllm.profile import tail_sizes
+    from dspark_cli.engines.vllm.contract import profile_sizes
 
-    assert tail_sizes([8, 16, 512], 8192) == [768, 1024, 2048, 4096, 8192]
-    assert tail_sizes([8, 16, 512], 600) == [600]
-    assert tail_sizes([8, 512], 512) == [] and tail_sizes([], 8192) == []
+    assert profile_sizes([8, 16, 512], 8192) == [8, 16, 512, 768, 1024, 2048, 4096, 8192]
+    assert profile_sizes([8, 16, 512], 600) == [8, 16, 512, 600]
+    assert profile_sizes([8, 512], 512) == [8, 512] and profile_sizes([], 8192) == []
 
 
 def test_profiler_is_called_by_name_through_a_worker_extension() -> None:
@@ -305,6 +305,43 @@ def test_profiler_times_dummy_steps_and_never_replays_a_captured_graph_by_hand()
     runs.clear()
     profile_worker(SimpleNamespace(model_runner=runner(varlen=False, sizes=(8, 16, 64))), replays=1, warmup=0)
     assert {n for n, u in runs if u} == {8, 16} and (64, False) in runs
+
+
+def test_the_profiler_leaves_out_the_sizes_whose_draft_pass_vllm_would_overflow() -> None:
+    """A draft_model speculator's prefill adds a slot per request; vLLM's dummy step trims a batch near the budget
+    for it, then pads it back to its graph's size, and the draft's pass ran past torch.compile's range on the H200
+    ("Shape: 257 out of considered ranges", docs/PERFORMANCE.md section 38). The stand-in runs vLLM's arithmetic
+    and stops as vLLM does; the profiler must never ask it for such a step, and says which sizes it left out."""
+    from collections import namedtuple
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from dspark_cli.engines.vllm.profile import profile_worker
+
+    captured, budget, max_reqs = tuple(range(8, 65, 8)), 64, 12
+
+    @contextmanager
+    def collect():  # type: ignore[no-untyped-def]
+        yield []
+
+    ran: list[int] = []
+
+    def dummy_run(n: int, uniform_decode: bool = False, context_len: int = 0) -> None:
+        reqs = n // 8 if uniform_decode else min(n, max_reqs)
+        tokens = n if uniform_decode else min(n, budget - reqs)  # _dummy_run's trim for the extra slot
+        padded = min((c for c in captured if c >= tokens), default=tokens)  # execute_model's dummy batch
+        assert padded + reqs <= budget, f"Shape: {padded + reqs} out of considered ranges: [(1, {budget})]"
+        ran.append(n)
+
+    for varlen, skipped in ((True, [56, 64]), (False, [64])):  # uniform 56: 7 requests, 63 tokens
+        ran.clear()
+        graphs = {namedtuple("Desc", "num_tokens")(n): None for n in captured}
+        runner = SimpleNamespace(
+            cudagraph_manager=SimpleNamespace(graphs=graphs, varlen_decode=varlen), decode_query_len=8,
+            max_num_tokens=budget, max_num_reqs=max_reqs, step_timing=SimpleNamespace(collect=collect),
+            _dummy_run=dummy_run, speculator=SimpleNamespace(num_extra_query_per_req=1))
+        out = profile_worker(SimpleNamespace(model_runner=runner), replays=1, warmup=0)
+        assert out["skipped_sizes"] == skipped and sorted(set(ran)) == [n for n in captured if n not in skipped]
 
 
 def test_the_plugins_own_settings_travel_from_dspark_serve_too(capsys: pytest.CaptureFixture[str]) -> None:

@@ -550,8 +550,10 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, num_sp
 
 
 def profile_sizes(captured: list[int], max_num_batched_tokens: int) -> list[int]:
-    """The token counts of vLLM's start-up profile (``batches_to_profile``): every captured count, then half as
-    much again past the largest and doublings up to the budget."""
+    """The token counts of vLLM's start-up profile (``batches_to_profile``), and of ``dspark profile-sps``:
+    every captured count, then half as much again past the largest and doublings up to the budget. Real steps
+    run past the capture limit (piecewise or eagerly), and a line through the graph points badly underprices
+    them."""
     if not captured:
         return []
     size = captured[-1]

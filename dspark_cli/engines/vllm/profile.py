@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from dspark_cli.engines.vllm.contract import dummy_draft_overflow, profile_sizes
 from dspark_cli.engines.vllm.launcher import check_profile_graphs, plan_vllm_serve
 from dspark_cli.errors import DsparkError
 
@@ -101,22 +102,6 @@ def run_vllm_profile(argv: list[str], *, dry_run: bool) -> int:
 # ---------------------------------------------------------------------------------------------- in the workers
 
 
-def tail_sizes(capture_sizes: list[int], max_tokens: int) -> list[int]:
-    """Verify sizes above the capture limit worth pricing: 1.5x the limit, then doubling to ``max_tokens``.
-
-    Real steps run there (eagerly or piecewise) and a line through the graph points badly underprices them.
-    """
-    if not capture_sizes:
-        return []
-    limit = max(capture_sizes)
-    sizes = {min(limit + limit // 2, max_tokens)}
-    size = limit
-    while size < max_tokens:
-        size = min(2 * size, max_tokens)
-        sizes.add(size)
-    return sorted(s for s in sizes if s > limit)
-
-
 class SpsProfileExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``) so the profiler is called by name.
 
@@ -187,18 +172,35 @@ def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 40
         for desc in runner.cudagraph_manager.graphs
         if not getattr(desc, "num_active_loras", 0) and getattr(desc, "num_ubatches", 1) == 1
     })
-    sizes = captured + tail_sizes(captured, int(runner.max_num_tokens))
+    budget = int(runner.max_num_tokens)
     # Varlen graphs take a dummy step of n tokens as it comes (min(n, max_num_reqs) requests); mask mode's
     # FULL_DECODE_ONLY graphs are keyed by a uniform 1 + k tokens per request, so a plain dummy step would
     # run eagerly beside them: ask for a uniform decode batch at their sizes.
     uniform = not getattr(runner.cudagraph_manager, "varlen_decode", True)
     query_len = int(getattr(runner, "decode_query_len", 1) or 1)
     max_reqs = int(runner.max_num_reqs)
+    # A draft_model speculator's prefill adds a slot per request, which a padded dummy step can push past the
+    # budget where torch.compile's range for the draft ends: vLLM stops on it ("Shape: 257 out of considered
+    # ranges", docs/PERFORMANCE.md section 38). Such sizes are left out, and said so.
+    speculator = getattr(runner, "speculator", None)
+    extra = int(getattr(speculator, "num_extra_query_per_req", 0) or 0) if speculator is not None else 0
 
-    def step(n: int) -> None:
+    def is_uniform(n: int) -> bool:
         # n / (1 + k) requests must fit the batch: FULL mixed graphs (no capacity mode, cudagraph_mode FULL) are
         # captured above max_num_seqs * (1 + k), where a uniform step would ask for more requests than vLLM holds
-        if uniform and n in captured and n % query_len == 0 and n // query_len <= max_reqs:
+        return uniform and n in captured and n % query_len == 0 and n // query_len <= max_reqs
+
+    def overflows(n: int) -> bool:
+        if is_uniform(n):  # a uniform decode batch is not trimmed: n tokens and n / (1 + k) requests
+            return extra > 0 and n + (n // query_len) * extra > budget
+        return dummy_draft_overflow(n, captured, max_reqs, budget, extra) is not None
+
+    sizes = profile_sizes(captured, budget)
+    skipped = [n for n in sizes if overflows(n)]
+    sizes = [n for n in sizes if n not in skipped]
+
+    def step(n: int) -> None:
+        if is_uniform(n):
             runner._dummy_run(n, uniform_decode=True, context_len=context_len)
         else:
             runner._dummy_run(n, context_len=context_len)
@@ -221,6 +223,7 @@ def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 40
     out = summarize_steps(list(samples), walls, captured, int(runner.max_num_reqs))
     out["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     out["context_len"] = context_len
+    out["skipped_sizes"] = skipped
     return out
 
 
@@ -269,8 +272,11 @@ def _profile(argv: list[str] | None) -> int:
     )
     out = ours.get("--output", PROFILE_FLAGS["--output"])
     curve.save(out)
+    skipped = r0.get("skipped_sizes") or []
     print(f"wrote {out}: {len(curve.verify_ms)} verify points, {len(curve.draft_ms)} draft points, "
-          f"overhead {curve.overhead_ms:.3f} ms")
+          f"overhead {curve.overhead_ms:.3f} ms"
+          + (f"; left out {len(skipped)} sizes ({', '.join(map(str, skipped))}) whose dummy step would run the "
+             f"draft past --max-num-batched-tokens" if skipped else ""))
     return 0
 
 
