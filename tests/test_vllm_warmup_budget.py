@@ -167,3 +167,24 @@ def test_the_budget_profile_overflow_names_serves(seqs: int, budget: int, k: int
         return
     enough = int(problem.rsplit("--max-num-batched-tokens ", 1)[1].split()[0])
     assert enough > budget and profile_overflow(seqs, enough, k) is None
+
+
+def test_the_readmes_vllm_examples_start_under_vllms_default_budgets() -> None:
+    """The README's `dspark serve --engine vllm -k 7 ...` and its bench line: under vLLM 0.33's default budget
+    and request count per card (API server: 8,192 and 1,024 on an H100 or H200, 16,384 and 1,024 on 160 GB cards,
+    2,048 and 256 below; ``EngineArgs.get_batch_defaults``), neither the warm-up nor vLLM's own start-up profile
+    may stop the server. Without `--max-num-seqs` k=7 would not start on an H100: 910 warm-up requests of 10."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    examples = re.findall(r"--engine vllm -k (\d+)((?: --[\w-]+ \d+)*)", " ".join(readme.split()))
+    assert len(examples) >= 2
+    defaults = ((8192, 1024), (16384, 1024), (2048, 256))
+    for k, flags in examples:
+        seqs = re.search(r"--max-num-seqs (\d+)", flags)
+        for budget, default_seqs in defaults:
+            m = int(seqs.group(1)) if seqs else default_seqs
+            assert warmup_overflow(m, budget, int(k)) is None, (k, flags, budget)
+            assert profile_overflow(m, budget, int(k)) is None, (k, flags, budget)
+    assert warmup_overflow(1024, 8192, 7) is not None  # why the examples name --max-num-seqs
