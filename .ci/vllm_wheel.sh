@@ -44,6 +44,7 @@ FILES=(
   vllm/v1/worker/gpu/model_states/default.py
   vllm/v1/worker/gpu/warmup.py
   vllm/config/kernel.py
+  vllm/config/compilation.py
 )
 # Sources of the pinned FlashInfer (cache: $DSPARK_FLASHINFER_SRC, else ~/.cache/dspark/flashinfer-VERSION-src).
 FLASHINFER_VERSION=0.7.2.post1

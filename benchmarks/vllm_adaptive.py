@@ -338,14 +338,15 @@ NOT_STARTED = "not started: "  # a config's error that came before its server wa
 # ("Engine core initialization failed") names no cause, so it is passed over.
 CAUSE_RE = re.compile(r"\b((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (.+)$")
 WRAPPER_CAUSES = ("Engine core initialization failed",)
-# Causes that starting the server alone, not beside the others, can take away: memory the others held.
-CONTENTION_SIGNS = ("out of memory", "outofmemory", "no available memory", "free memory", "insufficient memory")
+# Causes a lone start repeats: a compile range the configuration overflows (sections 37-38), and the plugin's own
+# start-up refusals. Anything else (memory the other servers held, a timeout, a crash) may pass alone.
+REPEATING_SIGNS = ("out of considered ranges", "dspark:")
 
 
 class NotStarted(RuntimeError):
-    """A server that was never up. ``retry_alone``: whether starting it again alone could help -- a start-up
-    timeout, an unknown cause or a memory error, not a cause that a lone start repeats (section 38: every
-    drafting server of the lossless check stopped on vLLM's start-up profile, then again in a row, 4 minutes)."""
+    """A server that was never up. ``retry_alone``: whether starting it again alone could help -- false only for
+    a cause a lone start repeats (section 38: every drafting server of the lossless check stopped on vLLM's
+    start-up profile, then again in a row, 4 minutes); a wrong false would lose a config for the sitting."""
 
     def __init__(self, message: str, retry_alone: bool) -> None:
         super().__init__(message)
@@ -353,17 +354,20 @@ class NotStarted(RuntimeError):
 
 
 def start_cause(log_text: str) -> str | None:
-    """The last exception a stopped server's log names (``AssertionError: Shape: 257 out of ...``), or None."""
+    """The exception a stopped server's log names (``AssertionError: Shape: 257 out of ...``), or None: one a lone
+    start repeats wherever the log has it (errors that follow it, a connection reset say, are its echoes), else
+    the last."""
     causes = [m.group(1) + ": " + m.group(2).strip() for line in log_text.splitlines()
               if (m := CAUSE_RE.search(line)) and not m.group(2).startswith(WRAPPER_CAUSES)]
-    return causes[-1] if causes else None
+    repeating = [c for c in causes if any(sign in c for sign in REPEATING_SIGNS)]
+    return (repeating or causes or [None])[-1]
 
 
 def not_started(exc: Exception, log_text: str | None) -> NotStarted:
     """``exc`` from waiting for a server, as a :class:`NotStarted` that names the log's cause where there is one."""
     cause = start_cause(log_text) if log_text is not None else None
-    retry = cause is None or any(sign in cause.lower() for sign in CONTENTION_SIGNS)
-    return NotStarted(f"{NOT_STARTED}{exc}" + (f" [{cause}]" if cause else ""), retry_alone=retry)
+    repeats = cause is not None and any(sign in cause for sign in REPEATING_SIGNS)
+    return NotStarted(f"{NOT_STARTED}{exc}" + (f" [{cause}]" if cause else ""), retry_alone=not repeats)
 
 
 def error_row(name: str, exc: Exception, **fields: object) -> dict:

@@ -327,8 +327,14 @@ def test_a_stopped_servers_cause_is_the_last_exception_its_log_names() -> None:
     memory = adaptive.not_started(RuntimeError("server exited with 1"),
                                   "ValueError: No available memory for the cache blocks. Try increasing ...\n")
     assert memory.retry_alone
+    kv = adaptive.not_started(RuntimeError("server exited with 1"), "ValueError: To serve at least one request "
+                              "with the models's max seq len (2048), (0.1 GiB KV cache is needed, which is larger "
+                              "than the available KV cache memory (0.05 GiB)\n")
+    assert kv.retry_alone  # memory the other servers held: alone it may start
     refused = adaptive.not_started(RuntimeError("server exited with 1"), "ValueError: dspark: vLLM 0.33.0's ...\n")
     assert not refused.retry_alone
+    echoed = adaptive.not_started(RuntimeError("server exited with 1"), log + "ConnectionResetError: peer reset\n")
+    assert not echoed.retry_alone and "Shape: 257" in str(echoed)  # the overflow, not its echo
 
 
 def test_the_lossless_verdict_tells_a_config_that_did_not_start_from_one_that_failed_or_differs(

@@ -1131,17 +1131,24 @@ def test_the_start_up_profile_skips_the_batches_whose_draft_pass_vllm_would_over
                                device=torch.device("cpu"), req_id_to_index={})
     captured = [1, 2, 4, *range(8, 257, 8)]
 
-    def profiled(method: str) -> list[int]:
+    def profiled(method: str, sizes: list[int] = captured, mode: int = 3) -> list[int]:
         cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
                                     model_config=types.SimpleNamespace(is_moe=False),
-                                    speculative_config=types.SimpleNamespace(method=method))
+                                    speculative_config=types.SimpleNamespace(method=method),
+                                    compilation_config=types.SimpleNamespace(mode=mode,
+                                                                             cudagraph_capture_sizes=captured))
         m = manager_cls(settings=DsparkVllmSettings(mode="varlen"), mode="varlen", vllm_config=cfg, req_states=rs,
                         query_start_loc=torch.zeros(26, dtype=torch.int32), num_bonus_tokens=1,
                         max_total_logits=10_000)
-        return [b["num_tokens"] for b in m.batches_to_profile(captured)]
+        return [b["num_tokens"] for b in m.batches_to_profile(sizes)]
 
     with caplog.at_level(logging.INFO, logger="vllm.dspark"):
         kept = profiled("draft_model")
     assert kept == [n for n in captured if n not in (232, 240, 248, 256)]
     assert "skips 4 batch sizes (232, 240, 248, 256)" in caplog.text and "up to 257 tokens" in caplog.text
     assert profiled("eagle3") == captured  # no correction slot, no trim
+    assert profiled("draft_model", mode=0) == captured  # no torch.compile: no range ends at the budget
+    # Uniform mask graphs at K=9 (1 + K = 10) add decode sizes such as 230 (224 rounded up) to the captured
+    # counts; a mixed dummy batch of 230 tokens and 25 requests cannot replay them and pads to the piecewise 232
+    uniform = sorted({*captured, *range(10, 251, 10)})
+    assert 230 not in profiled("draft_model", uniform)

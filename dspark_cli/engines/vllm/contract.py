@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 VLLM_VERSION = "0.33.0"
+VLLM_COMPILE = 3  # vLLM's CompilationMode.VLLM_COMPILE: torch.compile, whose ranges end at the token budget
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "dspark"
 PLUGIN_TARGET = "dspark_cli.engines.vllm.plugin:register"
@@ -78,6 +79,7 @@ ENGINE_CORE = "vllm.v1.engine.core"
 # The kernel warm-up before graph capture, whose draft pass can exceed what torch.compile covers (warmup_overflow).
 WARMUP = "vllm.v1.worker.gpu.warmup"
 KERNEL_CONFIG = "vllm.config.kernel"
+COMPILATION = "vllm.config.compilation"
 
 Kind = Literal[
     "function",  # module-level def; params must appear (in this order) among its parameters
@@ -462,6 +464,11 @@ CONTRACT: tuple[Assumption, ...] = (
                ("tail_sizes.add(min(size + size // 2, max_num_tokens))", "size = min(size * 2, max_num_tokens)"),
                why="past the largest captured count the profile runs half as much again, then doublings to the "
                    "budget (profile_sizes)"),
+    Assumption(COMPILATION, "CompilationMode", "contains", ("VLLM_COMPILE = 3",),
+               why="VLLM_COMPILE: the mode whose compile ranges end at the budget"),
+    Assumption(CUDAGRAPH, "CudaGraphManager._init_candidates", "contains",
+               ("capture_sizes = self.compilation_config.cudagraph_capture_sizes", "cg_mode=mixed_mode,"),
+               why="a mixed batch replays a graph of the compilation's capture sizes (the dummy batch's padding)"),
     Assumption(VLLM_CONFIG, "VllmConfig._set_cudagraph_sizes", "contains",
                ("1024 if current_platform.is_device_capability_family(100) else 512",
                 "max_num_seqs * decode_query_len * 2, default_max_graph_size",

@@ -43,6 +43,7 @@ from dspark_cli.core.saturation import StepCharge
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
 from dspark_cli.engines.vllm.contract import (
     INVALID_DRAFTS_ATTR,
+    VLLM_COMPILE,
     VLLM_VERSION,
     dummy_draft_overflow,
     warmup_kv_cap,
@@ -470,9 +471,6 @@ def check_mask_rows(max_num_reqs: int, k: int, num_bonus_tokens: int, max_total_
                          f"({max_total_logits}); use --max-num-seqs {most} or fewer, fewer draft tokens, or varlen")
 
 
-VLLM_COMPILE = 3  # vLLM's CompilationMode.VLLM_COMPILE: torch.compile, whose ranges end at the token budget
-
-
 def check_draft_warmup(vllm_config: Any, kv_groups: int) -> None:
     """Refuse at start-up what vLLM 0.33's warm-up would stop on after the weights load (``contract.
     warmup_overflow``): a ``draft_model`` server under torch.compile whose token budget, not ``max_num_seqs``,
@@ -702,9 +700,16 @@ def build_manager_class(base: type) -> type:
                 return iter(())  # the user's curve replaces the start-up profile
             batches = list(super().batches_to_profile(capture_sizes))
             budget = int(self.req_states.max_num_batched_tokens)
-            overflow = {b["num_tokens"]: dummy_draft_overflow(b["num_tokens"], self._capture_sizes,
-                                                                int(self.req_states.max_num_reqs), budget,
-                                                                self._draft_extra_slots) for b in batches}
+            comp = getattr(self.vllm_config, "compilation_config", None)
+            mode = getattr(comp, "mode", VLLM_COMPILE)
+            # Only torch.compile's ranges end at the budget. A trimmed dummy batch is padded to a piecewise
+            # graph's size: the compilation's capture sizes, not the uniform decode sizes vLLM adds to
+            # captured_token_counts, which a mixed batch never replays.
+            extra = self._draft_extra_slots if getattr(mode, "value", mode) == VLLM_COMPILE else 0
+            padded_to = sorted(getattr(comp, "cudagraph_capture_sizes", None) or self._capture_sizes)
+            overflow = {b["num_tokens"]: dummy_draft_overflow(b["num_tokens"], padded_to,
+                                                                int(self.req_states.max_num_reqs), budget, extra)
+                        for b in batches}
             skipped = sorted(n for n, over in overflow.items() if over is not None)
             if skipped:
                 # vLLM would stop its own start-up on these (upstream's manager does); the curve is fitted over
