@@ -222,6 +222,41 @@ def _engine_args_flags(args: dict[str, Any]) -> list[str]:
     return out
 
 
+COMPILATION_FLAGS = ("--compilation-config", "-cc")
+CAPTURE_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
+def _compilation_key(arg: str) -> str | None:
+    """For a compilation-config flag (``-cc``, ``--compilation-config``, ``--compilation_config``), ``""`` if it is
+    the whole JSON, else its dotted key (``-cc.cudagraph_mode=FULL``: ``cudagraph_mode``); None for any other."""
+    base, _, key = arg.partition("=")[0].partition(".")
+    if base.startswith("--"):
+        base = "--" + base[2:].replace("_", "-")
+    return key if base in COMPILATION_FLAGS else None
+
+
+def _capture_sizes_flags(sizes: tuple[int, ...], extra: list[str], args: dict[str, Any]) -> list[str]:
+    """``--capture-sizes`` as vLLM will read it beside the user's own compilation flags: inside the
+    ``--engine-args`` compilation config, or -- where dotted ``-cc.X`` flags are given, which vLLM gathers into one
+    whole JSON appended after every other argument (``FlexibleArgumentParser.parse_args``) and so in place of any
+    whole one -- as one more dotted flag, merged into theirs (a whole JSON of ours was dropped without a word). A
+    whole ``--compilation-config`` of the user's, or dotted capture sizes, already say what to capture: refused as
+    a conflict. An optimization level (``-O3``) sets no capture sizes and stays as given."""
+    keys = [k for k in map(_compilation_key, extra) if k is not None]
+    if "" in keys or any(k.partition(".")[0].replace("-", "_") in CAPTURE_KEYS for k in keys):
+        raise DsparkError("--capture-sizes conflicts with --compilation-config; put cudagraph_capture_sizes "
+                          "inside the compilation config instead")
+    if keys:
+        if args.get("compilation_config"):
+            raise DsparkError("--engine-args compilation_config and dotted -cc.X flags: vLLM keeps only the dotted "
+                              "ones; give the compilation config one way")
+        return [f"-cc.cudagraph_capture_sizes={orjson.dumps(list(sizes)).decode()}"]
+    comp = dict(args.get("compilation_config") or {})
+    comp["cudagraph_capture_sizes"] = list(sizes)
+    args["compilation_config"] = comp
+    return []
+
+
 def vllm_argv(req: ProfileRequest, *, build: bool = True) -> list[str]:
     """Arguments for ``engines.vllm.profile.build_profile_command``: MODEL, vllm serve flags, profile flags.
     ``build=False`` (a dry run) names the vLLM-ready copies of the toolkit's models without making them."""
@@ -236,12 +271,7 @@ def vllm_argv(req: ProfileRequest, *, build: bool = True) -> list[str]:
     args = _json_object("--engine-args", req.engine_args)
     extra = [a for a in req.extra if a != "--"]
     if req.capture_sizes is not None:
-        if any(a.partition("=")[0] in ("--compilation-config", "-cc", "-O") for a in extra):
-            raise DsparkError("--capture-sizes conflicts with --compilation-config; put cudagraph_capture_sizes "
-                              "inside the compilation config instead")
-        comp = dict(args.get("compilation_config") or {})
-        comp["cudagraph_capture_sizes"] = list(req.capture_sizes)
-        args["compilation_config"] = comp
+        extra += _capture_sizes_flags(req.capture_sizes, extra, args)
     spec = _json_object("--speculative-config", req.speculative_config)
     # The toolkit's model names become vLLM-ready copies, as for `dspark serve --engine vllm` (engines.vllm.models).
     k = req.num_speculative_tokens if req.num_speculative_tokens is not None else spec.get("num_speculative_tokens")

@@ -306,6 +306,28 @@ def test_vllm_dry_run_forwards_flags_draft_k_and_capture_sizes() -> None:
     assert argv[argv.index("--replays") + 1] == "5" and argv[argv.index("--max-num-seqs") + 1] == "16"
 
 
+def test_vllm_capture_sizes_reach_vllm_beside_the_users_compilation_flags() -> None:
+    """vLLM gathers dotted ``-cc.X`` flags into one whole compilation config appended after every other argument,
+    which replaced the one ``--capture-sizes`` was written into: the sizes were dropped without a word. They now
+    join the dotted flags; an optimization level (``-O 3``, refused as a conflict before) sets no sizes."""
+    def argv(*extra: str, engine_args: str | None = None) -> list[str]:
+        return ps.vllm_argv(ps.ProfileRequest(model="org/target", engine="vllm", draft="org/draft",
+                                              num_speculative_tokens=3, capture_sizes=(8, 16), extra=list(extra),
+                                              engine_args=engine_args), build=False)
+
+    dotted = argv("-cc.cudagraph_mode=FULL", "--compilation_config.mode", "3")
+    assert "-cc.cudagraph_capture_sizes=[8,16]" in dotted and "--compilation-config" not in dotted
+    for level in (["-O", "3"], ["-O3"], ["--optimization-level=3"]):
+        whole = argv(*level)
+        assert json.loads(whole[whole.index("--compilation-config") + 1]) == {"cudagraph_capture_sizes": [8, 16]}
+    for conflict in (["--compilation_config", '{"mode": 3}'], ["-cc={}"], ["-cc.cudagraph_capture_sizes=[4]"],
+                     ["-cc.max_cudagraph_capture_size", "64"]):
+        with pytest.raises(DsparkError, match="--capture-sizes conflicts with --compilation-config"):
+            argv(*conflict)
+    with pytest.raises(DsparkError, match="vLLM keeps only the dotted ones"):
+        argv("-cc.cudagraph_mode=FULL", engine_args='{"compilation_config": {"mode": 3}}')
+
+
 def test_embedded_engine_reads_the_seed_json_shapes() -> None:
     cfg = ps.embedded_config(ps.ProfileRequest(
         model="tiny", speculative_config='{"method": "dspark", "model": "auto", "num_speculative_tokens": 3}',
