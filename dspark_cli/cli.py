@@ -697,6 +697,8 @@ def bench(
         results_dir, workload, [k.name for k in spec.configs], concs, cells,
         model=models.pop() if len(models) == 1 else None, keep_label_order=serve,
         common_args=common if serve else None,
+        config_args={k.name: mx.served_args(spec, k) for k in spec.configs} if serve else None,
+        prompts_sha256=spec.known_prompts_sha256,
     )
     if left_out:
         err_console.print(f"note: {left_out} other cells in {results_dir} were measured with another workload, "

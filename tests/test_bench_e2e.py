@@ -200,6 +200,14 @@ def test_base_url_runs_into_one_folder_share_one_table(tmp_path: Path) -> None:
             assert run.returncode == 0, run.stderr[-2000:]
             out = " ".join(run.stdout.split())  # rich wraps long lines
             assert (f"{label}: shape warm-up, one wave of 2-token requests at c=1" in out) == (label == "first")
+        # resumed with a new concurrency: the server's model must be the one its cells recorded; asked for
+        # another, it is refused before anything is measured
+        resumed = subprocess.run([*bench, "-c", "1,2", "--label", "second", "--warmup-prompts", "0",
+                                  "--model", "another-model"], capture_output=True, text=True, timeout=300)
+        assert resumed.returncode != 0 and "the server now serves 'another-model'" in " ".join(resumed.stderr.split())
+        resumed = subprocess.run([*bench, "-c", "1,2", "--label", "second", "--warmup-prompts", "0"],
+                                 capture_output=True, text=True, timeout=300)  # its own model: resumed
+        assert resumed.returncode == 0 and (results / "cells" / "second__c2.json").is_file(), resumed.stderr[-2000:]
     first, second = (read_json(results / "cells" / f"{name}__c1.json")["cpu"] for name in ("first", "second"))
     assert "server_pid" not in first and first["client_share"] > 0
     assert second["server_pid"] == server.pid and second["server_share"] > 0

@@ -803,3 +803,85 @@ def test_a_configs_own_flags_go_before_the_passthrough_of_the_common_ones(tmp_pa
     assert served_args(spec, nospec) == ["--engine", "vllm", "-k", "7", "-k", "0", "--",
                                          "--gpu-memory-utilization", "0.4"]
     assert before_passthrough(["-k", "7"], ["--port", "1"]) == ["-k", "7", "--port", "1"]
+
+
+def test_a_resumed_interleaved_concurrency_is_measured_again_whole_and_its_done_cells_kept_aside(
+        tmp_path: Path) -> None:
+    """Interleaved cells of one concurrency are measured side by side (with --rounds, paired round by round). An
+    interruption in a concurrency's last round left some of its cells written: resumed, the missing one was
+    measured alone on servers started anew, and tabled against round-mates of another time (its paired table
+    then read "-" everywhere, with no word why). Its whole concurrency is measured again now, the done cells set
+    aside, not lost; concurrencies already whole stay."""
+    from dspark_cli.bench.matrix import Hooks, set_aside_superseded, superseded_cell_path
+
+    def served(name: str, c: int) -> None:
+        atomic_write_json(cell_path(tmp_path, name, c), {
+            "dspark_bench_cell": CELL_FORMAT, "config": name, "concurrency": c, "metrics": {"failed": 0},
+            "workload": {"num_prompts": 1}, "server": {"mode": "serve", "serve_args": ["--model", "tiny"]}})
+
+    spec = MatrixSpec(configs=[BenchConfig("none"), BenchConfig("mask")], concurrencies=[1, 4],
+                      prompts=[Prompt(text="x")] * 8, load=LoadConfig(base_url=""), results_dir=tmp_path,
+                      workload={"num_prompts": 1}, serve=True, serve_args=["--model", "tiny"], interleave=True)
+    for name, c in (("none", 1), ("mask", 1), ("none", 4)):
+        served(name, c)
+    todo = pending_cells(spec)
+    assert [(k.name, c) for k, c in todo] == [("none", 4), ("mask", 4)]
+    logged: list[str] = []
+    set_aside_superseded(spec, todo, Hooks(log=logged.append))
+    assert not cell_path(tmp_path, "none", 4).exists() and superseded_cell_path(tmp_path, "none", 4).is_file()
+    assert cell_path(tmp_path, "none", 1).is_file() and cell_path(tmp_path, "mask", 1).is_file()
+    assert any("none c=4: measured again with the rest of its concurrency" in line for line in logged)
+    assert [(k.name, c) for k, c in pending_cells(spec)] == [("none", 4), ("mask", 4)]
+    # not interleaved: the cells are independent, and only the missing one is measured
+    served("none", 4)
+    sequential = MatrixSpec(**{**spec.__dict__, "interleave": False})
+    assert [(k.name, c) for k, c in pending_cells(sequential)] == [("mask", 4)]
+
+
+def test_a_configs_column_takes_only_cells_of_its_own_server_setup_and_prompts(tmp_path: Path) -> None:
+    """A folder's cells of this run's configs at other concurrencies joined its columns on workload alone: a mask
+    column showed c=1 from one --sps-curve and c=16 from another, and a baseline measured on prompts edited since
+    sat beside the cells of this run (the resume checks cover only this run's own cells)."""
+    from dspark_cli.bench.matrix import same_workload_cells
+
+    work = {"num_prompts": 8, "max_tokens": 16}
+
+    def cell(config: str, c: int, own: list[str], sha: str | None = None) -> dict:
+        record = {"dspark_bench_cell": CELL_FORMAT, "config": config, "concurrency": c, "metrics": {},
+                  "workload": work, "started_at": f"2026-01-01T00:00:{c:02d}",
+                  "server": {"mode": "serve", "model": "tiny", "common_args": ["--model", "tiny"],
+                             "serve_args": ["--model", "tiny", *own, "--port", "1"]}}
+        if sha is not None:
+            record["prompts_sha256"] = sha
+        return load_cell(atomic_write_json(cell_path(tmp_path, config, c), record))
+
+    cell("mask", 1, ["--capacity-mode", "mask", "--sps-curve", "a.json"])
+    cell("none", 1, ["--capacity-mode", "none"], sha="old prompts")
+    cell("none", 4, ["--capacity-mode", "none"], sha="same prompts")
+    mine = cell("mask", 16, ["--capacity-mode", "mask", "--sps-curve", "b.json"])
+    args = {"mask": ["--model", "tiny", "--capacity-mode", "mask", "--sps-curve", "b.json"]}
+    cells, names, concs, left_out = same_workload_cells(
+        tmp_path, work, ["mask"], [16], [mine], model="tiny", common_args=["--model", "tiny"], config_args=args,
+        prompts_sha256=lambda c: "same prompts")
+    assert sorted((x["config"], x["concurrency"]) for x in cells) == [("mask", 16), ("none", 4)]
+    assert left_out == 2 and concs == [4, 16] and names == ["none", "mask"]
+    # without the run's setup and prompts (a table of running servers' cells): workload and model alone
+    cells, _, _, left_out = same_workload_cells(tmp_path, work, ["mask"], [16], [mine], model="tiny")
+    assert len(cells) == 4 and left_out == 0
+
+
+def test_a_label_resumed_against_a_server_now_serving_another_model_is_refused(tmp_path: Path) -> None:
+    """The same URL restarted with another model: the label's old cells were kept, and with two models among the
+    run's cells the table's model filter kept both, one column holding two models' numbers."""
+    from dspark_cli.bench.matrix import check_resumed_model
+
+    spec = MatrixSpec(configs=[BenchConfig("server")], concurrencies=[1, 4], prompts=[Prompt(text="x")] * 4,
+                      load=LoadConfig(base_url="http://127.0.0.1:8000"), results_dir=tmp_path,
+                      workload={"num_prompts": 4})
+    atomic_write_json(cell_path(tmp_path, "server", 1), {
+        "dspark_bench_cell": CELL_FORMAT, "config": "server", "concurrency": 1, "metrics": {"failed": 0},
+        "workload": {"num_prompts": 4}, "server": {"mode": "external", "base_url": "http://127.0.0.1:8000",
+                                                   "model": "model-a"}})
+    check_resumed_model(spec, "model-a")
+    with pytest.raises(DsparkError, match="measured with model 'model-a', and the server now serves 'model-b'"):
+        check_resumed_model(spec, "model-b")

@@ -52,6 +52,7 @@ from dspark_cli.bench.client import (
     ServerCounters,
     aggregate,
     fetch_counters,
+    fetch_model_name,
     make_session,
     run_load,
 )
@@ -171,6 +172,12 @@ def failed_cell_path(results_dir: Path, config: str, concurrency: int) -> Path:
     return results_dir / "cells" / "failed" / f"{safe_name(config)}__c{concurrency}.json"
 
 
+def superseded_cell_path(results_dir: Path, config: str, concurrency: int) -> Path:
+    """Where a finished interleaved cell goes when a resumed run measures its concurrency again (pending_cells):
+    beside the cells, never read as one."""
+    return results_dir / "cells" / "superseded" / f"{safe_name(config)}__c{concurrency}.json"
+
+
 def load_cell(path: Path) -> dict[str, Any] | None:
     """A finished cell, or None if absent/unreadable (an unreadable cell is simply measured again)."""
     if not path.is_file():
@@ -226,7 +233,8 @@ def same_setup(cell: dict[str, Any], common_args: Sequence[str]) -> bool:
 def same_workload_cells(
     results_dir: Path, workload: dict[str, Any], labels: Sequence[str], concurrencies: list[int],
     cells: list[dict[str, Any]], model: str | None = None, keep_label_order: bool = False,
-    common_args: Sequence[str] | None = None,
+    common_args: Sequence[str] | None = None, config_args: dict[str, list[str]] | None = None,
+    prompts_sha256: Callable[[int], str | None] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str], list[int], int]:
     """Every finished cell in ``results_dir`` measured with ``workload``, for one table across runs.
 
@@ -236,8 +244,11 @@ def same_workload_cells(
     order given (a ``--serve`` matrix's ``--configs``). The concurrencies are the union. A cell with another
     workload (other prompts, lengths or sampling) is left out: its numbers do not compare; so is, given
     ``model``, a cell another model served, and, given ``common_args`` (a ``--serve`` run's ``--serve-args``),
-    a started server's cell served with others (another K or batch limit). The last value returned counts the
-    folder's cells left out.
+    a started server's cell served with others (another K or batch limit). Given ``config_args`` (this run's
+    configs' own server arguments, ``served_args``), a cell of one of them at another concurrency joins only if
+    its server was started so (a column is one server setup: another ``--sps-curve`` is another column); given
+    ``prompts_sha256`` (per concurrency), a cell that recorded its prompts joins only if it sent the same ones (a
+    dataset edited between runs). The last value returned counts the folder's cells left out.
     """
     mine = {(str(c["config"]), int(c["concurrency"])) for c in cells}
 
@@ -246,6 +257,14 @@ def same_workload_cells(
             return False
         if model is not None and (c.get("server") or {}).get("model") != model:
             return False
+        sha = c.get("prompts_sha256")  # None: a cell saved before it was kept
+        want = None if prompts_sha256 is None else prompts_sha256(int(c["concurrency"]))
+        if sha is not None and want is not None and sha != want:
+            return False
+        server = c.get("server") or {}
+        if config_args is not None and c.get("config") in config_args and server.get("mode") == "serve":
+            if setup_args(list(server.get("serve_args") or [])) != list(config_args[str(c["config"])]):
+                return False
         return common_args is None or same_setup(c, common_args)
 
     others = [c for c in load_cells(results_dir) if (c.get("config"), int(c["concurrency"])) not in mine]
@@ -295,6 +314,13 @@ class MatrixSpec:
     # With base_url: the server's front process on this host, whose CPU each cell records (a started server's
     # own pid is recorded without it).
     server_pid: int | None = None
+
+    def known_prompts_sha256(self, concurrency: int) -> str | None:
+        """:meth:`cell_prompts_sha256` where this run holds a cell's whole prompt list at ``concurrency``; None
+        where a ``--waves`` cell there sends more prompts than this run's list (a higher load of an earlier sweep)."""
+        if self.waves is not None and self.waves * concurrency > len(self.prompts):
+            return None
+        return self.cell_prompts_sha256(concurrency)
 
     def cell_prompts_sha256(self, concurrency: int) -> str:
         """A fingerprint of one cell's prompts, so a resumed cell is known to have sent the same requests: the
@@ -380,7 +406,44 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
                 # A cell some of whose requests failed measured less work than its name says: measure it again
                 # (cells saved before failed cells were refused can hold failures).
                 todo.append((cfg, c))
+    if spec.serve and spec.interleave:
+        # Interleaved cells of one concurrency are measured side by side (and paired round by round): a cell
+        # measured alone on resume, on servers started anew, would be tabled against round-mates of another
+        # time. A concurrency with any cell to measure is measured again whole (run_matrix sets the done ones
+        # aside).
+        partial = {c for _, c in todo}
+        todo = [(cfg, c) for cfg in spec.configs for c in spec.concurrencies if c in partial]
     return todo
+
+
+def check_resumed_model(spec: MatrixSpec, current: str) -> None:
+    """A running server's label resumed while it serves another model than its finished cells did: one column
+    would hold two models' numbers (the table's model filter sees two and keeps both). Said before measuring."""
+    for cfg in spec.configs:
+        for c in spec.concurrencies:
+            cell = load_cell(cell_path(spec.results_dir, cfg.name, c))
+            was = None if cell is None else (cell.get("server") or {}).get("model")
+            if was is not None and was != current:
+                raise DsparkError(
+                    f"{cell_path(spec.results_dir, cfg.name, c)} was measured with model {was!r}, and the server "
+                    f"now serves {current!r}; give this server its own --label, use another --results-dir, or "
+                    "--force to remeasure")
+
+
+def set_aside_superseded(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hooks: Hooks) -> None:
+    """Finished cells that ``todo`` measures again (an interleaved concurrency resumed whole) move to
+    ``cells/superseded/``: kept, not tabled. ``--force`` asked for every cell anew: overwritten as measured."""
+    if not (spec.serve and spec.interleave) or spec.force:
+        return
+    for cfg, c in todo:
+        path = cell_path(spec.results_dir, cfg.name, c)
+        if load_cell(path) is None:
+            continue
+        aside = superseded_cell_path(spec.results_dir, cfg.name, c)
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        path.replace(aside)
+        hooks.log(f"{cfg.name} c={c}: measured again with the rest of its concurrency, so its cells stay side by "
+                  f"side; the earlier cell is kept as {aside}")
 
 
 def workload_difference(was: dict[str, Any], now: dict[str, Any]) -> str:
@@ -787,6 +850,9 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
     total = len(spec.configs) * len(spec.concurrencies)
     if len(todo) < total:
         hooks.log(f"resuming: {total - len(todo)} of {total} cells already in {spec.results_dir}")
+    set_aside_superseded(spec, todo, hooks)
+    if not spec.serve and not spec.force and 0 < len(todo) < total:  # new cells beside old ones
+        check_resumed_model(spec, spec.load.model or asyncio.run(_served_model(replace(spec.load, base_url=base_url))))
     try:
         # SIGTERM takes the Ctrl-C path, so a killed bench still stops its servers and says how to resume
         with sigterm_as_interrupt():
@@ -858,6 +924,11 @@ def check_shared_device(server_args: Sequence[Sequence[str]]) -> None:
         raise DsparkError(f"--interleave keeps {len(server_args)} servers up at once, and a vLLM server takes 90% of "
                           f"the GPU unless told otherwise: give each its share in --serve-args, e.g. "
                           f"--gpu-memory-utilization {share:.2f}")
+
+
+async def _served_model(load: LoadConfig) -> str:
+    async with make_session(load) as session:
+        return await fetch_model_name(session, str(load.base_url))
 
 
 def _run_interleaved(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hooks: Hooks) -> None:
