@@ -222,17 +222,7 @@ def _engine_args_flags(args: dict[str, Any]) -> list[str]:
     return out
 
 
-COMPILATION_FLAGS = ("--compilation-config", "-cc")
 CAPTURE_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
-
-
-def _compilation_key(arg: str) -> str | None:
-    """For a compilation-config flag (``-cc``, ``--compilation-config``, ``--compilation_config``), ``""`` if it is
-    the whole JSON, else its dotted key (``-cc.cudagraph_mode=FULL``: ``cudagraph_mode``); None for any other."""
-    base, _, key = arg.partition("=")[0].partition(".")
-    if base.startswith("--"):
-        base = "--" + base[2:].replace("_", "-")
-    return key if base in COMPILATION_FLAGS else None
 
 
 def _capture_sizes_flags(sizes: tuple[int, ...], extra: list[str], args: dict[str, Any]) -> list[str]:
@@ -242,7 +232,9 @@ def _capture_sizes_flags(sizes: tuple[int, ...], extra: list[str], args: dict[st
     whole one -- as one more dotted flag, merged into theirs (a whole JSON of ours was dropped without a word). A
     whole ``--compilation-config`` of the user's, or dotted capture sizes, already say what to capture: refused as
     a conflict. An optimization level (``-O3``) sets no capture sizes and stays as given."""
-    keys = [k for k in map(_compilation_key, extra) if k is not None]
+    from dspark_cli.engines.vllm.launcher import compilation_key
+
+    keys = [k for k in map(compilation_key, extra) if k is not None]
     if "" in keys or any(k.partition(".")[0].replace("-", "_") in CAPTURE_KEYS for k in keys):
         raise DsparkError("--capture-sizes conflicts with --compilation-config; put cudagraph_capture_sizes "
                           "inside the compilation config instead")

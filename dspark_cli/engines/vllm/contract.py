@@ -537,6 +537,17 @@ def dummy_draft_overflow(num_tokens: int, captured: list[int], max_num_reqs: int
     return draft if draft > max_num_batched_tokens else None
 
 
+def compiled_padding(compilation_config: object, captured: list[int]) -> list[int] | None:
+    """The token counts a mixed dummy batch is padded to (the compilation's piecewise capture sizes, not the
+    uniform decode sizes vLLM adds to the captured counts, which such a batch never replays; ``captured`` where
+    the config names none), or None where no compile range ends at the budget (not ``VLLM_COMPILE``): what
+    :func:`dummy_draft_overflow` is given by the start-up profile's and ``profile-sps``'s callers."""
+    mode = getattr(compilation_config, "mode", VLLM_COMPILE)
+    if getattr(mode, "value", mode) != VLLM_COMPILE:
+        return None
+    return sorted(getattr(compilation_config, "cudagraph_capture_sizes", None) or captured)
+
+
 def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
                           platform_max: int = 512) -> list[int]:
     """The token counts vLLM 0.33 captures graphs for when the user names none (``_set_cudagraph_sizes``, without

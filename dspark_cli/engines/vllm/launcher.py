@@ -327,7 +327,7 @@ def _check_adaptive_method(spec: dict[str, Any], mode: str) -> None:
 # vLLM 0.33's cudagraph_mode by optimization level (OPTIMIZATION_LEVEL_0N in vllm/config/vllm.py) where the
 # compilation config does not set one: -O0 captures no graphs, -O1 piecewise graphs only.
 _LEVEL_GRAPHS = {"0": "NONE", "1": "PIECEWISE"}
-_COMPILATION_FLAGS = ("--compilation-config", "-cc")
+COMPILATION_FLAGS = ("--compilation-config", "-cc")
 _FULL_GRAPH_MODES = "FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE"
 
 
@@ -373,6 +373,13 @@ class _GraphFlags:
         return None if self.low_level is None else f"-O{self.low_level}"
 
 
+def compilation_key(arg: str) -> str | None:
+    """For a compilation-config flag (``-cc``, ``--compilation-config``, ``--compilation_config``), ``""`` if it is
+    the whole JSON, else its dotted key (``-cc.cudagraph_mode=FULL``: ``cudagraph_mode``); None for any other."""
+    base, _, key = arg.partition("=")[0].partition(".")
+    return key if _long_flag(base) in COMPILATION_FLAGS else None
+
+
 def _graph_flags(passthrough: list[str]) -> _GraphFlags:
     """What vLLM's parser would make of ``passthrough`` for the checks below, each flag the last one given, as vLLM
     reads them: ``-O1``, ``-O=1``, ``-O 1`` and ``--optimization-level 1`` alike. A whole ``-cc`` JSON replaces the
@@ -401,7 +408,7 @@ def _graph_flags(passthrough: list[str]) -> _GraphFlags:
             stages = value
         elif tok.startswith("-O") and not tok.startswith("--"):
             level = tok[3:] if tok[2:3] == "=" else (tok[2:] or value)
-        elif head in _COMPILATION_FLAGS and value is not None:
+        elif head in COMPILATION_FLAGS and value is not None:
             try:
                 parsed: Any = orjson.loads(value)
             except orjson.JSONDecodeError:

@@ -45,6 +45,7 @@ from dspark_cli.engines.vllm.contract import (
     INVALID_DRAFTS_ATTR,
     VLLM_COMPILE,
     VLLM_VERSION,
+    compiled_padding,
     dummy_draft_overflow,
     warmup_kv_cap,
     warmup_overflow,
@@ -700,14 +701,9 @@ def build_manager_class(base: type) -> type:
                 return iter(())  # the user's curve replaces the start-up profile
             batches = list(super().batches_to_profile(capture_sizes))
             budget = int(self.req_states.max_num_batched_tokens)
-            comp = getattr(self.vllm_config, "compilation_config", None)
-            mode = getattr(comp, "mode", VLLM_COMPILE)
-            # Only torch.compile's ranges end at the budget. A trimmed dummy batch is padded to a piecewise
-            # graph's size: the compilation's capture sizes, not the uniform decode sizes vLLM adds to
-            # captured_token_counts, which a mixed batch never replays.
-            extra = self._draft_extra_slots if getattr(mode, "value", mode) == VLLM_COMPILE else 0
-            padded_to = sorted(getattr(comp, "cudagraph_capture_sizes", None) or self._capture_sizes)
-            overflow = {b["num_tokens"]: dummy_draft_overflow(b["num_tokens"], padded_to,
+            padded_to = compiled_padding(getattr(self.vllm_config, "compilation_config", None), self._capture_sizes)
+            extra = 0 if padded_to is None else self._draft_extra_slots  # only torch.compile's ranges end there
+            overflow = {b["num_tokens"]: dummy_draft_overflow(b["num_tokens"], padded_to or [],
                                                                 int(self.req_states.max_num_reqs), budget, extra)
                         for b in batches}
             skipped = sorted(n for n, over in overflow.items() if over is not None)

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from dspark_cli.engines.vllm.contract import VLLM_COMPILE, dummy_draft_overflow, profile_sizes
+from dspark_cli.engines.vllm.contract import compiled_padding, dummy_draft_overflow, profile_sizes
 from dspark_cli.engines.vllm.launcher import check_profile_graphs, plan_vllm_serve
 from dspark_cli.errors import DsparkError
 
@@ -184,12 +184,9 @@ def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 40
     # ranges", docs/PERFORMANCE.md section 38). Such sizes are left out, and said so.
     speculator = getattr(runner, "speculator", None)
     extra = int(getattr(speculator, "num_extra_query_per_req", 0) or 0) if speculator is not None else 0
-    comp = getattr(runner, "compilation_config", None)
-    mode = getattr(comp, "mode", VLLM_COMPILE)
-    if getattr(mode, "value", mode) != VLLM_COMPILE:
+    padded_to = compiled_padding(getattr(runner, "compilation_config", None), captured)
+    if padded_to is None:
         extra = 0  # only torch.compile's ranges end at the budget
-    # a mixed dummy batch is padded to a piecewise graph's size, never to a uniform decode graph's
-    padded_to = sorted(getattr(comp, "cudagraph_capture_sizes", None) or captured)
 
     def is_uniform(n: int) -> bool:
         # n / (1 + k) requests must fit the batch: FULL mixed graphs (no capacity mode, cudagraph_mode FULL) are
@@ -199,7 +196,7 @@ def profile_worker(worker: Any, replays: int, warmup: int, context_len: int = 40
     def overflows(n: int) -> bool:
         if is_uniform(n):  # a uniform decode batch is not trimmed: n tokens and n / (1 + k) requests
             return extra > 0 and n + (n // query_len) * extra > budget
-        return dummy_draft_overflow(n, padded_to, max_reqs, budget, extra) is not None
+        return dummy_draft_overflow(n, padded_to or [], max_reqs, budget, extra) is not None
 
     sizes = profile_sizes(captured, budget)
     skipped = [n for n in sizes if overflows(n)]
