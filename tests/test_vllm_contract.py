@@ -101,3 +101,29 @@ def test_vllms_own_dspark_fields_are_all_listed() -> None:
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SpeculativeConfig")
     fields = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     assert {f for f in fields if f.startswith("dspark_")} == set(contract.VLLM_DSPARK_FIELDS)
+
+
+def _vllm_long_flags() -> set[str]:
+    """vLLM 0.33's long serve flags as its sources spell them: the literal ones of ``EngineArgs.add_cli_args`` and
+    the frontend's dataclass fields, with the ``--no-`` forms of boolean ones."""
+    import ast
+
+    flags = set(re.findall(r'"(--[a-z0-9][a-z0-9-]*)"', _read("vllm.engine.arg_utils")))
+    tree = ast.parse((SRC / "vllm/entrypoints/common/cli_args.py").read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name.endswith("FrontendArgs"):
+            flags |= {"--" + item.target.id.replace("_", "-") for item in node.body
+                      if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    return flags | {"--no-" + f[2:] for f in flags}
+
+
+@needs_src
+def test_no_vllm_flag_is_refused_as_an_abbreviation() -> None:
+    """The launcher refuses a strict prefix of a flag it reads (vLLM would take it for that flag): that refusal
+    must never hit one of vLLM's own whole flags, and the vLLM flags it reads must be vLLM's."""
+    from dspark_cli.engines.vllm.launcher import READ_FLAGS, VLLM_READ_FLAGS
+
+    flags = _vllm_long_flags()
+    assert {"--max-num-seqs", "--host", "--port", "--no-enforce-eager"} <= flags  # the reading works
+    assert set(VLLM_READ_FLAGS) <= flags
+    assert not [(f, r) for f in flags for r in READ_FLAGS if f != r and r.startswith(f)]

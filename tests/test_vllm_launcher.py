@@ -408,6 +408,40 @@ def test_dotted_forms_of_our_json_flags_are_refused(flag: str, inline: bool) -> 
     assert cmd[3:5] == ["-cc.mode", "0"]
 
 
+@pytest.mark.parametrize(("tokens", "meant"), [
+    (["--additional", '{"kv_transfer": 1}'], "--additional-config"),
+    (["--additional-conf={}"], "--additional-config"),
+    (["--enforce"], "--enforce-eager"),
+    (["--no-enforce"], "--no-enforce-eager"),
+    (["--speculative_conf", BASE], "--speculative-config"),
+    (["--compilation.cudagraph_mode", "PIECEWISE"], "--compilation-config"),
+    (["--spec", "x"], "--spec-tokens"),
+    (["--optim", "0"], "--optimization-level"),
+    (["--capacity-m", "varlen"], "--capacity-mode"),
+])
+def test_abbreviated_flags_the_launcher_reads_are_refused(tokens: list[str], meant: str) -> None:
+    """vLLM's parser takes an unambiguous prefix for a whole flag: an abbreviated --additional-config reached it
+    beside the one written here (one of the two silently lost), an abbreviated --enforce-eager passed the
+    full-graph check."""
+    args = ["m", "--speculative-config", _spec(dspark_capacity_verification_mode="varlen"), *tokens]
+    with pytest.raises(DsparkError, match="write the whole flag") as err:
+        plan_vllm_serve(args)
+    head = tokens[0].partition("=")[0].partition(".")[0].replace("_", "-")
+    assert str(err.value).startswith(head + ":") and meant in str(err.value) and "\n" not in str(err.value)
+
+
+def test_whole_flags_and_arguments_after_the_separator_are_not_abbreviations() -> None:
+    cmd = build_vllm_serve_command(["m", "--speculative-config", _spec(dspark_capacity_verification_mode="varlen"),
+                                    "--load-format", "dummy", "--enforce-eager-not", "--seed", "1", "--",
+                                    "--additional"])
+    assert "--load-format" in cmd and "--enforce-eager-not" in cmd  # longer than a read flag: vLLM's to judge
+    # what the translation adds are flags, so they go before the separator, after which vLLM reads positionals
+    assert cmd[-4:] == ["--additional-config", '{"dspark":{"mode":"varlen"}}', "--", "--additional"]
+    short = build_vllm_serve_command(["m", "--spec-model", "d", "--spec-tokens", "3", "--capacity-mode", "mask",
+                                      "--", "x"])
+    assert short[3] == "--speculative-config" and short[-2:] == ["--", "x"]
+
+
 def test_the_underscore_spelling_of_the_speculative_config_is_ours_too() -> None:
     cmd = build_vllm_serve_command(["m", "--speculative_config", _spec(dspark_capacity_verification_mode="mask")])
     assert _flag(cmd, "--speculative-config")["enable_adaptive_verification"] is True

@@ -146,8 +146,38 @@ def _check_no_dotted_override(args: list[str]) -> None:
                               f"writes; put the value inside the {whole} JSON instead{ours}")
 
 
+def _check_no_abbreviation(args: list[str]) -> None:
+    """vLLM's parser takes any unambiguous prefix of a long flag for the flag (argparse's ``allow_abbrev``, which
+    ``FlexibleArgumentParser`` leaves on): ``--additional '{...}'`` is ``--additional-config`` to vLLM but not to the
+    translation here, which then writes a second ``--additional-config`` and one of the two is silently lost, and
+    ``--enforce`` passes the full-graph check unseen. A prefix of a flag read here is refused (no vLLM 0.33 flag
+    is such a prefix: ``tests/test_vllm_contract.py``); arguments after ``--`` are vLLM's positionals, never flags."""
+    for tok in args:
+        if tok == "--":
+            return
+        if not tok.startswith("--"):
+            continue
+        head = _long_flag(tok.partition("=")[0].partition(".")[0])
+        if head in READ_FLAGS:
+            continue
+        meant = [flag for flag in READ_FLAGS if flag.startswith(head)]
+        if meant and all(flag in DSPARK_FLAGS for flag in meant):
+            raise DsparkError(f"{head}: write the whole flag ({' or '.join(meant)}); dspark serve reads its own flags "
+                              "only whole, and vLLM does not know them")
+        if meant:
+            raise DsparkError(f"{head}: vLLM reads it as an abbreviation of {' or '.join(meant)}, which dspark serve "
+                              "reads too; write the whole flag")
+
+
+def _before_separator(argv: list[str], flags: list[str]) -> list[str]:
+    """``argv`` with ``flags`` added as flags: before a ``--``, after which vLLM's parser reads only positionals."""
+    at = argv.index("--") if "--" in argv else len(argv)
+    return [*argv[:at], *flags, *argv[at:]]
+
+
 def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     """Split ``args`` into vLLM's arguments and our settings; see the module docstring."""
+    _check_no_abbreviation(args)
     _check_no_dotted_override(args)
     passthrough: list[str] = []
     spec_pos: int | None = None  # index in passthrough of the speculative-config value
@@ -217,9 +247,8 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     if shorthands:
         if spec is None:
             spec = {}
-            passthrough.append(SPEC_FLAGS[0])
-            spec_pos = len(passthrough)
-            passthrough.append("{}")
+            passthrough = _before_separator(passthrough, [SPEC_FLAGS[0], "{}"])
+            spec_pos = passthrough.index(SPEC_FLAGS[0]) + 1
         for key, (flag, value) in shorthands.items():
             if key in spec:
                 raise DsparkError(f"{flag} and the speculative config's {key!r} are both given: vLLM {VLLM_VERSION} "
@@ -239,7 +268,7 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
             _check_draft_named(spec, capacity=False)
         argv = list(passthrough)
         if additional:
-            argv += [ADDITIONAL_FLAG, orjson.dumps(additional).decode()]
+            argv = _before_separator(argv, [ADDITIONAL_FLAG, orjson.dumps(additional).decode()])
         return VllmServePlan(argv=argv, settings=None, speculative_config=spec, additional_config=additional)
 
     fields_: dict[str, Any] = dict(user_dspark or {})
@@ -290,7 +319,7 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     passthrough[spec_pos] = orjson.dumps(new_spec).decode()
     argv = list(passthrough)
     if new_additional:
-        argv += [ADDITIONAL_FLAG, orjson.dumps(new_additional).decode()]
+        argv = _before_separator(argv, [ADDITIONAL_FLAG, orjson.dumps(new_additional).decode()])
     return VllmServePlan(argv=argv, settings=settings if settings.active else None,
                          speculative_config=new_spec, additional_config=new_additional, warnings=warnings)
 
@@ -328,6 +357,12 @@ def _check_adaptive_method(spec: dict[str, Any], mode: str) -> None:
 # compilation config does not set one: -O0 captures no graphs, -O1 piecewise graphs only.
 _LEVEL_GRAPHS = {"0": "NONE", "1": "PIECEWISE"}
 COMPILATION_FLAGS = ("--compilation-config", "-cc")
+# vLLM's long flags that this translation reads (the checks below, the JSON objects it rewrites), and the
+# toolkit's own: _check_no_abbreviation.
+VLLM_READ_FLAGS = (SPEC_FLAGS[0], ADDITIONAL_FLAG, *SPEC_SHORTHANDS, COMPILATION_FLAGS[0], "--enforce-eager",
+                   "--no-enforce-eager", "--enable-lora", "--no-enable-lora", "--optimization-level",
+                   "--pipeline-parallel-size", "--load-format")
+READ_FLAGS = (*VLLM_READ_FLAGS, *DSPARK_FLAGS)
 _FULL_GRAPH_MODES = "FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE"
 
 
