@@ -6,11 +6,13 @@ becomes one line on stderr and exit status 1 -- never a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -534,7 +536,6 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dspark_cli.bench import matrix as mx
-    from dspark_cli.bench import report
     from dspark_cli.bench.client import LoadConfig, server_root
     from dspark_cli.bench.datasets import load_prompts
 
@@ -676,49 +677,100 @@ def bench(
         def cell_started(config: str, c: int, n: int) -> None:
             progress.reset(req_task, total=n, visible=True, description=f"{config} c={c}")
 
+        measured_here: list[dict[str, Any]] = []
+
+        def cell_done(cell: dict[str, Any]) -> None:
+            measured_here.append(cell)
+            progress.advance(cells_task)
+
         hooks = mx.Hooks(
             log=lambda msg: progress.console.print(f"[dim]{msg}[/dim]", highlight=False),
             cell_started=cell_started,
             request_done=lambda r: progress.advance(req_task),
-            cell_done=lambda cell: progress.advance(cells_task),
+            cell_done=cell_done,
         )
+        table_of = BenchTable(spec, workload, title=_bench_title(dataset, waves, num_prompts, max_tokens, temperature),
+                              plots=plots)
+        cells: list[dict[str, Any]] | None = None
         try:
             cells = mx.run_matrix(spec, base_url=base_url, label=label, hooks=hooks)
         except mx.ServerStartError as exc:
             if exc.log_tail:
                 err_console.print(exc.log_tail, markup=False, highlight=False, style="dim")
             raise
-    measured = cells
-    # Runs into one folder make one table: every config measured there with this same workload and model
-    # joins it -- servers benched one at a time with --base-url (in the order they were benched), or a --serve
-    # matrix extended with other --configs (the folder's other configs first, then --configs in its order).
-    models = {(c.get("server") or {}).get("model") for c in cells}
-    cells, names, concs, left_out = mx.same_workload_cells(
-        results_dir, workload, [k.name for k in spec.configs], concs, cells,
-        model=models.pop() if len(models) == 1 else None, keep_label_order=serve,
-        common_args=common if serve else None,
-        config_args={k.name: mx.served_args(spec, k) for k in spec.configs} if serve else None,
-        prompts_sha256=spec.known_prompts_sha256,
-    )
-    if left_out:
-        err_console.print(f"note: {left_out} other cells in {results_dir} were measured with another workload, "
-                          "model or --serve-args and are not in this table", highlight=False)
-    per_cell = f"{waves} x concurrency" if waves is not None else f"{num_prompts}"
-    title = f"dspark bench ({dataset}, {per_cell} prompts x {max_tokens} tokens, temperature {temperature:g})"
-    json_path, md_path = report.write_summary(results_dir, cells, names, concs, title)
-    table = report.build_table(cells, names, concs)
-    console.print(report.to_rich(table, title))
-    for reference in report.paired_references(table):
-        console.print(report.paired_rich(table, reference))
-    failed = sum(int(c["metrics"].get("failed") or 0) for c in measured)
-    if failed:
-        err_console.print(f"warning: {failed} requests failed; see 'errors' in the cell JSONs")
-    written = [json_path, md_path]
-    if plots:
-        from dspark_cli.bench.plots import plot_matrix
+        finally:
+            if cells is None and measured_here:
+                # A run stopped after some cells: the summary and plots said the folder's older state.
+                progress.stop()
+                try:
+                    table_of.write(mx.finished_cells(spec), interrupted=True)
+                except (OSError, ValueError) as exc:  # the stop's own message must still be said
+                    err_console.print(f"warning: the summary of the finished cells was not written: {exc}")
+    assert cells is not None
+    table_of.write(cells)
 
-        written += plot_matrix(cells, names, results_dir, title="dspark bench")
-    console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
+
+def _bench_title(dataset: str, waves: int | None, num_prompts: int, max_tokens: int, temperature: float) -> str:
+    per_cell = f"{waves} x concurrency" if waves is not None else f"{num_prompts}"
+    return f"dspark bench ({dataset}, {per_cell} prompts x {max_tokens} tokens, temperature {temperature:g})"
+
+
+@dataclasses.dataclass
+class BenchTable:
+    """The table of a bench run's folder: summary.json, summary.md, the plots, and what the console shows."""
+
+    spec: Any  # bench.matrix.MatrixSpec
+    workload: dict[str, Any]
+    title: str
+    plots: bool
+
+    def write(self, cells: list[dict[str, Any]], interrupted: bool = False) -> None:
+        """Table ``cells`` (this run's matrix) with the folder's cells that compare with them. ``interrupted``: the
+        run stopped early, so the table holds what was finished (the run resumes it), said beside it."""
+        from dspark_cli.bench import matrix as mx
+        from dspark_cli.bench import report
+
+        spec = self.spec
+        measured = cells
+        # Runs into one folder make one table: every config measured there with this same workload and model
+        # joins it -- servers benched one at a time with --base-url (in the order they were benched), or a
+        # --serve matrix extended with other --configs (the folder's other configs first, then --configs in
+        # its order).
+        models = {(c.get("server") or {}).get("model") for c in cells}
+        cells, names, concs, left_out = mx.same_workload_cells(
+            spec.results_dir, self.workload, [k.name for k in spec.configs], spec.concurrencies, cells,
+            model=models.pop() if len(models) == 1 else None, keep_label_order=spec.serve,
+            common_args=spec.serve_args if spec.serve else None,
+            config_args={k.name: mx.served_args(spec, k) for k in spec.configs} if spec.serve else None,
+            prompts_sha256=spec.known_prompts_sha256,
+        )
+        if left_out:
+            err_console.print(f"note: {left_out} other cells in {spec.results_dir} were measured with another "
+                              "workload, model, --serve-args or curve and are not in this table", highlight=False)
+        title = f"{self.title}, interrupted: finished cells only" if interrupted else self.title
+        json_path, md_path = report.write_summary(spec.results_dir, cells, names, concs, title)
+        table = report.build_table(cells, names, concs)
+        console.print(report.to_rich(table, title))
+        for reference in report.paired_references(table):
+            console.print(report.paired_rich(table, reference))
+        failed = sum(int(c["metrics"].get("failed") or 0) for c in measured)
+        if failed:
+            err_console.print(f"warning: {failed} requests failed; see 'errors' in the cell JSONs")
+        written = [json_path, md_path]
+        if self.plots:
+            from dspark_cli.bench.plots import plot_matrix
+
+            written += plot_matrix(cells, names, spec.results_dir, title="dspark bench")
+        else:
+            from dspark_cli.bench.plots import PLOT_FILES
+
+            stale = [spec.results_dir / name for name in PLOT_FILES if (spec.results_dir / name).is_file()]
+            for path in stale:  # drawn from an older table than this one
+                path.unlink()
+            if stale:
+                err_console.print(f"note: removed {', '.join(p.name for p in stale)}: drawn from the folder's "
+                                  "earlier cells (--no-plots)", highlight=False)
+        console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
 
 
 @eval_app.command("gsm8k")

@@ -95,6 +95,11 @@ def test_serve_matrix_table_json_plots_and_resume(tmp_path: Path) -> None:
     for png in ("throughput.png", "pareto.png"):
         assert (results / png).read_bytes()[:4] == b"\x89PNG"
     assert "No capacity" in second.stdout
+    # --no-plots leaves no plots drawn from an older table beside the new summary
+    third = subprocess.run(_bench(results, "nospec,none", "--no-plots"), capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert "removed throughput.png, pareto.png" in third.stderr
+    assert not (results / "throughput.png").exists() and not (results / "pareto.png").exists()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -119,6 +124,10 @@ def test_interrupted_matrix_keeps_cells_and_stops_its_server(tmp_path: Path, sig
     assert "interrupted: 1 of 2 cells finished and kept" in err
     assert first_cell.exists() and not (results / "cells" / "none__c2.json").exists()
     assert not _server_alive(port)
+    # the summary is the finished cells' (it said a folder's older state, or nothing, after a stop)
+    summary = read_json(results / "summary.json")
+    assert [(r["concurrency"], r["cells"]["none"] is not None) for r in summary["rows"]] == [(1, True), (2, False)]
+    assert "interrupted: finished cells only" in (results / "summary.md").read_text()
 
 
 

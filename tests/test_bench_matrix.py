@@ -870,6 +870,41 @@ def test_a_configs_column_takes_only_cells_of_its_own_server_setup_and_prompts(t
     assert len(cells) == 4 and left_out == 0
 
 
+def test_a_curve_file_profiled_again_in_place_makes_its_cells_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cells name their --sps-curve by path: a curve profiled again into the same file left the cells served
+    with the old one resumed and tabled as if served with the new one."""
+    from dspark_cli.bench.matrix import Hooks, _served_process, same_workload_cells
+
+    monkeypatch.chdir(tmp_path)
+    Path("curve.json").write_text('{"old": 1}')
+    results = tmp_path / "out"
+    spec = MatrixSpec(configs=parse_configs("mask", "curve.json"), concurrencies=[1, 4], prompts=[Prompt(text="x")],
+                      load=LoadConfig(base_url=""), results_dir=results, workload={"num_prompts": 1}, serve=True,
+                      serve_args=["--model", "tiny"])
+    _, server, _ = _served_process(spec, spec.configs[0], Hooks())
+    assert set(server["files_sha256"]) == {"--sps-curve"}  # what a started server's cells record
+    for c in (1, 4):
+        atomic_write_json(cell_path(results, "mask", c), {
+            "dspark_bench_cell": CELL_FORMAT, "config": "mask", "concurrency": c, "metrics": {"failed": 0},
+            "workload": {"num_prompts": 1}, "started_at": f"2026-01-01T00:00:0{c}", "server": server})
+    assert pending_cells(spec) == []
+    mine = load_cell(cell_path(results, "mask", 4))
+
+    def table() -> list[int]:
+        cells, _, _, _ = same_workload_cells(results, {"num_prompts": 1}, ["mask"], [4], [mine], common_args=[
+            "--model", "tiny"], config_args={"mask": ["--model", "tiny", "--capacity-mode", "mask", "--sps-curve",
+                                                      "curve.json"]})
+        return sorted(int(x["concurrency"]) for x in cells)
+
+    assert table() == [1, 4]
+    Path("curve.json").write_text('{"new": 1}')
+    with pytest.raises(DsparkError, match="file of --sps-curve as it was then, and that file has changed since"):
+        pending_cells(spec)
+    assert table() == [4]  # the c=1 cell, served with the old curve, is not this column's
+    forced = MatrixSpec(**{**spec.__dict__, "force": True})
+    assert len(pending_cells(forced)) == 2
+
+
 def test_a_label_resumed_against_a_server_now_serving_another_model_is_refused(tmp_path: Path) -> None:
     """The same URL restarted with another model: the label's old cells were kept, and with two models among the
     run's cells the table's model filter kept both, one column holding two models' numbers."""

@@ -337,6 +337,9 @@ def test_cli_bench_simulate_end_to_end(tmp_path: Path) -> None:
                           timeout=300, env={**os.environ, "COLUMNS": "250"})
     assert moot.returncode == 0, moot.stderr
     assert "warning: --configs, --num-prompts: not used by --simulate" in moot.stderr
+    # ... and, into the first run's folder with --no-plots, its plot (drawn from that run) is not left beside it
+    assert "removed simulate_throughput.png" in " ".join(moot.stderr.split())
+    assert not (out / "simulate_throughput.png").exists()
     # the saturation policy's served settings replay as served
     policy = subprocess.run([*cmd[:-6], "--results-dir", str(tmp_path / "p"), "--steps", "20", "--no-plots",
                              "--resume-every", "4", "--probe-tax", "0.5"], capture_output=True, text=True,

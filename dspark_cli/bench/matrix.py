@@ -246,11 +246,13 @@ def same_workload_cells(
     ``model``, a cell another model served, and, given ``common_args`` (a ``--serve`` run's ``--serve-args``),
     a started server's cell served with others (another K or batch limit). Given ``config_args`` (this run's
     configs' own server arguments, ``served_args``), a cell of one of them at another concurrency joins only if
-    its server was started so (a column is one server setup: another ``--sps-curve`` is another column); given
+    its server was started so, and read the same ``--sps-curve`` and ``--sts`` files (a column is one server
+    setup: another curve, or the same file profiled again, is another column); given
     ``prompts_sha256`` (per concurrency), a cell that recorded its prompts joins only if it sent the same ones (a
     dataset edited between runs). The last value returned counts the folder's cells left out.
     """
     mine = {(str(c["config"]), int(c["concurrency"])) for c in cells}
+    files: dict[str, dict[str, str]] = {}  # per config of config_args: served_files_sha256, read once
 
     def joins(c: dict[str, Any]) -> bool:
         if not same_workload(c.get("workload"), workload):
@@ -263,7 +265,10 @@ def same_workload_cells(
             return False
         server = c.get("server") or {}
         if config_args is not None and c.get("config") in config_args and server.get("mode") == "serve":
-            if setup_args(list(server.get("serve_args") or [])) != list(config_args[str(c["config"])]):
+            args = list(config_args[str(c["config"])])
+            if setup_args(list(server.get("serve_args") or [])) != args:
+                return False
+            if changed_files(c, files.setdefault(str(c["config"]), served_files_sha256(args))):
                 return False
         return common_args is None or same_setup(c, common_args)
 
@@ -402,6 +407,12 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
                         f"{cell_path(spec.results_dir, cfg.name, c)} was served with other settings "
                         f"({shlex.join(served)!r}, now {shlex.join(served_args(spec, cfg))!r}); use another "
                         "--results-dir or --force to remeasure")
+                changed = changed_files(cell, served_files_sha256(served_args(spec, cfg)))
+                if changed:
+                    raise DsparkError(
+                        f"{cell_path(spec.results_dir, cfg.name, c)} was served with the file of "
+                        f"{' and '.join(changed)} as it was then, and that file has changed since (or is gone); use "
+                        "another --results-dir, or --force to remeasure")
             if cell is None or int(cell["metrics"].get("failed") or 0) > 0:
                 # A cell some of whose requests failed measured less work than its name says: measure it again
                 # (cells saved before failed cells were refused can hold failures).
@@ -449,6 +460,33 @@ def set_aside_superseded(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], 
 def workload_difference(was: dict[str, Any], now: dict[str, Any]) -> str:
     """What differs between two workloads, as ``key was -> now`` (for the refusal to mix them)."""
     return ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in _differing_keys(was, now)) or "its format"
+
+
+# Files a started server reads its prices and temperatures from: a cell names them by path, so an edit in place
+# (a curve profiled again into the same file) would leave the cells served with the old one looking current.
+SERVED_FILE_FLAGS = ("--sps-curve", "--sts")
+
+
+def served_files_sha256(args: Sequence[str]) -> dict[str, str]:
+    """Per flag of ``SERVED_FILE_FLAGS`` that ``args`` name a file with (the last value, as the server reads
+    it), a fingerprint of that file's bytes now (``--sps-curve auto`` and missing files: none)."""
+    from dspark_cli.serve_config import flag_value
+
+    out = {}
+    for flag in SERVED_FILE_FLAGS:
+        value = flag_value(list(args), flag)
+        if value is not None and Path(value).is_file():
+            out[flag] = hashlib.sha256(Path(value).read_bytes()).hexdigest()
+    return out
+
+
+def changed_files(cell: dict[str, Any], now: dict[str, str]) -> list[str]:
+    """The flags whose file differs from the one ``cell``'s server read (cells saved before the fingerprints
+    were kept: none)."""
+    was = (cell.get("server") or {}).get("files_sha256")
+    if was is None:
+        return []
+    return [flag for flag in dict.fromkeys([*was, *now]) if was.get(flag) != now.get(flag)]
 
 
 def served_args(spec: MatrixSpec, cfg: BenchConfig) -> list[str]:
@@ -861,6 +899,11 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
         done = total - len(pending_cells(spec))
         raise BenchInterrupted(f"interrupted: {done} of {total} cells finished and kept in {spec.results_dir}; "
                                "rerun the same command to resume") from None
+    return finished_cells(spec)
+
+
+def finished_cells(spec: MatrixSpec) -> list[dict[str, Any]]:
+    """This matrix's cells on disk, config by config (what a run returns, or had kept when it stopped)."""
     return [c for c in (load_cell(cell_path(spec.results_dir, k.name, n))
                         for k in spec.configs for n in spec.concurrencies) if c is not None]
 
@@ -1039,7 +1082,7 @@ def _served_process(spec: MatrixSpec, cfg: BenchConfig, hooks: Hooks) -> tuple[s
     # common_args: the --serve-args every column shares, so a later run into this folder tables only cells of
     # the same setup beside its own (same_workload_cells)
     server = {"mode": "serve", "base_url": base_url, "serve_args": args, "common_args": list(spec.serve_args),
-              "log": str(log_path)}
+              "files_sha256": served_files_sha256(args), "log": str(log_path)}
     return base_url, server, ServerProcess([*spec.serve_command, *args], log_path, base_url, spec.server_timeout_s)
 
 

@@ -43,6 +43,9 @@ def _series(cells: Sequence[dict[str, Any]], configs: Sequence[str]) -> dict[str
     return out
 
 
+PLOT_FILES = ("throughput.png", "pareto.png")  # what plot_matrix draws into a results folder
+
+
 def plot_matrix(cells: Sequence[dict[str, Any]], configs: Sequence[str], out_dir: Path,
                 title: str = "dspark bench") -> list[Path]:
     """Write throughput.png and pareto.png into ``out_dir``; returns the paths written."""
@@ -63,7 +66,7 @@ def plot_matrix(cells: Sequence[dict[str, Any]], configs: Sequence[str], out_dir
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    paths.append(out_dir / "throughput.png")
+    paths.append(out_dir / PLOT_FILES[0])
     atomic_write_figure(fig, paths[-1])
     plt.close(fig)
 
@@ -88,7 +91,7 @@ def plot_matrix(cells: Sequence[dict[str, Any]], configs: Sequence[str], out_dir
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    paths.append(out_dir / "pareto.png")
+    paths.append(out_dir / PLOT_FILES[1])
     atomic_write_figure(fig, paths[-1])
     plt.close(fig)
     return paths

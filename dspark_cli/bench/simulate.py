@@ -783,10 +783,13 @@ def run_simulation(
     }
     written.append(atomic_write_json(out_dir / "simulate.json", summary))
     written.append(atomic_write_text(out_dir / "simulate.md", md))
+    plot = out_dir / "simulate_throughput.png"
     if plots:
-        written.append(plot_throughput(cells, names, out_dir / "simulate_throughput.png",
-                                       "Simulated tok/s vs concurrency"))
+        written.append(plot_throughput(cells, names, plot, "Simulated tok/s vs concurrency"))
     warnings = simulation_warnings(curve, k, len(data.requests), [c.concurrency for c in cells], temps is not None)
+    if not plots and plot.is_file():
+        plot.unlink()  # drawn from an earlier run than the table beside it
+        warnings.append(f"removed {plot.name}: drawn from an earlier run into {out_dir} (--no-plots)")
     return SimulationRun(cells, names, title, data.num_records, len(data.requests), k, written, warnings)
 
 
