@@ -336,6 +336,23 @@ def test_online_shift_stays_off_for_a_head_temperature_scaling_already_calibrate
     assert shifted <= 2, shifted  # of 40 positions: three-sigma false alarms only
 
 
+@pytest.mark.parametrize("rate", [1.0, 0.99])
+def test_online_fit_of_a_head_that_says_little_while_nearly_every_draft_passes(rate: float) -> None:
+    """Raw logits N(1, 2^2) with no relation to the outcome, and (nearly) every draft accepted: chosen alone, T
+    went to the grid's bottom (it sends the positive logits to 1), and the bounded shift could not lift the
+    negative ones -- 15-18% of drafts calibrated below 0.01, all of them accepted, never verified again."""
+    gen = torch.Generator().manual_seed(0)
+    sts = OnlineSTS(1)
+    for _ in range(640):
+        z = torch.randn(64, 1, generator=gen) * 2 + 1
+        accepted = (torch.rand(64, 1, generator=gen) < rate).long()[:, 0]
+        sts.record(torch.sigmoid(z), torch.ones(64, dtype=torch.long), accepted)
+        sts.step()
+    cal = sts.apply(torch.sigmoid(torch.randn(100_000, 1, generator=gen) * 2 + 1))
+    assert float((cal < 0.5).float().mean()) < 0.01
+    assert abs(float(cal.mean()) - rate) < 0.02 and float(sts.last_ece[0]) < 0.02
+
+
 def test_given_temperatures_are_not_paired_with_another_positions_shift() -> None:
     """With per-position offline temperatures, a shift fitted at one position's T means nothing at another's:
     untested positions keep their own prior (T_k, b = 0)."""

@@ -33,12 +33,14 @@ probability it gave its own token, which is small for flat distributions even wh
 accepted, and a weightless draft against vLLM's synthetic acceptance gives ~1/vocabulary for every token
 while 80% of first drafts pass. With ``T`` alone (grid top 20) the calibrated first position then stays
 below 0.37 against a true 0.8, and the manager verified a fifth of what paid (a replay of such traces
-under the Llama-3-8B H200 curve: 34% below verify-all at 16 requests). So after each refit has chosen
-``T`` (ECE, as before), it checks calibration in the large: when the position's mean calibrated
-probability misses its hit rate by more than noise (three binomial standard deviations, at least 0.02),
-it adds the shift that closes the gap (by bisection). A head that temperature scaling already calibrates
-keeps ``b = 0`` -- a free shift chosen by the same counts' ECE would chase noise and detune it -- and the
-order of confidences (their AUC) never changes. The offline fit stays the paper's temperature-only STS.
+under the Llama-3-8B H200 curve: 34% below verify-all at 16 requests). So a refit checks calibration in
+the large: where a temperature's mean calibrated probability misses the position's hit rate by more than
+noise (three binomial standard deviations, at least 0.02), it adds the shift that closes the gap (by
+bisection). Each grid ``T`` is judged by ECE with the shift it would get, not alone: alone, a head whose
+confidences say little while nearly every draft passes picks the smallest ``T``, which sends its negative
+logits beyond any bounded shift. A head that temperature scaling already calibrates keeps ``b = 0`` -- a
+free shift chosen by the same counts' ECE would chase noise and detune it -- and the order of confidences
+(their AUC) never changes. The offline fit stays the paper's temperature-only STS.
 """
 
 from __future__ import annotations
@@ -411,11 +413,11 @@ class OnlineSTS:
     ``decay`` per :meth:`record` and filled with one-hot sums (no atomics: bitwise reproducible, so TP
     ranks fed the same outcomes agree). :meth:`refit` evaluates every grid temperature on the bin means
     at once (fixed shapes, no host sync), picks the one minimising trial-weighted ECE of the conditional
-    calibrated probability, blends it toward the prior in log space with ``prior_weight`` pseudo-trials
-    (``log T = (n log T_fit + w log T_prior) / (n + w)``, so a position with little data stays at its
-    prior; without ``initial_temperatures`` a position's prior is its predecessor's fit, and a position
-    with no data at all copies the last one with some), and writes ``temperatures`` in place -- captured
-    graphs hold its address. ``offsets`` (the logit shift ``b_k``: 0 unless ``T`` alone misses the hit
+    calibrated probability (with the shift it would need, below), blends it toward the prior in log space
+    with ``prior_weight`` pseudo-trials (``log T = (n log T_fit + w log T_prior) / (n + w)``, so a position
+    with little data stays at its prior; without ``initial_temperatures`` a position's prior is its
+    predecessor's fit, and a position with no data at all copies the last one with some), and writes
+    ``temperatures`` in place -- captured graphs hold its address. ``offsets`` (the logit shift ``b_k``: 0 unless ``T`` alone misses the hit
     rate blended with the same pseudo-trials) is refitted and written the same way; why it exists, and the
     conditional per-position objective (vs the offline cumulative one), are explained in the module
     docstring.
@@ -518,8 +520,6 @@ class OnlineSTS:
         total = trials.sum(dim=1)  # [K]
         hit_sum = hits.sum(dim=1)
         mean_logit = torch.where(trials > 0, self.logit_sum / trials.clamp_min(1e-12), self._centres.unsqueeze(0))
-        ece_g = self._ece(mean_logit.unsqueeze(0) / self.grid.view(-1, 1, 1))  # [G, K]
-        t_fit = self.grid[torch.argmin(ece_g, dim=0)]  # first minimum: the grid is ordered by closeness to T = 1
         w = self.prior_weight
         # Prior of each position: the given temperature or -- without one -- the predecessor's current fit
         # (temperature and shift). Inheriting matters because verification is censored: a position the
@@ -533,22 +533,29 @@ class OnlineSTS:
             b0 = torch.cat([zero, self.offsets[:-1]])
         else:
             t0, b0 = self.prior, torch.zeros_like(self.prior)
+        # The hit rate the calibration must reproduce: the hits plus w pseudo-trials at the prior's own rate on
+        # these logits. A shift is used only where a temperature alone misses it by more than noise (calibration
+        # in the large): one more free parameter fitted to the same counts would otherwise chase noise and
+        # detune heads that temperature scaling already calibrates.
+        prior_hits = (trials * torch.sigmoid(mean_logit / t0.unsqueeze(1) + b0.unsqueeze(1))).sum(dim=1)
+        rate = (hit_sum + w * prior_hits / total.clamp_min(1e-12)) / (total + w).clamp_min(1e-12)
+        noise = torch.clamp(3.0 * torch.sqrt(rate * (1.0 - rate) / (total + w).clamp_min(1.0)), min=MIN_SHIFT_GAP)
+        # Each grid temperature is judged with the shift it would get: judged alone, a head whose confidences say
+        # little while nearly every draft passes picks the smallest T (it sends the positive logits to 1), and
+        # no bounded shift then lifts the negative ones -- a sixth of the drafts calibrated below 0.01, all of
+        # them accepted. A large T with its shift calibrates them all.
+        z_g = mean_logit.unsqueeze(0) / self.grid.view(-1, 1, 1)  # [G, K, bins]
+        if self.fit_offsets:
+            z_g = z_g + self._shift_where_needed(z_g, rate, noise).unsqueeze(-1)
+        ece_g = self._ece(z_g)  # [G, K]
+        t_fit = self.grid[torch.argmin(ece_g, dim=0)]  # first minimum: the grid is ordered by closeness to T = 1
         log_t = (total * torch.log(t_fit) + w * torch.log(t0)) / (total + w).clamp_min(1e-12)
         new_t = torch.where(total > 0, torch.exp(log_t), t0)
         new_b = torch.where(total > 0, torch.zeros_like(b0), b0)
         if self.fit_offsets:
-            # The hit rate the calibration must reproduce: the hits plus w pseudo-trials at the prior's own
-            # rate on these logits. A shift is used only when the blended temperature alone misses it by
-            # more than noise (calibration in the large): one more free parameter fitted to the same counts
-            # would otherwise chase noise and detune heads that temperature scaling already calibrates.
-            z = mean_logit / new_t.unsqueeze(1)
-            prior_hits = (trials * torch.sigmoid(mean_logit / t0.unsqueeze(1) + b0.unsqueeze(1))).sum(dim=1)
-            rate = (hit_sum + w * prior_hits / total.clamp_min(1e-12)) / (total + w).clamp_min(1e-12)
-            unshifted = (trials * torch.sigmoid(z)).sum(dim=1) / total.clamp_min(1e-12)
-            noise = 3.0 * torch.sqrt(rate * (1.0 - rate) / (total + w).clamp_min(1.0))
-            needed = (total > 0) & ((unshifted - rate).abs() > torch.clamp(noise, min=MIN_SHIFT_GAP))
-            shift = _mean_matching_shift(z.unsqueeze(0), trials, (rate * total).view(1, -1, 1)).view(-1)
-            new_b = torch.where(needed, shift, new_b)
+            # the blended temperature's own shift (the fit's where the data outweigh the prior)
+            shift = self._shift_where_needed((mean_logit / new_t.unsqueeze(1)).unsqueeze(0), rate, noise)[0]
+            new_b = torch.where(total > 0, shift, new_b)
         # A position with no outcomes at all takes the calibration (temperature and shift together) of the
         # last position before it that has some, in this same refit -- when there is no per-position prior.
         if self.inherit_prior:
@@ -563,6 +570,15 @@ class OnlineSTS:
         self.temperatures.copy_(new_t)
         self.offsets.copy_(new_b)
         return self.temperatures
+
+    def _shift_where_needed(self, z: torch.Tensor, rate: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Per candidate and position, the shift that brings the mean of ``sigmoid(z + b)`` to ``rate`` where
+        ``b = 0`` misses it by more than ``noise``, else 0 (``z[C, K, bins]`` -> ``[C, K]``)."""
+        total = self.trials.sum(dim=1)
+        unshifted = (self.trials.unsqueeze(0) * torch.sigmoid(z)).sum(dim=2) / total.clamp_min(1e-12)
+        needed = (total > 0) & ((unshifted - rate).abs() > noise)
+        shift = _mean_matching_shift(z, self.trials, (rate * total).view(1, -1, 1))[..., 0]
+        return torch.where(needed, shift, torch.zeros_like(shift))
 
     def _ece(self, z: torch.Tensor) -> torch.Tensor:
         """Trial-weighted ECE of ``sigmoid(z)`` per candidate and position (``z[C, K, bins]`` -> ``[C, K]``)."""
