@@ -19,8 +19,10 @@ class ScriptedServer:
 
     def __init__(self, plan: list[int], continuous_usage: bool = False, split_events: bool = True,
                  status: int = 200, text: str = "tok ", crlf: bool = False, role: bool = False,
-                 held_text: str = "", usage: bool = True) -> None:
+                 held_text: str = "", usage: bool = True, finish_usage: bool = False) -> None:
         self.plan = plan
+        # usage on a last choice of no text with its finish_reason (llama.cpp's server), not on a chunk of its own
+        self.finish_usage = finish_usage
         self.usage = usage  # False: no usage at all, as a server that ignores stream_options
         self.crlf = crlf  # SSE lines ending in CRLF, as sse-starlette writes them
         self.role = role  # chat: an opening role event, usage 0 tokens, as vLLM sends it
@@ -75,7 +77,12 @@ class ScriptedServer:
                 await write(b"data: " + orjson.dumps({"choices": [choice], "usage": {
                     "prompt_tokens": 7, "completion_tokens": sent}}) + b"\n\n")
             usage = {"prompt_tokens": 7, "completion_tokens": sent, "total_tokens": sent + 7}
-            if self.usage:
+            if self.usage and self.finish_usage:
+                await asyncio.sleep(0.01)
+                choice = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
+                          else {"index": 0, "text": "", "finish_reason": "length"})
+                await write(b"data: " + orjson.dumps({"choices": [choice], "usage": usage}) + b"\n\n")
+            elif self.usage:
                 await write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
             await write(b"data: [DONE]\n\n")
         finally:
@@ -182,6 +189,17 @@ def test_steps_that_spell_no_text_still_count_through_per_chunk_usage() -> None:
     # without per-chunk usage an empty stream carries nothing measurable: a failure, not a fake number
     (r,), _, _ = _run(ScriptedServer([1, 3], text=""), [Prompt(text="hi")], max_tokens=4)
     assert not r.success and "no output tokens" in r.error
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_usage_on_the_finishing_choice_is_not_a_step(endpoint: str) -> None:
+    """A server that streams no usage per chunk but puts the total on its last choice (empty, with its
+    finish_reason) gave every request one more ~0 ms gap: mean ITL 25% low on 4-token outputs."""
+    (r,), _, _ = _run(ScriptedServer([1, 1, 1, 1], finish_usage=True), [Prompt(text="hi")], max_tokens=4,
+                      endpoint=endpoint)
+    assert r.success, r.error
+    assert r.output_tokens == 4 and r.usage_counted and len(r.itl) == 3 and min(r.itl) > 0.005
+    assert r.latency == pytest.approx(r.ttft + sum(r.itl))
 
 
 def test_request_payload_carries_equal_work_fields() -> None:

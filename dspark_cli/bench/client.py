@@ -188,7 +188,11 @@ async def stream_request(
                         choices = msg.get("choices") or []
                         tokens_now = int(usage["completion_tokens"]) if usage and usage.get(
                             "completion_tokens") is not None else None
-                        advanced = tokens_now is not None and bool(choices) and tokens_now > prev_usage_tokens
+                        # A step of no text counts where usage streams with every chunk (continuous usage); a
+                        # server that sends usage only with its last, empty choice (llama.cpp's) made it one more
+                        # ~0 ms step per request.
+                        advanced = (tokens_now is not None and bool(choices) and tokens_now > prev_usage_tokens
+                                    and per_chunk_known)
                         if res.ttft is not None and tokens_now is not None and not advanced and choices:
                             # text the server held back (a stop string's look-ahead) and no new token: it belongs
                             # to the step before, not a step of its own
