@@ -75,6 +75,23 @@ def test_random_prompts_are_seeded() -> None:
     assert all(len((p.text or "").split()) == 20 for p in a)
 
 
+def test_random_prompts_of_a_tokenizer_encode_to_the_length_asked() -> None:
+    """Random ids decoded to text did not come back as as many ids: the tiny tokenizer's 128-id prompts encoded
+    to 151-176 tokens, so a cell's prefill was not the --input-len its workload records."""
+    import dspark_cli
+
+    tokenizer = Path(dspark_cli.__file__).parent / "engines" / "embedded" / "assets" / "tiny" / "target"
+    if not (tokenizer / "tokenizer.json").is_file():
+        pytest.skip("packaged tiny model not built")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    for length in (1, 7, 128):
+        prompts = load_prompts("random", 20, input_len=length, seed=3, tokenizer=str(tokenizer))
+        assert [len(tok.encode(p.text or "", add_special_tokens=False).ids) for p in prompts] == [length] * 20
+        assert prompts == load_prompts("random", 20, input_len=length, seed=3, tokenizer=str(tokenizer))
+
+
 def test_a_marked_prompt_differs_from_its_first_token_and_keeps_the_rest() -> None:
     """Warm-up prompts are marked so a server's prefix cache keeps none of a measured prompt's blocks."""
     text = Prompt(text="What is 2 + 2?")

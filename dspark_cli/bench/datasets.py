@@ -160,9 +160,42 @@ def random_prompts(n: int, input_len: int, seed: int, tokenizer: str | None = No
             tok = Tokenizer.from_file(str(tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path))
         except Exception as exc:  # tokenizers raises its own Exception type for bad files
             raise DsparkError(f"cannot load tokenizer {tokenizer}: {exc}") from exc
-        vocab = tok.get_vocab_size()
-        return [Prompt(text=tok.decode([rng.randrange(vocab) for _ in range(input_len)])) for _ in range(n)]
+        special = set(tok.get_added_tokens_decoder())
+        # Ids whose text encodes back to them alone: a byte piece of a character decodes to U+FFFD, which
+        # encodes to several tokens, so prompts drawn with them could not be held to a length.
+        ids = [i for i in range(tok.get_vocab_size())
+               if i not in special and tok.encode(tok.decode([i]), add_special_tokens=False).ids == [i]]
+        if not ids:
+            raise DsparkError(f"tokenizer {tokenizer} has no ordinary tokens to draw random prompts from")
+        return [Prompt(text=_text_of_length(tok, ids, input_len, rng)) for _ in range(n)]
     return [Prompt(text=" ".join(rng.choice(_WORDS) for _ in range(input_len))) for _ in range(n)]
+
+
+RETOKENIZE_ROUNDS = 16
+
+
+def _text_of_length(tok: Any, vocab: list[int], length: int, rng: random.Random) -> str:
+    """Text of random tokens that ``tok`` encodes to ``length`` tokens, as the server will tokenize it.
+
+    Random ids decoded to text do not come back as the same ids: neighbours merge, and pieces split (the tiny
+    tokenizer's 128-id prompts came back as 151-176 tokens), so the prefill a cell measures was not the one
+    ``--input-len`` says. The ids the text encodes to are cut or extended with fresh random ids and decoded
+    again until they agree; the closest text is kept if they never do."""
+    ids = [rng.choice(vocab) for _ in range(length)]
+    best = ""
+    best_gap: int | None = None
+    for _ in range(RETOKENIZE_ROUNDS):
+        text = tok.decode(ids)
+        again = tok.encode(text, add_special_tokens=False).ids
+        gap = abs(len(again) - length)
+        if best_gap is None or gap < best_gap:
+            best, best_gap = text, gap
+        if gap == 0:
+            break
+        # too long: cut one gap deeper and draw fresh tokens, so a merge at the cut does not just repeat
+        keep = again[:length - gap] if len(again) > length else again
+        ids = keep + [rng.choice(vocab) for _ in range(length - len(keep))]
+    return best
 
 
 def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
