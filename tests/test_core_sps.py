@@ -165,6 +165,15 @@ def test_above_the_limit_interpolates_only_eager_points_and_extrapolates(curve: 
     assert curve.verify_cost_ms(192) == pytest.approx(70.0)
 
 
+def test_one_eager_point_extends_at_the_graph_slope_not_across_the_jump() -> None:
+    """With one point profiled above the capture limit, the slope past it came from the last graph point and
+    that eager point: the graph -> eager jump (28 ms over 32 tokens) priced every token past the profile."""
+    c = SpsCurve.from_points([(8, 10.0), (16, 11.0), (32, 12.0), (64, 40.0)], capture_sizes=[8, 16, 32])
+    assert c.verify_cost_ms(64) == pytest.approx(40.0)
+    assert c.verify_cost_ms(128) == pytest.approx(40.0 + 64 / 16)  # the graph points' 1 ms per 16 tokens
+    assert c.verify_cost_ms(256) == pytest.approx(40.0 + 192 / 16)
+
+
 def test_without_capture_sizes_the_curve_is_piecewise_linear() -> None:
     c = SpsCurve.from_points([(10, 10.0), (20, 20.0), (40, 30.0)])
     assert c.verify_cost_ms(5) == pytest.approx(10.0)

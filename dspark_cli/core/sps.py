@@ -9,7 +9,8 @@ price a batch the way the engine actually runs it:
 * Above the capture limit the engine runs eagerly; cost is interpolated linearly only between points
   profiled above the limit, because the graph -> eager jump is a real discontinuity that a line through
   the last graph point would smear out.
-* Past the last profiled point the last two points are extrapolated linearly (costs keep rising).
+* Past the last profiled point the last two points are extrapolated linearly (costs keep rising), never
+  across the graph -> eager jump: a single eager point extends at the graph points' slope.
 
 A step costs ``draft(num_reqs) + verify(tokens) + overhead_ms``: drafting depends on how many requests
 draft, not on how many drafts get verified, and the fixed per-step overhead matters because the objective
@@ -304,8 +305,12 @@ class SpsCurve:
         else:
             stair = np.zeros(0)
             ex, ey = vx, vy
-        # Slope past the last point: from the last two eager points, else the last two points overall.
+        # Slope past the last point: from the last two eager points, else the last two points overall -- but
+        # never across the graph -> eager jump: one eager point extends at the graph points' own slope (a line
+        # through the jump priced every token past the profile at the jump's rise, ~15x the graph's).
         sx, sy = (ex, ey) if len(ex) >= 2 else (vx, vy)
+        if len(caps) and len(ex) == 1 and ex[0] > caps[-1] and len(gx) >= 2:
+            sx, sy = gx, gy
         slope = (sy[-1] - sy[-2]) / (sx[-1] - sx[-2])
         set_(self, "_eager_slope", float(slope))
         set_(self, "_stair_x", caps)
