@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 from aiohttp import web
@@ -200,6 +201,35 @@ def test_usage_on_the_finishing_choice_is_not_a_step(endpoint: str) -> None:
     assert r.success, r.error
     assert r.output_tokens == 4 and r.usage_counted and len(r.itl) == 3 and min(r.itl) > 0.005
     assert r.latency == pytest.approx(r.ttft + sum(r.itl))
+
+
+@pytest.mark.parametrize("event", [b"[]", b'{"choices": 3}', b'{"choices": [], "usage": [1]}'])
+def test_a_malformed_stream_event_fails_its_request_not_the_cell(event: bytes) -> None:
+    """Such an event raised AttributeError or TypeError in the load's worker, which stopped the whole cell."""
+    from dspark_cli.bench.client import stream_request
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + event + b"\n\n")
+        return resp
+
+    async def go() -> RequestResult:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await stream_request(session, f"http://127.0.0.1:{port}/v1/completions", {}, 0)
+        finally:
+            await runner.cleanup()
+
+    r = asyncio.run(go())
+    assert not r.success and r.error is not None and r.error.startswith("malformed stream event")
 
 
 def test_request_payload_carries_equal_work_fields() -> None:

@@ -180,6 +180,11 @@ async def stream_request(
                             continue
                         now = time.perf_counter()
                         msg = orjson.loads(payload_bytes)
+                        if not isinstance(msg, dict) or not isinstance(msg.get("usage") or {}, dict) or \
+                                not isinstance(msg.get("choices") or [], list):
+                            # one request fails, not the whole cell with a traceback
+                            res.error = f"malformed stream event: {payload_bytes[:200].decode(errors='replace')}"
+                            return res
                         if "error" in msg and not msg.get("choices"):
                             err = msg["error"]
                             res.error = str(err.get("message", err) if isinstance(err, dict) else err)
