@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from dspark_cli.engines.embedded.async_engine import (
@@ -577,6 +579,38 @@ def test_a_choice_that_fails_unexpectedly_ends_its_stream_with_an_error(
             monkeypatch.setattr(server._Generation, "deltas", failing_at_once)
             r = await client.post("/v1/completions", json=body)
             assert r.status == 500 and "ValueError: injected" in (await r.json())["error"]["message"]
+
+    asyncio.run(main())
+
+
+def test_choices_streamed_to_a_slow_client_keep_their_own_state(
+        tokenizer, front: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """With several choices each is pumped by a task of its own, which runs ahead while the writer waits on a
+    slow client. Chunks were written from the choice's live state: every delta still queued when it finished
+    went out with its finish_reason, and the ids added while a write waited were never sent."""
+    original = web.StreamResponse.write
+
+    async def slow_write(self, data):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.02)  # a congested socket
+        return await original(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", slow_write)
+
+    async def main() -> None:
+        async with _serving(front, scripted(tokenizer=tokenizer)) as client:
+            body = {"prompt": "abc", "max_tokens": 12, "n": 2, "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            r = await asyncio.wait_for(client.post("/v1/completions", json=body), 30)
+            assert r.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+            events = [orjson.loads(line[6:]) for line in (await asyncio.wait_for(r.text(), 30)).splitlines()
+                      if line.startswith("data: {")]
+        for i in (0, 1):
+            mine = [e for e in events if e["choices"] and e["choices"][0]["index"] == i]
+            finishes = [e["choices"][0]["finish_reason"] for e in mine]
+            assert finishes[-1] == "length" and finishes.count("length") == 1, finishes
+            assert sum(len(e["choices"][0]["token_ids"]) for e in mine) == 12
+            counts = [e["usage"]["completion_tokens"] for e in mine]
+            assert counts == sorted(counts) and counts[-1] == 12
 
     asyncio.run(main())
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -58,7 +59,8 @@ from dspark_cli.errors import DsparkError
 
 log = logging.getLogger("dspark.serve")
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+# The charset said: a client that takes HTTP's default for text/* (ISO-8859-1) misread every non-ASCII character.
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -301,16 +303,32 @@ async def _run(ctx: ServerContext, request: web.Request, chat: bool) -> web.Stre
 _END = object()  # a choice's stream is over (in _merged's queue)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Delta:
+    """A choice's text delta with its generation's state as it was when the delta was made: with several
+    choices each one's task runs ahead of a writer held up by a slow client, so a chunk written from the live
+    state said a choice had finished on every delta still queued, and lost the ids added meanwhile."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+    @classmethod
+    def of(cls, gen: _Generation, text: str) -> _Delta:
+        return cls(text, gen.num_tokens, gen.finish_reason, gen.stop_reason)
+
+
 @contextlib.asynccontextmanager
 async def _merged(gens: Sequence[_Generation]) -> Any:
-    """``(choice index, text delta)`` of every choice as they come; leaving it aborts the engine requests still
+    """``(choice index, _Delta)`` of every choice as they come; leaving it aborts the engine requests still
     running. One choice is read directly; several go through a queue, one task each."""
     if len(gens) == 1:
         deltas = gens[0].deltas()
 
         async def one() -> Any:
             async for delta in deltas:
-                yield 0, delta
+                yield 0, _Delta.of(gens[0], delta)
 
         stream = one()
         async with contextlib.aclosing(deltas), contextlib.aclosing(stream):
@@ -321,7 +339,7 @@ async def _merged(gens: Sequence[_Generation]) -> Any:
     async def pump(i: int, gen: _Generation) -> None:
         try:
             async for delta in gen.deltas():
-                queue.put_nowait((i, delta, None))
+                queue.put_nowait((i, _Delta.of(gen, delta), None))
         except Exception as exc:  # noqa: BLE001 -- any failure ends the stream; a lost one left it open forever
             queue.put_nowait((i, None, exc))
         queue.put_nowait((i, _END, None))
@@ -350,15 +368,17 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
     req = gens[0].req
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(i: int, delta: str | None, finish: str | None, first: bool = False,
+    def chunk(i: int, delta: str | None, state: _Delta | None, first: bool = False,
               ids: list[int] | None = None, role: bool = False) -> bytes:
-        """One SSE event of choice ``i``; ``ids``: its output tokens since its last event (return_token_ids).
+        """One SSE event of choice ``i`` in ``state`` (None: before any token); ``ids``: its output tokens since
+        its last event (return_token_ids).
 
         ``role``: chat's opening event, which carries no token. Its usage says 0 completion tokens, as vLLM's
         does, though it goes out once the first output exists: a client timing chunks by usage would otherwise
         take it for the first token's chunk, and the first token's own for a second one of no tokens.
         """
         gen = gens[i]
+        finish = None if state is None else state.finish_reason
         if chat:
             d: dict[str, Any] = {}
             if first:
@@ -368,7 +388,7 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
             choice: dict[str, Any] = {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": i, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        choice["stop_reason"] = gen.stop_reason if finish is not None else None
+        choice["stop_reason"] = state.stop_reason if state is not None and finish is not None else None
         payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
                                    "choices": [choice]}
         if req.return_token_ids:
@@ -376,16 +396,16 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
             if first:  # the prompt's ids ride on a choice's first event only, as vLLM sends them
                 (payload if chat else choice)["prompt_token_ids"] = gen.req.prompt_ids
         if req.include_usage:
-            payload["usage"] = (_usage(len(gen.req.prompt_ids), 0 if role else gen.num_tokens)
-                                if req.continuous_usage else None)
+            tokens = 0 if role or state is None else state.num_tokens
+            payload["usage"] = _usage(len(gen.req.prompt_ids), tokens) if req.continuous_usage else None
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
     resp: web.StreamResponse | None = None
     sent_tokens = [0] * len(gens)
     try:
         async with _merged(gens) as events:
-            async for i, delta in events:
-                gen = gens[i]
+            async for i, state in events:
+                gen, delta = gens[i], state.text
                 if resp is None:
                     # Headers go out with the first output, so a request the engine refuses still gets
                     # a proper status code instead of a 200 stream carrying an error.
@@ -395,16 +415,17 @@ async def _stream(request: web.Request, gens: Sequence[_Generation], rid: str, c
                         for j in range(len(gens)):
                             await resp.write(chunk(j, "", None, first=True, role=True))
                 first = not chat and sent_tokens[i] == 0
-                ids = gen.token_ids[sent_tokens[i]:] if req.return_token_ids else None
-                if gen.finish_reason is not None:
-                    await resp.write(chunk(i, delta if (delta or not chat) else None, gen.finish_reason, first, ids))
-                elif delta or gen.num_tokens > sent_tokens[i]:
+                # the ids list only grows: the state's count cuts it where the delta was made
+                ids = gen.token_ids[sent_tokens[i]:state.num_tokens] if req.return_token_ids else None
+                if state.finish_reason is not None:
+                    await resp.write(chunk(i, delta if (delta or not chat) else None, state, first, ids))
+                elif delta or state.num_tokens > sent_tokens[i]:
                     # One chunk per engine output (a step, or the steps merged while this stream was
                     # behind) that produced tokens, even when they produced no text yet
                     # (a partial UTF-8 sequence, text held back by a stop string, ids a random model's
                     # tokenizer cannot spell): timing clients see every output, usage counts every token.
-                    await resp.write(chunk(i, delta, None, first, ids))
-                sent_tokens[i] = gen.num_tokens
+                    await resp.write(chunk(i, delta, state, first, ids))
+                sent_tokens[i] = state.num_tokens
     except (EngineDeadError, RequestRejectedError) as exc:
         if resp is None:
             return _engine_error(exc)
