@@ -231,6 +231,19 @@ def test_mask_mode_prices_the_uniform_batch_so_it_never_trims_for_nothing() -> N
     assert not hopeless.pays and hopeless.theta_best < hopeless.theta_no_draft
 
 
+def test_mask_mode_prices_the_placeholder_drafts_its_uniform_batch_computes() -> None:
+    """vLLM admits no placeholder draft (a slot the paused draft skipped), but mask mode's uniform batch still
+    computes its rows: priced at the admitted drafts alone, such a step looked cheaper than it runs."""
+    surv = np.cumprod(np.full((16, 3), 0.9), axis=1)
+    admitted = np.array([3] * 8 + [0] * 8)
+    surv[8:] = 0.0
+    mask = choose_budget(surv, admitted, 16, 16, STAIR, CapacityConfig(mode="mask"), batch_drafts=48)
+    assert mask.budget == 24 and mask.step_ms == pytest.approx(STAIR.step_cost_ms(16, 16 + 48))
+    # varlen computes only what it verifies: the placeholders cost nothing there
+    varlen = choose_budget(surv, admitted, 16, 16, STAIR, CapacityConfig(mode="varlen"), batch_drafts=48)
+    assert varlen.step_ms == pytest.approx(STAIR.step_cost_ms(16, 16 + varlen.budget))
+
+
 def test_mode_none_verifies_every_draft() -> None:
     surv = np.full((4, 3), 0.01)
     d = choose_budget(surv, np.array([3, 3, 2, 0]), 4, 4, STAIR, CapacityConfig(mode="none", budget_frac=0.1))

@@ -230,6 +230,7 @@ def choose_budget(
     cfg: CapacityConfig,
     sampling: bool = False,
     max_budget: int | None = None,
+    batch_drafts: int | None = None,
 ) -> BudgetDecision:
     """Pick this step's verify budget on the host from stale survival; see the module docstring.
 
@@ -242,6 +243,9 @@ def choose_budget(
 
     ``max_budget``: a limit of the engine's (vLLM verifies at most one chunk of logit rows). The choice is made
     within it, so the decision's Θ and price are those of a budget that can run, not a larger one clamped after.
+    ``batch_drafts``: the draft rows the batch computes whatever is verified, where it holds drafts that
+    ``num_drafts`` does not admit (vLLM's placeholder drafts of a slot the draft skipped): mask mode's uniform
+    batch is priced with them (default: the admitted drafts).
     """
     surv = np.asarray(stale_survival, dtype=np.float64)
     if surv.ndim != 2:
@@ -255,7 +259,8 @@ def choose_budget(
     tau = float(num_sampling) + np.concatenate(([0.0], np.cumsum(vals)))
     n = np.arange(total + 1)
     if cfg.mode == "mask" and not cfg.mask_pruning_saves:
-        n = np.full(total + 1, total)  # every draft row is in the batch, verified or padding
+        # every draft row is in the batch, verified or padding
+        n = np.full(total + 1, total if batch_drafts is None else max(total, int(batch_drafts)))
     cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + n, sampling=sampling), dtype=np.float64)
     theta = tau / cost
     no_draft_cost = float(sps.step_cost_ms(r, num_nondraft_tokens, drafting=False))

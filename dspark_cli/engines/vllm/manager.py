@@ -810,7 +810,7 @@ def build_manager_class(base: type) -> type:
                 # The cap (vLLM's one chunk of logit rows) bounds the search itself, so the decision the saturation
                 # policy judges is priced at the budget that runs.
                 decision = choose_budget(survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg,
-                                         max_budget=cap)
+                                         max_budget=cap, batch_drafts=total)
                 budget = decision.budget
                 self._step_decision = decision
                 if self._pause_supported:
