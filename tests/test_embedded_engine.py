@@ -373,6 +373,16 @@ def test_a_mixed_prefill_carries_the_running_requests_within_the_token_limit_and
     assert batch.is_prefill and batch.seqs == [c] and batch.decode == [a, b]
     assert list(sched.waiting) == [d]
     assert sched.schedule().decode == []  # not asked to mix: d's prefill runs alone
+    # A prompt that fits the limit only alone runs alone: beside the running requests' tokens it went past it
+    roomy = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=7, lookahead=0)
+    first, second = Sequence("a", [5] * 3, SamplingParams(), 0), Sequence("b", [6] * 3, SamplingParams(), 1)
+    roomy.add(first)
+    roomy.add(second)
+    roomy.schedule()
+    big = Sequence("big", [9] * 6, SamplingParams(), 2)
+    roomy.add(big)
+    batch = roomy.schedule(mixed=True)
+    assert batch.seqs == [big] and batch.decode == []
     # A pool too short for every running request's next token: no ride-along (the decode step preempts).
     tight = Scheduler(BlockManager(3, 4), max_num_seqs=4, max_num_batched_tokens=64, lookahead=0)
     old = Sequence("old", [5] * 4, SamplingParams(), 0)

@@ -73,7 +73,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens - (len(self.running) if mixed else 0)
         batch = self._schedule_prefill(max(1, budget))
         if batch is not None:
-            if mixed:
+            # The first prompt is admitted whatever its length: where it leaves no room for the running
+            # requests' tokens, it runs alone (they decode next step), not past the limit, outside every graph.
+            if mixed and sum(map(self._prefill_tokens, batch.seqs)) <= budget:
                 batch.decode = self._decode_alongside(batch.seqs)
             return batch
         return self._schedule_decode()
