@@ -42,6 +42,7 @@ class Batch:  # the InputBatch fields the StandaloneAR prefill and the upkeep re
     seq_lens_cpu_upper_bound: torch.Tensor
     num_draft_tokens: int
     has_prefill: bool
+    num_scheduled_tokens: np.ndarray  # uncompacted: what seq_lens_cpu_upper_bound adds to the computed tokens
 
 
 class Speculator:
@@ -172,9 +173,10 @@ class Runner:
         qsl[r + 1:] = qsl[r]
         slots = np.array([q.slot for q in self.running], dtype=np.int64)
         seq = torch.tensor([q.computed + n for q, n in zip(self.running, qlens, strict=True)], dtype=torch.int32)
+        slack = self.rng.randint(0, 2)  # a host bound above the lengths, as async scheduling's is
         batch = Batch(r, torch.from_numpy(slots), slots, torch.tensor(ids, dtype=torch.int32),
                       torch.tensor(pos, dtype=torch.int64), torch.from_numpy(qsl.copy()), qsl, len(ids), seq,
-                      seq + self.rng.randint(0, 2), drafts_in, prefill)
+                      seq + slack, drafts_in, prefill, np.array(qlens, dtype=np.int32) + slack)
         # the target: accept a prefix of each request's drafts, commit it and one token more
         rejected = torch.zeros(r, dtype=torch.int32)
         for i, req in enumerate(self.running):
@@ -343,6 +345,24 @@ def test_catchup_rows_gather_committed_ids_before_each_query() -> None:
     assert buffers.input_ids[:8].tolist() == [67, 68, 69, 2, 82, 83, 84, 85]
     with pytest.raises(ValueError, match="exceeds"):
         catchup_rows(committed, torch.tensor([0]), torch.tensor([19]), np.array([16]), buffers)
+
+
+def test_a_catch_up_rows_host_bound_holds_under_a_partial_varlen_budget() -> None:
+    """Under a partial varlen budget the host's query lengths spread the drafts evenly over the requests, while
+    the device admits them unevenly and the host bound adds the scheduled counts: a catch-up row's bound taken
+    from the spread fell below its K/V length for a request scheduled fewer drafts than its share."""
+    from dspark_cli.engines.vllm.upkeep import catchup_batch
+
+    computed, scheduled = np.array([10, 20]), np.array([2, 5])  # 1 and 4 drafts scheduled, budget 4
+    admitted_qsl = torch.tensor([0, 2, 6], dtype=torch.int32)  # the device admits 1 and 3
+    batch = Batch(2, torch.tensor([0, 1]), np.array([0, 1]), torch.zeros(6, dtype=torch.int32),
+                  torch.tensor([10, 11, 20, 21, 22, 23]), admitted_qsl, np.array([0, 3, 6], dtype=np.int32), 6,
+                  torch.tensor([12, 24], dtype=torch.int32), torch.from_numpy((computed + scheduled).astype(np.int32)),
+                  4, False, scheduled.astype(np.int32))
+    committed = torch.arange(2 * 40, dtype=torch.int32).reshape(2, 40)
+    rows = catchup_batch(batch, committed, np.array([3, 3]), CatchupBuffers.allocate(16, 2, torch.device("cpu")))
+    assert rows.seq_lens.tolist() == [11, 21]  # each row ends at its first query position
+    assert (rows.seq_lens_cpu_upper_bound[:2] >= rows.seq_lens).all(), rows.seq_lens_cpu_upper_bound
 
 
 def test_upkeep_budget_bounds_what_a_batch_may_owe() -> None:

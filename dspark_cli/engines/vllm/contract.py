@@ -385,6 +385,12 @@ CONTRACT: tuple[Assumption, ...] = (
                  why="saturation timing: a step's prompt-chunk tokens decide whether it times a decode step "
                      "(manager.prompt_heavy)")
       for name in ("is_prefilling_np", "num_scheduled_tokens")),
+    Assumption(RUNNER, "GPUModelRunner.prepare_inputs", "contains",
+               ("num_scheduled_tokens_upper_bound = num_scheduled_tokens_np", "num_scheduled_tokens_upper_bound,\n",
+                "num_scheduled_tokens=num_scheduled_tokens_upper_bound,"),
+               why="a batch's num_scheduled_tokens are the uncompacted counts its seq_lens_cpu_upper_bound adds to the "
+                   "computed ones; a catch-up row's bound subtracts them (upkeep.catchup_batch), not the host "
+                   "query lengths a partial varlen budget spreads evenly"),
     Assumption(RUNNER, "GPUModelRunner.sample_tokens", "contains",
                ("draft_tokens[:, num_spec_tokens:] = -1",),
                why="a 0-draft step discards every proposed token, so a paused prefill need not sample one"),

@@ -209,8 +209,12 @@ def catchup_batch(batch: Any, all_token_ids: torch.Tensor, owed: np.ndarray, buf
     seq_lens = batch.seq_lens[:r]
     if not whole_query:
         seq_lens = (seq_lens - (qsl[1:] - qsl[:-1]) + 1).to(batch.seq_lens.dtype)
+    # The host's bound is computed tokens plus the scheduled ones (vLLM's upper bound): the row leaves out the
+    # scheduled tokens past its end. Not the host query lengths, which under a partial varlen budget spread the
+    # drafts evenly over the requests: a request scheduled fewer than its share got a bound below its length.
     upper = batch.seq_lens_cpu_upper_bound
-    upper_rows = (upper[:r].to(torch.int64) - torch.from_numpy(query_lens_np - through)).to(upper.dtype)
+    scheduled = np.asarray(batch.num_scheduled_tokens[:r], dtype=np.int64)
+    upper_rows = (upper[:r].to(torch.int64) - torch.from_numpy(scheduled - through)).to(upper.dtype)
     padded_qsl_np = np.full(len(batch.query_start_loc_np), total, dtype=np.int32)
     padded_qsl_np[: r + 1] = rows_qsl_np
     return dataclasses.replace(
