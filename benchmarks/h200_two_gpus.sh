@@ -120,10 +120,11 @@ queue_stalls() {
 queue_vllm() {
   stage "waiting for /tmp/stage/ready" bash -c 'while [[ ! -f /tmp/stage/ready ]]; do sleep 2; done'
   stage "install vLLM" bash /tmp/stage/install.sh || { echo "FATAL: the vLLM install failed (a wheel group missing?)"; return 1; }
-  # The manager times steps between CUDA events (engines/vllm/step_clock.py) and refits online STS on the device
-  # with no host sync (core/sts.py): their GPU tests first.
-  stage "GPU test: step clock, online STS" env PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -m gpu \
-    -p no:cacheprovider tests/test_vllm_step_clock.py tests/test_core_sts.py 2>&1 | tail -3
+  # The manager times steps between CUDA events (engines/vllm/step_clock.py), refits online STS on the device
+  # with no host sync (core/sts.py) and stages traces through pinned memory on a side stream: their GPU tests
+  # first.
+  stage "GPU test: step clock, online STS, traces" env PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -m gpu \
+    -p no:cacheprovider tests/test_vllm_step_clock.py tests/test_core_sts.py tests/test_vllm_manager.py 2>&1 | tail -3
   mkdir -p "$ROOT/vllm/profile-scaled"
   # Without a curve every config of ours would run on vLLM's start-up curve under its own name (vllm_h200.sh
   # refuses that): a curve that is not there stops the queue here. A staged tree has it only if the last

@@ -233,6 +233,9 @@ class _TraceStager:
 
     def stage(self, conf: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor,
               req_ids: list[str], steps: np.ndarray) -> None:
+        """Copy one step's rows to pinned memory on the side stream, and write the previous step's. The tensors
+        must be this step's own (not views of buffers the compute stream rewrites later): nothing orders such a
+        write after the side stream's copy."""
         self._flush(1 - self.slot)  # the previous step's copy was issued a whole step ago
         n = len(req_ids)
         buf = self.bufs[self.slot]
@@ -1245,6 +1248,10 @@ def build_manager_class(base: type) -> type:
                 slots = np.asarray([self.req_states.req_id_to_index[x] for x in req_ids], dtype=np.int64)
                 steps = self._steps[slots].copy()
                 self._steps[slots] += 1
-                self._traces.stage(raw, caps, accepted.to(torch.int32), valid, req_ids, steps)
+                # caps is a view of the persistent capacity buffer, which the next step's reallocate_drafts
+                # rewrites on the compute stream with nothing ordering it after the side stream's copy: staged
+                # as is, a row could record the next step's verified count. A copy belongs to this step.
+                self._traces.stage(raw, caps.to(torch.int32, copy=True), accepted.to(torch.int32), valid, req_ids,
+                                   steps)
 
     return DsparkVerificationManager
