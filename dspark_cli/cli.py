@@ -801,7 +801,9 @@ def eval_gsm8k(
     if compare:
         unused = [flag for flag, given in (("--base-url", base_url is not None), ("--port", port != 8000),
                                            ("--output", output is not None), ("--limit", limit is not None),
-                                           ("--data", data is not None), ("--model", model is not None)) if given]
+                                           ("--data", data is not None), ("--model", model is not None),
+                                           ("--num-shots", num_shots != 5), ("--max-tokens", max_tokens != 512),
+                                           ("--concurrency", concurrency != 8)) if given]
         if unused:
             _warn(f"{', '.join(unused)}: not used by --compare, which reads the result files it is given")
         rows, _, note = ev.compare(files or [])

@@ -90,6 +90,18 @@ def test_result_file_survives_a_cut_last_line(tmp_path: Path) -> None:
     assert [r.id for r in read_results(out)] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("text", [b"# my notes\nimportant last line without newline", b"one line of notes",
+                                  b'{"request": "a", "conf": [0.5], "verified": 1, "accepted": 1}'])
+def test_a_file_that_is_not_results_is_refused_untouched(tmp_path: Path, text: bytes) -> None:
+    """The repair for a crash's cut last line ran before the file was known to hold results: `-o notes.md` cut
+    the notes' last line, then refused the file; a traces file lost its last row."""
+    out = tmp_path / "notes.md"
+    out.write_bytes(text)
+    with pytest.raises(DsparkError, match="not a gsm8k result row"):
+        read_results(out, repair=True)
+    assert out.read_bytes() == text
+
+
 def test_corrupt_middle_line_is_an_error(tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
     append_row(out, EvalRow.score(_row(0), "5", SETTINGS))
@@ -196,3 +208,7 @@ def test_the_cli_checks_its_settings_before_anything_is_drawn_or_sent(tmp_path: 
     result = runner.invoke(app, ["eval", "gsm8k", "--compare", str(a), str(a), "-o", str(tmp_path / "x.jsonl")])
     assert result.exit_code == 0
     assert "warning: --output: not used by --compare" in " ".join(result.stderr.split())
+    result = runner.invoke(app, ["eval", "gsm8k", "--compare", str(a), "--num-shots", "0", "--max-tokens", "5",
+                                 "-c", "3"])
+    assert "warning: --num-shots, --max-tokens, --concurrency: not used by --compare" in " ".join(
+        result.stderr.split())

@@ -129,18 +129,18 @@ def summarize(rows: Sequence[EvalRow]) -> Summary:
                    sum(r.invalid for r in rows) / n)
 
 
+ROW_START = b'{"id":'  # how append_row's every line begins (EvalRow's first field)
+
+
 def read_results(path: Path, repair: bool = False, hint: str = "use another --output") -> list[EvalRow]:
     """Rows of a result file. A last line cut by a crash is dropped (and, with ``repair``, truncated away so
     appends continue on a clean line); any other bad line is an error naming file:line, ending in ``hint``."""
     if not path.is_file():
         return []
-    if repair:
-        drop_cut_last_line(path)
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        data = data[:data.rfind(b"\n") + 1]
+    whole = data[:data.rfind(b"\n") + 1]
     rows = []
-    for lineno, line in enumerate(data.splitlines(), 1):
+    for lineno, line in enumerate(whole.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -148,6 +148,12 @@ def read_results(path: Path, repair: bool = False, hint: str = "use another --ou
             rows.append(EvalRow(**obj))
         except (orjson.JSONDecodeError, TypeError) as exc:
             raise DsparkError(f"{path}:{lineno}: not a gsm8k result row ({exc}); {hint}") from exc
+    cut = data[len(whole):]
+    if cut and not cut.startswith(ROW_START):
+        # Not a row a crash cut short (every row starts so): someone else's file, which a repair would cut.
+        raise DsparkError(f"{path}:{len(whole.splitlines()) + 1}: not a gsm8k result row; {hint}")
+    if repair and cut:
+        drop_cut_last_line(path)  # only once every whole line is known to be a row
     return rows
 
 
