@@ -23,6 +23,9 @@ from dspark_cli.fileio import atomic_write_figure, check_figure_file, check_outp
 
 MAX_PLOTTED_POSITIONS = 4
 
+# ECE bins a calibration may ask for: 20 is the usual; thousands already leave most bins empty.
+MAX_BINS = 1000
+
 
 @dataclass
 class CalibrationResult:
@@ -158,9 +161,9 @@ def run_calibration(
     """
     if not traces:
         raise DsparkError("no trace files given; pass TRACES.jsonl (recorded with `dspark serve --record-traces`)")
-    if bins < 2:
-        raise DsparkError(f"--bins must be >= 2, got {bins}")
-    output = Path(output)
+    if not 2 <= bins <= MAX_BINS:  # past it the fit's [grid, bins] table alone outgrows any memory
+        raise DsparkError(f"--bins must be in 2..{MAX_BINS}, got {bins}")
+    output = Path(output).expanduser()
     check_output_file(output, "-o/--output")
     if plot is not None:
         plot = check_figure_file(plot, "--plot")

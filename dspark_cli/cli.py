@@ -112,7 +112,8 @@ def profile_sps(
     draft: str | None = typer.Option(None, "--draft", help="Draft: auto (default), a checkpoint dir, random:small, or "
                                      "synthetic[:...] (profiles the draft model it runs, random:small by default)."),
     num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", "-k",
-                                                      help="Drafted tokens per step (default 4)."),
+                                                      help="Drafted tokens per step (default 4 on the embedded engine; "
+                                                           "--engine vllm needs it given)."),
     capture_sizes: str | None = typer.Option(None, "--capture-sizes",
                                              help="Verify sizes to capture and profile, e.g. 1,2,4,8,16,32 (on a "
                                                   "CPU, which captures no graphs, the sizes sampled; larger sizes "
@@ -148,14 +149,17 @@ def profile_sps(
     req = ps.ProfileRequest(
         model=model, engine=engine, draft=draft, num_speculative_tokens=num_speculative_tokens,
         capture_sizes=ps.parse_capture_sizes(capture_sizes), overhead_ms=ps.parse_overhead(overhead_ms),
-        speculative_config=speculative_config, engine_args=engine_args, output=output, device=device, dtype=dtype,
+        speculative_config=speculative_config, engine_args=engine_args, output=output.expanduser(), device=device,
+        dtype=dtype,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, context_len=context_len, warmup=warmup,
         replays=replays, extra=[a for a in ctx.args if a != "--"],
     )
     if not dry_run:  # a path that cannot be written would lose a finished profile
         check_output_file(output, "--output")
         if plot is not None:
-            check_figure_file(plot, "--plot")
+            plot = check_figure_file(plot, "--plot")
+            if plot.resolve() == req.output.resolve():  # the plot would overwrite the curve it draws
+                raise DsparkError(f"--plot and -o/--output are both {output}; give the plot its own path")
     if engine == "vllm":
         curve = ps.run_vllm(req, dry_run=dry_run)
         if curve is None:
@@ -194,7 +198,7 @@ def calibrate(
     output: Path = typer.Option(Path("sts.json"), "--output", "-o", help="Where to write the temperatures."),
     plot: Path = typer.Option(None, "--plot", help="Also write a reliability diagram here (.png, .pdf, .svg; "
                               "no suffix writes PNG)."),
-    bins: int = typer.Option(20, "--bins", help="Equal-width ECE bins."),
+    bins: int = typer.Option(20, "--bins", help="Equal-width ECE bins (2..1000)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="Skip malformed lines instead of failing."),
 ) -> None:
     """Fit Sequential Temperature Scaling from recorded traces; write sts.json."""

@@ -46,6 +46,26 @@ _EMBEDDED_ENGINE_ARGS = {
     "max_capture_size": "max_capture_size",
     "attention_backend": "attention_backend",
 }
+# The type each of those keys takes: a value of another type was handed on and failed deep in the engine's
+# checks with a traceback ("abc" < 1), or, for a flag, meant its opposite (bool("false") is True).
+_EMBEDDED_ARG_TYPES = {"dtype": str, "device": str, "attention_backend": str, "gpu_memory_utilization": float}
+
+
+def _engine_arg(where: str, key: str, value: Any) -> Any:
+    from dspark_cli.serve_config import as_int
+
+    kind = _EMBEDDED_ARG_TYPES.get(key, int)
+    if kind is int:
+        return as_int(where, value)
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DsparkError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise DsparkError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
 # Keys that only name things the embedded engine already does its own way (tokenizer files live with the
 # checkpoint), so accepting them changes nothing about the profile.
 _EMBEDDED_IGNORED_ARGS = ("tokenizer", "trust_remote_code", "tokenizer_mode", "model")
@@ -148,19 +168,28 @@ def embedded_config(req: ProfileRequest) -> Any:
         # Its dspark_* keys are serving settings that do not change step cost, but a typo or a bad value is
         # refused here as `dspark serve` would refuse it, not carried into a curve's provenance unnoticed.
         build_settings({}, req.speculative_config)
+    from dspark_cli.serve_config import as_bool, as_int
+
     args = _json_object("--engine-args", req.engine_args)
     kwargs: dict[str, Any] = {"model": req.model}
     unknown = []
     for key, value in args.items():
+        where = f"--engine-args {key}"
         if key in _EMBEDDED_ENGINE_ARGS:
-            kwargs[_EMBEDDED_ENGINE_ARGS[key]] = value
+            if value is not None:  # null: the engine's default, as leaving the key out
+                kwargs[_EMBEDDED_ENGINE_ARGS[key]] = _engine_arg(where, key, value)
         elif key == "enforce_eager":
-            kwargs["cuda_graphs"] = not bool(value)
+            kwargs["cuda_graphs"] = not as_bool(where, value)
         elif key == "compilation_config" and isinstance(value, dict):
-            if "max_cudagraph_capture_size" in value:
-                kwargs["max_capture_size"] = int(value["max_cudagraph_capture_size"])
-            if "cudagraph_capture_sizes" in value:
-                kwargs["capture_sizes"] = tuple(int(s) for s in value["cudagraph_capture_sizes"])
+            if value.get("max_cudagraph_capture_size") is not None:
+                kwargs["max_capture_size"] = as_int(f"{where}.max_cudagraph_capture_size",
+                                                     value["max_cudagraph_capture_size"], minimum=1)
+            sizes = value.get("cudagraph_capture_sizes")
+            if sizes is not None:
+                if not isinstance(sizes, list):
+                    raise DsparkError(f"{where}.cudagraph_capture_sizes: expected a list of integers, got {sizes!r}")
+                kwargs["capture_sizes"] = tuple(as_int(f"{where}.cudagraph_capture_sizes", v, minimum=1)
+                                                for v in sizes)
         elif key not in _EMBEDDED_IGNORED_ARGS:
             unknown.append(key)
     if unknown:

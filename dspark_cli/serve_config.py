@@ -179,13 +179,13 @@ def _err(where: str, msg: str) -> DsparkError:
     return DsparkError(f"{where}: {msg}")
 
 
-def _as_bool(where: str, value: Any) -> bool:
+def as_bool(where: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     raise _err(where, f"expected true or false, got {value!r}")
 
 
-def _as_int(where: str, value: Any, *, minimum: int | None = None) -> int:
+def as_int(where: str, value: Any, *, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -239,7 +239,7 @@ def _curve_points(where: str, value: Any) -> tuple[tuple[int, float], ...]:
     for i, pair in enumerate(value):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise _err(where, f"entry {i} must be a [batch_tokens, steps_per_sec] pair, got {pair!r}")
-        tokens = _as_int(f"{where}[{i}][0]", pair[0], minimum=1)
+        tokens = as_int(f"{where}[{i}][0]", pair[0], minimum=1)
         sps = _as_float(f"{where}[{i}][1]", pair[1], lo=0.0, lo_open=True)
         points.append((tokens, sps))
     return tuple(points)
@@ -272,7 +272,7 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
     if "model" in obj:
         out["draft"] = None if obj["model"] in (None, "none") else _as_str(f"{w} model", obj["model"])
     if "num_speculative_tokens" in obj:
-        out["num_speculative_tokens"] = _as_int(f"{w} num_speculative_tokens", obj["num_speculative_tokens"], minimum=0)
+        out["num_speculative_tokens"] = as_int(f"{w} num_speculative_tokens", obj["num_speculative_tokens"], minimum=0)
     if "method" in obj and obj["method"] is not None:
         out["method"] = _as_str(f"{w} method", obj["method"])
     if "dspark_capacity_verification_mode" in obj:
@@ -301,7 +301,7 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
         out["confidence_temperature"] = _as_float(f"{w} dspark_confidence_temperature",
                                                   obj["dspark_confidence_temperature"], lo=0.0, lo_open=True)
     if "dspark_online_sts" in obj:
-        out["online_sts"] = _as_bool(f"{w} dspark_online_sts", obj["dspark_online_sts"])
+        out["online_sts"] = as_bool(f"{w} dspark_online_sts", obj["dspark_online_sts"])
     if obj.get("dspark_min_predicted_gain") is not None:  # null: the core's default, as the vLLM plugin reads it
         out["min_predicted_gain"] = _as_float(f"{w} dspark_min_predicted_gain", obj["dspark_min_predicted_gain"],
                                               lo=0.0)
@@ -312,21 +312,21 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
     if "dspark_policy" in obj:
         out["capacity_policy"] = _as_choice(f"{w} dspark_policy", obj["dspark_policy"], POLICIES)
     if "dspark_saturation_patience" in obj:
-        out["saturation_patience"] = _as_int(f"{w} dspark_saturation_patience", obj["dspark_saturation_patience"],
+        out["saturation_patience"] = as_int(f"{w} dspark_saturation_patience", obj["dspark_saturation_patience"],
                                              minimum=0)
     if "dspark_resume_every" in obj:
-        out["resume_every"] = _as_int(f"{w} dspark_resume_every", obj["dspark_resume_every"], minimum=1)
+        out["resume_every"] = as_int(f"{w} dspark_resume_every", obj["dspark_resume_every"], minimum=1)
     if "dspark_probe_tax" in obj:
         out["probe_tax"] = _as_float(f"{w} dspark_probe_tax", obj["dspark_probe_tax"], lo=0.0, lo_open=True, hi=1.0)
     if "dspark_sts_refit_interval" in obj:
-        out["sts_refit_interval"] = _as_int(f"{w} dspark_sts_refit_interval", obj["dspark_sts_refit_interval"],
+        out["sts_refit_interval"] = as_int(f"{w} dspark_sts_refit_interval", obj["dspark_sts_refit_interval"],
                                             minimum=1)
     if "dspark_draft_catchup_tokens" in obj:
-        out["draft_catchup_tokens"] = _as_int(f"{w} dspark_draft_catchup_tokens", obj["dspark_draft_catchup_tokens"],
+        out["draft_catchup_tokens"] = as_int(f"{w} dspark_draft_catchup_tokens", obj["dspark_draft_catchup_tokens"],
                                               minimum=0)
     for name in ("mask_paused_compact", "plain_paused_steps", "draft_defer_prompts"):
         if f"dspark_{name}" in obj:
-            out[name] = _as_bool(f"{w} dspark_{name}", obj[f"dspark_{name}"])
+            out[name] = as_bool(f"{w} dspark_{name}", obj[f"dspark_{name}"])
     return out
 
 
@@ -353,7 +353,7 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         elif name == "draft":
             out[name] = None if value == "none" else _as_str(where, value)
         elif name == "num_speculative_tokens":
-            out[name] = _as_int(where, value, minimum=0)
+            out[name] = as_int(where, value, minimum=0)
         elif name == "capacity_mode":
             out[name] = _as_choice(where, "varlen" if value == "compact" else value, CAPACITY_MODES)
         elif name == "capacity_policy":
@@ -368,7 +368,7 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         elif name == "sts":
             out[name] = _existing_file(where, _as_str(where, value))
         elif name == "online_sts":
-            out[name] = _as_bool(where, value)
+            out[name] = as_bool(where, value)
         elif name == "budget_frac":
             out[name] = _as_float(where, value, lo=0.0, hi=1.0, lo_open=True)
         elif name == "min_predicted_gain":
@@ -376,7 +376,7 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         elif name == "record_traces":
             out[name] = _as_str(where, value)
         elif name in ("max_num_seqs", "max_model_len"):
-            out[name] = _as_int(where, value, minimum=2 if name == "max_model_len" else 1)
+            out[name] = as_int(where, value, minimum=2 if name == "max_model_len" else 1)
         elif name == "scheduler_delay_factor":
             out[name] = _as_float(where, value, lo=0.0)
         elif name == "attention_backend":
@@ -384,18 +384,18 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         elif name == "phase_timing":
             out[name] = _as_choice(where, value, PHASE_TIMINGS)
         elif name in ("mixed_prefill", "engine_process"):
-            out[name] = _as_bool(where, value)
+            out[name] = as_bool(where, value)
         elif name == "host":
             out[name] = _as_str(where, value)
         elif name == "port":
-            port = _as_int(where, value, minimum=0)
+            port = as_int(where, value, minimum=0)
             if port > 65535:
                 raise _err(where, f"must be <= 65535, got {port}")
             out[name] = port
         elif name == "device":
             out[name] = _as_choice(where, value, DEVICES)
         elif name == "seed":
-            out[name] = _as_int(where, value, minimum=0)
+            out[name] = as_int(where, value, minimum=0)
         elif name == "served_model_name":
             out[name] = _as_str(where, value)
         else:
@@ -456,6 +456,10 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
                            *VLLM_ONLY_FIELDS))) if on]
         if moot:
             out.append(capacity_mode_none_warning(moot))
+    elif s.sps_overhead_ms is not None and s.sps_curve is None and s.sps_curve_points is None:
+        # the threshold policy needs no curve, and without one there is no overhead to override
+        out.append("--sps-overhead-ms: no effect without an SPS curve (the threshold policy prices nothing); "
+                   "pass --sps-curve FILE or auto for it to act")
     return out
 
 
@@ -568,7 +572,9 @@ def _materialise_curve(s: ServeSettings, tmp: Path) -> tuple[str | None, str]:
     from dspark_cli.core.sps import SpsCurve
 
     if s.sps_curve == "auto":
-        return "auto", "auto (profiled at start-up)"
+        # the override is applied to the curve the engine profiles (EngineConfig.sps_overhead_ms)
+        overhead = "" if s.sps_overhead_ms is None else f", overhead {s.sps_overhead_ms:g} ms"
+        return "auto", f"auto (profiled at start-up){overhead}"
     if s.sps_curve_points is None and s.sps_curve is None:
         return None, "none"
     if s.sps_curve_points is not None:
@@ -662,6 +668,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             "model": s.model, "draft": draft, "num_speculative_tokens": k, "capacity": capacity,
             "sps_curve": curve_path, "sts": sts_path, "online_sts": s.online_sts,
             "record_traces": s.record_traces, "device": s.device,
+            "sps_overhead_ms": s.sps_overhead_ms if curve_path == "auto" else None,
         }
         for name in ("max_num_seqs", "max_model_len", "seed", "scheduler_delay_factor", "attention_backend",
                      "phase_timing", "mixed_prefill"):

@@ -150,6 +150,8 @@ def test_skip_invalid_reports_the_count(tmp_path: Path, monkeypatch: pytest.Monk
 def test_bad_bins_and_no_files(tmp_path: Path) -> None:
     with pytest.raises(DsparkError, match="--bins"):
         run_calibration([tmp_path / "x.jsonl"], tmp_path / "s.json", bins=1)
+    with pytest.raises(DsparkError, match=r"--bins must be in 2\.\.1000, got 100000000"):  # a 191 GiB table
+        run_calibration([tmp_path / "x.jsonl"], tmp_path / "s.json", bins=100_000_000)
     with pytest.raises(DsparkError, match="no trace files"):
         run_calibration([], tmp_path / "s.json")
 

@@ -185,3 +185,13 @@ def test_write_batch_keeps_request_ids_as_given_and_reads_a_0d_step(tmp_path: Pa
     records = read_traces(path).records
     assert [r.request for r in records] == ["a", 7, 8, 9]
     assert [r.step for r in records] == [5, 5, 5, 6]
+
+
+def test_a_home_relative_trace_path_is_written_where_it_is_checked(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--record-traces ~/t.jsonl` was checked as $HOME/t.jsonl but appended to a literal `~` folder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with TraceWriter("~/t.jsonl") as w:
+        w.write({"conf": [0.5, 0.5], "verified": 1, "accepted": 1})
+    assert (tmp_path / "home" / "t.jsonl").is_file() and not (tmp_path / "~").exists()

@@ -127,8 +127,9 @@ def test_sampled_distribution_is_the_targets(pair: TinyPair, mode: str, graphs: 
 
 
 def test_greedy_identical_with_auto_profiled_curve(pair: TinyPair, reference: list[list[int]]) -> None:
-    engine = make_engine(pair, capacity=_capacity("varlen"), sps_curve="auto")
+    engine = make_engine(pair, capacity=_capacity("varlen"), sps_curve="auto", sps_overhead_ms=7.5)
     assert engine.sps_curve is not None and engine.sps_curve.meta["engine"] == "embedded"
+    assert engine.sps_curve.overhead_ms == 7.5  # --sps-overhead-ms overrides the profiled overhead
     assert engine.generate(prompts(6), GREEDY) == reference
 
 

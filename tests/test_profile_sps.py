@@ -202,6 +202,12 @@ def test_one_line_error_and_exit_1_at_the_command_line(tmp_path: Path) -> None:
         (["tiny", "--speculative-config", "{nope"], "not valid JSON"),
         (["tiny", "--engine-args", '{"tensor_parallel_size": 4}'], "no equivalent for tensor_parallel_size"),
         (["tiny", "--engine-args", "[1]"], "JSON object"),
+        # values of the wrong type failed deep in the engine with a traceback, or meant their opposite
+        (["tiny", "--engine-args", '{"max_num_seqs": "abc"}'], "max_num_seqs: expected an integer, got 'abc'"),
+        (["tiny", "--engine-args", '{"enforce_eager": "false"}'], "enforce_eager: expected true or false"),
+        (["tiny", "--engine-args", '{"compilation_config": {"cudagraph_capture_sizes": "1,2"}}'],
+         "cudagraph_capture_sizes: expected a list of integers"),
+        (["tiny", "--engine-args", '{"dtype": 16}'], "dtype: expected a string"),
         (["tiny", "--tensor-parallel-size", "4"], "unknown option"),
         (["tiny", "--dry-run"], "needs --engine vllm"),
         (["tiny", "--warmup", "-1"], "--warmup"),
@@ -380,11 +386,14 @@ def test_output_paths_are_checked_before_the_profile_runs(tmp_path: Path) -> Non
     afile.write_text("x")
     for args, match in ((["-o", str(afile / "x.json")], "--output .*cannot write there"),
                         (["-o", str(tmp_path / "c.json"), "--plot", str(afile / "p.png")], "--plot .*cannot write"),
-                        (["-o", str(tmp_path / "c.json"), "--plot", str(tmp_path / "p.xyz")], r"cannot write \.xyz")):
+                        (["-o", str(tmp_path / "c.json"), "--plot", str(tmp_path / "p.xyz")], r"cannot write \.xyz"),
+                        # the plot would overwrite the curve it draws (a finished profile lost)
+                        (["-o", str(tmp_path / "c.png"), "--plot", str(tmp_path / "c.png")],
+                         "--plot and -o/--output are both")):
         result = _invoke(["tiny", *args])
         assert isinstance(result.exception, DsparkError), result.output
         assert re.search(match, str(result.exception))
-    assert not (tmp_path / "c.json").exists()  # refused before any measurement, nothing half-done
+    assert not (tmp_path / "c.json").exists() and not (tmp_path / "c.png").exists()  # refused before any measurement
 
 
 def test_vllm_dry_run_makes_no_model_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

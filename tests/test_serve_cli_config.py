@@ -319,6 +319,22 @@ def test_without_speculation_capacity_settings_are_moot_not_an_error(tmp_path: P
     assert ineffective_settings(build_settings(_flags(sts=str(sts), capacity_mode="varlen"))) == []
 
 
+def test_the_overhead_override_reaches_an_auto_curve_and_is_said_moot_without_a_curve() -> None:
+    """--sps-overhead-ms was dropped without a word with --sps-curve auto (the engine profiles the curve later)
+    and with the threshold policy, which needs no curve."""
+    from dspark_cli.serve_config import ineffective_settings
+
+    s = build_settings(_flags(sps_curve="auto", sps_overhead_ms=5.0))
+    launch = prepare_embedded(s)
+    launch.cleanup()
+    assert launch.engine_config.sps_curve == "auto" and launch.engine_config.sps_overhead_ms == 5.0
+    assert ineffective_settings(s) == []
+    threshold = build_settings(_flags(confidence_threshold=0.5, sps_overhead_ms=5.0))
+    assert threshold.capacity_mode != "none"
+    assert ineffective_settings(threshold) == ["--sps-overhead-ms: no effect without an SPS curve (the threshold "
+                                               "policy prices nothing); pass --sps-curve FILE or auto for it to act"]
+
+
 def test_a_folder_given_for_a_file_is_named_as_one(tmp_path: Path) -> None:
     with pytest.raises(DsparkError, match="--sps-curve: .* is a folder; name the file"):
         build_settings(_flags(sps_curve=str(tmp_path)))

@@ -197,7 +197,7 @@ class TraceWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], decimals: int = 6) -> None:
-        self.path = Path(path)
+        self.path = Path(path).expanduser()  # as check_appendable reads it: one file checked and written
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.decimals = decimals
         self.records_written = 0

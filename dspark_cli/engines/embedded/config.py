@@ -44,6 +44,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # 0 = no speculation
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     sps_curve: str | None = None  # path to sps_curve.json | "auto" (profile at start-up) | None
+    # The per-step overhead an "auto" curve prices (None: as profiled); a file's override is written into the
+    # file the engine reads (serve_config).
+    sps_overhead_ms: float | None = None
     sts: str | None = None  # sts.json (offline temperatures)
     online_sts: bool = False
     record_traces: str | None = None  # traces JSONL path
