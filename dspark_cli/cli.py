@@ -293,7 +293,8 @@ def serve(
                                                            "SPS-driven default, which needs --sps-curve)."),
     sps_curve: str | None = typer.Option(None, "--sps-curve", help="sps_curve.json from profile-sps, or auto."),
     sps_overhead_ms: float | None = typer.Option(None, "--sps-overhead-ms", help="Override the curve's per-step overhead."),
-    sts: str | None = typer.Option(None, "--sts", help="sts.json from calibrate (offline STS temperatures)."),
+    sts: str | None = typer.Option(None, "--sts", help="sts.json from calibrate (offline STS temperatures; with "
+                                                        "--online-sts, where the online fit starts)."),
     online_sts: bool | None = typer.Option(None, "--online-sts/--no-online-sts", help="Fit STS online from outcomes."),
     budget_frac: float | None = typer.Option(None, "--budget-frac",
                                              help="Hard cap: verify <= this fraction of drafts, in (0, 1] (default 1)."),

@@ -485,9 +485,6 @@ def _check_consistency(s: ServeSettings) -> None:
     if s.capacity_mode != "none" and not s.speculative:
         raise DsparkError(f"--capacity-mode {s.capacity_mode} needs speculation: pass a draft model and "
                           "--num-speculative-tokens > 0, or --capacity-mode none")
-    if s.online_sts and s.sts is not None:
-        raise DsparkError("--online-sts and --sts are exclusive: online STS fits its own temperatures "
-                          "(drop one of them)")
     vllm_only = [f"dspark_{name}" for name in VLLM_ONLY_FIELDS if getattr(s, name) is not None]
     if s.engine == "embedded" and vllm_only:
         raise DsparkError(f"--speculative-config {', '.join(vllm_only)}: a setting of the vLLM plugin (how a paused "
@@ -644,7 +641,8 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         sts_label = "online" if s.online_sts else "none"
         if s.sts is not None:
             load_sts(s.sts, num_positions=k or None)
-            sts_label = s.sts
+            # with --online-sts, the offline temperatures are where the online fit starts (its prior)
+            sts_label = f"online, from {s.sts}" if s.online_sts else s.sts
         if s.confidence_temperature is not None:
             if s.sts is not None or s.online_sts:
                 raise DsparkError("dspark_confidence_temperature conflicts with --sts/--online-sts; keep one")

@@ -138,12 +138,15 @@ def test_bad_flags_are_one_line_errors(flags: dict[str, object], match: str) -> 
         build_settings(flags)
 
 
-def test_online_and_offline_sts_are_exclusive(tmp_path: Path) -> None:
+def test_offline_temperatures_start_the_online_fit(tmp_path: Path) -> None:
+    """Both engines seed online STS with offline temperatures (its prior); the command line refused the pair."""
     sts = tmp_path / "sts.json"
-    sts.write_text(json.dumps({"version": 1, "temperatures": [1.0, 1.2]}))
+    sts.write_text(json.dumps({"version": 1, "temperatures": [1.0, 1.2, 1.4, 1.6]}))
     assert build_settings(_flags(sts=str(sts))).sts == str(sts)
-    with pytest.raises(DsparkError, match="exclusive"):
-        build_settings(_flags(sts=str(sts), online_sts=True))
+    launch = prepare_embedded(build_settings(_flags(sts=str(sts), online_sts=True, capacity_mode="varlen",
+                                                    sps_curve="auto")))
+    launch.cleanup()
+    assert launch.engine_config.sts == str(sts) and launch.engine_config.online_sts
 
 
 def test_confidence_threshold_flag_selects_threshold_policy() -> None:
