@@ -1448,6 +1448,20 @@ def test_a_step_left_out_of_the_calibration_still_counts_for_the_probe_tax() -> 
     assert timer.step_times.quotients() == {StepTimeCalibration.load_bucket(16): pytest.approx(2.0)}
 
 
+def test_a_probe_that_crosses_a_load_bucket_is_charged_where_it_probed() -> None:
+    """A probe of several steps below 16 requests may cross a bucket's edge (3 -> 4 requests): its later steps
+    went to a bucket that had never probed (whose allowance starts full), and the load that rations the next
+    timer probe paid for one step in four."""
+    policy = SaturationPolicy(patience=1, resume_every=4)
+    at3 = StepTimeCalibration.load_bucket(3)
+    assert StepTimeCalibration.load_bucket(4) != at3
+    policy.record_step_ms(True, 6.0, kind="probe", num_running=3, trigger="timer", probe_bucket=at3)
+    for _ in range(3):
+        policy.record_step_ms(True, 50.0, kind="probe", num_running=4, trigger="timer", probe_bucket=at3)
+    assert policy.probe_allowance_at(3) == pytest.approx(PROBE_BANK * 6.0 - 156.0)
+    assert policy.probe_allowance_at(4) == 0.0  # no account where no probe began
+
+
 @pytest.mark.parametrize("lag", [0, 2])
 def test_probe_tax_bounds_the_time_probes_take_in_closed_loop_drains(lag: int) -> None:
     """The H200 case of docs/PERFORMANCE.md section 13: a probe costs 22 ms where a paused step costs 5 ms.
@@ -2167,7 +2181,8 @@ def test_a_step_timed_whole_is_taxed_whole_and_an_interval_up_to_the_clamp() -> 
     through: there the tax counts PROBE_TAX_CLAMP x the price at most."""
     for clamp, charged in ((None, 300.0), (PROBE_TAX_CLAMP, PROBE_TAX_CLAMP * 20.0)):
         policy = SaturationPolicy(patience=2, resume_every=4)
-        StepTimer(policy, tax_clamp=clamp).record(True, 16, 300.0, 20.0, charge=StepCharge("probe", "timer", 16))
+        StepTimer(policy, tax_clamp=clamp).record(True, 16, 300.0, 20.0,
+                                                  charge=StepCharge("probe", "timer", StepTimeCalibration.load_bucket(16)))
         # the bucket's first probe finds its account full (PROBE_BANK probes of this one's time), then spends it
         assert policy.probe_allowance_at(16) == pytest.approx((PROBE_BANK - 1) * charged)
 

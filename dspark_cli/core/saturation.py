@@ -737,7 +737,7 @@ class SaturationPolicy:
         step belonged to may have been confirmed already (its last step, reported after the forgiveness, was a
         debt left at a load that had just shown drafting pays; on vLLM, two decisions late, it held that load's
         next timer probe back 50 paused steps in a replay). ``probe_bucket``: :attr:`probe_bucket` as the step
-        began (None: as it is now), where a probation step is charged: reported late, after a load-fall probe
+        began (None: as it is now), where a probation step is charged, and a probe step given it: reported late, after a load-fall probe
         moved it, a probation step was charged to the new probe's load, one that paused steps there cannot repay.
 
         A paused step saves ``probe_tax`` of its time; a probe step, or a drafting step on probation, spends
@@ -758,6 +758,12 @@ class SaturationPolicy:
             # Part of what the probe that resumed drafting cost: charged where it probed, whatever the load now
             # (a bucket no probe ran at has no allowance to fund it, nor one that paused steps would repay).
             bucket = self._probe_bucket if probe_bucket is None else probe_bucket
+        elif kind == "probe" and probe_bucket is not None:
+            # The same for the probe's own steps, as StepTimer reports them (with the step's charge): a probe of
+            # several steps below 16 requests may cross a bucket's edge (3 -> 4 requests), and its later steps
+            # went to a bucket that had never probed, whose allowance starts full -- the load that rations the
+            # next timer probe paid for one step of four.
+            bucket = probe_bucket
         else:
             bucket = StepTimeCalibration.load_bucket(self._last_running if num_running is None else num_running)
         if kind == "probation" and self._accounts.get(bucket, ProbeAllowance()).probe_step_ms is None:
