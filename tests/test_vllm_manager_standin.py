@@ -574,6 +574,24 @@ def test_step_times_that_come_back_steps_late_judge_drafting_as_timely_ones_do(m
         assert times.ratio(True, 3) == pytest.approx(timely.timer.step_times.ratio(True, 3))
 
 
+def test_a_plain_sample_leaves_the_next_budget_its_confidences(manager_cls) -> None:
+    """A plain sample while drafting pays skips one draft pass; the confidences from before it are a step older,
+    not a pause's. Marked as predating a pause, the drafting step after every sample verified on all-ones
+    confidences (an untrimmed budget), where the embedded engine keeps them."""
+    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+    m._pause_supported = m._timed = True
+    now = [0.0]
+    _fake_clock(m, now)
+    scheduled, predated = [], []
+    for _ in range(150):
+        real = m._drafts_real
+        now[0] += 0.015 if real else 0.030
+        scheduled.append(_bonus_only_step(m, real))
+        predated.append(m._stale_predates_pause)
+    assert m.saturation.drafting_enabled and scheduled[20:].count(0) == 2  # two plain samples, drafting on
+    assert not any(predated[20:])
+
+
 def test_a_held_resume_leaves_no_probe_debt_when_its_times_come_back_late(manager_cls) -> None:
     """The resume's last probation step is timed two decisions after the outcome that confirmed the resume (and
     forgave its probation). Charged then, it was a debt at the load that had just shown drafting pays: when

@@ -1047,7 +1047,10 @@ def build_manager_class(base: type) -> type:
             if drafting and self._pause_supported:
                 drafting = self.timer.begin_step(state.input_batch.num_reqs)
                 if not drafting:
-                    self._paused_since_record = True
+                    # A plain sample while drafting is on skips one draft pass: the confidences before it are a
+                    # step older, not a pause's, and the next budget keeps them (as the embedded engine does).
+                    if not self.saturation.drafting_enabled:
+                        self._paused_since_record = True
                     runner.execute_model_state = state._replace(num_spec_tokens_to_schedule=0)
                     if self._drop_placeholders is not None and self._drop_placeholders():
                         self._plain_after_pause += 1
