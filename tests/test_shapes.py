@@ -114,3 +114,17 @@ def test_engine_generates_with_a_random_target_and_draft() -> None:
         assert [len(o) for o in out] == [6, 6]
         assert all(0 <= t < engine.vocab_size for o in out for t in o)
         assert engine.stats.num_drafts > 0
+
+
+def test_end_of_turn_ids_named_only_in_generation_config_stop_the_output(tmp_path: Path) -> None:
+    """Llama-3-Instruct checkpoints name <|eot_id|> in generation_config.json only: the engine read config.json's
+    eos_token_id alone, so a chat reply ran on to max_tokens where vLLM stops."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(TINY_CONFIG.read_text())
+    assert read_llama_args(ckpt).eos_token_ids == (2,)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    assert read_llama_args(ckpt).eos_token_ids == (2, 7, 9)
+    (ckpt / "generation_config.json").write_text("{nope")
+    with pytest.raises(DsparkError, match="generation_config.json: not readable JSON"):
+        read_llama_args(ckpt)

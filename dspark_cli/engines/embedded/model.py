@@ -45,6 +45,13 @@ class LlamaArgs:
     eos_token_ids: tuple[int, ...]
 
 
+def _ids(value: object) -> tuple[int, ...]:
+    """A config's ``eos_token_id``: one id, a list of them, or none."""
+    if isinstance(value, list):
+        return tuple(int(e) for e in value)
+    return () if value is None else (int(value),)  # type: ignore[call-overload]
+
+
 def read_llama_args(checkpoint: Path) -> LlamaArgs:
     """Parse ``config.json`` of a Llama-family checkpoint (transformers 4.x and 5.x spellings)."""
     path = Path(checkpoint) / "config.json"
@@ -64,8 +71,17 @@ def read_llama_args(checkpoint: Path) -> LlamaArgs:
     theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = dict(rope)
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = _ids(cfg.get("eos_token_id"))
+    # An instruct checkpoint may name its end-of-turn tokens only in generation_config.json (Llama-3's
+    # <|eot_id|>); vLLM stops on those too, and without them a chat reply ran on to max_tokens.
+    gen_path = Path(checkpoint) / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            gen = json.loads(gen_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise DsparkError(f"{gen_path}: not readable JSON ({exc})") from None
+        if isinstance(gen, dict):
+            eos_ids += tuple(i for i in _ids(gen.get("eos_token_id")) if i not in eos_ids)
     return LlamaArgs(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
