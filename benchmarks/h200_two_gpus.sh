@@ -123,8 +123,18 @@ queue_vllm() {
   # The manager times steps between CUDA events (engines/vllm/step_clock.py), refits online STS on the device
   # with no host sync (core/sts.py) and stages traces through pinned memory on a side stream: their GPU tests
   # first.
-  stage "GPU test: step clock, online STS, traces" env PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -m gpu \
-    -p no:cacheprovider tests/test_vllm_step_clock.py tests/test_core_sts.py tests/test_vllm_manager.py 2>&1 | tail -3
+  # Every timing of the sitting reads the step clock: its failure stops the queue (a pipe's tail kept its status
+  # from the queue before). The others are said, and the groups go on: none of them serves traces, and a host
+  # sync in the STS refit slows a server, which the groups' numbers would show.
+  stage "GPU test: step clock" env PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_vllm_step_clock.py >"$ROOT/gpu_tests_clock.log" 2>&1
+  local clock=$?
+  tail -3 "$ROOT/gpu_tests_clock.log"
+  [[ $clock == 0 ]] || { echo "FATAL: the step clock's GPU test failed (exit $clock): no timing can be read"; return 1; }
+  stage "GPU test: online STS, traces" env PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -m gpu \
+    -p no:cacheprovider tests/test_core_sts.py tests/test_vllm_manager.py >"$ROOT/gpu_tests.log" 2>&1 ||
+    echo "WARNING: a GPU test of online STS or the trace stager failed (gpu_tests.log)"
+  tail -3 "$ROOT/gpu_tests.log"
   mkdir -p "$ROOT/vllm/profile-scaled"
   # Without a curve every config of ours would run on vLLM's start-up curve under its own name (vllm_h200.sh
   # refuses that): a curve that is not there stops the queue here. A staged tree has it only if the last
@@ -143,6 +153,9 @@ queue_vllm() {
     real_smoke
     local smoke=$?
     [[ $smoke == 1 ]] && { echo "a config failed to serve: the matrix keeps the draft current"; touch "$ROOT/vllm/keep-draft-current"; }
+    # 7: the check could not be set up (the real pair not converted: parts or gguf missing): says nothing of any
+    # served path, so the matrix serves the default one
+    [[ $smoke == 7 ]] && echo "the check could not be set up: the matrix serves the default path"
     # 5 or 6: a config did not start (sections 37-38: vLLM's warm-up, its start-up profile), which says nothing
     # about the served path
     [[ $smoke == 5 || $smoke == 6 ]] && echo "a config did not start: the matrix serves the default path"
@@ -196,6 +209,9 @@ vllm_anatomy() {
 vllm_group() {
   local kv=${KV_GIB-11}
   [[ -n $2 ]] || return 0
+  # results.json is each invocation's own (results-<time>.json keeps every one): an invocation that stopped before
+  # writing it left the group before's, whose failures the retry below would have read as this group's.
+  rm -f "$ROOT/vllm/scaled/results.json"
   OVERLAP=4 GPU_UTIL=0.22 CONFIGS=$2 KV_GIB=$kv VLLM_ROUNDS=${VLLM_ROUNDS-2} stage "$1" \
     bash benchmarks/vllm_h200.sh "$ROOT/vllm" scaled && return
   [[ -n $kv && ${RETRY_IN_ROW:-1} == 1 ]] || return 1
@@ -226,12 +242,27 @@ print(','.join(dict.fromkeys(x['config'] for x in r if 'error' in x and 'round' 
 # out of a resuming step comes back holding a paused step's draft ids (never admitted: manager._slot_real).
 real_smoke() {
   local configs=${REAL_SMOKE_CONFIGS:-nospec,varlen-verify,varlen-cycle-plain,mask-plain} kv=${REAL_KV_GIB-2} rc=0
+  local dir=$ROOT/vllm/lossless-real again
   stage "waiting for /tmp/smol/ready" bash -c 'while [[ ! -f /tmp/smol/ready ]]; do sleep 2; done'
   OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB=$kv PREFIX_CACHING=${REAL_PREFIX_CACHING-} \
     BATCHED_TOKENS=${REAL_BATCHED_TOKENS-} stage "lossless, real weights" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real || rc=$?
-  [[ ($rc == 1 || $rc == 5) && -n $kv ]] || return $rc
-  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$configs KV_GIB= PREFIX_CACHING=${REAL_PREFIX_CACHING-} \
-    BATCHED_TOKENS=${REAL_BATCHED_TOKENS-} stage "lossless, real weights, in a row" bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
+  [[ ($rc == 1 || $rc == 5) && -n $kv && -f $dir/lossless.json ]] || return $rc
+  # In a row, only the configs that failed (and could pass alone) beside nospec: all six again took 8-14 minutes,
+  # more than a sitting has. The first run's files are kept under *-together; an output of it that differed from
+  # no speculation (exit 1 is said before that is checked) is the verdict, whatever the retry finds.
+  again=$(python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
+failed = [r['config'] for r in d.get('errors', []) if r.get('retry_alone', True) and r['config'] != 'nospec']
+differ = [n for n, v in d.get('summary', {}).items() if v.get('identical_to_nospec') != v.get('prompts')]
+print('differ' if differ else ','.join(dict.fromkeys(['nospec', *failed])) if failed else '')" "$dir/lossless.json") ||
+    return $rc
+  for f in "$dir"/serve-*.log "$dir/lossless.json"; do
+    [[ -f $f && $f != *-together.* ]] && mv "$f" "${f%.*}-together.${f##*.}"
+  done
+  [[ $again == differ ]] && { echo "outputs differed from no speculation in the first run"; return 3; }
+  [[ -n $again ]] || return $rc
+  OVERLAP=4 GPU_UTIL=0.2 CONFIGS=$again KV_GIB= PREFIX_CACHING=${REAL_PREFIX_CACHING-} \
+    BATCHED_TOKENS=${REAL_BATCHED_TOKENS-} stage "lossless, real weights, in a row ($again)" \
+    bash benchmarks/vllm_h200.sh "$ROOT/vllm" lossless-real
 }
 
 # One GPU, issue 6's item 4 and the low-load anatomy: the greedy lossless check on the SmolLM2 shape (dummy
@@ -312,7 +343,9 @@ queue_interleaved() {
   local mib len=${REAL_MAX_MODEL_LEN:-}
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   [[ -z $len && ${mib:-0} -lt 100000 ]] && len=512
-  CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-8} TOK=${REAL_TOK:-128} \
+  # Two waves a round (8 at the 4 rounds of the default): a cell's rounds split its waves, so fewer rounds of the
+  # same waves took as long; ROUNDS=2 now halves the matrix's time, as a short sitting needs.
+  CONC=${REAL_CONC:-16,32,64,128,256} WAVES=${REAL_WAVES:-$((2 * ${ROUNDS:-4}))} TOK=${REAL_TOK:-128} \
     CONFIGS=${REAL_CONFIGS:-nospec,none,mask,varlen,mask+sts,varlen+sts} \
     SERVE_EXTRA="--phase-timing host${len:+ --max-model-len $len}" BENCH_EXTRA="--interleave${ROUNDS:+ --rounds $ROUNDS}" \
     stage "real matrix, interleaved" bash benchmarks/h200_matrix.sh "$ROOT" real
@@ -438,12 +471,14 @@ esac
 check_gpu() {
   local line name mib need=${MIN_GPU_MIB:-0}
   [[ ${QUEUE:-} == vllm || ${QUEUE:-} == vllm-anatomy ]] && need=${MIN_GPU_MIB:-130000}
+  # issue 8's scaled matrix in paired rounds keeps three 8B-shaped servers up together (section 8)
+  [[ ${QUEUE:-} == issue8 && ${SCALED_BENCH_EXTRA:-} == *--interleave* ]] && need=${MIN_GPU_MIB:-130000}
   line=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   echo "GPU: ${line:-none}"
   [[ -n $line ]] || { echo "no GPU visible" >&2; return 3; }
   name=${line%%,*} mib=${line##*, }
   ((mib >= need)) && return 0
-  echo "QUEUE=$QUEUE needs $need MiB of GPU memory (four 8B-shaped servers at once), the $name has $mib:" \
+  echo "QUEUE=$QUEUE needs $need MiB of GPU memory (8B-shaped servers up together), the $name has $mib:" \
     "ask for an H200 (the device call's needs_h200)" >&2
   return 3
 }
@@ -468,10 +503,12 @@ case $ACTION in
     fi
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$ROOT/machine.txt"
     for q in "${QUEUES[@]}"; do
-      # GPU q, its own model cache (two processes building the same cache entry would race)
+      # GPU q, its own model cache (two processes building the same cache entry would race). Every function of
+      # this script goes to the queue's shell: a list of them lost vllm_anatomy, added after it (the anatomy
+      # of the next sitting would have said "command not found").
       gpu=$q && [[ $q == _one || $q == _stalls || $q == _vllm* || $q == _embedded || $q == _paused || $q == _interleaved || $q == _mixed || $q == _rounds || $q == _floor || $q == _issue8 ]] && gpu=0
       ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu DSPARK_CACHE_DIR=/tmp/dcache$gpu setsid bash -c \
-        "$(declare -f stage vllm_group real_smoke queue_interleaved gated_rounds issue8_scaled queue$q); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
+        "$(declare -f); cd \"\$ROOT/repo\" && queue$q; stage 'queue $q done' true" \
         >"$ROOT/queue$q.log" 2>&1 </dev/null &
       echo $! >"$ROOT/queue$q.pid"
       echo "queue $q started (pid $!)"

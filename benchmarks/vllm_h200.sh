@@ -110,8 +110,11 @@ case "$STAGE" in
     # smoke sends 16.
     default_configs=nospec,upstream,varlen,mask
     [[ -n ${BATCHED_TOKENS-} ]] && default_configs=nospec,varlen,mask
+    # A pair that could not be built (parts or gguf missing) exits 7: no served path was tried (the queue reads 1 as
+    # a config that failed while serving, and would have served the matrix another way for it).
     read -r TARGET DRAFT < <(env PYTHONPATH="/tmp/dspark-site:$PWD" python3 benchmarks/vllm_real_pair.py \
-      "$OUT/real-pair" --parts /tmp/smol)
+      "$OUT/real-pair" --parts /tmp/smol) || true
+    [[ -n ${TARGET:-} && -n ${DRAFT:-} ]] || { echo "FATAL: the real SmolLM2 pair was not built" >&2; exit 7; }
     python3 benchmarks/vllm_adaptive.py --model "$TARGET" --draft "$DRAFT" --out "$OUT/lossless-real" \
       --k 7 --configs "${CONFIGS:-$default_configs}" --lossless 8 --lossless-text --smoke "${SMOKE:-16}" \
       --dspark '{"online_sts": true}' --overlap-starts "${OVERLAP:-1}" --gpu-memory-utilization "${GPU_UTIL:-0.35}" \
