@@ -67,10 +67,11 @@ _RAW_ARGS = "dspark.raw_args"
 
 
 def _dotted_short_flags_passed_through(args: list[str]) -> list[str]:
-    """vLLM's dotted short flags (``-cc.cudagraph_mode=PIECEWISE``, ``-ac.backend X``) moved after ``--``, with a
-    value that follows them: Click reads a single-dash word as a cluster of short options, so ``-ac.backend=X``
-    hit ``-k`` and ``-cc.cudagraph_mode=...`` hit ``-o`` (profile-sps wrote its curve to a file named ``de=...``).
-    Their place among vLLM's flags does not matter: its parser gathers dotted flags into one JSON it appends."""
+    """vLLM's dotted short flags (``-cc.cudagraph_mode=PIECEWISE``, ``-ac.backend X``) and its short flags given
+    with ``=`` (``-cc={...}``) moved after ``--``, with a value that follows a dotted one: Click reads a single-dash
+    word as a cluster of short options, so ``-ac.backend=X`` hit ``-k`` and ``-cc.cudagraph_mode=...`` hit ``-o``
+    (profile-sps wrote its curve to a file named ``de=...``). Their place among vLLM's flags does not matter for
+    the dotted ones: its parser gathers them into one JSON it appends."""
     cut = args.index("--") if "--" in args else len(args)
     kept: list[str] = []
     moved: list[str] = []
@@ -90,7 +91,9 @@ def _dotted_short_flags_passed_through(args: list[str]) -> list[str]:
     return [*kept, "--", *args[cut + 1:], *moved]
 
 
-_DOTTED_SHORT = re.compile(r"^-[A-Za-z]+\.")
+# A short flag of vLLM's (two letters or more: -cc, -sc, -ac, -tp) with a dot or an `=` (-cc={...}): Click would
+# read it as a cluster of one-letter options.
+_DOTTED_SHORT = re.compile(r"^-[A-Za-z]+\.|^-[A-Za-z]{2,}=")
 
 
 class _RawArgsCommand(TyperCommand):

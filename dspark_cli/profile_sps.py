@@ -326,7 +326,7 @@ def vllm_argv(req: ProfileRequest, *, build: bool = True) -> list[str]:
 def run_vllm(req: ProfileRequest, *, dry_run: bool) -> SpsCurve | None:
     """Dry run: print the exact profiler command (None). Else run it, then apply ``--overhead-ms`` to the
     curve it wrote and return the curve (the profiler itself already refused a flat one)."""
-    from dspark_cli.engines.vllm.profile import profile_plan, run_vllm_profile
+    from dspark_cli.engines.vllm.profile import check_profile_plugin, profile_plan, run_vllm_profile
 
     argv = vllm_argv(req, build=not dry_run)
     if dry_run:
@@ -338,7 +338,7 @@ def run_vllm(req: ProfileRequest, *, dry_run: bool) -> SpsCurve | None:
     if importlib.util.find_spec("vllm") is None:
         raise DsparkError("vLLM is not installed here: pip install 'dspark-cli[vllm]' (vllm==0.33.0, CUDA), or "
                           "profile the embedded engine (drop --engine vllm)")
-    cmd[0] = sys.executable
+    check_profile_plugin(argv)
     sys.stdout.flush()
     rc = subprocess.call(cmd)
     if rc != 0:

@@ -248,6 +248,13 @@ def _curve_points(where: str, value: Any) -> tuple[tuple[int, float], ...]:
 # ------------------------------------------------------------------------------------------------- parse
 
 
+def speculative_keys(obj: dict[str, Any]) -> dict[str, Any]:
+    """A speculative config's keys as vLLM 0.33 reads them (``EngineArgs.create_speculative_config``): dashes become
+    underscores, the later of two spellings winning. Read with its dashes, ``{"num-speculative-tokens": 7}`` gave no
+    draft length here, the default K was added beside it, and vLLM ran K=4."""
+    return {k.replace("-", "_"): v for k, v in obj.items()}
+
+
 def parse_speculative_config(text: str) -> dict[str, Any]:
     """Parse ``--speculative-config`` JSON into a dict; a one-line error for anything that is not an object."""
     try:
@@ -257,6 +264,7 @@ def parse_speculative_config(text: str) -> dict[str, Any]:
                           "'{\"num_speculative_tokens\": 4}'") from None
     if not isinstance(obj, dict):
         raise DsparkError(f"--speculative-config: expected a JSON object, got {type(obj).__name__}")
+    obj = speculative_keys(obj)
     unknown = sorted(k for k in obj if k.startswith("dspark_") and k not in DSPARK_KEYS + VLLM_DSPARK_FIELDS)
     if unknown:
         raise DsparkError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
@@ -420,8 +428,10 @@ def build_settings(flags: dict[str, Any], speculative_config: str | None = None)
         # Without speculation (-k 0: bench's nospec column, whose server shares the other columns' flags) the
         # capacity settings are moot, not a request for capacity management: ineffective_settings names them.
         merged["capacity_mode"] = "varlen"
+    # "model": "none" (or null) is read as no draft above; handed on, vLLM would look for a model called none
     merged["vllm_speculative_config"] = {k: v for k, v in obj.items()
-                                         if not k.startswith("dspark_") or k in VLLM_DSPARK_FIELDS}
+                                         if (not k.startswith("dspark_") or k in VLLM_DSPARK_FIELDS)
+                                         and not (k == "model" and v in (None, "none"))}
     merged["overridden"] = tuple((k, from_flags[k], from_json[k]) for k in from_flags
                                  if k in from_json and from_flags[k] != from_json[k])
     settings = ServeSettings(**merged)
@@ -527,10 +537,16 @@ DEFAULT_K = 4
 
 
 def drafted_k(s: ServeSettings) -> int | None:
-    """The draft length the server will run (its traces' K): the embedded engine's default where unset, 0 with
-    no draft; None where vLLM decides (its own speculative config, not given here)."""
+    """The draft length the server will run (its traces' K): the default where unset, 0 with no draft. Under vLLM
+    the speculative config's own count where the flag is not given, and the default the launcher adds where a
+    draft is there to draft with (``launcher.run_vllm_serve``); None where it drafts with none."""
     if s.engine == "vllm":
-        return s.num_speculative_tokens
+        if s.num_speculative_tokens is not None:
+            return s.num_speculative_tokens
+        given = s.vllm_speculative_config.get("num_speculative_tokens")
+        if isinstance(given, int) and not isinstance(given, bool):
+            return given
+        return DEFAULT_K if s.draft is not None or s.vllm_speculative_config.get("model") is not None else None
     if s.draft is None:
         return 0
     return DEFAULT_K if s.num_speculative_tokens is None else s.num_speculative_tokens

@@ -289,7 +289,7 @@ def test_vllm_dry_run_takes_the_seed_json_shapes() -> None:
                       "--engine-args", SEED_ENGINE_ARGS, "--block-size", "256", "-o", "curve.json"])
     assert result.exit_code == 0, result.output
     cmd = shlex.split(result.output.strip())
-    assert cmd[:4] == ["python3", "-m", "dspark_cli.engines.vllm.profile", "org/target"]
+    assert cmd[:4] == [sys.executable, "-m", "dspark_cli.engines.vllm.profile", "org/target"]
     for pair in (["--tensor-parallel-size", "4"], ["--max-num-seqs", "256"], ["--block-size", "256"],
                  ["--tokenizer", "org/target"], ["--output", "curve.json"]):
         i = cmd.index(pair[0])

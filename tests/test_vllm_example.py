@@ -76,7 +76,7 @@ def test_example_serve_line_matches_the_seed(config: str, mode: str | None, sts:
 def test_example_profile_line_keeps_the_engine_flags() -> None:
     argv = _script_argv('"$TARGET" "${ENGINE[@]}" --speculative-config "{$BASE}" --output sps_curve.json')
     cmd = build_profile_command(argv)
-    assert cmd[:4] == ["python3", "-m", "dspark_cli.engines.vllm.profile", TARGET]
+    assert cmd[:4] == [sys.executable, "-m", "dspark_cli.engines.vllm.profile", TARGET]
     pairs = _flag_pairs(cmd)
     for pair in _flag_pairs(SEED_FLAGS):
         if pair[0] != "--port":

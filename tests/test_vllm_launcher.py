@@ -612,6 +612,58 @@ def test_settings_for_a_capacity_mode_without_one_warn_alike_on_both_vllm_paths(
     assert build_settings({"engine": "vllm", "sps_curve": "auto"}, json.dumps(spec)).capacity_mode == "varlen"
 
 
+def test_the_speculative_config_is_read_as_vllm_reads_it() -> None:
+    """vLLM turns a key's dashes into underscores, the later spelling winning: read with its dashes, a K of 7
+    was not seen, the default K joined it, and vLLM ran K=4. "model": "none" means no draft, which vLLM would
+    take for a model called none."""
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import app
+    from dspark_cli.serve_config import build_settings, drafted_k
+
+    plan = plan_vllm_serve(["m", "--speculative-config", json.dumps(
+        {"model": "/ckpt/d", "num-speculative-tokens": 7, "dspark_capacity_verification_mode": "varlen"})])
+    assert plan.speculative_config is not None and plan.speculative_config["num_speculative_tokens"] == 7
+    assert "num-speculative-tokens" not in _flag(plan.argv, "--speculative-config")
+    result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t", "--draft",
+                                      "/ckpt/d", "--speculative-config", '{"num-speculative-tokens": 7}'])
+    assert result.exit_code == 0, result.output
+    cmd = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert _flag(cmd, "--speculative-config") == {"num_speculative_tokens": 7, "model": "/ckpt/d"}
+    none = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t",
+                                    "--speculative-config", '{"model": "none"}'])
+    assert none.exit_code == 0, none.output
+    assert "--speculative-config" not in shlex.split(none.stdout.strip().splitlines()[-1])
+    # the K traces are checked against is the one vLLM will run: the JSON's, else the default the launcher adds
+    assert drafted_k(build_settings({"engine": "vllm"}, '{"num_speculative_tokens": 7}')) == 7
+    assert drafted_k(build_settings({"engine": "vllm", "draft": "/ckpt/d"})) == 4
+
+
+def test_a_vllm_config_file_is_refused(tmp_path: Path) -> None:
+    """vLLM reads a --config YAML's arguments before every other: the host, port, served name and the whole JSON
+    configs written here override them, and the full-graph check never saw an `enforce-eager: true` in it."""
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("enforce-eager: true\nport: 9100\n")
+    for form in (["--config", str(yaml)], [f"--config={yaml}"]):
+        with pytest.raises(DsparkError, match="--config FILE: vLLM reads a config file's arguments before every other"):
+            plan_vllm_serve(["m", "--speculative-config", _spec(dspark_capacity_verification_mode="varlen"), *form])
+
+
+@pytest.mark.parametrize(("value", "visible"), [("dspark", True), ("foo,dspark", True), ("foo, dspark", False),
+                                                 ("dspark ", False), ("foo", False)])
+def test_vllm_plugins_is_read_as_vllm_splits_it(value: str, visible: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33 splits VLLM_PLUGINS on commas and strips nothing: " dspark" is no plugin, and vLLM's own manager
+    would run in ours' place. The check stripped the names, and passed such a list."""
+    from dspark_cli.engines.vllm.launcher import check_plugin_visible
+
+    monkeypatch.setenv("VLLM_PLUGINS", value)
+    if visible:
+        check_plugin_visible()
+    else:
+        with pytest.raises(DsparkError, match="filters out the dspark plugin"):
+            check_plugin_visible()
+
+
 def test_traces_without_a_capacity_mode_are_refused_on_both_vllm_paths(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
@@ -727,6 +779,15 @@ def test_vllms_dotted_short_flags_reach_it_whole(tmp_path: Path) -> None:
                                      "-cc.cudagraph_mode=PIECEWISE"])
         assert "full CUDA graphs" in str(result.exception) + result.output, (command[0], result.output)
     assert not out.exists() and not Path("de=PIECEWISE").exists()
+    # the whole config with `=` (vLLM reads -cc={...}) was cut the same way, through -o or -k
+    assert _dotted_short_flags_passed_through(["-k", "7", '-cc={"mode": 3}', "--x"]) == \
+        ["-k", "7", "--x", "--", '-cc={"mode": 3}']
+    for command in (["serve", "--engine", "vllm", "--dry-run", "--model", "/ckpt/t", "--sps-curve", "auto"],
+                    ["profile-sps", "/ckpt/t", "--engine", "vllm", "--dry-run", "--output", str(out)]):
+        result = runner.invoke(app, [*command, "--draft", "/ckpt/d", "-k", "7", "--capacity-mode", "varlen",
+                                     '-cc={"cudagraph_mode": "PIECEWISE"}'])
+        assert "full CUDA graphs" in str(result.exception) + result.output, (command[0], result.output)
+    assert not out.exists()
 
 
 def test_vllms_speculative_shorthands_are_folded_into_the_speculative_config() -> None:

@@ -95,7 +95,15 @@ def test_a_copy_is_named_by_its_source_and_never_under_a_method_marker(tmp_path:
     first = models._copy_dir(tmp_path / "vm", "target", "tiny", src)
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-6}))
-    assert models._copy_dir(tmp_path / "vm", "target", "tiny", src) != first  # a rebuilt source, a new copy
+    second = models._copy_dir(tmp_path / "vm", "target", "tiny", src)
+    assert second != first  # a rebuilt source, a new copy
+    # so is a source whose chat template or stop ids changed: the copy carries both (vLLM reads them)
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    third = models._copy_dir(tmp_path / "vm", "target", "tiny", src)
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    assert len({second, third, models._copy_dir(tmp_path / "vm", "target", "tiny", src)}) == 3
+    copied = models.plain_llama_copy(src, tmp_path / "copy")
+    assert json.loads((copied / "generation_config.json").read_text()) == {"eos_token_id": [2, 5]}
     # a name holding a marker (a shape named by its config's path) is left out of the folder's name
     assert models.method_marker(models._copy_dir(tmp_path / "vm", "draft", "random:/x/dspark-shape.json", src)) is None
     for marker in METHOD_PATH_MARKERS:

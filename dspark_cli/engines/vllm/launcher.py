@@ -56,6 +56,7 @@ from dspark_cli.serve_config import (
     capacity_mode_none_warning,
     curve_k_warning,
     flag_value,
+    speculative_keys,
 )
 
 SPEC_FLAGS = ("--speculative-config", "-sc")
@@ -175,8 +176,21 @@ def _before_separator(argv: list[str], flags: list[str]) -> list[str]:
     return [*argv[:at], *flags, *argv[at:]]
 
 
+def _check_no_config_file(args: list[str]) -> None:
+    """vLLM reads a ``--config`` YAML's arguments in right after the model (``FlexibleArgumentParser.
+    _pull_args_from_config``), so every flag written here -- the host, port and served name, the whole
+    speculative and additional configs -- overrides what it sets, and the checks here cannot see it (an
+    `enforce-eager: true` in it passed the full-graph check; a `speculative-config` in it was replaced)."""
+    for tok in args:
+        if tok == "--config" or tok.startswith("--config="):
+            raise DsparkError("--config FILE: vLLM reads a config file's arguments before every other, so the ones "
+                              "dspark serve writes override them and its checks cannot see them; pass them as flags "
+                              "(or run vllm serve yourself)")
+
+
 def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
     """Split ``args`` into vLLM's arguments and our settings; see the module docstring."""
+    _check_no_config_file(args)
     _check_no_abbreviation(args)
     _check_no_dotted_override(args)
     passthrough: list[str] = []
@@ -235,7 +249,7 @@ def plan_vllm_serve(args: list[str], cwd: Path | None = None) -> VllmServePlan:
             else:
                 if spec is not None:
                     raise DsparkError(f"{SPEC_FLAGS[0]} given twice; merge the objects into one")
-                spec = _json_arg(name, value)
+                spec = speculative_keys(_json_arg(name, value))
                 passthrough.append(name)
                 spec_pos = len(passthrough)
                 passthrough.append(value)
@@ -537,14 +551,16 @@ def _vllm_executable() -> list[str]:
                       "or use the embedded engine (drop --engine vllm)")
 
 
-def _check_plugin_visible() -> None:
-    """The plugin only acts if vLLM discovers our entry point and VLLM_PLUGINS does not filter it out."""
+def check_plugin_visible() -> None:
+    """The plugin only acts if vLLM discovers our entry point and VLLM_PLUGINS does not filter it out. vLLM 0.33
+    splits VLLM_PLUGINS on commas and strips nothing (``envs.py``): `"foo, dspark"` names " dspark", which is no
+    plugin, and vLLM's own manager would then run under our settings' name."""
     names = {ep.name for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)}
     if PLUGIN_NAME not in names:
         raise DsparkError(f"the dspark vLLM plugin is not registered ({PLUGIN_GROUP} entry point {PLUGIN_NAME!r} "
                           "missing): reinstall the toolkit with pip install -e .")
     allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None and PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
+    if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         raise DsparkError(f"VLLM_PLUGINS={allowed!r} filters out the dspark plugin; add {PLUGIN_NAME!r} to it "
                           "or unset it")
 
@@ -618,7 +634,7 @@ def run_vllm_serve(args: Any, extra: list[str] | None = None, *, dry_run: bool =
         sys.stdout.flush()
         return 0
     if plan.settings is not None:
-        _check_plugin_visible()
+        check_plugin_visible()
     cmd = plan.command(executable)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -118,16 +118,30 @@ def plain_llama_copy(src: Path, dst: Path) -> Path:
         cfg = {k: v for k, v in assets._read_config(src).items() if not k.startswith("dspark_")}
         assets._write_json(tmp / "config.json", cfg)
         assets._copy_tokenizer(src, tmp)
+        for name in COPIED_FILES:  # vLLM reads its defaults (stop ids, sampling) from it, as the engine does
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
 
     return assets._build_dir_atomically(dst, build)
 
 
+# Files a copy carries beside the weights, config and tokenizer.
+COPIED_FILES = ("generation_config.json",)
+
+
 def _copy_dir(root: Path, role: str, name: str, src: Path) -> Path:
     """``root/<role>-<name>-<digest of the source>``, refused where vLLM would read a method into the path."""
+    from dspark_cli.engines.embedded import assets
+
     h = hashlib.sha256((src / "config.json").read_bytes())
     for f in sorted(src.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    # Every other file the copy carries, by content: a chat template or stop ids edited in the source left the
+    # copy of the old ones in use under the same name.
+    for name in (*assets.TOKENIZER_FILES, *COPIED_FILES):
+        if (src / name).is_file():
+            h.update(name.encode() + b"\0" + hashlib.sha256((src / name).read_bytes()).digest())
     slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()).strip("-.")
     if not slug or method_marker(slug) is not None:  # a shape named by a path may hold one; the digest still tells
         slug = "model"

@@ -73,7 +73,7 @@ def profile_plan(argv: list[str]) -> tuple[list[str], list[str]]:
                           "dspark profile-sps --engine vllm MODEL [vllm flags] --output sps_curve.json")
     plan = plan_vllm_serve(rest)
     check_profile_graphs(plan.argv)
-    out = ["python3", "-m", MODULE, *plan.argv]
+    out = [sys.executable, "-m", MODULE, *plan.argv]  # what runs: the dry run prints the same interpreter
     for flag, default in PROFILE_FLAGS.items():
         out += [flag, ours.get(flag, default)]
     warnings = list(plan.warnings)
@@ -85,6 +85,14 @@ def profile_plan(argv: list[str]) -> tuple[list[str], list[str]]:
     return out, warnings
 
 
+def check_profile_plugin(argv: list[str]) -> None:
+    """With a capacity mode the profile runs our manager, which vLLM must load (as ``dspark serve`` checks)."""
+    if plan_vllm_serve(list(_split(list(argv))[1])).settings is not None:
+        from dspark_cli.engines.vllm.launcher import check_plugin_visible
+
+        check_plugin_visible()
+
+
 def run_vllm_profile(argv: list[str], *, dry_run: bool) -> int:
     cmd, warnings = profile_plan(argv)
     for warning in warnings:  # as dspark serve --engine vllm says them, before vLLM starts
@@ -94,7 +102,7 @@ def run_vllm_profile(argv: list[str], *, dry_run: bool) -> int:
         return 0
     import os
 
-    cmd[0] = sys.executable
+    check_profile_plugin(argv)
     os.execv(cmd[0], cmd)
     return 0  # not reached
 
