@@ -572,6 +572,15 @@ def test_a_cell_whose_first_scrape_failed_leaves_its_counters_unknown(tmp_path: 
     failed = ServerCounters(SpecDecodeCounters(), {}, scraped=False)
     cell = matrix._cell_record(spec, BenchConfig("varlen"), 4, [done], 1.0, failed, after, {}, "2026-01-01T00:00:00")
     assert cell["spec_decode"] is None and cell["server_counters"] == {} and cell["prefix_cache"] is None
+    # A server restarted within the cell that then did more work than before: its spec-decode deltas came out
+    # positive (acceptance 1.2, read as real) beside toolkit counters that went negative. Any counter going
+    # backwards makes the whole cell's counters unknown.
+    restarted = ServerCounters(SpecDecodeCounters(present=True, num_drafts=150, num_draft_tokens=600,
+                                                  num_accepted_tokens=320), {"dspark:paused_steps_total": 1.0}, {},
+                               PrefixCacheCounters(120.0, 0.0, True))
+    cell = matrix._cell_record(spec, BenchConfig("varlen"), 4, [done], 1.0, before, restarted, {},
+                               "2026-01-01T00:00:00")
+    assert cell["spec_decode"] is None and cell["server_counters"] == {} and cell["prefix_cache"] is None
 
 
 def test_a_failed_metrics_scrape_is_told_apart_from_a_server_without_counters() -> None:

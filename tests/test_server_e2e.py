@@ -110,7 +110,7 @@ class Server:
         return parse_metrics(body.decode())
 
     def metric(self, name: str, **labels: str) -> float:
-        key = (name, tuple(sorted({"model_name": self.name, **labels}.items())))
+        key = (name, tuple(sorted({"model_name": self.name, "engine": "0", **labels}.items())))
         return self.metrics()[key]
 
 
@@ -473,21 +473,21 @@ def test_metrics_counters_increase_with_vllm_names(server: Server) -> None:
     status, out = server.post("/v1/completions", {"prompt": "Count:", "max_tokens": 9, **GREEDY})
     assert status == 200
     after = server.metrics()
-    lab = (("model_name", "test-model"),)
+    lab = (("engine", "0"), ("model_name", "test-model"))
 
     def delta(name: str, labels: tuple[tuple[str, str], ...] = lab) -> float:
         return after[(name, labels)] - before[(name, labels)]
 
     assert delta("vllm:generation_tokens_total") == out["usage"]["completion_tokens"] == 9
     assert delta("vllm:prompt_tokens_total") == out["usage"]["prompt_tokens"]
-    length = tuple(sorted({"model_name": "test-model", "finished_reason": "length"}.items()))
+    length = tuple(sorted({"model_name": "test-model", "engine": "0", "finished_reason": "length"}.items()))
     assert delta("vllm:request_success_total", length) == 1
     drafts = delta("vllm:spec_decode_num_drafts_total")
     assert drafts >= 1  # a draft model is loaded (k=3), so decode steps draft
     assert delta("vllm:spec_decode_num_draft_tokens_total") == K * drafts
     accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
     per_pos = [after[("vllm:spec_decode_num_accepted_tokens_per_pos_total",
-                      (("model_name", "test-model"), ("position", str(i))))] for i in range(K)]
+                      (("engine", "0"), ("model_name", "test-model"), ("position", str(i))))] for i in range(K)]
     assert 0 <= accepted <= K * drafts and sum(per_pos) == after[("vllm:spec_decode_num_accepted_tokens_total", lab)]
     assert per_pos == sorted(per_pos, reverse=True)  # acceptance at position i implies all before it
     status, body = server.get("/metrics")
@@ -498,7 +498,7 @@ def _wait_idle(server: Server, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         m = server.metrics()
-        lab = (("model_name", "test-model"),)
+        lab = (("engine", "0"), ("model_name", "test-model"))
         busy = m[("vllm:num_requests_running", lab)] + m[("vllm:num_requests_waiting", lab)]
         if busy == 0 and m[("vllm:kv_cache_usage_perc", lab)] == 0:
             return
@@ -509,8 +509,12 @@ def _wait_idle(server: Server, timeout_s: float = 20.0) -> None:
 @pytest.mark.parametrize("n", [1, 3])
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server, n: int) -> None:
     """Every choice's engine request is aborted when the client goes away (n > 1: one per sample)."""
-    abort = tuple(sorted({"model_name": "test-model", "finished_reason": "abort"}.items()))
-    aborted_before = server.metrics()[("vllm:request_success_total", abort)]
+    # vLLM 0.33 counts no client abort among its successes (OutputProcessor.abort_requests); ours go to a
+    # dspark: counter
+    labels = (("engine", "0"), ("model_name", "test-model"))
+    abort = tuple(sorted({"model_name": "test-model", "engine": "0", "finished_reason": "abort"}.items()))
+    aborted_before = server.metrics()[("dspark:requests_aborted_total", labels)]
+    success_before = server.metrics()[("vllm:request_success_total", abort)]
 
     async def run() -> None:
         async with aiohttp.ClientSession() as session:
@@ -528,7 +532,8 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server, n:
 
     asyncio.run(run())
     _wait_idle(server)
-    assert server.metrics()[("vllm:request_success_total", abort)] == aborted_before + n
+    assert server.metrics()[("dspark:requests_aborted_total", labels)] == aborted_before + n
+    assert server.metrics()[("vllm:request_success_total", abort)] == success_before
 
 
 def test_a_client_that_leaves_after_its_last_choice_leaves_no_error_in_the_log(server: Server) -> None:
@@ -645,5 +650,5 @@ def test_request_histograms_count_every_finished_request(request: pytest.Fixture
     # One inter-token latency per engine output after the first: a speculative step of up to K + 1 tokens is
     # one output, and an output carries at least one token (what the engine counted, stop-string surplus too).
     itl = delta(key("vllm:inter_token_latency_seconds_count"))
-    engine_tokens = delta(("vllm:generation_tokens_total", (("model_name", srv.name),)))
+    engine_tokens = delta(("vllm:generation_tokens_total", (("engine", "0"), ("model_name", srv.name))))
     assert sum(-(-(u["completion_tokens"] - 1) // (K + 1)) for u in usages) <= itl <= engine_tokens - n

@@ -30,12 +30,13 @@ def _snap() -> MetricsSnapshot:
 def test_render_uses_vllm_names_and_labels() -> None:
     text = render_metrics(_snap(), 'my"model', num_speculative_tokens=4)
     m = parse_metrics(text)
-    lab = (("model_name", 'my"model'),)
+    lab = (("engine", "0"), ("model_name", 'my"model'))  # vLLM 0.33's labelnames on every series
     assert m[("vllm:spec_decode_num_drafts_total", lab)] == 10
     assert m[("vllm:spec_decode_num_draft_tokens_total", lab)] == 40
     assert m[("vllm:spec_decode_num_accepted_tokens_total", lab)] == 17
     for pos, want in enumerate([9, 5, 3, 0]):  # padded to k positions, 0-based like vLLM
-        key = ("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("model_name", 'my"model'), ("position", str(pos))))
+        key = ("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+               (("engine", "0"), ("model_name", 'my"model'), ("position", str(pos))))
         assert m[key] == want
     assert m[("vllm:prompt_tokens_total", lab)] == 123
     assert m[("vllm:generation_tokens_total", lab)] == 456

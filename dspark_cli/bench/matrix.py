@@ -58,7 +58,12 @@ from dspark_cli.bench.client import (
 )
 from dspark_cli.bench.cpu import BUSY_SHARE, CpuSnapshot, CpuUse
 from dspark_cli.bench.datasets import Prompt
-from dspark_cli.bench.metrics import counter_delta, dspark_counter_delta, prefix_cache_delta
+from dspark_cli.bench.metrics import (
+    counter_delta,
+    counters_went_down,
+    dspark_counter_delta,
+    prefix_cache_delta,
+)
 from dspark_cli.errors import DsparkError
 from dspark_cli.fileio import atomic_write_json, check_output_dir, read_json
 from dspark_cli.signals import sigterm_as_interrupt
@@ -724,7 +729,8 @@ def _cell_record(spec: MatrixSpec, cfg: BenchConfig, c: int, results: Sequence[R
     """A cell's JSON: client metrics over ``results`` in ``wall`` seconds, the server's counters between the
     two scrapes, and the CPU the client and the server's processes used meanwhile. Where the first scrape failed,
     the counters are unknown (None, {}): the second alone would count since the server started."""
-    known = before.scraped
+    # a counter that went backwards: the server restarted within the cell, and nothing it counted compares
+    known = before.scraped and not counters_went_down(before.spec, after.spec, before.dspark, after.dspark)
     stats = counter_delta(before.spec, after.spec) if known else None
     return {
         "dspark_bench_cell": CELL_FORMAT,

@@ -280,6 +280,18 @@ class PrefixCacheCounters:
         return cls(totals[PREFIX_CACHE_QUERIES], totals[PREFIX_CACHE_HITS], present)
 
 
+def counters_went_down(before: SpecDecodeCounters, after: SpecDecodeCounters, dspark_before: dict[str, float],
+                       dspark_after: dict[str, float]) -> bool:
+    """Whether any counter of either scrape went backwards: the server restarted between them, so no delta of the
+    cell means anything -- not even one that came out positive (a restarted server that then did more work than
+    before read as a real acceptance length beside toolkit counters that went negative)."""
+    pairs = [(before.num_drafts, after.num_drafts), (before.num_draft_tokens, after.num_draft_tokens),
+             (before.num_accepted_tokens, after.num_accepted_tokens),
+             *((v, after.accepted_per_pos.get(k, 0.0)) for k, v in before.accepted_per_pos.items()),
+             *((v, dspark_after.get(k, 0.0)) for k, v in dspark_before.items())]
+    return any(now < was for was, now in pairs)
+
+
 def prefix_cache_delta(before: PrefixCacheCounters, after: PrefixCacheCounters) -> dict[str, float] | None:
     """Prompt tokens looked up and found in the prefix cache between two scrapes, and their ratio; None when
     the server keeps no such counters, or they went backwards (a restart)."""

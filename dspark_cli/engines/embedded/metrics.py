@@ -117,6 +117,12 @@ class RequestMetrics:
         self.prompt_tokens: Histogram | None = None
         self.generation_tokens: Histogram | None = None
         self._live: dict[str, RequestTimes] = {}
+        # vllm:request_success_total, by the reason the client was told, counted once a request finishes with
+        # one. Counted from the engine's finishes, a stop string that completed in the output that also hit
+        # max_tokens was first exported as "length", then moved to "stop" once the server's abort reached the
+        # engine: a counter that went down (a reset to rate()), and client disconnects were counted as "abort",
+        # which vLLM 0.33 does not count there.
+        self.finished: dict[str, int] = {}
 
     def bind(self, max_model_len: int) -> None:
         """Size the token-count histograms (once; later calls are no-ops)."""
@@ -160,11 +166,14 @@ class RequestMetrics:
                 self.inter_token_latency.observe(now - times.last_output)
             times.last_output = now
 
-    def finish(self, request_id: str, generation_tokens: int) -> None:
-        """The request finished with a reason; ``generation_tokens`` is what its usage reports."""
+    def finish(self, request_id: str, generation_tokens: int, reason: str | None = None) -> None:
+        """The request finished with ``reason`` (what its response says); ``generation_tokens`` is what its usage
+        reports."""
         times = self._live.pop(request_id, None)
         if times is None:
             return
+        if reason is not None:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
         self.e2e_latency.observe(self._clock() - times.arrival)
         if self.prompt_tokens is not None and self.generation_tokens is not None:
             self.prompt_tokens.observe(times.prompt_tokens)
@@ -351,8 +360,10 @@ def _request_histograms(lines: list[str], req: RequestMetrics, model_name: str) 
 def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_tokens: int = 0,
                    requests: RequestMetrics | None = None) -> str:
     """The full ``/metrics`` body. Per-position acceptance has ``max(k, len(accepted_per_pos))`` series;
-    ``requests`` adds the per-request histograms."""
-    base = {"model_name": model_name}
+    ``requests`` adds the per-request histograms and counts the finished requests. Every series carries vLLM
+    0.33's labels, ``model_name`` and ``engine`` (its loggers' ``labelnames``): a dashboard that filters on
+    ``engine`` found none of the counters and gauges, which carried ``model_name`` alone."""
+    base = {"model_name": model_name, "engine": ENGINE_INDEX}
     lines: list[str] = []
     _family(lines, "vllm:num_requests_running", "gauge",
             "Number of requests in model execution batches.", [(base, snap.num_running)])
@@ -362,10 +373,11 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
             "Number of prefill tokens processed.", [(base, snap.prompt_tokens)])
     _family(lines, "vllm:generation_tokens_total", "counter",
             "Number of generation tokens processed.", [(base, snap.generation_tokens)])
-    reasons = list(FINISH_REASONS) + sorted(r for r in snap.requests_finished if r not in FINISH_REASONS)
+    finished = snap.requests_finished if requests is None else requests.finished
+    reasons = list(FINISH_REASONS) + sorted(r for r in finished if r not in FINISH_REASONS)
     _family(lines, "vllm:request_success_total", "counter",
             "Count of successfully processed requests.",
-            [({**base, "finished_reason": r}, snap.requests_finished.get(r, 0)) for r in reasons])
+            [({**base, "finished_reason": r}, finished.get(r, 0)) for r in reasons])
     _family(lines, "vllm:spec_decode_num_drafts_total", "counter",
             "Number of spec decoding drafts.", [(base, snap.num_drafts)])
     _family(lines, "vllm:spec_decode_num_draft_tokens_total", "counter",
@@ -386,6 +398,9 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
     if requests is not None:
         _request_histograms(lines, requests, model_name)
     # Toolkit-specific series (no vLLM equivalent): what the capacity manager actually verified.
+    _family(lines, "dspark:requests_aborted_total", "counter",
+            "Requests aborted before they finished (a client gone; vLLM counts them nowhere).",
+            [(base, snap.requests_finished.get("abort", 0))])
     _family(lines, "dspark:engine_steps_total", "counter",
             "Number of engine steps (one prefill or draft+verify iteration each).", [(base, snap.num_steps)])
     _family(lines, "dspark:verified_draft_tokens_total", "counter",

@@ -194,7 +194,7 @@ class _Generation:
                     self.finish_reason, self.stop_reason = "stop", self.text.matched
                     # Finished by us, not by the engine: free its KV blocks now, count it as "stop".
                     self.ctx.engine.abort(self.request_id, reason="stop")
-                    self.ctx.requests.finish(self.request_id, self.num_tokens)
+                    self.ctx.requests.finish(self.request_id, self.num_tokens, "stop")
                     yield delta
                     return
                 if out.finished:
@@ -209,7 +209,7 @@ class _Generation:
                         self.stop_reason = self.text.matched
                     elif stop_token in self.req.params.stop_token_ids:
                         self.stop_reason = stop_token
-                    self.ctx.requests.finish(self.request_id, self.num_tokens)
+                    self.ctx.requests.finish(self.request_id, self.num_tokens, self.finish_reason)
                     yield delta
                     return
                 yield delta
