@@ -130,6 +130,7 @@ def test_greedy_identical_with_auto_profiled_curve(pair: TinyPair, reference: li
     engine = make_engine(pair, capacity=_capacity("varlen"), sps_curve="auto", sps_overhead_ms=7.5)
     assert engine.sps_curve is not None and engine.sps_curve.meta["engine"] == "embedded"
     assert engine.sps_curve.overhead_ms == 7.5  # --sps-overhead-ms overrides the profiled overhead
+    assert engine.sps_curve.meta["overhead_source"] == "given"  # not measured, then thrown away
     assert engine.generate(prompts(6), GREEDY) == reference
 
 

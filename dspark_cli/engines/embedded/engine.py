@@ -289,9 +289,8 @@ class LLMEngine:
     def _profile_curve(self) -> SpsCurve:
         from dspark_cli.engines.embedded.profile import profile_sps
 
-        curve = profile_sps(self)
-        if self.config.sps_overhead_ms is not None:
-            curve = curve.with_overhead(self.config.sps_overhead_ms)
+        # a given overhead skips the overhead steps, and the curve says where its overhead came from
+        curve = profile_sps(self, overhead_ms=self.config.sps_overhead_ms)
         log.info("profiled step-cost curve: verify %s ms, draft %s ms, overhead %.3f ms",
                  curve.verify_ms, curve.draft_ms, curve.overhead_ms)
         return curve
