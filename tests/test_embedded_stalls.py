@@ -125,9 +125,9 @@ def test_engine_counts_its_compiles_and_exports_them(pair: TinyPair) -> None:
     text = render_metrics(MetricsSnapshot.from_stats(engine.stats), "tiny", engine.num_spec)
     m = parse_metrics(text)
     for phase in ("startup", "serving"):
-        assert (("dspark:kernel_compiles_total", (("model_name", "tiny"), ("phase", phase)))) in m
-    assert m[("dspark:gc_full_collections_total", (("model_name", "tiny"),))] >= 1
-    assert m[("dspark:gc_full_collection_seconds_total", (("model_name", "tiny"),))] > 0.0
+        assert (("dspark:kernel_compiles_total", (("engine", "0"), ("model_name", "tiny"), ("phase", phase)))) in m
+    assert m[("dspark:gc_full_collections_total", (("engine", "0"), ("model_name", "tiny")))] >= 1
+    assert m[("dspark:gc_full_collection_seconds_total", (("engine", "0"), ("model_name", "tiny")))] > 0.0
     # the bench's view of the same text: prefix and source labels dropped, phases kept
     counters = dspark_counters(parse_prometheus(text))
     assert counters["kernel_compiles{phase=serving}"] == 0.0 and counters["gc_full_collections"] >= 1
@@ -280,8 +280,8 @@ def test_saturation_evidence_is_exported_as_gauges_and_kept_per_cell(pair: TinyP
     for bucket, value in stats.drafting_cost_scale.items():
         lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
         label = str(lo) if lo == hi else f"{lo}-{hi}"
-        assert m[("dspark:drafting_cost_scale", (("load", label), ("model_name", "tiny")))] == pytest.approx(value)
-    assert m[("dspark:saturation_realized_gain", (("model_name", "tiny"),))] == pytest.approx(stats.realized_gain)
+        assert m[("dspark:drafting_cost_scale", (("engine", "0"), ("load", label), ("model_name", "tiny")))] == pytest.approx(value)
+    assert m[("dspark:saturation_realized_gain", (("engine", "0"), ("model_name", "tiny")))] == pytest.approx(stats.realized_gain)
     gauges = dspark_gauges(parse_prometheus(text))
     assert "saturation_realized_gain" in gauges and "kv_blocks_free" in gauges
     assert not any(k.startswith("kernel_compiles") for k in gauges)  # counters are deltas, not gauges
@@ -304,8 +304,8 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
     assert sat.pauses >= 1 and sat.probe_steps > 0 and sum(sat.probes.values()) > 0
     text = render_metrics(MetricsSnapshot.from_stats(engine.stats), "tiny", engine.num_spec)
     m = parse_metrics(text)
-    base = (("model_name", "tiny"),)
-    prefills = m[("dspark:steps_total", (("kind", "prefill"), ("model_name", "tiny")))]
+    base = (("engine", "0"), ("model_name", "tiny"))
+    prefills = m[("dspark:steps_total", (("engine", "0"), ("kind", "prefill"), ("model_name", "tiny")))]
     assert prefills == engine.stats.num_prefill_steps >= 1
     assert m[("dspark:saturation_pauses_total", base)] == sat.pauses
     assert m[("dspark:saturation_resumes_total", base)] == sat.resumes
@@ -315,7 +315,7 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
     assert m[("dspark:saturation_rising_probe_steps_total", base)] == sat.rising_probe_steps
     for t in PROBE_TRIGGERS:
         for v in PROBE_VERDICTS:
-            key = ("dspark:saturation_probes_total", (("model_name", "tiny"), ("trigger", t), ("verdict", v)))
+            key = ("dspark:saturation_probes_total", (("engine", "0"), ("model_name", "tiny"), ("trigger", t), ("verdict", v)))
             assert m[key] == sat.probes[t, v]
     # Steps by kind, and their wall time: every step is counted once, under the kind it ran as.
     stats = engine.stats
@@ -323,8 +323,8 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
     assert stats.steps["prefill"] == stats.num_prefill_steps and stats.steps["paused"] == stats.num_paused_steps
     assert stats.steps["probe"] == sat.probe_steps and stats.steps["nospec"] == 0
     for kind, n in stats.steps.items():
-        assert m[("dspark:steps_total", (("kind", kind), ("model_name", "tiny")))] == n
-        seconds = m[("dspark:step_seconds_total", (("kind", kind), ("model_name", "tiny")))]
+        assert m[("dspark:steps_total", (("engine", "0"), ("kind", kind), ("model_name", "tiny")))] == n
+        seconds = m[("dspark:step_seconds_total", (("engine", "0"), ("kind", kind), ("model_name", "tiny")))]
         assert seconds == pytest.approx(stats.step_ms[kind] / 1e3) and (seconds > 0) == (n > 0)
     counters = dspark_counters(parse_prometheus(text))
     assert counters["saturation_probe_steps"] == sat.probe_steps

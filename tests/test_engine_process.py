@@ -301,8 +301,8 @@ def test_process_front_answers_token_for_token_like_the_thread_front(servers: tu
 
 def test_process_front_counters_are_exact_when_the_response_ends(servers: tuple[Server, Server]) -> None:
     _, process = servers
-    lab = (("model_name", "test-model"),)
-    length = tuple(sorted({"model_name": "test-model", "finished_reason": "length"}.items()))
+    lab = (("engine", "0"), ("model_name", "test-model"))
+    length = tuple(sorted({"model_name": "test-model", "engine": "0", "finished_reason": "length"}.items()))
     before = process.metrics()
     status, out = process.post("/v1/completions", {"prompt": "Count:", "max_tokens": 9, **GREEDY})
     assert status == 200
@@ -318,7 +318,7 @@ def test_process_front_counters_are_exact_when_the_response_ends(servers: tuple[
     assert after[("vllm:num_requests_running", lab)] == 0
 
     # A stop string ends the request in the server; the engine counts it as vLLM's "stop", not "abort".
-    stop_l, abort_l = ({"model_name": "test-model", "finished_reason": r} for r in ("stop", "abort"))
+    stop_l, abort_l = ({"model_name": "test-model", "engine": "0", "finished_reason": r} for r in ("stop", "abort"))
     stop_key, abort_key = (tuple(sorted(d.items())) for d in (stop_l, abort_l))
     full = process.post("/v1/completions", {"prompt": "The lazy dog", "max_tokens": 40, **GREEDY})[1]
     text = full["choices"][0]["text"]

@@ -373,7 +373,11 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
             "Number of prefill tokens processed.", [(base, snap.prompt_tokens)])
     _family(lines, "vllm:generation_tokens_total", "counter",
             "Number of generation tokens processed.", [(base, snap.generation_tokens)])
-    finished = snap.requests_finished if requests is None else requests.finished
+    finished = dict(snap.requests_finished)
+    if requests is not None:
+        # what responses said, plus the requests an engine that died failed (the front counts those: no
+        # response finished them)
+        finished = {**requests.finished, "error": requests.finished.get("error", 0) + finished.get("error", 0)}
     reasons = list(FINISH_REASONS) + sorted(r for r in finished if r not in FINISH_REASONS)
     _family(lines, "vllm:request_success_total", "counter",
             "Count of successfully processed requests.",
