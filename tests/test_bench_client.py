@@ -95,10 +95,16 @@ class ScriptedServer:
 
 
 async def _serve(server: ScriptedServer) -> tuple[web.AppRunner, str]:
+    return await _serve_routes(server.handle, server.models)
+
+
+async def _serve_routes(handle: Any, models: Any = None) -> tuple[web.AppRunner, str]:
+    """A local app answering both completion endpoints with ``handle`` (and ``/v1/models`` with ``models``)."""
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", server.handle)
-    app.router.add_post("/v1/completions", server.handle)
-    app.router.add_get("/v1/models", server.models)
+    app.router.add_post("/v1/chat/completions", handle)
+    app.router.add_post("/v1/completions", handle)
+    if models is not None:
+        app.router.add_get("/v1/models", models)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -215,16 +221,10 @@ def test_a_malformed_stream_event_fails_its_request_not_the_cell(event: bytes) -
         return resp
 
     async def go() -> RequestResult:
-        app = web.Application()
-        app.router.add_post("/v1/completions", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, url = await _serve_routes(handle)
         try:
             async with aiohttp.ClientSession() as session:
-                return await stream_request(session, f"http://127.0.0.1:{port}/v1/completions", {}, 0)
+                return await stream_request(session, f"{url}/v1/completions", {}, 0)
         finally:
             await runner.cleanup()
 
