@@ -273,7 +273,10 @@ def same_workload_cells(
             args = list(config_args[str(c["config"])])
             if setup_args(list(server.get("serve_args") or [])) != args:
                 return False
-            if changed_files(c, files.setdefault(str(c["config"]), served_files_sha256(args))):
+            name = str(c["config"])
+            if name not in files:  # setdefault would hash the files again for every cell
+                files[name] = served_files_sha256(args)
+            if changed_files(c, files[name]):
                 return False
         return common_args is None or same_setup(c, common_args)
 
@@ -376,6 +379,7 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
     """Cells still to measure; raises if the folder holds cells of a different workload (unless --force)."""
     todo = []
     for cfg in spec.configs:
+        files_now = served_files_sha256(served_args(spec, cfg)) if spec.serve else {}  # once per config
         for c in spec.concurrencies:
             cell = None if spec.force else load_cell(cell_path(spec.results_dir, cfg.name, c))
             if cell is not None and cell.get("config") != cfg.name:
@@ -412,7 +416,7 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
                         f"{cell_path(spec.results_dir, cfg.name, c)} was served with other settings "
                         f"({shlex.join(served)!r}, now {shlex.join(served_args(spec, cfg))!r}); use another "
                         "--results-dir or --force to remeasure")
-                changed = changed_files(cell, served_files_sha256(served_args(spec, cfg)))
+                changed = changed_files(cell, files_now)
                 if changed:
                     raise DsparkError(
                         f"{cell_path(spec.results_dir, cfg.name, c)} was served with the file of "

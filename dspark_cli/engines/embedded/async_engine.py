@@ -21,7 +21,6 @@ scheduler state of unknown consistency, and an orchestrator restarting the proce
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import queue
@@ -112,18 +111,12 @@ class EngineDriver:
     read after a request's last token already counts it.
     """
 
-    # Finish reasons kept for requests the server may still abort for a stop string (a few steps at most).
-    FINISHED_MEMORY = 4096
-
     def __init__(self, engine: Any, sink: EngineSink) -> None:
         self.engine = engine
         self._sink = sink
-        self._stop_aborts = 0  # aborts that were really stop-string finishes
-        # A stop string matched in the output that also ended the request at max_tokens: the engine counted
-        # "length", the client was told "stop" (vLLM counts what the client sees). Its abort finds the request
-        # finished, so it is moved here instead.
-        self._stop_lengths = 0
-        self._finish_reasons: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        # Aborts that were really stop-string finishes: not client aborts (dspark:requests_aborted_total). How a
+        # request finished is counted by the server, by what its response said (metrics.RequestMetrics).
+        self._stop_aborts = 0
 
     def run(self, next_command: Callable[[bool], Command | None]) -> None:
         """Serve commands and step until a stop command; raise whatever the engine raises.
@@ -150,11 +143,6 @@ class EngineDriver:
             if not engine.has_unfinished_requests():
                 continue
             outputs = engine.step()
-            for out in outputs:
-                if out.finished:
-                    self._finish_reasons[out.request_id] = out.finish_reason
-            while len(self._finish_reasons) > self.FINISHED_MEMORY:
-                self._finish_reasons.popitem(last=False)
             self._sink.stepped(list(outputs), self.snapshot())
 
     def _apply(self, cmd: _Add | _Abort) -> bool:
@@ -167,12 +155,8 @@ class EngineDriver:
                 aborted = engine.stats.requests_finished.get("abort", 0) - before
             except (KeyError, ValueError):
                 aborted = 0  # already finished: its last output raced with the abort
-            reason = self._finish_reasons.pop(cmd.request_id, None)
             if cmd.reason == "stop":
                 self._stop_aborts += aborted
-                if not aborted and reason == "length":
-                    self._stop_lengths += 1
-                    return True
             return aborted > 0
         try:
             engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
@@ -184,12 +168,11 @@ class EngineDriver:
     def snapshot(self) -> MetricsSnapshot:
         """The engine's counters, with aborts the server made for stop strings moved to ``stop``."""
         snap = MetricsSnapshot.from_stats(self.engine.stats)
-        if self._stop_aborts or self._stop_lengths:
+        if self._stop_aborts:
             finished = dict(snap.requests_finished)
-            for source, count in (("abort", self._stop_aborts), ("length", self._stop_lengths)):
-                moved = min(count, finished.get(source, 0))
-                finished[source] = finished.get(source, 0) - moved
-                finished["stop"] = finished.get("stop", 0) + moved
+            moved = min(self._stop_aborts, finished.get("abort", 0))
+            finished["abort"] = finished.get("abort", 0) - moved
+            finished["stop"] = finished.get("stop", 0) + moved
             snap = dataclasses.replace(snap, requests_finished=finished)
         return snap
 
