@@ -46,24 +46,17 @@ _EMBEDDED_ENGINE_ARGS = {
     "max_capture_size": "max_capture_size",
     "attention_backend": "attention_backend",
 }
-# The type each of those keys takes: a value of another type was handed on and failed deep in the engine's
-# checks with a traceback ("abc" < 1), or, for a flag, meant its opposite (bool("false") is True).
-_EMBEDDED_ARG_TYPES = {"dtype": str, "device": str, "attention_backend": str, "gpu_memory_utilization": float}
+# The type each of those keys takes (the rest are integers): a value of another type was handed on and failed
+# deep in the engine's checks with a traceback ("abc" < 1), or, for a flag, meant its opposite (bool("false")).
+_EMBEDDED_ARG_TYPES = {"dtype": "str", "device": "str", "attention_backend": "str", "gpu_memory_utilization": "float"}
 
 
 def _engine_arg(where: str, key: str, value: Any) -> Any:
-    from dspark_cli.serve_config import as_int
+    """``value`` checked as ``dspark serve`` checks its own flags (serve_config's helpers)."""
+    from dspark_cli.serve_config import as_float, as_int, as_str
 
-    kind = _EMBEDDED_ARG_TYPES.get(key, int)
-    if kind is int:
-        return as_int(where, value)
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise DsparkError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if not isinstance(value, str):
-        raise DsparkError(f"{where}: expected a string, got {value!r}")
-    return value
+    check = {"int": as_int, "float": as_float, "str": as_str}[_EMBEDDED_ARG_TYPES.get(key, "int")]
+    return check(where, value)
 
 
 # Keys that only name things the embedded engine already does its own way (tokenizer files live with the

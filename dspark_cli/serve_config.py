@@ -196,7 +196,7 @@ def as_int(where: str, value: Any, *, minimum: int | None = None) -> int:
     return value
 
 
-def _as_float(where: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+def as_float(where: str, value: Any, *, lo: float | None = None, hi: float | None = None,
               lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _err(where, f"expected a number, got {value!r}")
@@ -216,7 +216,7 @@ def _as_choice(where: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _as_str(where: str, value: Any) -> str:
+def as_str(where: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise _err(where, f"expected a non-empty string, got {value!r}")
     return value
@@ -240,7 +240,7 @@ def _curve_points(where: str, value: Any) -> tuple[tuple[int, float], ...]:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise _err(where, f"entry {i} must be a [batch_tokens, steps_per_sec] pair, got {pair!r}")
         tokens = as_int(f"{where}[{i}][0]", pair[0], minimum=1)
-        sps = _as_float(f"{where}[{i}][1]", pair[1], lo=0.0, lo_open=True)
+        sps = as_float(f"{where}[{i}][1]", pair[1], lo=0.0, lo_open=True)
         points.append((tokens, sps))
     return tuple(points)
 
@@ -278,11 +278,11 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
     w = "--speculative-config"
     out: dict[str, Any] = {}
     if "model" in obj:
-        out["draft"] = None if obj["model"] in (None, "none") else _as_str(f"{w} model", obj["model"])
+        out["draft"] = None if obj["model"] in (None, "none") else as_str(f"{w} model", obj["model"])
     if "num_speculative_tokens" in obj:
         out["num_speculative_tokens"] = as_int(f"{w} num_speculative_tokens", obj["num_speculative_tokens"], minimum=0)
     if "method" in obj and obj["method"] is not None:
-        out["method"] = _as_str(f"{w} method", obj["method"])
+        out["method"] = as_str(f"{w} method", obj["method"])
     if "dspark_capacity_verification_mode" in obj:
         mode = obj["dspark_capacity_verification_mode"]
         mode = "varlen" if mode == "compact" else mode  # the prototype's alias
@@ -295,28 +295,28 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
         else:
             out["sps_curve_points"] = _curve_points(f"{w} dspark_sps_curve", value)
     if "dspark_sps_overhead_ms" in obj:
-        out["sps_overhead_ms"] = _as_float(f"{w} dspark_sps_overhead_ms", obj["dspark_sps_overhead_ms"], lo=0.0)
+        out["sps_overhead_ms"] = as_float(f"{w} dspark_sps_overhead_ms", obj["dspark_sps_overhead_ms"], lo=0.0)
     if "dspark_budget_frac" in obj:
-        out["budget_frac"] = _as_float(f"{w} dspark_budget_frac", obj["dspark_budget_frac"],
+        out["budget_frac"] = as_float(f"{w} dspark_budget_frac", obj["dspark_budget_frac"],
                                        lo=0.0, hi=1.0, lo_open=True)
     if "dspark_confidence_threshold" in obj:
-        thr = _as_float(f"{w} dspark_confidence_threshold", obj["dspark_confidence_threshold"], lo=0.0, hi=1.0)
+        thr = as_float(f"{w} dspark_confidence_threshold", obj["dspark_confidence_threshold"], lo=0.0, hi=1.0)
         # The prototype's convention: 0 means "budget from the SPS curve", > 0 a static survival threshold.
         if thr > 0:
             out["capacity_policy"] = "threshold"
             out["confidence_threshold"] = thr
     if "dspark_confidence_temperature" in obj:
-        out["confidence_temperature"] = _as_float(f"{w} dspark_confidence_temperature",
+        out["confidence_temperature"] = as_float(f"{w} dspark_confidence_temperature",
                                                   obj["dspark_confidence_temperature"], lo=0.0, lo_open=True)
     if "dspark_online_sts" in obj:
         out["online_sts"] = as_bool(f"{w} dspark_online_sts", obj["dspark_online_sts"])
     if obj.get("dspark_min_predicted_gain") is not None:  # null: the core's default, as the vLLM plugin reads it
-        out["min_predicted_gain"] = _as_float(f"{w} dspark_min_predicted_gain", obj["dspark_min_predicted_gain"],
+        out["min_predicted_gain"] = as_float(f"{w} dspark_min_predicted_gain", obj["dspark_min_predicted_gain"],
                                               lo=0.0)
     if "dspark_sts" in obj:
-        out["sts"] = _existing_file(f"{w} dspark_sts", _as_str(f"{w} dspark_sts", obj["dspark_sts"]))
+        out["sts"] = _existing_file(f"{w} dspark_sts", as_str(f"{w} dspark_sts", obj["dspark_sts"]))
     if "dspark_record_traces" in obj:
-        out["record_traces"] = _as_str(f"{w} dspark_record_traces", obj["dspark_record_traces"])
+        out["record_traces"] = as_str(f"{w} dspark_record_traces", obj["dspark_record_traces"])
     if "dspark_policy" in obj:
         out["capacity_policy"] = _as_choice(f"{w} dspark_policy", obj["dspark_policy"], POLICIES)
     if "dspark_saturation_patience" in obj:
@@ -325,7 +325,7 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
     if "dspark_resume_every" in obj:
         out["resume_every"] = as_int(f"{w} dspark_resume_every", obj["dspark_resume_every"], minimum=1)
     if "dspark_probe_tax" in obj:
-        out["probe_tax"] = _as_float(f"{w} dspark_probe_tax", obj["dspark_probe_tax"], lo=0.0, lo_open=True, hi=1.0)
+        out["probe_tax"] = as_float(f"{w} dspark_probe_tax", obj["dspark_probe_tax"], lo=0.0, lo_open=True, hi=1.0)
     if "dspark_sts_refit_interval" in obj:
         out["sts_refit_interval"] = as_int(f"{w} dspark_sts_refit_interval", obj["dspark_sts_refit_interval"],
                                             minimum=1)
@@ -357,9 +357,9 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         if name == "engine":
             out[name] = _as_choice(where, value, ENGINES)
         elif name == "model":
-            out[name] = _as_str(where, value)
+            out[name] = as_str(where, value)
         elif name == "draft":
-            out[name] = None if value == "none" else _as_str(where, value)
+            out[name] = None if value == "none" else as_str(where, value)
         elif name == "num_speculative_tokens":
             out[name] = as_int(where, value, minimum=0)
         elif name == "capacity_mode":
@@ -367,26 +367,26 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         elif name == "capacity_policy":
             out[name] = _as_choice(where, value, POLICIES)
         elif name == "confidence_threshold":
-            out[name] = _as_float(where, value, lo=0.0, hi=1.0)
+            out[name] = as_float(where, value, lo=0.0, hi=1.0)
         elif name == "sps_curve":
-            out[name] = value if value == "auto" else _existing_file(where, _as_str(where, value))
+            out[name] = value if value == "auto" else _existing_file(where, as_str(where, value))
             out["sps_curve_points"] = None  # an explicit file replaces an inline JSON curve
         elif name == "sps_overhead_ms":
-            out[name] = _as_float(where, value, lo=0.0)
+            out[name] = as_float(where, value, lo=0.0)
         elif name == "sts":
-            out[name] = _existing_file(where, _as_str(where, value))
+            out[name] = _existing_file(where, as_str(where, value))
         elif name == "online_sts":
             out[name] = as_bool(where, value)
         elif name == "budget_frac":
-            out[name] = _as_float(where, value, lo=0.0, hi=1.0, lo_open=True)
+            out[name] = as_float(where, value, lo=0.0, hi=1.0, lo_open=True)
         elif name == "min_predicted_gain":
-            out[name] = _as_float(where, value, lo=0.0)
+            out[name] = as_float(where, value, lo=0.0)
         elif name == "record_traces":
-            out[name] = _as_str(where, value)
+            out[name] = as_str(where, value)
         elif name in ("max_num_seqs", "max_model_len"):
             out[name] = as_int(where, value, minimum=2 if name == "max_model_len" else 1)
         elif name == "scheduler_delay_factor":
-            out[name] = _as_float(where, value, lo=0.0)
+            out[name] = as_float(where, value, lo=0.0)
         elif name == "attention_backend":
             out[name] = _as_choice(where, value, ATTENTION_BACKENDS)
         elif name == "phase_timing":
@@ -394,7 +394,7 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         elif name in ("mixed_prefill", "engine_process"):
             out[name] = as_bool(where, value)
         elif name == "host":
-            out[name] = _as_str(where, value)
+            out[name] = as_str(where, value)
         elif name == "port":
             port = as_int(where, value, minimum=0)
             if port > 65535:
@@ -405,7 +405,7 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         elif name == "seed":
             out[name] = as_int(where, value, minimum=0)
         elif name == "served_model_name":
-            out[name] = _as_str(where, value)
+            out[name] = as_str(where, value)
         else:
             raise DsparkError(f"internal: unknown serve flag {name!r}")
     return out

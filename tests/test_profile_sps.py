@@ -207,7 +207,7 @@ def test_one_line_error_and_exit_1_at_the_command_line(tmp_path: Path) -> None:
         (["tiny", "--engine-args", '{"enforce_eager": "false"}'], "enforce_eager: expected true or false"),
         (["tiny", "--engine-args", '{"compilation_config": {"cudagraph_capture_sizes": "1,2"}}'],
          "cudagraph_capture_sizes: expected a list of integers"),
-        (["tiny", "--engine-args", '{"dtype": 16}'], "dtype: expected a string"),
+        (["tiny", "--engine-args", '{"dtype": 16}'], "dtype: expected a non-empty string"),
         (["tiny", "--tensor-parallel-size", "4"], "unknown option"),
         (["tiny", "--dry-run"], "needs --engine vllm"),
         (["tiny", "--warmup", "-1"], "--warmup"),
