@@ -1232,6 +1232,57 @@ def test_a_ceiling_re_pause_keeps_the_floor_the_pause_had_found() -> None:
     assert not pol.begin_step(40) and not pol.probing
 
 
+def test_a_ceiling_re_pause_at_a_heavier_load_knows_only_what_the_pause_before_found() -> None:
+    """A load probe paid at 40 requests under a pause at 64; the next cell jumps to 256 (docs/PERFORMANCE.md section
+    39's log). The ceiling pauses drafting at once, but drafting was never judged at 256: claimed as the top, 256
+    would get no rise probe (4/3 x 256 never comes) where drafting can pay again (section 15), and claimed as where
+    drafting paused, the next paying load probe would set a ceiling of 256 and draft at the losing 64."""
+    pol = SaturationPolicy(patience=1, resume_every=16)
+    losing, paying = _decision(0, 0.7, 1.0), _decision(5, 1.3, 1.0)
+    pol.begin_step(64)
+    pol.observe(losing, num_running=64)
+    assert not pol.drafting_enabled and pol.top == 64
+    assert pol.begin_step(40) and pol.probe_trigger == "load"
+    pol.observe(paying, num_running=40)
+    assert pol.drafting_enabled and pol.ceiling == 64
+    assert not pol.begin_step(256)  # the load that lost is exceeded: paused at once
+    assert pol.top == 64 and pol.floor == 64
+    fired = []
+    for _ in range(8):  # 256 >= 4/3 x 64 and settled after a few steps: a rise probe judges it
+        if pol.begin_step(256):
+            fired.append(pol.probe_trigger)
+            break
+    assert fired == ["rise"]
+    pol.observe(losing, num_running=256)  # it lost at 256 too: now known
+    assert pol.top == 256 and not pol.drafting_enabled
+    # the load falls to 40 again, a load probe pays, and the ceiling is the load found losing first, not 256
+    assert pol.begin_step(40) and pol.probe_trigger == "load"
+    pol.observe(paying, num_running=40)
+    assert pol.drafting_enabled and pol.ceiling == 64
+
+
+def test_a_ceiling_re_pause_keeps_its_backoff_at_the_load_that_earned_it() -> None:
+    """A backoff the ceiling carries was earned at the ceiling's load: a lighter load that holds resets it, and the
+    heavier load the batch jumped to is not lighter than that."""
+    pol = SaturationPolicy(patience=1, resume_every=4)
+    losing, paying = _decision(0, 0.7, 1.0), _decision(5, 1.3, 1.0)
+    pol.begin_step(64)
+    pol.observe(losing, num_running=64)
+    for _ in range(3):  # three failed timer probes at 64: the wait backs off to 32
+        while not pol.begin_step(64):
+            pass
+        pol.observe(losing, num_running=64)
+    assert pol.probe_wait == 32
+    assert pol.begin_step(40) and pol.probe_trigger == "load"
+    pol.observe(paying, num_running=40)
+    assert pol.drafting_enabled and pol.ceiling == 64
+    assert not pol.begin_step(100) and pol.probe_wait == 32
+    for _ in range(40):  # 60 is not lighter than 3/4 of 64: the backoff holds
+        if pol.begin_step(60):
+            break
+    assert pol.probe_wait == 32
+
+
 def test_the_probe_bank_holds_at_most_its_probes_worth_after_long_paused_stretches() -> None:
     # Cheap probes (1 ms) between long runs of expensive paused steps (10 ms, 0.2 ms saved each): the allowance
     # is capped at PROBE_BANK probes, so a long pause cannot buy a burst of probes later.

@@ -452,7 +452,8 @@ class SaturationPolicy:
       once: the contention that made drafting unprofitable may be gone. A failed one lowers that floor to
       its own load and leaves the timer alone. If one pays, drafting resumes with a *ceiling*: once the
       load is back at the one that paused drafting, drafting pauses again at once, with the probe wait it
-      had (not after ``patience`` more losing steps). So does a timer probe that pays below the load that
+      had (not after ``patience`` more losing steps) and what that pause had found: a heavier load the batch
+      came back at was never judged, and a rise probe may still find drafting paying there. So does a timer probe that pays below the load that
       paused drafting (a batch draining between the timer's probes): on the H200 (vLLM, docs/PERFORMANCE.md
       section 27) one paid at 11 requests at the end of a 16-request cell, and the next cell's ramp to 64
       requests began drafting. A timer probe that pays at or above that load clears the ceiling. A refill before a
@@ -544,6 +545,7 @@ class SaturationPolicy:
         self._ceiling: int | None = None
         self._ceiling_wait = resume_every
         self._ceiling_floor = 0
+        self._ceiling_top = 0
         self._paused_steps = 0
         self._probe_wait = resume_every
         # The backoff's reset (class docstring): the load of this pause's last failed timer probe (0: none), the
@@ -671,9 +673,13 @@ class SaturationPolicy:
         self._last_running = num_running
         if not self._paused:
             if self._ceiling is not None and num_running >= self._ceiling:
-                floor = self._ceiling_floor
-                self._pause(num_running, self._ceiling_wait)  # the load that did not pay is back
-                self._floor = floor  # and the loads found losing before stay known: no new probes above it
+                ceiling, floor, top = self._ceiling, self._ceiling_floor, self._ceiling_top
+                self._pause(num_running, self._ceiling_wait, known_load=ceiling)  # the load that did not pay is back
+                # This pause knows what the one its probe ended knew: drafting lost at the ceiling and at the loads
+                # found losing then, not at a heavier load the batch may have jumped to. Claimed as the top, such a
+                # load would get no rise probe (4/3 of 256 requests never comes); claimed as where drafting
+                # paused, a later paying probe would make it the ceiling and draft at the losing loads below it.
+                self._floor, self._top = floor, max(top, ceiling)
                 return False
             return True
         if self._probing:
@@ -878,10 +884,12 @@ class SaturationPolicy:
                 if paid:
                     # Paid below the load that paused drafting (every load-fall probe, a timer probe in a drain):
                     # that load is still known to lose, so it becomes the ceiling.
-                    wait, floor, below = self._probe_wait, self._floor, self._probe_running < self._paused_at
+                    wait, floor, top = self._probe_wait, self._floor, self._top
+                    below = self._probe_running < self._paused_at
                     self._resume()
                     if below:
-                        self._ceiling, self._ceiling_wait, self._ceiling_floor = self._paused_at, wait, floor
+                        self._ceiling, self._ceiling_wait = self._paused_at, wait
+                        self._ceiling_floor, self._ceiling_top = floor, top
                     return
                 self._floor = min(self._floor, self._probe_running)
                 self._top = max(self._top, self._probe_running)
@@ -916,18 +924,22 @@ class SaturationPolicy:
         self._probing = False
         self._clear_probe()
 
-    def _pause(self, num_running: int, probe_wait: int) -> None:
+    def _pause(self, num_running: int, probe_wait: int, known_load: int | None = None) -> None:
+        """Pause at ``num_running`` requests; ``known_load`` (default: that load) is where drafting was found not to
+        pay, which a ceiling's re-pause knows from the pause before."""
+        known = num_running if known_load is None else known_load
         self.counters.pauses += 1
         self._paused = True
-        self._floor = self._paused_at = self._top = num_running
+        self._floor = self._paused_at = self._top = known
         self._paused_steps = 0
         self._probe_wait = probe_wait
         self._timer_failed_load = self._held_steps = 0
         self._failed_waits.clear()
         if probe_wait > self.resume_every:
             # A backoff carried into this pause (a resume that lost on probation, a ceiling the load came back to)
-            # was earned at this load, as a failed timer probe's is: a lighter load that holds may reset it.
-            self._backed_off_at(num_running)
+            # was earned at the load found losing, as a failed timer probe's is: a lighter load that holds may
+            # reset it.
+            self._backed_off_at(known)
         self._streak = 0
         self._ceiling = None
 
