@@ -427,8 +427,8 @@ queue_issue8() {
 }
 
 # SCALED_BENCH_EXTRA and SCALED_SERVE_EXTRA reach the scaled matrix's bench and servers only: with
-# SCALED_CONFIGS=nospec,none,varlen+sts, SCALED_BENCH_EXTRA="--interleave --rounds 2" and SCALED_SERVE_EXTRA=
-# "--max-model-len 512" the three servers are up at once (~36 GB each: an H200, not an 80 GB card) and the
+# SCALED_CONFIGS=nospec,none,varlen+sts, SCALED_WAVES=4 (rounds of whole waves), SCALED_BENCH_EXTRA="--interleave
+# --rounds 2" and SCALED_SERVE_EXTRA="--max-model-len 512" the three servers are up at once (~36 GB each: an H200, not an 80 GB card) and the
 # issue's two ratios are read in paired rounds instead of across servers served one after another (section 36).
 issue8_scaled() {
   mkdir -p "$ROOT/scaled"

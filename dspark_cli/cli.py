@@ -506,7 +506,8 @@ def bench(
     rounds: int = typer.Option(
         1, "--rounds",
         help="With --interleave: send each cell in N rounds, every config's round r before any config's round "
-             "r+1, and report the median of the configs' round-by-round tok/s ratios (needs N waves or more)."),
+             "r+1, and report the median of the configs' round-by-round tok/s ratios (each round whole waves: "
+             "--waves a multiple of N)."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds per request."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write throughput.png and pareto.png."),
     simulate: bool = typer.Option(False, "--simulate", help="Replay verification traces instead of serving."),

@@ -519,6 +519,14 @@ def test_rounds_need_interleave_and_at_least_a_wave_per_round(tmp_path: Path) ->
     spec.rounds = 4
     with pytest.raises(DsparkError, match="c=2 sends 6 requests, fewer than 4 rounds of 2; use --waves 4"):
         check_rounds(spec)
+    spec.rounds = 2  # 3 waves in 2 rounds: each round ends with half a wave, at half the load
+    with pytest.raises(DsparkError, match="c=2 sends 6 requests, not whole waves of 2 per round.*--waves a multiple of 2"):
+        check_rounds(spec)
+    spec.waves = None  # every prompt in each cell: 12 requests are 2 rounds of 3 waves at c=2, of 1.5 at c=4
+    with pytest.raises(DsparkError, match="c=4 sends 12 requests.*--num-prompts a multiple of 8"):
+        check_rounds(spec)
+    spec.concurrencies = [2, 3]
+    check_rounds(spec)
     spec.rounds = 0
     with pytest.raises(DsparkError, match="--rounds must be >= 1"):
         check_rounds(spec)

@@ -179,9 +179,16 @@ def test_paired_rounds_compare_each_round_with_the_references_same_round(tmp_pat
     assert set(paired) == {"nospec", "none"}
     assert paired["nospec"][0]["cells"]["varlen"]["median_pct"] == pytest.approx(-1.5)
     assert paired["none"][0]["cells"]["nospec"]["median_pct"] == pytest.approx(25.0)
+    assert "(Δ% output tok/s vs No capacity, cell totals)" in md  # not the paired medians
     # without rounds there is no paired table
     plain = build_table([cell("nospec", 16, 1.0), cell("none", 16, 1.0)])
     assert paired_references(plain) == [] and "Paired rounds" not in to_markdown(plain)
+    assert "(Δ% output tok/s vs No capacity)" in to_markdown(plain)
+    # no no-capacity column, and the first one an earlier run's: nothing pairs with it, so no table of dashes
+    stale = build_table([_rounds("varlen+sts", 16, [10.0, 11.0], group="old"), _rounds("mask", 16, [9.0, 9.0]),
+                         _rounds("varlen", 16, [10.0, 10.0])], ["varlen+sts", "mask", "varlen"], [16])
+    assert stale.baseline == "varlen+sts" and paired_references(stale) == []
+    assert "over 0 rounds" not in to_markdown(stale)
 
 
 def test_cells_skewed_by_the_prefix_cache_or_merged_chunks_are_listed_under_the_table(tmp_path: Path) -> None:

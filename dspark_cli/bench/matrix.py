@@ -363,7 +363,8 @@ def round_slices(num_requests: int, rounds: int) -> list[tuple[int, int]]:
 
 def check_rounds(spec: MatrixSpec) -> None:
     """Every round must keep ``concurrency`` requests in flight: a round of fewer requests than that measures
-    a lower load than its cell's name says."""
+    a lower load than its cell's name says, and so does a round that ends with part of a wave (3 waves in 2
+    rounds: each round's second half-wave runs at half the load, 25% fewer tok/s for one server at c=4)."""
     if spec.rounds < 1:
         raise DsparkError(f"--rounds must be >= 1, got {spec.rounds}")
     if spec.rounds > 1 and not spec.interleave:
@@ -373,6 +374,11 @@ def check_rounds(spec: MatrixSpec) -> None:
         if spec.rounds > 1 and n < spec.rounds * c:
             raise DsparkError(f"--rounds {spec.rounds}: a cell at c={c} sends {n} requests, fewer than "
                               f"{spec.rounds} rounds of {c}; use --waves {spec.rounds} or more, or fewer rounds")
+        if spec.rounds > 1 and n % (spec.rounds * c):
+            fix = (f"--waves a multiple of {spec.rounds}" if spec.waves is not None
+                   else f"--num-prompts a multiple of {spec.rounds * c}, or --waves")
+            raise DsparkError(f"--rounds {spec.rounds}: a cell at c={c} sends {n} requests, not whole waves of {c} "
+                              f"per round, so each round would end below {c} in flight; use {fix}")
 
 
 def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:

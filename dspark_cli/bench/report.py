@@ -212,8 +212,10 @@ def to_markdown(table: ComparisonTable, title: str | None = None) -> str:
     lines = []
     if title:
         lines += [title, ""]
+    # With rounds, a cell's tok/s is its rounds' tokens over their time together: not the paired medians below.
+    totals = ", cell totals" if any(n.rounds for n in table.cells.values()) else ""
     lines.append("Cells: output tok/s / mean ITL ms / acceptance length "
-                 f"(Δ% output tok/s vs {header(table.baseline) if table.baseline else 'n/a'})")
+                 f"(Δ% output tok/s vs {header(table.baseline) if table.baseline else 'n/a'}{totals})")
     lines.append("")
     hdr = table.headers()
     lines += _markdown_table(hdr, table.rows())
@@ -321,7 +323,9 @@ def paired_references(table: ComparisonTable) -> list[str]:
     """The columns paired deltas are taken against: no speculation and the table's baseline, where their
     cells ran in rounds."""
     refs = [r for r in dict.fromkeys(("nospec", table.baseline)) if r is not None and r in table.configs]
-    return [r for r in refs if any(n.rounds for (k, _), n in table.cells.items() if k == r)]
+    # A reference whose rounds pair with no other column's (an earlier run's cells, the table's first column when
+    # it has no no-capacity one) would print a table of dashes "over 0 rounds".
+    return [r for r in refs if paired_table(table, r)]
 
 
 def paired_table(table: ComparisonTable, reference: str) -> dict[tuple[str, int], PairedDelta]:
