@@ -1283,6 +1283,28 @@ def test_a_ceiling_re_pause_keeps_its_backoff_at_the_load_that_earned_it() -> No
     assert pol.probe_wait == 32
 
 
+def test_a_refill_to_a_backed_off_load_restores_the_wait_a_drain_reset() -> None:
+    """Interleaved rounds at 256 requests (docs/PERFORMANCE.md section 40): timer probes failed at 256 and backed
+    the wait off; each round's tail held a light load long enough to reset it, and the next round at 256 probed
+    from the shortest wait again. Back at the load whose probes failed, the wait they earned comes back."""
+    pol = SaturationPolicy(patience=1, resume_every=4)
+    losing = _decision(0, 0.5, 1.0)
+    pol.begin_step(256)
+    pol.observe(losing, num_running=256)
+    for _ in range(3):  # three failed timer probes at 256: 4 -> 32
+        while not pol.begin_step(256):
+            pass
+        pol.observe(losing, num_running=256)
+    assert pol.probe_wait == 32
+    for _ in range(6):  # the round's tail holds 8 requests (<= 3/4 x 256): the backoff resets there
+        if pol.begin_step(8):
+            pol.observe(losing, num_running=8)  # its load probe fails, and the reset's due timer probe
+    assert pol.probe_wait == 8 and pol.floor == 8
+    assert not pol.begin_step(256) and pol.probe_wait == 32  # the next round: 256's backoff is back
+    fired = [i for i in range(40) if pol.begin_step(256) and pol.probe_trigger == "timer"]
+    assert fired and fired[0] >= 16  # the wait since the last timer probe is 32 again, not 8
+
+
 def test_the_probe_bank_holds_at_most_its_probes_worth_after_long_paused_stretches() -> None:
     # Cheap probes (1 ms) between long runs of expensive paused steps (10 ms, 0.2 ms saved each): the allowance
     # is capped at PROBE_BANK probes, so a long pause cannot buy a burst of probes later.

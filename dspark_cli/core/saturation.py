@@ -441,7 +441,8 @@ class SaturationPolicy:
       1/(MAX_PROBE_BACKOFF x resume_every). The backoff is what timer probes failed at their load: once the
       load has held within ``LOAD_SETTLE_RISE`` (or one request) for ``resume_every`` paused steps, at or below
       ``LOAD_FALL`` of the load where the last timer probe failed, the wait goes back to ``resume_every``, or
-      to what failures at this load's power-of-two bucket had backed it off to. On an H100 (docs/PERFORMANCE.md
+      to what failures at this load's power-of-two bucket had backed it off to; and a load back in a bucket
+      whose timer probes failed gets the wait they earned there back (a closed loop's refill after its drain). On an H100 (docs/PERFORMANCE.md
       section 36) a shape warm-up's timer probes failed at 124-256 requests and backed the wait off to 256
       paused steps before a 16-request cell where drafting paid 1.1-1.3x. A draining batch, a straggler tail
       shorter than that wait, or a full batch losing a request or two is no such load, and keeps the backoff.
@@ -655,6 +656,19 @@ class SaturationPolicy:
             self._probe_wait = max(self.resume_every, self._failed_waits.get(bucket, 0))
             self._timer_failed_load = self._held_steps = 0
 
+    def _restore_backoff(self, num_running: int) -> None:
+        """Back at a load whose timer probes failed, the wait they earned there comes back.
+
+        A lighter load that held reset it (the tail of a closed loop's wave, or the round between two
+        interleaved rounds), and the batch refilled to the load where drafting had lost: on an H100
+        (docs/PERFORMANCE.md section 40) every round at 256 requests then probed at 16, 32, 64... paused steps
+        again, 13 timer probes in a cell where one backoff would have run 7, each verifying every draft at
+        ~6.7x a paused step's time."""
+        wait = self._failed_waits.get(StepTimeCalibration.load_bucket(num_running), 0)
+        if wait > self._probe_wait:
+            self._probe_wait = wait
+            self._timer_failed_load, self._held_steps = num_running, 0
+
     def _backed_off_at(self, num_running: int) -> None:
         """The timer's wait is backed off at this load: what a lighter load that holds resets (class docstring)."""
         self._timer_failed_load = num_running
@@ -692,6 +706,7 @@ class SaturationPolicy:
             return True  # a probe lasts until its verdict is observed (one step unless judged on outcomes)
         self._paused_steps += 1
         self._hold_lighter_load(num_running)
+        self._restore_backoff(num_running)
         if num_running <= LOAD_FALL * self._floor:
             trigger = "load"
         elif self._top > 0 and num_running >= LOAD_RISE * self._top:  # 0: the pausing load was not given
