@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -1303,6 +1304,54 @@ def test_a_refill_to_a_backed_off_load_restores_the_wait_a_drain_reset() -> None
     assert not pol.begin_step(256) and pol.probe_wait == 32  # the next round: 256's backoff is back
     fired = [i for i in range(40) if pol.begin_step(256) and pol.probe_trigger == "timer"]
     assert fired and fired[0] >= 16  # the wait since the last timer probe is 32 again, not 8
+
+
+def _run_loads(pol: SaturationPolicy, loads: list[int], pays: Callable[[int], bool]) -> list[tuple[int, int, str]]:
+    """Run ``loads`` step by step, judging drafting steps by ``pays``; returns the failed timer probes as
+    (step, load, trigger)."""
+    failed = []
+    for i, r in enumerate(loads):
+        if pol.begin_step(r):
+            probing, trigger = pol.probing, pol.probe_trigger
+            pol.observe(pays(r), num_running=r)
+            if probing and not pays(r):
+                failed.append((i, r, trigger))
+    return failed
+
+
+def test_a_ceiling_re_pause_keeps_where_its_backoff_was_earned_and_a_losing_top_stays_a_ceiling() -> None:
+    """Drafting loses at 64 and 256 and pays at 120-180 and at 40 or fewer. Paused at 64, the timer backs off
+    at 256; a load probe pays at 40 (ceiling 64); back at 256 the ceiling re-pauses with that backoff. It was
+    earned at 256, so a cell at 150 that holds resets it there (not after ~500 steps); and once a probe pays at
+    150, 256 -- found losing in this pause -- is the ceiling, so drafting pauses there at once again."""
+    def pays(r: int) -> bool:
+        return 120 <= r <= 180 or r <= 40
+    pol = SaturationPolicy(patience=2, resume_every=16)
+    _run_loads(pol, [64] * 4 + [256] * 2000, pays)
+    assert not pol.drafting_enabled and pol.probe_wait == 512 and pol.top == 256
+    _run_loads(pol, [40] * 6, pays)
+    assert pol.drafting_enabled and pol.ceiling == 64
+    _run_loads(pol, [256] * 10, pays)
+    assert not pol.drafting_enabled and pol.probe_wait == 512
+    steps = next(i for i in range(1, 200) if pol.begin_step(150))
+    assert steps <= 40 and pol.probe_trigger == "timer"  # the hold at 150 reset the backoff earned at 256
+    pol.observe(True, num_running=150)
+    assert pol.drafting_enabled and pol.ceiling == 256
+    assert not pol.begin_step(256)
+
+
+def test_closed_loop_waves_keep_the_heavy_loads_backoff_across_the_tails_that_resume() -> None:
+    """Waves at 256 requests (drafting loses) whose tails drain to 4 (drafting pays): each tail's load probe
+    resumes drafting under a ceiling and the next wave re-pauses at once. The backoff the timer earned at 256
+    comes back with it: after the first wave, two timer probes per wave (the longest wait), not the whole
+    16, 32, 64... ramp again (section 40's storm, across pauses)."""
+    wave = [256] * 600 + list(range(240, 8, -16)) + [8] * 40 + [4] * 10
+    pol = SaturationPolicy(patience=2, resume_every=8)
+    failed = _run_loads(pol, wave * 6, lambda r: r <= 4)
+    per_wave = [sum(1 for i, r, t in failed if t == "timer" and r == 256 and w * len(wave) <= i < (w + 1) * len(wave))
+                for w in range(6)]
+    assert per_wave[0] >= 5 and all(n <= 2 for n in per_wave[1:]), per_wave
+    assert pol.counters.probes["load", "paid"] == 6  # every tail still resumes drafting where it pays
 
 
 def test_the_probe_bank_holds_at_most_its_probes_worth_after_long_paused_stretches() -> None:

@@ -453,12 +453,15 @@ class SaturationPolicy:
       once: the contention that made drafting unprofitable may be gone. A failed one lowers that floor to
       its own load and leaves the timer alone. If one pays, drafting resumes with a *ceiling*: once the
       load is back at the one that paused drafting, drafting pauses again at once, with the probe wait it
-      had (not after ``patience`` more losing steps) and what that pause had found: a heavier load the batch
-      came back at was never judged, and a rise probe may still find drafting paying there. So does a timer probe that pays below the load that
+      had (not after ``patience`` more losing steps). So does a timer probe that pays below the load that
       paused drafting (a batch draining between the timer's probes): on the H200 (vLLM, docs/PERFORMANCE.md
       section 27) one paid at 11 requests at the end of a 16-request cell, and the next cell's ramp to 64
-      requests began drafting. A timer probe that pays at or above that load clears the ceiling. A refill before a
-      low-load probe has its evidence ends that probe unjudged.
+      requests began drafting. A probe that pays below a heavier load found losing in the pause (a failed
+      rise probe's) makes that load the ceiling; one that pays at or above every such load clears it. The
+      re-pause keeps what the pause before had found -- its floor, its top, and where its backoff was
+      earned -- and not the load the batch came back at, which was never judged: a rise probe may still
+      find drafting paying there. A refill before a low-load probe has its evidence ends that probe
+      unjudged.
     * **load rose**: when the number of running requests rises to >= 4/3 of the highest load at which
       drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs as
       soon as the load has settled (grown by less than ``LOAD_SETTLE_RISE`` over ``LOAD_SETTLE_STEPS``
@@ -547,6 +550,8 @@ class SaturationPolicy:
         self._ceiling_wait = resume_every
         self._ceiling_floor = 0
         self._ceiling_top = 0
+        # The backoff the pause before had earned: the load of its last failed timer probe and its failed waits
+        self._ceiling_earned: tuple[int, dict[int, int]] = (0, {})
         self._paused_steps = 0
         self._probe_wait = resume_every
         # The backoff's reset (class docstring): the load of this pause's last failed timer probe (0: none), the
@@ -694,6 +699,13 @@ class SaturationPolicy:
                 # load would get no rise probe (4/3 of 256 requests never comes); claimed as where drafting
                 # paused, a later paying probe would make it the ceiling and draft at the losing loads below it.
                 self._floor, self._top = floor, max(top, ceiling)
+                # and where its backoff was earned: timer probes that failed at a heavier load than the ceiling
+                # (a hold between 3/4 of the two must reset it), and each bucket's wait for the next refill
+                failed_load, waits = self._ceiling_earned
+                for bucket, wait in waits.items():
+                    self._failed_waits[bucket] = max(wait, self._failed_waits.get(bucket, 0))
+                if failed_load and self._probe_wait > self.resume_every:
+                    self._timer_failed_load = failed_load
                 return False
             return True
         if self._probing:
@@ -900,11 +912,14 @@ class SaturationPolicy:
                     # Paid below the load that paused drafting (every load-fall probe, a timer probe in a drain):
                     # that load is still known to lose, so it becomes the ceiling.
                     wait, floor, top = self._probe_wait, self._floor, self._top
-                    below = self._probe_running < self._paused_at
+                    earned = (self._timer_failed_load, dict(self._failed_waits))
+                    # Below a heavier load found losing in this pause (a failed rise probe's, or the one a
+                    # ceiling re-pause came back at), that load is the ceiling.
+                    ceiling = next((load for load in (self._paused_at, top) if self._probe_running < load), None)
                     self._resume()
-                    if below:
-                        self._ceiling, self._ceiling_wait = self._paused_at, wait
-                        self._ceiling_floor, self._ceiling_top = floor, top
+                    if ceiling is not None:
+                        self._ceiling, self._ceiling_wait = ceiling, wait
+                        self._ceiling_floor, self._ceiling_top, self._ceiling_earned = floor, top, earned
                     return
                 self._floor = min(self._floor, self._probe_running)
                 self._top = max(self._top, self._probe_running)
