@@ -442,9 +442,10 @@ class SaturationPolicy:
       load has held within ``LOAD_SETTLE_RISE`` (or one request) for ``resume_every`` paused steps, at or below
       ``LOAD_FALL`` of the load where the last timer probe failed, the wait goes back to ``resume_every``, or
       to what failures at this load's power-of-two bucket had backed it off to; and a load back in a bucket
-      whose timer probes failed gets the wait they earned there back (a closed loop's refill after its drain). On an H100 (docs/PERFORMANCE.md
-      section 36) a shape warm-up's timer probes failed at 124-256 requests and backed the wait off to 256
-      paused steps before a 16-request cell where drafting paid 1.1-1.3x. A draining batch, a straggler tail
+      whose timer probes failed gets the wait they earned there back (a closed loop's refill after its
+      drain). On an H100 (docs/PERFORMANCE.md section 36) a shape warm-up's timer probes failed at 124-256
+      requests and backed the wait off to 256 paused steps before a 16-request cell where drafting paid
+      1.1-1.3x. A draining batch, a straggler tail
       shorter than that wait, or a full batch losing a request or two is no such load, and keeps the backoff.
       A pause that starts backed off (a resume lost within its probation, a ceiling the load came back to) was
       backed off at its load, as a failed timer probe's wait is, and resets alike.
@@ -910,11 +911,10 @@ class SaturationPolicy:
                 self.counters.probes[trigger, "paid" if paid else "failed"] += 1
                 if paid:
                     # Paid below the load that paused drafting (every load-fall probe, a timer probe in a drain):
-                    # that load is still known to lose, so it becomes the ceiling.
+                    # that load is still known to lose, so it becomes the ceiling; paid above it but below a
+                    # heavier load found losing in this pause (a failed rise probe's), that one does.
                     wait, floor, top = self._probe_wait, self._floor, self._top
                     earned = (self._timer_failed_load, dict(self._failed_waits))
-                    # Below a heavier load found losing in this pause (a failed rise probe's, or the one a
-                    # ceiling re-pause came back at), that load is the ceiling.
                     ceiling = next((load for load in (self._paused_at, top) if self._probe_running < load), None)
                     self._resume()
                     if ceiling is not None:
