@@ -163,12 +163,12 @@ def run_calibration(
         raise DsparkError("no trace files given; pass TRACES.jsonl (recorded with `dspark serve --record-traces`)")
     if not 2 <= bins <= MAX_BINS:  # past it the fit's [grid, bins] table alone outgrows any memory
         raise DsparkError(f"--bins must be in 2..{MAX_BINS}, got {bins}")
-    output = Path(output).expanduser()
-    check_output_file(output, "-o/--output")
+    output = check_output_file(output, "-o/--output")  # as given: a trailing separator names a folder
     if plot is not None:
         plot = check_figure_file(plot, "--plot")
         if plot.resolve() == output.resolve():
             raise DsparkError(f"--plot and -o/--output are both {output}; give the diagram its own path")
+    traces = [Path(t).expanduser() for t in traces]
     check_trace_folders(traces)
     traces = _distinct_inputs(traces, output, plot)
     ts = read_traces(list(traces), skip_invalid=skip_invalid)
@@ -189,4 +189,6 @@ def run_calibration(
         plot_path = plot_reliability(conf, verified, accepted, fit, plot, bins) if plot is not None else None
     except KeyboardInterrupt:
         raise DsparkError(f"interrupted; {out} was written, the diagram {plot} was not") from None
+    except DsparkError as exc:  # the diagram could not be written: the temperatures were
+        raise DsparkError(f"{exc}; {out} was written") from None
     return CalibrationResult(fit, out, plot_path, len(ts.records), ts.skipped, conf.shape[1], fit.warnings())

@@ -198,7 +198,8 @@ def profile_sps(
 def calibrate(
     traces: list[Path] = typer.Argument(..., help="Trace JSONL files (or folders of *.jsonl) from either engine.",
                                         show_default=False),
-    output: Path = typer.Option(Path("sts.json"), "--output", "-o", help="Where to write the temperatures."),
+    # str, not Path: Path drops a trailing separator, and "-o new/" would write a file named "new"
+    output: str = typer.Option("sts.json", "--output", "-o", help="Where to write the temperatures."),
     plot: Path = typer.Option(None, "--plot", help="Also write a reliability diagram here (.png, .pdf, .svg; "
                               "no suffix writes PNG)."),
     bins: int = typer.Option(20, "--bins", help="Equal-width ECE bins (2..1000)."),

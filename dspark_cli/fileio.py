@@ -62,7 +62,7 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
     """Refuse, in one line, an output path that cannot be written, before the work that fills it: a bad path
     found after a long profile or eval would lose the result. Creates the missing parent folders."""
     target = Path(path).expanduser()
-    if target.is_dir():
+    if target.is_dir() or str(path).endswith(("/", os.sep)):  # Path drops the separator: "new/" would be a file
         raise DsparkError(f"{flag} {path} is a folder; name the file to write")
     if target.exists() and not target.is_file():
         raise DsparkError(f"{flag} {path} is not a regular file (a device, FIFO or socket); name a file to write")

@@ -292,3 +292,29 @@ def test_outputs_that_would_replace_or_join_the_traces_are_refused(tmp_path: Pat
     # an input given twice is read once: the fit counts each record once
     result = run_calibration([traces, traces], tmp_path / "s.json")
     assert result.num_records == 400 and result.fit.num_rows == 400
+
+
+def test_inputs_and_outputs_expand_home_and_a_trailing_separator_names_a_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    conf, v, a = synth_traces(3, 3000, T_STAR)
+    write_traces(tmp_path / "t.jsonl", conf, v, a)
+    code, out, err = run_cli(monkeypatch, capsys, "calibrate", "~/t.jsonl", "-o", "~/sts.json")
+    assert code == 0, err
+    assert len(json.loads((tmp_path / "sts.json").read_text())["temperatures"]) == len(T_STAR)
+    code, out, err = run_cli(monkeypatch, capsys, "calibrate", str(tmp_path / "t.jsonl"), "-o", f"{tmp_path}/new/")
+    assert code == 1 and "is a folder; name the file to write" in err and not (tmp_path / "new").exists()
+
+
+def test_a_diagram_that_cannot_be_written_says_the_temperatures_were(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    conf, v, a = synth_traces(4, 3000, T_STAR)
+    traces = write_traces(tmp_path / "t.jsonl", conf, v, a)
+
+    def full_disk(fig: object, path: Path) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("dspark_cli.calibrate.atomic_write_figure", full_disk)
+    with pytest.raises(DsparkError, match=r"No space left on device; .*sts\.json was written"):
+        run_calibration([traces], tmp_path / "sts.json", plot=tmp_path / "r.png")
+    assert (tmp_path / "sts.json").is_file()

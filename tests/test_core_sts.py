@@ -439,3 +439,14 @@ def test_thin_position_stays_anchored_to_its_predecessor_across_refits() -> None
     assert float(sts.trials[1].sum()) < 400
     assert torch.allclose(temps[-1], temps[3])  # settled: no drift with no new outcomes
     assert float(temps[-1][1]) > 1.5  # still near position 1's T (~3), far from its own thin fit (~0.5)
+
+
+def test_an_sts_file_and_traces_given_with_a_home_path_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dspark bench --simulate --sts=~/sts.json --traces=~/t.jsonl`: the shell leaves `~` after `=` to us."""
+    from dspark_cli.core.traces import read_traces
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "sts.json").write_text('{"version": 1, "temperatures": [1.5, 2.0]}')
+    (tmp_path / "t.jsonl").write_text('{"conf": [0.5, 0.5], "verified": 2, "accepted": 1}\n')
+    assert load_sts("~/sts.json") == (1.5, 2.0)
+    assert len(read_traces("~/t.jsonl").records) == 1

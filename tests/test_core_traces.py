@@ -195,3 +195,25 @@ def test_a_home_relative_trace_path_is_written_where_it_is_checked(tmp_path: Pat
     with TraceWriter("~/t.jsonl") as w:
         w.write({"conf": [0.5, 0.5], "verified": 1, "accepted": 1})
     assert (tmp_path / "home" / "t.jsonl").is_file() and not (tmp_path / "~").exists()
+
+
+def test_skipping_does_not_let_the_first_file_pick_k_for_a_larger_other_k(tmp_path: Path) -> None:
+    """--skip-invalid over a folder of two setups' traces: the file read first fixed K and the other's rows were
+    "invalid lines", so which K was fitted depended on the files' names."""
+    (tmp_path / "a.jsonl").write_text(json.dumps({"conf": [0.5] * 3, "verified": 3, "accepted": 1}) + "\n")
+    (tmp_path / "b.jsonl").write_text((json.dumps({"conf": [0.5] * 4, "verified": 4, "accepted": 2}) + "\n") * 5)
+    with pytest.raises(TraceFormatError, match=r"a\.jsonl|b\.jsonl") as info:
+        read_traces(tmp_path, skip_invalid=True)
+    assert "mix K values (1 rows of K=3 read first, 5 of K=4 skipped)" in str(info.value)
+
+
+def test_appending_refuses_another_k_in_the_data_parallel_ranks_files(tmp_path: Path) -> None:
+    """vLLM's data-parallel ranks write traces.dpN.jsonl beside the path given: a restart with another K must be
+    refused there too, or the rank files mix two K values."""
+    from dspark_cli.core.traces import check_appendable
+
+    base = tmp_path / "traces.jsonl"
+    (tmp_path / "traces.dp1.jsonl").write_text(json.dumps({"conf": [0.5] * 4, "verified": 4, "accepted": 2}) + "\n")
+    check_appendable(base, "--record-traces", k=4)
+    with pytest.raises(DsparkError, match=r"traces\.dp1\.jsonl holds traces of K=4 and this server drafts K=5"):
+        check_appendable(base, "--record-traces", k=5)

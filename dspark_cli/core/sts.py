@@ -302,7 +302,7 @@ def load_sts(path: str | os.PathLike[str], num_positions: int | None = None) -> 
     With ``num_positions`` the table must cover that many positions; a longer table is cut to the first
     ``num_positions`` (positions mean the same thing whatever K the engine runs).
     """
-    p = Path(path)
+    p = Path(path).expanduser()
     if p.is_dir():
         raise DsparkError(f"{p}: is a folder, not an sts.json file; pass the file `dspark calibrate -o` wrote "
                           f"(e.g. {p / 'sts.json'})")

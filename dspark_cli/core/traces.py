@@ -8,6 +8,7 @@ and point at ``file:line`` for anything else, so a truncated or hand-edited file
 
 from __future__ import annotations
 
+import glob
 import logging
 import math
 import os
@@ -82,6 +83,10 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+class _OtherK(ValueError):
+    """A well-formed row whose K differs from the rows before it."""
+
+
 def _parse_line(line: bytes, expected_k: int | None) -> TraceRecord:
     """Parse and validate one line; raises ValueError with the problem (caller adds file:line)."""
     try:
@@ -98,7 +103,7 @@ def _parse_line(line: bytes, expected_k: int | None) -> TraceRecord:
             raise ValueError(f"'conf' holds {c!r}; probabilities must be in [0, 1]")
     k = len(conf)
     if expected_k is not None and k != expected_k:
-        raise ValueError(f"'conf' has {k} positions but earlier rows have {expected_k}")
+        raise _OtherK(f"'conf' has {k} positions but earlier rows have {expected_k}")
     v, a = obj.get("verified"), obj.get("accepted")
     if not _is_int(v) or not _is_int(a):
         raise ValueError("'verified' and 'accepted' must be integers")
@@ -117,7 +122,7 @@ def _expand(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) ->
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     out: list[Path] = []
     for item in items:
-        p = Path(item)
+        p = Path(item).expanduser()
         if p.is_dir():
             out.extend(sorted(p.glob("*.jsonl")))
         else:
@@ -132,13 +137,16 @@ def read_traces(
     """Read trace JSONL files (or folders of ``*.jsonl``) in order.
 
     Every row must have the same K. A bad line raises :class:`TraceFormatError` naming ``file:line``,
-    unless ``skip_invalid``, in which case it is counted in ``skipped`` (the first valid row fixes K).
+    unless ``skip_invalid``, in which case it is counted in ``skipped`` (the first valid row fixes K; rows of
+    another K outnumbering the rows kept are an error even then: which K won would depend on the files' order).
     Blank lines are ignored. A missing or unreadable file is always an error. ``sources``: where given, the
     index of the file each record came from is appended to it (request ids are a file's own: two runs' files
     may both hold ``gen-0``).
     """
     records: list[TraceRecord] = []
     skipped = 0
+    other_k: dict[int, int] = {}  # K -> rows of that K skipped
+    first_other: str = ""
     k: int | None = None
     for file_index, path in enumerate(_expand(paths)):
         try:
@@ -151,6 +159,14 @@ def read_traces(
                     continue
                 try:
                     rec = _parse_line(line, k)
+                except _OtherK as exc:
+                    if not skip_invalid:
+                        raise TraceFormatError(f"{path}:{lineno}: {exc}; {_SHAPE_HINT}") from None
+                    skipped += 1
+                    row_k = len(orjson.loads(line)["conf"])
+                    other_k[row_k] = other_k.get(row_k, 0) + 1
+                    first_other = first_other or f"{path}:{lineno}"
+                    continue
                 except ValueError as exc:
                     if skip_invalid:
                         skipped += 1
@@ -161,6 +177,10 @@ def read_traces(
                 records.append(rec)
                 if sources is not None:
                     sources.append(file_index)
+    if other_k and sum(other_k.values()) > len(records):
+        counts = ", ".join(f"{n} of K={kk}" for kk, n in sorted(other_k.items()))
+        raise TraceFormatError(f"{first_other}: the traces mix K values ({len(records)} rows of K={k} read first, "
+                               f"{counts} skipped); pass one K's files (one server setup's traces) at a time")
     return TraceSet(records, skipped)
 
 
@@ -175,18 +195,21 @@ def check_appendable(path: str | os.PathLike[str], flag: str, k: int | None = No
     traces are appended, and rows after a curve or an ``sts.json`` would leave both unreadable, as rows of
     another K leave the trace file (the reader takes one K per file)."""
     target = Path(path).expanduser()
-    if not target.is_file() or target.stat().st_size == 0:
-        return
-    with target.open("rb") as fh:
-        first = fh.readline()
-    try:
-        rec = _parse_line(first, None)
-    except ValueError as exc:
-        raise DsparkError(f"{flag} {path} holds something other than traces (line 1: {exc}); traces are appended "
-                          "to it: pass a new file or a traces JSONL") from None
-    if k is not None and len(rec.conf) != k:
-        raise DsparkError(f"{flag} {path} holds traces of K={len(rec.conf)} and this server drafts K={k}; one file "
-                          f"holds one K (dspark calibrate reads it as one fit): pass a new file for K={k}")
+    # vLLM's data-parallel ranks write FILE.dpN.jsonl beside it (engines/vllm/manager.py): each is appended to
+    ranks = sorted(target.parent.glob(f"{glob.escape(target.stem)}.dp[0-9]*{glob.escape(target.suffix or '.jsonl')}"))
+    for file in [target, *ranks]:
+        if not file.is_file() or file.stat().st_size == 0:
+            continue
+        with file.open("rb") as fh:
+            first = fh.readline()
+        try:
+            rec = _parse_line(first, None)
+        except ValueError as exc:
+            raise DsparkError(f"{flag} {file} holds something other than traces (line 1: {exc}); traces are "
+                              "appended to it: pass a new file or a traces JSONL") from None
+        if k is not None and len(rec.conf) != k:
+            raise DsparkError(f"{flag} {file} holds traces of K={len(rec.conf)} and this server drafts K={k}; one "
+                              f"file holds one K (dspark calibrate reads it as one fit): pass a new file for K={k}")
 
 
 class TraceWriter:
