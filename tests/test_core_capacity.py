@@ -1233,19 +1233,32 @@ def test_a_ceiling_re_pause_keeps_the_floor_the_pause_had_found() -> None:
     assert not pol.begin_step(40) and not pol.probing
 
 
+def _resumed_under_a_ceiling_of_64(resume_every: int, failed_timer_probes: int = 0) -> SaturationPolicy:
+    """Paused at 64 requests (after ``failed_timer_probes`` failed timer probes there); a load probe at 40 paid, so
+    drafting runs again under a ceiling of 64."""
+    pol = SaturationPolicy(patience=1, resume_every=resume_every)
+    losing, paying = _decision(0, 0.7, 1.0), _decision(5, 1.3, 1.0)
+    pol.begin_step(64)
+    pol.observe(losing, num_running=64)
+    assert not pol.drafting_enabled and pol.top == 64
+    for _ in range(failed_timer_probes):
+        while not pol.begin_step(64):
+            pass
+        pol.observe(losing, num_running=64)
+    assert pol.probe_wait == resume_every * 2**failed_timer_probes  # each failure doubles the wait
+    assert pol.begin_step(40) and pol.probe_trigger == "load"
+    pol.observe(paying, num_running=40)
+    assert pol.drafting_enabled and pol.ceiling == 64
+    return pol
+
+
 def test_a_ceiling_re_pause_at_a_heavier_load_knows_only_what_the_pause_before_found() -> None:
     """A load probe paid at 40 requests under a pause at 64; the next cell jumps to 256 (docs/PERFORMANCE.md section
     39's log). The ceiling pauses drafting at once, but drafting was never judged at 256: claimed as the top, 256
     would get no rise probe (4/3 x 256 never comes) where drafting can pay again (section 15), and claimed as where
     drafting paused, the next paying load probe would set a ceiling of 256 and draft at the losing 64."""
-    pol = SaturationPolicy(patience=1, resume_every=16)
+    pol = _resumed_under_a_ceiling_of_64(resume_every=16)
     losing, paying = _decision(0, 0.7, 1.0), _decision(5, 1.3, 1.0)
-    pol.begin_step(64)
-    pol.observe(losing, num_running=64)
-    assert not pol.drafting_enabled and pol.top == 64
-    assert pol.begin_step(40) and pol.probe_trigger == "load"
-    pol.observe(paying, num_running=40)
-    assert pol.drafting_enabled and pol.ceiling == 64
     assert not pol.begin_step(256)  # the load that lost is exceeded: paused at once
     assert pol.top == 64 and pol.floor == 64
     fired = []
@@ -1265,18 +1278,7 @@ def test_a_ceiling_re_pause_at_a_heavier_load_knows_only_what_the_pause_before_f
 def test_a_ceiling_re_pause_keeps_its_backoff_at_the_load_that_earned_it() -> None:
     """A backoff the ceiling carries was earned at the ceiling's load: a lighter load that holds resets it, and the
     heavier load the batch jumped to is not lighter than that."""
-    pol = SaturationPolicy(patience=1, resume_every=4)
-    losing, paying = _decision(0, 0.7, 1.0), _decision(5, 1.3, 1.0)
-    pol.begin_step(64)
-    pol.observe(losing, num_running=64)
-    for _ in range(3):  # three failed timer probes at 64: the wait backs off to 32
-        while not pol.begin_step(64):
-            pass
-        pol.observe(losing, num_running=64)
-    assert pol.probe_wait == 32
-    assert pol.begin_step(40) and pol.probe_trigger == "load"
-    pol.observe(paying, num_running=40)
-    assert pol.drafting_enabled and pol.ceiling == 64
+    pol = _resumed_under_a_ceiling_of_64(resume_every=4, failed_timer_probes=3)  # the wait backs off to 32
     assert not pol.begin_step(100) and pol.probe_wait == 32
     for _ in range(40):  # 60 is not lighter than 3/4 of 64: the backoff holds
         if pol.begin_step(60):
