@@ -531,6 +531,9 @@ def bench(
     probe_tax: float = typer.Option(PROBE_TAX, "--probe-tax",
                                     help="With --simulate: share of paused time probes may spend (the served "
                                          "dspark_probe_tax)."),
+    probe_scout: bool = typer.Option(False, "--probe-scout",
+                                     help="With --simulate: a probe's first step drafts and verifies nothing, and "
+                                          "the probe plans on what it recorded (the served dspark_probe_scout)."),
     sts: str = typer.Option(None, "--sts", help="With --simulate: offline sts.json (adds manager+offline-sts)."),
     sim_steps: int = typer.Option(None, "--steps", help="With --simulate: steps per concurrency (default: cover the traces once)."),
     sampling_draft: bool = typer.Option(False, "--sampling-draft",
@@ -571,7 +574,7 @@ def bench(
                 num_spec_tokens=num_spec_tokens, policies=policies, thresholds=threshold,
                 min_predicted_gain=min_predicted_gain, saturation_patience=saturation_patience, sts=sts,
                 num_steps=sim_steps, plots=plots, sampling=sampling_draft, manager_sps_curve=manager_sps_curve,
-                resume_every=resume_every, probe_tax=probe_tax,
+                resume_every=resume_every, probe_tax=probe_tax, probe_scout=probe_scout,
                 on_progress=lambda c, name: progress.update(task, advance=1, description=f"c={c} {name}"),
             )
         console.print(sim.to_rich(run.cells, run.names, run.title))
@@ -585,7 +588,7 @@ def bench(
         ("-k", num_spec_tokens is not None), ("--traces", bool(traces)), ("--policies", policies is not None),
         ("--threshold", threshold is not None), ("--min-predicted-gain", min_predicted_gain is not None),
         ("--saturation-patience", saturation_patience != 8), ("--resume-every", resume_every != 16),
-        ("--probe-tax", probe_tax != PROBE_TAX), ("--sts", sts is not None),
+        ("--probe-tax", probe_tax != PROBE_TAX), ("--probe-scout", probe_scout), ("--sts", sts is not None),
         ("--steps", sim_steps is not None), ("--sampling-draft", sampling_draft),
         ("--manager-sps-curve", manager_sps_curve is not None)) if given]
     if simulate_only:

@@ -70,6 +70,7 @@ DSPARK_KEYS = (
     "dspark_saturation_patience",
     "dspark_resume_every",
     "dspark_probe_tax",
+    "dspark_probe_scout",
     "dspark_sts_refit_interval",
     *(f"dspark_{name}" for name in ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps",
                                     "draft_defer_prompts")),
@@ -112,6 +113,7 @@ class ServeSettings:
     saturation_patience: int | None = None
     resume_every: int | None = None
     probe_tax: float | None = None  # None: the core's default (CapacityConfig.probe_tax)
+    probe_scout: bool | None = None  # None: the core's default (CapacityConfig.probe_scout, off)
     sts_refit_interval: int | None = None
     draft_catchup_tokens: int | None = None  # vLLM engine only (VLLM_ONLY_FIELDS)
     mask_paused_compact: bool | None = None  # vLLM engine only
@@ -166,7 +168,8 @@ class ServeSettings:
             out["dspark_confidence_temperature"] = self.confidence_temperature
         if self.record_traces is not None:
             out["dspark_record_traces"] = self.record_traces
-        for key in ("saturation_patience", "resume_every", "probe_tax", "sts_refit_interval", *VLLM_ONLY_FIELDS):
+        for key in ("saturation_patience", "resume_every", "probe_tax", "probe_scout", "sts_refit_interval",
+                    *VLLM_ONLY_FIELDS):
             if getattr(self, key) is not None:
                 out[f"dspark_{key}"] = getattr(self, key)
         return out
@@ -332,7 +335,7 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
     if "dspark_draft_catchup_tokens" in obj:
         out["draft_catchup_tokens"] = as_int(f"{w} dspark_draft_catchup_tokens", obj["dspark_draft_catchup_tokens"],
                                               minimum=0)
-    for name in ("mask_paused_compact", "plain_paused_steps", "draft_defer_prompts"):
+    for name in ("probe_scout", "mask_paused_compact", "plain_paused_steps", "draft_defer_prompts"):
         if f"dspark_{name}" in obj:
             out[name] = as_bool(f"{w} dspark_{name}", obj[f"dspark_{name}"])
     return out
@@ -462,7 +465,7 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
             ("--min-predicted-gain", s.min_predicted_gain is not None),
             ("dspark_confidence_temperature", s.confidence_temperature is not None),
             *((f"dspark_{name}", getattr(s, name) is not None)
-              for name in ("saturation_patience", "resume_every", "probe_tax", "sts_refit_interval",
+              for name in ("saturation_patience", "resume_every", "probe_tax", "probe_scout", "sts_refit_interval",
                            *VLLM_ONLY_FIELDS))) if on]
         if moot:
             out.append(capacity_mode_none_warning(moot))
@@ -495,6 +498,9 @@ def _check_consistency(s: ServeSettings) -> None:
     if s.capacity_mode != "none" and not s.speculative:
         raise DsparkError(f"--capacity-mode {s.capacity_mode} needs speculation: pass a draft model and "
                           "--num-speculative-tokens > 0, or --capacity-mode none")
+    if s.probe_scout and s.capacity_mode == "mask":
+        raise DsparkError("--speculative-config dspark_probe_scout needs --capacity-mode varlen: mask mode computes "
+                          "every draft row whatever is verified, so a scout would cost a whole probe step; drop it")
     vllm_only = [f"dspark_{name}" for name in VLLM_ONLY_FIELDS if getattr(s, name) is not None]
     if s.engine == "embedded" and vllm_only:
         raise DsparkError(f"--speculative-config {', '.join(vllm_only)}: a setting of the vLLM plugin (how a paused "
@@ -671,6 +677,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         extra: dict[str, Any] = {k: v for k, v in (("saturation_patience", s.saturation_patience),
                                                    ("resume_every", s.resume_every),
                                                    ("probe_tax", s.probe_tax),
+                                                   ("probe_scout", s.probe_scout),
                                                    ("min_predicted_gain", s.min_predicted_gain)) if v is not None}
         capacity = CapacityConfig(mode=s.capacity_mode, policy=s.capacity_policy, budget_frac=s.budget_frac,
                                   threshold=s.confidence_threshold if s.capacity_policy == "threshold" else 0.0,

@@ -74,6 +74,17 @@ def test_greedy_identical_with_sts_and_saturation(pair: TinyPair, reference: lis
         assert engine.generate(prompts(6), GREEDY) == reference
 
 
+def test_greedy_identical_with_probe_scouts(pair: TinyPair, reference: list[list[int]]) -> None:
+    # A scout drafts (catching the draft up over the pause) and verifies nothing; the probe's next step verifies
+    # what its plan admits: neither may change an output.
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(pair.curve),
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2,
+                                                 probe_scout=True))
+    assert engine.generate(prompts(6), GREEDY) == reference
+    sat = engine.capacity.saturation.counters
+    assert sat.pauses >= 1 and sat.scout_steps >= 1 and sat.probe_steps > sat.scout_steps
+
+
 def test_greedy_identical_in_mixed_batches(pair: TinyPair, reference: list[list[int]]) -> None:
     """Greedy requests stay exact while sampled requests with other settings share their batches."""
     engine = make_engine(pair, capacity=_capacity("mask"), sps_curve=str(pair.curve))

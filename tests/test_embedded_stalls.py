@@ -310,6 +310,7 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
     assert m[("dspark:saturation_pauses_total", base)] == sat.pauses
     assert m[("dspark:saturation_resumes_total", base)] == sat.resumes
     assert m[("dspark:saturation_probe_steps_total", base)] == sat.probe_steps
+    assert m[("dspark:saturation_scout_steps_total", base)] == sat.scout_steps
     assert m[("dspark:saturation_deferred_probe_steps_total", base)] == sat.deferred_probe_steps
     assert m[("dspark:saturation_unmeasured_probe_steps_total", base)] == sat.unmeasured_probe_steps
     assert m[("dspark:saturation_rising_probe_steps_total", base)] == sat.rising_probe_steps

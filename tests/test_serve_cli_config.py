@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dspark_cli.engines.vllm.config import DsparkVllmSettings, settings_from_seed_keys
 from dspark_cli.errors import DsparkError
 from dspark_cli.serve_config import (
     DSPARK_KEYS,
@@ -197,6 +198,20 @@ def test_saturation_settings_reach_the_capacity_config() -> None:
         build_settings({}, json.dumps({**spec, "dspark_probe_tax": 2}))
     with pytest.raises(DsparkError, match="only supported by --engine vllm"):
         build_settings({}, json.dumps({"dspark_sts_refit_interval": 8}))
+
+
+def test_probe_scout_reaches_both_engines_and_is_refused_in_mask_mode() -> None:
+    spec = {"dspark_capacity_verification_mode": "varlen", "dspark_sps_curve": SEED_CURVE, "dspark_probe_scout": True}
+    launch = prepare_embedded(build_settings({}, json.dumps(spec)))
+    launch.cleanup()
+    assert launch.engine_config.capacity.probe_scout is True
+    s = build_settings(_flags(engine="vllm"), json.dumps(spec))
+    assert s.dspark_keys()["dspark_probe_scout"] is True
+    assert DsparkVllmSettings.from_dict(settings_from_seed_keys(s.dspark_keys())).capacity_config().probe_scout
+    with pytest.raises(DsparkError, match="dspark_probe_scout needs --capacity-mode varlen"):
+        build_settings({}, json.dumps({**spec, "dspark_capacity_verification_mode": "mask"}))
+    with pytest.raises(DsparkError, match="dspark_probe_scout: expected true or false"):
+        build_settings({}, json.dumps({**spec, "dspark_probe_scout": 1}))
 
 
 def test_scheduler_delay_factor_reaches_the_engine_config() -> None:

@@ -271,6 +271,25 @@ def test_mask_policies_pay_the_uniform_batch_and_never_trim_for_nothing() -> Non
     assert res["manager"].mean_verify < 1.0 and res["manager"].time_ms < res["mask"].time_ms
 
 
+def test_probe_scouts_replay_as_served_and_verify_nothing_where_drafting_loses() -> None:
+    """``probe_scout`` (the served ``dspark_probe_scout``): at 64 requests a probe's plan verifies every draft at
+    ~2.5x a step that verifies none, so each probe scouts; where drafting loses the judged step verifies nothing
+    either: past its first step (planned before any confidence came back) the manager verifies no draft, where
+    without scouts each probe verified all 256."""
+    k, r = 4, 64
+    conf = np.full((3000, k), 0.05)
+    data = trace_data(conf, np.full(3000, k), np.zeros(3000, dtype=np.int64), 50)
+    res = {}
+    for scout in (False, True):
+        opts = sim.SimOptions(families=("nospec", "manager"), num_steps=600, resume_every=4, probe_scout=scout)
+        assert opts.capacity_config().probe_scout is scout
+        res[scout] = sim.simulate_concurrency(data, linear_curve(), r, opts).results
+    off, on = res[False]["manager"], res[True]["manager"]
+    assert on.verified == r * k and off.verified >= 5 * r * k
+    assert on.drafting_steps > off.drafting_steps  # a scout and its judged step per probe
+    assert on.tok_s > off.tok_s
+
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CURVE = ROOT / "benchmarks" / "results" / "h200" / "profile_sps" / "llama3-8b.json"
 

@@ -25,6 +25,7 @@ from dspark_cli.core.saturation import PLAIN_SAMPLE_EVERY
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.engines.vllm import contract
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
+from dspark_cli.errors import DsparkError
 
 K = 4
 
@@ -108,9 +109,10 @@ def manager_cls(monkeypatch: pytest.MonkeyPatch):
     manager.build_manager_class.cache_clear()
 
 
-def _make(manager_cls, mode: str, r: int = 3, moe: bool = True, **settings_kw):
+def _make(manager_cls, mode: str, r: int = 3, moe: bool = True, curve: SpsCurve | None = None, **settings_kw):
     """A manager over 8 request slots. ``moe``: the model skips padding rows (MoE under the stand-in's
-    VLLM_MOE_SKIP_PADDING), so mask mode may trim; a dense model's mask mode verifies whole batches."""
+    VLLM_MOE_SKIP_PADDING), so mask mode may trim; a dense model's mask mode verifies whole batches. ``curve``:
+    the SPS curve (default: flat until 8 tokens, steep after)."""
     rs = types.SimpleNamespace(
         num_speculative_steps=K, max_num_reqs=8, max_num_batched_tokens=256, device=torch.device("cpu"),
         req_id_to_index={f"r{i}": i for i in range(r)},
@@ -119,8 +121,9 @@ def _make(manager_cls, mode: str, r: int = 3, moe: bool = True, **settings_kw):
     cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
                                 model_config=types.SimpleNamespace(is_moe=moe))
     # Flat until 8 tokens, steep after: verifying more than a handful of drafts does not pay.
-    curve = SpsCurve.from_points([(4, 10.0), (8, 10.0), (16, 40.0), (32, 80.0)], [(1, 5.0), (8, 5.0)],
-                                 capture_sizes=[4, 8, 16, 32])
+    if curve is None:
+        curve = SpsCurve.from_points([(4, 10.0), (8, 10.0), (16, 40.0), (32, 80.0)], [(1, 5.0), (8, 5.0)],
+                                     capture_sizes=[4, 8, 16, 32])
     settings = DsparkVllmSettings(mode=mode, sps_curve=curve.to_dict(), **settings_kw)
     m = manager_cls(settings=settings, mode=mode, vllm_config=cfg, req_states=rs,
                     query_start_loc=torch.zeros(9, dtype=torch.int32), num_bonus_tokens=1, max_total_logits=10_000)
@@ -350,16 +353,15 @@ def _upstream_record_confidences(self, confidence_probs, input_batch) -> None:
     self._stale_confidences[write].np[:] = self._confidence_probs.numpy()
 
 
-def test_a_probe_is_not_planned_on_the_confidences_that_paused_drafting(manager_cls, monkeypatch) -> None:
-    # The budget reads the snapshot before the latest: on a probe's verification that is the last one before
-    # the pause. Confidences of 0.01 paused drafting; the probe's own are 0.99, and its first verification
-    # planned on 0.01: priced as not paying, where a probe of one step is then judged failed.
+def _probe_run(manager_cls, monkeypatch, probe_conf: float, accepted: int, **settings_kw) -> tuple[list, Any]:
+    """Pause on confidences of 0.01 (upstream's double buffer), then run a probe whose drafts have ``probe_conf``
+    and accept ``accepted`` each: every verified batch's (probing, scout, budget, pays) until it is judged."""
     monkeypatch.setattr(Base, "record_confidences", _upstream_record_confidences)
-    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3)
+    m = _make(manager_cls, "varlen", saturation_patience=2, resume_every=3, **settings_kw)
     m._pause_supported = True
     per_req = {f"r{i}": 1 + K for i in range(3)}
     drafts = {x: [0] * K for x in per_req}
-    budgets = []
+    batches = []
 
     def step(conf: float, accepted: int) -> int:
         if m._drafts_real:
@@ -367,7 +369,8 @@ def test_a_probe_is_not_planned_on_the_confidences_that_paused_drafting(manager_
         m.get_num_tokens(per_req, drafts)
         verified = m._batch_budget is not None and m._drafts_real
         if verified:
-            budgets.append((m.saturation.probing, m._step_decision.pays))
+            d = m._step_decision
+            batches.append((m.saturation.probing, d.scout, m._batch_budget.budget, d.pays))
             m.reallocate_drafts(list(per_req), torch.arange(3))
         runner = _step_state(3)
         m.begin_drafting_step(runner)
@@ -379,11 +382,50 @@ def test_a_probe_is_not_planned_on_the_confidences_that_paused_drafting(manager_
         step(0.01, 0)
     while step(0.01, 0) == 0:  # paused until a probe drafts
         pass
-    budgets.clear()
+    batches.clear()
     while m.saturation.probing:
-        step(0.99, K)
-    assert budgets and budgets[0] == (True, True), budgets  # planned as paying, as the probe's drafts do
+        step(probe_conf, accepted)
+    return batches, m
+
+
+def test_a_probe_is_not_planned_on_the_confidences_that_paused_drafting(manager_cls, monkeypatch) -> None:
+    # The budget reads the snapshot before the latest: on a probe's verification that is the last one before
+    # the pause. Confidences of 0.01 paused drafting; the probe's own are 0.99, and its first verification
+    # planned on 0.01: priced as not paying, where a probe of one step is then judged failed.
+    batches, m = _probe_run(manager_cls, monkeypatch, 0.99, K)
+    assert batches and batches[0][0] and batches[0][3], batches  # planned as paying, as the probe's drafts do
     assert m.saturation.drafting_enabled
+
+
+def _scout_run(manager_cls, monkeypatch, probe_conf: float, accepted: int) -> tuple[list, Any]:
+    """:func:`_probe_run` with ``probe_scout`` on, verification priced by the token as at a heavy load: a probe's
+    plan on unknown confidences verifies all 12 drafts, at ~3x a batch that verifies none
+    (core.capacity.SCOUT_PRICE)."""
+    curve = SpsCurve.from_points([(1, 3.0), (32, 34.0)], [(1, 0.5), (8, 0.5)])
+    return _probe_run(manager_cls, monkeypatch, probe_conf, accepted, probe_scout=True, curve=curve)
+
+
+def test_a_scout_verifies_nothing_and_the_probe_plans_on_its_confidences(manager_cls, monkeypatch) -> None:
+    # probe_scout: the batch that verifies the scout's drafts verifies none and is not judged; the next plans on
+    # the scout's 0.99s (the stale snapshot by then), pays, and drafting resumes.
+    batches, m = _scout_run(manager_cls, monkeypatch, 0.99, K)
+    assert batches[0] == (True, True, 0, False), batches
+    assert batches[1][1:] == (False, batches[1][2], True) and batches[1][2] > 0, batches
+    assert m.saturation.drafting_enabled and m.saturation.counters.scout_steps == 1
+
+
+def test_a_scouted_probe_where_drafting_still_loses_verifies_no_draft(manager_cls, monkeypatch) -> None:
+    # Still 0.01: without a scout the probe planned on unknown confidences and verified all 12 drafts; with one,
+    # the judged batches plan on the scout's 0.01s, verify none, and the probe fails.
+    batches, m = _scout_run(manager_cls, monkeypatch, 0.01, 0)
+    assert [scout for _, scout, _, _ in batches][:2] == [True, False], batches
+    assert all(budget == 0 and not pays for _, _, budget, pays in batches), batches
+    assert not m.saturation.drafting_enabled and m.saturation.counters.probes["timer", "failed"] == 1
+
+
+def test_probe_scout_is_refused_in_mask_mode() -> None:
+    with pytest.raises(DsparkError, match="probe_scout needs mode varlen"):
+        DsparkVllmSettings(mode="mask", probe_scout=True)
 
 
 class _Scheduler:

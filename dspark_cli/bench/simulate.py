@@ -284,6 +284,7 @@ class SimOptions:
     saturation_patience: int = 8
     resume_every: int = 16
     probe_tax: float = PROBE_TAX
+    probe_scout: bool = False  # the served dspark_probe_scout: a probe's first step verifies nothing
     sts_temperatures: tuple[float, ...] | None = None  # offline STS (manager+offline-sts, online prior)
     num_steps: int | None = None  # None: default_num_steps
     # The curve the manager policies price with when it is not the one that times the steps (a mispriced
@@ -293,7 +294,7 @@ class SimOptions:
     def capacity_config(self) -> CapacityConfig:
         return CapacityConfig(mode="varlen", policy="argmax", min_predicted_gain=self.min_predicted_gain,
                               saturation_patience=self.saturation_patience, resume_every=self.resume_every,
-                              probe_tax=self.probe_tax)
+                              probe_tax=self.probe_tax, probe_scout=self.probe_scout)
 
 
 def parse_families(spec: str | None, have_sts: bool) -> tuple[str, ...]:
@@ -696,6 +697,7 @@ def run_simulation(
     manager_sps_curve: str | os.PathLike[str] | None = None,
     resume_every: int = 16,
     probe_tax: float = PROBE_TAX,
+    probe_scout: bool = False,
 ) -> SimulationRun:
     """``dspark bench --simulate``: replay, write one JSON per concurrency as it finishes, then the summary
     (``simulate.json``, ``simulate.md``) and ``simulate_throughput.png``; all writes are atomic.
@@ -704,9 +706,10 @@ def run_simulation(
     curve's sampling draft pass (``draft_sampling_curve_ms``), as the engines price such batches.
     ``manager_sps_curve``: the curve the manager policies price with, when it differs from the one that
     times every step (``sps_curve``); with ``sampling`` it is read the same way (a curve without sampling
-    points prices sampling steps like greedy ones, as an engine given that file would). ``resume_every`` and
-    ``probe_tax``: the saturation policy's, as ``dspark serve`` takes them (``dspark_resume_every``,
-    ``dspark_probe_tax``), so a served configuration replays as it ran."""
+    points prices sampling steps like greedy ones, as an engine given that file would). ``resume_every``,
+    ``probe_tax`` and ``probe_scout``: the saturation policy's, as ``dspark serve`` takes them
+    (``dspark_resume_every``, ``dspark_probe_tax``, ``dspark_probe_scout``), so a served configuration replays as
+    it ran."""
     if sps_curve is None or str(sps_curve) == "auto":
         raise DsparkError("--simulate needs a profiled curve: pass --sps-curve sps_curve.json "
                           "(from `dspark profile-sps`)")
@@ -736,6 +739,7 @@ def run_simulation(
         saturation_patience=saturation_patience,
         resume_every=resume_every,
         probe_tax=probe_tax,
+        probe_scout=probe_scout,
         sts_temperatures=temps,
         num_steps=num_steps,
         manager_curve=manager_curve,
@@ -761,6 +765,7 @@ def run_simulation(
         "saturation_patience": saturation_patience,
         "resume_every": resume_every,
         "probe_tax": probe_tax,
+        "probe_scout": probe_scout,
         "censoring": "a policy verifying beyond the recorded verified count is credited the recorded accepted "
                      "count (exact for traces recorded with capacity mode none)",
     }

@@ -30,7 +30,7 @@ the draft pass when verification stops paying; ``CapacityManager`` ties the piec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -49,6 +49,13 @@ from dspark_cli.errors import DsparkError
 # priced -0.77). At 32 requests a predicted +6.0% realized +3.7% and +3.2%. 0 trims on any predicted gain. The
 # threshold policy prunes as its threshold says unless a gain is asked for: its user chose the slots to keep.
 MIN_PREDICTED_GAIN = 0.03
+
+# A probe whose policy may scout (``probe_scout``; core.saturation, "Scouts") scouts where the plan it would run
+# instead -- every draft verified, on confidences it cannot know -- is priced above this many steps that verify
+# nothing: the scout, and where drafting still loses the judged step after it, which then verifies ~nothing. At a
+# light load verification is nearly free and one probe step is cheaper than two; at 256 requests of an 8B-shaped
+# target the probe's plan cost ~6.7x a paused step (docs/PERFORMANCE.md section 40).
+SCOUT_PRICE = 2.0
 
 Mode = Literal["none", "mask", "varlen"]
 Policy = Literal["argmax", "paper", "threshold"]
@@ -78,6 +85,7 @@ class CapacityConfig:
     resume_every: int = 16  # while paused, one probe step with drafting every N steps
     probe_tax: float = PROBE_TAX  # timed engines: probes may spend this share of paused time (SaturationPolicy)
     mask_pruning_saves: bool = False  # mask mode: padding rows are skipped (MoE with skip-padding), not computed
+    probe_scout: bool = False  # varlen: a probe's first step verifies nothing (SaturationPolicy, "Scouts")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -93,6 +101,13 @@ class CapacityConfig:
         check_probe_tax(self.probe_tax)
         if not isinstance(self.mask_pruning_saves, bool):
             raise DsparkError(f"capacity setting mask_pruning_saves must be true or false, got {self.mask_pruning_saves!r}")
+        if not isinstance(self.probe_scout, bool):
+            raise DsparkError(f"capacity setting probe_scout must be true or false, got {self.probe_scout!r}")
+        if self.probe_scout and self.mode == "mask":
+            # mask's uniform batch computes every draft row whatever is verified: a scout would cost a whole probe
+            # step and judge nothing (with no capacity manager the saturation policy never runs: no probe to scout)
+            raise DsparkError("capacity setting probe_scout needs capacity mode varlen: mask mode computes every "
+                              "draft row whatever is verified, so a scout would cost a whole probe step; drop it")
 
     @property
     def trim_margin(self) -> float:
@@ -214,6 +229,7 @@ class BudgetDecision:
     step_ms: float  # predicted step cost at the chosen budget
     total_drafts: int  # drafts available this step
     plain_ms: float = 0.0  # predicted cost of the same step decoded plainly (0: not priced)
+    scout: bool = False  # a probe's scout step: verifies nothing, is not judged (SaturationPolicy)
 
     @property
     def pays(self) -> bool:
@@ -298,6 +314,15 @@ def choose_budget(
         total_drafts=total,
         plain_ms=no_draft_cost,
     )
+
+
+def scout_or_probe(probe: BudgetDecision, scout: BudgetDecision) -> BudgetDecision:
+    """A probe's first step where its policy may scout: ``scout`` (the same batch with budget 0), marked as a scout,
+    where ``probe`` (the plan it would run) is priced above ``SCOUT_PRICE`` times it; else ``probe``, judged as
+    probes are."""
+    if scout.budget == 0 and probe.step_ms > SCOUT_PRICE * scout.step_ms:
+        return replace(scout, scout=True)
+    return probe
 
 
 # ---------------------------------------------------------------------------------------------- allocation
@@ -402,6 +427,11 @@ class CapacityManager:
     5. optionally, once the step's outcome is on the host, ``record_outcome(emitted_tokens)``: with
        ``plan(..., defer_saturation=True)`` the saturation policy then judges the step by what it really
        produced, not only by what the confidences predicted (see :meth:`record_outcome`).
+
+    With ``probe_scout`` the step that begins a probe may plan a budget of 0 (``BudgetDecision.scout``; where the
+    curve prices its plan above ``SCOUT_PRICE`` such steps, :func:`scout_or_probe`), and the probe's next step
+    plans on the scout's confidences -- the previous record when ``plan`` follows this step's
+    own, as above; an engine that plans before recording would read the snapshot from before the pause.
 
     Slots are engine-owned rows (0..max_slots-1). ``add_request(slot)`` marks a slot fresh: its device
     row and both host rows become 1 (unknown = "certainly accepted", as vLLM/SGLang do), and a snapshot
@@ -534,10 +564,14 @@ class CapacityManager:
         defer_saturation: bool = False,
         sampling: bool = False,
     ) -> BudgetDecision:
-        stale = self.stale_confidences(slots_np)
-        decision = choose_budget(
-            _np_survival(stale), num_drafts_np, num_nondraft_tokens, num_sampling, self.curve, self.cfg, sampling
-        )
+        survival = _np_survival(self.stale_confidences(slots_np))
+        decision = choose_budget(survival, num_drafts_np, num_nondraft_tokens, num_sampling, self.curve, self.cfg,
+                                 sampling)
+        if self.cfg.mode != "none" and self.saturation.scouting:
+            # The scout verifies nothing; the probe's next step plans on the confidences this one records.
+            decision = scout_or_probe(decision, choose_budget(survival, num_drafts_np, num_nondraft_tokens,
+                                                              num_sampling, self.curve, self.cfg, sampling,
+                                                              max_budget=0))
         self.last_decision = decision
         self._pending_running = len(slots_np)
         if self.cfg.mode != "none" and not defer_saturation:

@@ -395,6 +395,7 @@ class SaturationCounters:
     deferred_probe_steps: int = 0
     unmeasured_probe_steps: int = 0
     rising_probe_steps: int = 0
+    scout_steps: int = 0  # probe steps that scouted (probe_scout): counted in probe_steps too
     probes: dict[tuple[str, str], int] = field(
         default_factory=lambda: {(t, v): 0 for t in PROBE_TRIGGERS for v in PROBE_VERDICTS})
     last_probe: ProbeVerdict | None = None  # the evidence of the latest judged probe
@@ -524,6 +525,19 @@ class SaturationPolicy:
 
     An engine that reports no times is never held back. ``counters`` says what happened.
 
+    **Scouts** (``probe_scout``, varlen only). A probe's plan cannot read its own step's confidences (they depend
+    on its drafts: the lossless rule of :mod:`dspark_cli.core.capacity`) and the ones before it predate the pause,
+    which may have come from confidences since recovered; so a probe plans as if every draft survives and
+    verifies all of them. Where drafting loses that is the dearest step there is, and it judges drafting at a
+    cost it would never get: on an H100 (Llama-3-8B shape, 256 requests, docs/PERFORMANCE.md section 40) a probe
+    step took ~6.7x a paused one, 5% of the cell. With scouts a probe's first step drafts and verifies nothing
+    (:attr:`scouting`; its decision carries ``scout`` and is not judged): it costs a draft pass over a plain
+    step, catches the draft up over the pause, and records fresh confidences, on which the next step -- the
+    probe's first judged one -- plans its budget as a drafting step would. A probe scouts only where its plan is
+    priced above two steps that verify nothing (``core.capacity.SCOUT_PRICE``): at a light load verification is
+    nearly free, and one probe step is cheaper than two. Mask mode's uniform batch computes every draft row
+    whatever is verified, where a scout would cost a probe step and judge nothing.
+
     ``patience == 0`` never pauses. Engines call ``begin_step`` then, on drafting steps, ``observe``.
     """
 
@@ -532,15 +546,18 @@ class SaturationPolicy:
     @classmethod
     def from_config(cls, cfg: CapacityConfig) -> SaturationPolicy:
         """The policy a capacity configuration asks for (patience, probe wait, probe tax)."""
-        return cls(cfg.saturation_patience, cfg.resume_every, cfg.probe_tax)
+        return cls(cfg.saturation_patience, cfg.resume_every, cfg.probe_tax, cfg.probe_scout)
 
-    def __init__(self, patience: int, resume_every: int, probe_tax: float = PROBE_TAX) -> None:
+    def __init__(self, patience: int, resume_every: int, probe_tax: float = PROBE_TAX,
+                 probe_scout: bool = False) -> None:
         check_int("saturation_patience", patience, 0)
         check_int("resume_every", resume_every, 1)
         check_probe_tax(probe_tax)
         self.patience = patience
         self.resume_every = resume_every
         self.probe_tax = probe_tax
+        self.probe_scout = probe_scout
+        self._scout = False  # the step begun last is a probe's scout (class docstring)
         self._streak = 0
         self._paused = False
         self._floor = 0  # lowest load at which drafting was found not to pay during this pause
@@ -601,6 +618,13 @@ class SaturationPolicy:
         return self._probing
 
     @property
+    def scouting(self) -> bool:
+        """The step begun last begins a probe that may scout: where the plan's price says so
+        (``core.capacity.scout_or_probe``), it drafts and verifies nothing, and its decision (``scout``) is not
+        judged (class docstring)."""
+        return self._scout
+
+    @property
     def probe_trigger(self) -> str:
         """What started the probe in progress, or the last one (a ``PROBE_TRIGGERS`` name)."""
         return self._probe_trigger
@@ -634,7 +658,9 @@ class SaturationPolicy:
         """Whether this step drafts (always while enabled; resumes or probes while paused). ``measured``:
         whether a paused step at this load has been timed lately (:meth:`StepTimeCalibration.times_load`); a
         due probe waits while it is False (class docstring). Engines that do not time their steps leave it."""
+        was_probing = self._probing
         drafting = self._begin(num_running, measured)
+        self._scout = self.probe_scout and drafting and self._probing and not was_probing
         if not drafting:
             self._step_kind = "paused"
         elif self._probing:
@@ -857,6 +883,9 @@ class SaturationPolicy:
         a drafting step really costs relative to plain decoding over what the curve says
         (:class:`StepTimeCalibration`); 1 trusts the curve.
         """
+        if getattr(decision, "scout", False):
+            self.counters.scout_steps += 1
+            return False  # a scout verified nothing by design: the probe is judged from the step planned after it
         if not all(0 < x < math.inf for x in (decision.step_ms, decision.theta_no_draft, cost_scale)):
             return False  # NaN fails too: one NaN in the window would judge every later step by it
         r = max(1, num_running)
@@ -903,7 +932,10 @@ class SaturationPolicy:
     def observe(self, pays: bool | BudgetDecision, num_running: int = 0) -> None:
         """Report whether a drafting step paid (a bool, or a :class:`BudgetDecision`'s ``pays``); ``num_running`` is
         remembered if this pauses drafting."""
-        # BudgetDecision is imported for types only (capacity.py imports this module), so read its field by name
+        # BudgetDecision is imported for types only (capacity.py imports this module), so read its fields by name
+        if getattr(pays, "scout", False):
+            self.counters.scout_steps += 1
+            return  # a scout is no verdict (observe_outcome)
         paid = bool(pays.pays) if hasattr(pays, "pays") else bool(pays)
         if self._paused:
             if self._probing:

@@ -279,7 +279,7 @@ def _saturation_fields(counters: object) -> dict[str, object]:
         return {}
     return {
         "saturation": {name: int(getattr(counters, name, 0))
-                       for name in ("pauses", "resumes", "probe_steps", "deferred_probe_steps",
+                       for name in ("pauses", "resumes", "probe_steps", "scout_steps", "deferred_probe_steps",
                                     "unmeasured_probe_steps", "rising_probe_steps")},
         "saturation_probes": {(str(t), str(v)): int(n) for (t, v), n in dict(getattr(counters, "probes", {})).items()},
     }
@@ -433,6 +433,9 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
         _family(lines, "dspark:saturation_probe_steps_total", "counter",
                 "Drafting steps that probed a pause (each pays the draft's catch-up over it).",
                 [(base, snap.saturation.get("probe_steps", 0))])
+        _family(lines, "dspark:saturation_scout_steps_total", "counter",
+                "Probe steps that were scouts (dspark_probe_scout): drafted, verified nothing, judged no probe.",
+                [(base, snap.saturation.get("scout_steps", 0))])
         _family(lines, "dspark:saturation_deferred_probe_steps_total", "counter",
                 "Paused steps on which a probe was due but the probe tax held it back.",
                 [(base, snap.saturation.get("deferred_probe_steps", 0))])

@@ -37,6 +37,7 @@ SEED_KEYS: dict[str, str] = {
     "dspark_saturation_patience": "saturation_patience",
     "dspark_resume_every": "resume_every",
     "dspark_probe_tax": "probe_tax",
+    "dspark_probe_scout": "probe_scout",
     "dspark_sts_refit_interval": "sts_refit_interval",
     "dspark_draft_catchup_tokens": "draft_catchup_tokens",
     "dspark_mask_paused_compact": "mask_paused_compact",
@@ -60,6 +61,9 @@ class DsparkVllmSettings:
     resume_every: int = 16
     # The share of paused time that probes may spend (core.saturation); None keeps the core's default.
     probe_tax: float | None = None
+    # Varlen: a probe's first step drafts and verifies nothing, and the probe is judged from the step planned on
+    # the confidences it recorded, not on a plan that verifies every draft (core.saturation, "Scouts").
+    probe_scout: bool = False
     sps_curve: str | list[Any] | dict[str, Any] | None = None
     overhead_ms: float | None = None
     sts: str | None = None
@@ -114,9 +118,13 @@ class DsparkVllmSettings:
             _number(f"{w}.overhead_ms", self.overhead_ms, 0.0, math.inf)
         if self.confidence_temperature is not None:
             _number(f"{w}.confidence_temperature", self.confidence_temperature, 0.0, math.inf, lo_open=True)
-        for name in ("online_sts", "mask_paused_compact", "plain_paused_steps", "draft_defer_prompts"):
+        for name in ("online_sts", "probe_scout", "mask_paused_compact", "plain_paused_steps",
+                     "draft_defer_prompts"):
             if not isinstance(getattr(self, name), bool):
                 raise DsparkError(f"{w}.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.probe_scout and self.mode == "mask":
+            raise DsparkError(f"{w}.probe_scout needs mode varlen: mask mode computes every draft row whatever is "
+                              "verified, so a scout would cost a whole probe step; drop it")
         if self.policy == "threshold" and self.threshold <= 0:
             raise DsparkError(f"{w}: policy threshold needs threshold in (0, 1] (dspark_confidence_threshold)")
         if self.sps_curve is not None and not isinstance(self.sps_curve, (str, list, dict)):
@@ -179,6 +187,7 @@ class DsparkVllmSettings:
             saturation_patience=self.saturation_patience,
             resume_every=self.resume_every,
             **({} if self.probe_tax is None else {"probe_tax": self.probe_tax}),
+            probe_scout=self.probe_scout,
         )
 
     def replace(self, **changes: Any) -> DsparkVllmSettings:

@@ -557,6 +557,7 @@ def build_manager_class(base: type) -> type:
         allocate,
         choose_budget,
         prefix_survival,
+        scout_or_probe,
         warm_up_allocate,
     )
     from dspark_cli.core.saturation import (
@@ -814,6 +815,13 @@ def build_manager_class(base: type) -> type:
                 # policy judges is priced at the budget that runs.
                 decision = choose_budget(survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg,
                                          max_budget=cap, batch_drafts=total)
+                if self.saturation.scouting:
+                    # The drafting decision begun last began a probe that may scout (probe_scout), and this batch
+                    # verifies its drafts: a scout verifies none, and the probe's next batch plans on the
+                    # confidences it recorded, the stale snapshot by then.
+                    decision = scout_or_probe(decision, choose_budget(
+                        survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg, max_budget=0,
+                        batch_drafts=total))
                 budget = decision.budget
                 self._step_decision = decision
                 if self._pause_supported:
