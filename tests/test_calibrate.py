@@ -304,6 +304,10 @@ def test_inputs_and_outputs_expand_home_and_a_trailing_separator_names_a_folder(
     assert len(json.loads((tmp_path / "sts.json").read_text())["temperatures"]) == len(T_STAR)
     code, out, err = run_cli(monkeypatch, capsys, "calibrate", str(tmp_path / "t.jsonl"), "-o", f"{tmp_path}/new/")
     assert code == 1 and "is a folder; name the file to write" in err and not (tmp_path / "new").exists()
+    code, out, err = run_cli(monkeypatch, capsys, "calibrate", str(tmp_path / "t.jsonl"), "-o", str(tmp_path / "s.json"),
+                             "--plot", f"{tmp_path}/fig/")
+    assert code == 1 and "--plot" in err and "is a folder; name the file to write" in err
+    assert not (tmp_path / "fig").exists() and not (tmp_path / "s.json").exists()
 
 
 def test_a_diagram_that_cannot_be_written_says_the_temperatures_were(

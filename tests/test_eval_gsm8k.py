@@ -195,6 +195,7 @@ def test_the_cli_checks_its_settings_before_anything_is_drawn_or_sent(tmp_path: 
     for args, said in ((["--num-shots", "9"], "--num-shots must be in 0..8"), (["-c", "0"], "--concurrency must be"),
                        (["--port", "70000"], "--port must be in 1..65535, got 70000"),
                        (["--data", str(tmp_path)], "is a folder; pass the GSM8K rows JSONL file"),
+                       (["-o", f"{tmp_path}/new/"], f"--output {tmp_path}/new/ is a folder; name the file to write"),
                        (["--limit", "0"], "--limit must be >= 1")):
         result = runner.invoke(app, ["eval", "gsm8k", *args])
         assert isinstance(result.exception, DsparkError) and said in str(result.exception), (args, result.output)

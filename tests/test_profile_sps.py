@@ -242,6 +242,15 @@ def test_output_that_is_a_directory_is_refused(tmp_path: Path) -> None:
     assert isinstance(result.exception, DsparkError) and "is a folder" in str(result.exception)
 
 
+@pytest.mark.parametrize("flag", ["-o", "--plot"])
+def test_a_trailing_separator_names_a_folder_not_a_file(tmp_path: Path, flag: str) -> None:
+    # A Path-typed option dropped the separator: "-o new/" profiled, then wrote a file named "new".
+    result = _invoke(["tiny", flag, f"{tmp_path}/new/"])
+    assert isinstance(result.exception, DsparkError), result.output
+    assert f"{flag if flag == '--plot' else '--output'} {tmp_path}/new/ is a folder" in str(result.exception)
+    assert not (tmp_path / "new").exists()
+
+
 def test_vllm_without_vllm_installed_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 

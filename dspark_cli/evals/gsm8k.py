@@ -238,7 +238,7 @@ async def _run(cfg: EvalConfig, rows: Sequence[GsmRow], output: Path | None,
     return done
 
 
-def check_eval(cfg: EvalConfig, output: Path | None = None) -> None:
+def check_eval(cfg: EvalConfig, output: str | os.PathLike[str] | None = None) -> None:
     """Refuse, in one line, settings that cannot run, before any network traffic or progress display."""
     if cfg.concurrency < 1:
         raise DsparkError(f"--concurrency must be >= 1, got {cfg.concurrency}")
