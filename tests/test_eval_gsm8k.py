@@ -213,3 +213,21 @@ def test_the_cli_checks_its_settings_before_anything_is_drawn_or_sent(tmp_path: 
                                  "-c", "3"])
     assert "warning: --num-shots, --max-tokens, --concurrency: not used by --compare" in " ".join(
         result.stderr.split())
+
+
+def test_the_cli_writes_results_under_the_home_folder_for_a_tilde(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check expanded "~" and the run did not: answers went to a folder named "~" under the working one.
+    from typer.testing import CliRunner
+
+    from dspark_cli.cli import app
+    from dspark_cli.evals import gsm8k
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    seen = []
+    monkeypatch.setattr(gsm8k, "run_eval", lambda cfg, output, **kw: seen.append(output) or [])
+    result = CliRunner().invoke(app, ["eval", "gsm8k", "-o", "~/r.jsonl"])
+    assert seen == [tmp_path / "home" / "r.jsonl"], result.output
+    assert not (tmp_path / "~").exists()
