@@ -16,6 +16,7 @@ import torch
 from test_embedded_engine import VOCAB, TinyPair, make_engine, prompts
 
 from dspark_cli.core.capacity import CapacityConfig
+from dspark_cli.core.sps import SpsCurve
 from dspark_cli.engines.embedded.sequence import SamplingParams
 from dspark_cli.fileio import atomic_write_json
 
@@ -74,10 +75,12 @@ def test_greedy_identical_with_sts_and_saturation(pair: TinyPair, reference: lis
         assert engine.generate(prompts(6), GREEDY) == reference
 
 
-def test_greedy_identical_with_probe_scouts(pair: TinyPair, reference: list[list[int]]) -> None:
+def test_greedy_identical_with_probe_scouts(pair: TinyPair, reference: list[list[int]], tmp_path: Path) -> None:
     # A scout drafts (catching the draft up over the pause) and verifies nothing; the probe's next step verifies
-    # what its plan admits: neither may change an output.
-    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(pair.curve),
+    # what its plan admits: neither may change an output. Verification priced by the token, as at a heavy load,
+    # so drafting never pays and a probe's plan costs several steps that verify none: every probe scouts.
+    curve = SpsCurve.from_points([(1, 1.0), (256, 256.0)], [(1, 0.5), (64, 0.5)]).save(tmp_path / "curve.json")
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(curve),
                          capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=2,
                                                  probe_scout=True))
     assert engine.generate(prompts(6), GREEDY) == reference
