@@ -469,7 +469,12 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
                            *VLLM_ONLY_FIELDS))) if on]
         if moot:
             out.append(capacity_mode_none_warning(moot))
-    elif s.sps_overhead_ms is not None and s.sps_curve is None and s.sps_curve_points is None:
+    elif s.capacity_mode == "mask" and s.probe_scout:
+        # a warning, as for the other settings a mode cannot use: a bench matrix's columns share one --speculative-config
+        out.append("dspark_probe_scout: no effect with --capacity-mode mask, whose uniform batch computes every draft "
+                   "row whatever is verified (a scout would cost a whole probe step); it acts in varlen")
+    if (s.speculative and s.capacity_mode != "none" and s.sps_overhead_ms is not None and s.sps_curve is None
+            and s.sps_curve_points is None):
         # the threshold policy needs no curve, and without one there is no overhead to override
         out.append("--sps-overhead-ms: no effect without an SPS curve (the threshold policy prices nothing); "
                    "pass --sps-curve FILE or auto for it to act")
@@ -498,9 +503,6 @@ def _check_consistency(s: ServeSettings) -> None:
     if s.capacity_mode != "none" and not s.speculative:
         raise DsparkError(f"--capacity-mode {s.capacity_mode} needs speculation: pass a draft model and "
                           "--num-speculative-tokens > 0, or --capacity-mode none")
-    if s.probe_scout and s.capacity_mode == "mask":
-        raise DsparkError("--speculative-config dspark_probe_scout needs --capacity-mode varlen: mask mode computes "
-                          "every draft row whatever is verified, so a scout would cost a whole probe step; drop it")
     vllm_only = [f"dspark_{name}" for name in VLLM_ONLY_FIELDS if getattr(s, name) is not None]
     if s.engine == "embedded" and vllm_only:
         raise DsparkError(f"--speculative-config {', '.join(vllm_only)}: a setting of the vLLM plugin (how a paused "
@@ -677,7 +679,8 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         extra: dict[str, Any] = {k: v for k, v in (("saturation_patience", s.saturation_patience),
                                                    ("resume_every", s.resume_every),
                                                    ("probe_tax", s.probe_tax),
-                                                   ("probe_scout", s.probe_scout),
+                                                   ("probe_scout", s.probe_scout if s.capacity_mode == "varlen"
+                                                    else None),
                                                    ("min_predicted_gain", s.min_predicted_gain)) if v is not None}
         capacity = CapacityConfig(mode=s.capacity_mode, policy=s.capacity_policy, budget_frac=s.budget_frac,
                                   threshold=s.confidence_threshold if s.capacity_policy == "threshold" else 0.0,

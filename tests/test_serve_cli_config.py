@@ -200,7 +200,7 @@ def test_saturation_settings_reach_the_capacity_config() -> None:
         build_settings({}, json.dumps({"dspark_sts_refit_interval": 8}))
 
 
-def test_probe_scout_reaches_both_engines_and_is_refused_in_mask_mode() -> None:
+def test_probe_scout_reaches_both_engines_and_is_moot_in_mask_mode() -> None:
     spec = {"dspark_capacity_verification_mode": "varlen", "dspark_sps_curve": SEED_CURVE, "dspark_probe_scout": True}
     launch = prepare_embedded(build_settings({}, json.dumps(spec)))
     launch.cleanup()
@@ -208,8 +208,13 @@ def test_probe_scout_reaches_both_engines_and_is_refused_in_mask_mode() -> None:
     s = build_settings(_flags(engine="vllm"), json.dumps(spec))
     assert s.dspark_keys()["dspark_probe_scout"] is True
     assert DsparkVllmSettings.from_dict(settings_from_seed_keys(s.dspark_keys())).capacity_config().probe_scout
-    with pytest.raises(DsparkError, match="dspark_probe_scout needs --capacity-mode varlen"):
-        build_settings({}, json.dumps({**spec, "dspark_capacity_verification_mode": "mask"}))
+    # a bench matrix's mask column shares the speculative config: a warning, and a mask server without scouts
+    mask = build_settings({}, json.dumps({**spec, "dspark_capacity_verification_mode": "mask"}))
+    assert any(w.startswith("dspark_probe_scout: no effect with --capacity-mode mask") for w in ineffective_settings(mask))
+    launch = prepare_embedded(mask)
+    launch.cleanup()
+    assert launch.engine_config.capacity.mode == "mask" and not launch.engine_config.capacity.probe_scout
+    assert not ineffective_settings(build_settings({}, json.dumps(spec)))
     with pytest.raises(DsparkError, match="dspark_probe_scout: expected true or false"):
         build_settings({}, json.dumps({**spec, "dspark_probe_scout": 1}))
 

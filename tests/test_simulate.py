@@ -286,6 +286,10 @@ def test_probe_scouts_replay_as_served_and_verify_nothing_where_drafting_loses()
         res[scout] = sim.simulate_concurrency(data, linear_curve(), r, opts).results
     off, on = res[False]["manager"], res[True]["manager"]
     assert on.verified == r * k and off.verified >= 5 * r * k
+    # mask's uniform batch computes every draft row: its families replay without scouts, as a mask server runs
+    opts = sim.SimOptions(families=("mask", "mask+sts"), num_steps=600, resume_every=4, probe_scout=True)
+    masked = sim.simulate_concurrency(data, linear_curve(), r, opts).results
+    assert masked["mask"].drafting_steps == res[False]["manager"].drafting_steps
     assert on.drafting_steps > off.drafting_steps  # a scout and its judged step per probe
     assert on.tok_s > off.tok_s
 

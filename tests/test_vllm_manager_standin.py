@@ -25,7 +25,6 @@ from dspark_cli.core.saturation import PLAIN_SAMPLE_EVERY
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.engines.vllm import contract
 from dspark_cli.engines.vllm.config import DsparkVllmSettings
-from dspark_cli.errors import DsparkError
 
 K = 4
 
@@ -109,14 +108,15 @@ def manager_cls(monkeypatch: pytest.MonkeyPatch):
     manager.build_manager_class.cache_clear()
 
 
-def _make(manager_cls, mode: str, r: int = 3, moe: bool = True, curve: SpsCurve | None = None, **settings_kw):
-    """A manager over 8 request slots. ``moe``: the model skips padding rows (MoE under the stand-in's
+def _make(manager_cls, mode: str, r: int = 3, moe: bool = True, curve: SpsCurve | None = None, slots: int = 8,
+          **settings_kw):
+    """A manager over ``slots`` request slots. ``moe``: the model skips padding rows (MoE under the stand-in's
     VLLM_MOE_SKIP_PADDING), so mask mode may trim; a dense model's mask mode verifies whole batches. ``curve``:
     the SPS curve (default: flat until 8 tokens, steep after)."""
     rs = types.SimpleNamespace(
-        num_speculative_steps=K, max_num_reqs=8, max_num_batched_tokens=256, device=torch.device("cpu"),
+        num_speculative_steps=K, max_num_reqs=slots, max_num_batched_tokens=256, device=torch.device("cpu"),
         req_id_to_index={f"r{i}": i for i in range(r)},
-        num_computed_tokens_np=np.full(8, 100), prefill_len=types.SimpleNamespace(np=np.full(8, 10)),
+        num_computed_tokens_np=np.full(slots, 100), prefill_len=types.SimpleNamespace(np=np.full(slots, 10)),
     )
     cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
                                 model_config=types.SimpleNamespace(is_moe=moe))
@@ -126,7 +126,8 @@ def _make(manager_cls, mode: str, r: int = 3, moe: bool = True, curve: SpsCurve 
                                      capture_sizes=[4, 8, 16, 32])
     settings = DsparkVllmSettings(mode=mode, sps_curve=curve.to_dict(), **settings_kw)
     m = manager_cls(settings=settings, mode=mode, vllm_config=cfg, req_states=rs,
-                    query_start_loc=torch.zeros(9, dtype=torch.int32), num_bonus_tokens=1, max_total_logits=10_000)
+                    query_start_loc=torch.zeros(slots + 1, dtype=torch.int32), num_bonus_tokens=1,
+                    max_total_logits=10_000)
     list(m.batches_to_profile([4, 8, 16, 32]))
     m.set_initial_cost_curves([])
     return m
@@ -423,9 +424,50 @@ def test_a_scouted_probe_where_drafting_still_loses_verifies_no_draft(manager_cl
     assert not m.saturation.drafting_enabled and m.saturation.counters.probes["timer", "failed"] == 1
 
 
-def test_probe_scout_is_refused_in_mask_mode() -> None:
-    with pytest.raises(DsparkError, match="probe_scout needs mode varlen"):
-        DsparkVllmSettings(mode="mask", probe_scout=True)
+def test_probe_scout_acts_in_varlen_only_and_a_fallback_to_mask_still_starts(manager_cls) -> None:
+    # A bench matrix's columns share one speculative config, and a varlen server whose attention backend cannot
+    # replay varlen graphs falls back to mask: refused there, the setting stopped the worker at start-up.
+    from dspark_cli.engines.vllm import manager
+
+    assert not DsparkVllmSettings(mode="mask", probe_scout=True).capacity_config().probe_scout
+    assert DsparkVllmSettings(mode="varlen", probe_scout=True).capacity_config().probe_scout
+    curve = SpsCurve.from_points([(4, 10.0), (8, 12.0), (16, 40.0)], [(1, 5.0)], capture_sizes=[4, 8, 16])
+    settings = DsparkVllmSettings(mode="varlen", sps_curve=curve.to_dict(), probe_scout=True)
+    m = manager.create_manager(settings, _av_module("graphs"), _create_kwargs())
+    assert m.mode == "mask" and not m.cfg.probe_scout and not m.saturation.probe_scout
+
+
+def test_an_outcome_planned_before_a_probe_began_is_no_evidence_for_it(manager_cls, monkeypatch) -> None:
+    # vLLM judges a batch's outcome steps after planning it. A probe begun by the decision right after a drafting
+    # batch (no paused step between: patience 1, a timer probe due at once) was judged on that batch -- at 16
+    # requests one batch is a verdict -- and the scout planned after the verdict, outside any probe.
+    monkeypatch.setattr(Base, "record_confidences", _upstream_record_confidences)
+    r = 16
+    m = _make(manager_cls, "varlen", r=r, slots=r, curve=SpsCurve.from_points([(1, 3.0), (128, 130.0)],
+                                                                          [(1, 0.5), (16, 0.5)]),
+              saturation_patience=1, resume_every=1, probe_scout=True)
+    m._pause_supported = True
+    per_req = {f"r{i}": 1 + K for i in range(r)}
+    drafts = {x: [0] * K for x in per_req}
+    sat = m.saturation
+    plans = []
+    for _ in range(12):
+        if m._drafts_real:
+            m.record_confidences(torch.full((r, K), 0.99), types.SimpleNamespace(num_reqs=r, idx_mapping=torch.arange(r)))
+        m.get_num_tokens(per_req, drafts)
+        verified = m._batch_budget is not None and m._drafts_real
+        if verified:
+            plans.append((sat.probing, m._step_decision.scout, sat.probe_serial))
+            m.reallocate_drafts(list(per_req), torch.arange(r))
+        m.begin_drafting_step(_step_state(r))
+        if verified:
+            m.observe(torch.full((r,), 1, dtype=torch.int32))  # nothing accepted: every probe fails
+    scouts = [p for p in plans if p[1]]
+    assert scouts and all(probing for probing, _, _ in scouts), plans
+    assert sat.counters.scout_steps == len(scouts)
+    # each probe judged on a batch of its own: as many verdicts as probes that planned a judged batch
+    judged = {serial for probing, scout, serial in plans if probing and not scout}
+    assert sum(sat.counters.probes.values()) <= len(judged) + 1
 
 
 class _Scheduler:

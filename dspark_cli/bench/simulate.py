@@ -538,7 +538,7 @@ def simulate_concurrency(
             done(_run_manager("manager+sts", conf, verified, accepted, new, curve, cfg, True,
                               opts.sts_temperatures, mc))
         elif fam in ("mask", "mask+sts"):
-            mask_cfg = dataclasses.replace(cfg, mode="mask")
+            mask_cfg = dataclasses.replace(cfg, mode="mask", probe_scout=False)  # scouts are varlen's (--probe-scout)
             done(_run_manager(fam, conf, verified, accepted, new, curve, mask_cfg, fam == "mask+sts",
                               opts.sts_temperatures, mc))
         elif fam == "manager+offline-sts":

@@ -558,6 +558,7 @@ class SaturationPolicy:
         self.probe_tax = probe_tax
         self.probe_scout = probe_scout
         self._scout = False  # the step begun last is a probe's scout (class docstring)
+        self._probe_serial = 0  # probes begun so far (probe_serial)
         self._streak = 0
         self._paused = False
         self._floor = 0  # lowest load at which drafting was found not to pay during this pause
@@ -625,6 +626,12 @@ class SaturationPolicy:
         return self._scout
 
     @property
+    def probe_serial(self) -> int:
+        """How many probes have begun: an engine that judges a step's outcome steps after planning it (vLLM) keeps
+        this with the plan, and an outcome planned before the probe in progress began is no evidence for it."""
+        return self._probe_serial
+
+    @property
     def probe_trigger(self) -> str:
         """What started the probe in progress, or the last one (a ``PROBE_TRIGGERS`` name)."""
         return self._probe_trigger
@@ -660,7 +667,9 @@ class SaturationPolicy:
         due probe waits while it is False (class docstring). Engines that do not time their steps leave it."""
         was_probing = self._probing
         drafting = self._begin(num_running, measured)
-        self._scout = self.probe_scout and drafting and self._probing and not was_probing
+        began = drafting and self._probing and not was_probing
+        self._probe_serial += began
+        self._scout = self.probe_scout and began
         if not drafting:
             self._step_kind = "paused"
         elif self._probing:

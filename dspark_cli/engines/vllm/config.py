@@ -61,8 +61,9 @@ class DsparkVllmSettings:
     resume_every: int = 16
     # The share of paused time that probes may spend (core.saturation); None keeps the core's default.
     probe_tax: float | None = None
-    # Varlen: a probe's first step drafts and verifies nothing, and the probe is judged from the step planned on
-    # the confidences it recorded, not on a plan that verifies every draft (core.saturation, "Scouts").
+    # Varlen (no effect in mask mode): a dear probe's first step drafts and verifies nothing, and the probe is
+    # judged from the step planned on the confidences it recorded, not on a plan that verifies every draft
+    # (core.saturation, "Scouts").
     probe_scout: bool = False
     sps_curve: str | list[Any] | dict[str, Any] | None = None
     overhead_ms: float | None = None
@@ -122,9 +123,6 @@ class DsparkVllmSettings:
                      "draft_defer_prompts"):
             if not isinstance(getattr(self, name), bool):
                 raise DsparkError(f"{w}.{name}: expected true or false, got {getattr(self, name)!r}")
-        if self.probe_scout and self.mode == "mask":
-            raise DsparkError(f"{w}.probe_scout needs mode varlen: mask mode computes every draft row whatever is "
-                              "verified, so a scout would cost a whole probe step; drop it")
         if self.policy == "threshold" and self.threshold <= 0:
             raise DsparkError(f"{w}: policy threshold needs threshold in (0, 1] (dspark_confidence_threshold)")
         if self.sps_curve is not None and not isinstance(self.sps_curve, (str, list, dict)):
@@ -187,7 +185,9 @@ class DsparkVllmSettings:
             saturation_patience=self.saturation_patience,
             resume_every=self.resume_every,
             **({} if self.probe_tax is None else {"probe_tax": self.probe_tax}),
-            probe_scout=self.probe_scout,
+            # varlen only: mask's uniform batch computes every draft row whatever is verified (a mask server,
+            # or a varlen one fallen back to mask for its attention backend, runs without scouts)
+            probe_scout=self.probe_scout and self.mode == "varlen",
         )
 
     def replace(self, **changes: Any) -> DsparkVllmSettings:

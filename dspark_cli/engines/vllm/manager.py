@@ -678,8 +678,10 @@ def build_manager_class(base: type) -> type:
             pin = device.type == "cuda"
             self._outcome_host = torch.zeros((), dtype=torch.int64, pin_memory=pin)
             self._outcome_event = torch.cuda.Event() if pin else None
-            self._outcome_decision: tuple[Any, int] | None = None  # the decision of the step being verified
-            self._outcome_pending: tuple[Any, int] | None = None  # a decision whose outcome is being copied
+            # The decision of the step being verified, and one whose outcome is being copied: with its request
+            # count and the probe it was planned in (SaturationPolicy.probe_serial; see _judge_last_outcome).
+            self._outcome_decision: tuple[Any, int, int] | None = None
+            self._outcome_pending: tuple[Any, int, int] | None = None
             self._outcome_waits = 0  # outcomes the host had to wait for, and how long in all (_judge_last_outcome)
             self._outcome_wait_ms = 0.0
             self._moe_skip = bool(envs.VLLM_MOE_SKIP_PADDING)
@@ -815,7 +817,7 @@ def build_manager_class(base: type) -> type:
                 # policy judges is priced at the budget that runs.
                 decision = choose_budget(survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg,
                                          max_budget=cap, batch_drafts=total)
-                if self.saturation.scouting:
+                if self.saturation.scouting and self.saturation.probing:
                     # The drafting decision begun last began a probe that may scout (probe_scout), and this batch
                     # verifies its drafts: a scout verifies none, and the probe's next batch plans on the
                     # confidences it recorded, the stale snapshot by then.
@@ -826,7 +828,7 @@ def build_manager_class(base: type) -> type:
                 self._step_decision = decision
                 if self._pause_supported:
                     # Judged by its outcome once that is on the host (observe -> next get_num_tokens).
-                    self._outcome_decision = (decision, r)
+                    self._outcome_decision = (decision, r, self.saturation.probe_serial)
             else:
                 budget = 0  # placeholders from a paused draft pass: verify none of them
             self._batch_budget = BatchBudget(req_ids, np.stack([drafts, nondraft, admissible]).astype(np.int32),
@@ -1213,13 +1215,19 @@ def build_manager_class(base: type) -> type:
             if not wait and self._outcome_event is not None and not self._outcome_event.query():
                 return
             pending, self._outcome_pending = self._outcome_pending, None
+            decision, r, serial = pending
+            if self.saturation.probing and serial != self.saturation.probe_serial:
+                # Planned before the probe in progress began: the batch verified drafts of an earlier decision
+                # (drafting still on, or the last probe's), so it is no evidence for this probe, whose own first
+                # batch (a scout's, with probe_scout) is yet to come. Judged as its step, it gave a probe begun
+                # right after a drafting batch its verdict, and the scout came after it.
+                return
             if self._outcome_event is not None:
                 if not self._outcome_event.query():
                     t0 = time.perf_counter()
                     self._outcome_event.synchronize()
                     self._outcome_waits += 1
                     self._outcome_wait_ms += (time.perf_counter() - t0) * 1e3
-            decision, r = pending
             seen = self.saturation.counters.last_probe
             self.saturation.observe_outcome(decision, int(self._outcome_host.item()), r,
                                             self.timer.cost_scale(r, decision))
