@@ -245,10 +245,11 @@ def test_output_that_is_a_directory_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flag", ["-o", "--plot"])
 def test_a_trailing_separator_names_a_folder_not_a_file(tmp_path: Path, flag: str) -> None:
     # A Path-typed option dropped the separator: "-o new/" profiled, then wrote a file named "new".
-    result = _invoke(["tiny", flag, f"{tmp_path}/new/"])
+    other = ["--plot", str(tmp_path / "c.png")] if flag == "-o" else ["-o", str(tmp_path / "c.json")]
+    result = _invoke(["tiny", flag, f"{tmp_path}/new/", *other])
     assert isinstance(result.exception, DsparkError), result.output
     assert f"{flag if flag == '--plot' else '--output'} {tmp_path}/new/ is a folder" in str(result.exception)
-    assert not (tmp_path / "new").exists()
+    assert not (tmp_path / "new").exists() and not (tmp_path / "c.json").exists()
 
 
 def test_vllm_without_vllm_installed_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
