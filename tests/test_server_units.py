@@ -46,8 +46,19 @@ def test_render_uses_vllm_names_and_labels() -> None:
     assert reasons == {"stop": 3, "length": 2, "abort": 0, "error": 0}
 
 
+def test_a_server_that_does_not_speculate_exports_no_spec_decode_series() -> None:
+    # As vLLM 0.33 (SpecDecodingProm registers nothing without a speculative config): a -k 0 server's dashboard
+    # showed spec-decoding counters standing at 0, and a per-position family with no series.
+    text = render_metrics(MetricsSnapshot(), "m", num_speculative_tokens=0)
+    assert "vllm:spec_decode" not in text and "vllm:generation_tokens_total" in text
+    drafting = parse_metrics(render_metrics(MetricsSnapshot(), "m", num_speculative_tokens=2))
+    lab = (("engine", "0"), ("model_name", "m"))
+    assert drafting[("vllm:spec_decode_num_drafts_total", lab)] == 0
+    assert sum(1 for name, _ in drafting if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total") == 2
+
+
 def test_every_family_has_help_and_type_before_its_samples() -> None:
-    text = render_metrics(_snap(), "m")
+    text = render_metrics(_snap(), "m", num_speculative_tokens=3)
     lines = text.splitlines()
     seen_type: dict[str, str] = {}
     for i, line in enumerate(lines):

@@ -359,8 +359,9 @@ def _request_histograms(lines: list[str], req: RequestMetrics, model_name: str) 
 
 def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_tokens: int = 0,
                    requests: RequestMetrics | None = None) -> str:
-    """The full ``/metrics`` body. Per-position acceptance has ``max(k, len(accepted_per_pos))`` series;
-    ``requests`` adds the per-request histograms and counts the finished requests. Every series carries vLLM
+    """The full ``/metrics`` body. Per-position acceptance has ``max(k, len(accepted_per_pos))`` series, and no
+    spec-decoding family is exported at ``k = 0``; ``requests`` adds the per-request histograms and counts the
+    finished requests. Every series carries vLLM
     0.33's labels, ``model_name`` and ``engine`` (its loggers' ``labelnames``): a dashboard that filters on
     ``engine`` found none of the counters and gauges, which carried ``model_name`` alone."""
     base = {"model_name": model_name, "engine": ENGINE_INDEX}
@@ -382,17 +383,18 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
     _family(lines, "vllm:request_success_total", "counter",
             "Count of successfully processed requests.",
             [({**base, "finished_reason": r}, finished.get(r, 0)) for r in reasons])
-    _family(lines, "vllm:spec_decode_num_drafts_total", "counter",
-            "Number of spec decoding drafts.", [(base, snap.num_drafts)])
-    _family(lines, "vllm:spec_decode_num_draft_tokens_total", "counter",
-            "Number of draft tokens.", [(base, snap.num_draft_tokens)])
-    _family(lines, "vllm:spec_decode_num_accepted_tokens_total", "counter",
-            "Number of accepted tokens.", [(base, snap.num_accepted_tokens)])
-    per_pos = list(snap.accepted_per_pos)
-    per_pos += [0] * max(0, num_speculative_tokens - len(per_pos))
-    _family(lines, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
-            "Accepted tokens per draft position.",
-            [({**base, "position": str(i)}, v) for i, v in enumerate(per_pos)])
+    if num_speculative_tokens > 0:  # as vLLM, which registers no spec-decoding series without a speculative config
+        _family(lines, "vllm:spec_decode_num_drafts_total", "counter",
+                "Number of spec decoding drafts.", [(base, snap.num_drafts)])
+        _family(lines, "vllm:spec_decode_num_draft_tokens_total", "counter",
+                "Number of draft tokens.", [(base, snap.num_draft_tokens)])
+        _family(lines, "vllm:spec_decode_num_accepted_tokens_total", "counter",
+                "Number of accepted tokens.", [(base, snap.num_accepted_tokens)])
+        per_pos = list(snap.accepted_per_pos)
+        per_pos += [0] * max(0, num_speculative_tokens - len(per_pos))
+        _family(lines, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                "Accepted tokens per draft position.",
+                [({**base, "position": str(i)}, v) for i, v in enumerate(per_pos)])
     if snap.kv_blocks_total > 0:
         used = (snap.kv_blocks_total - snap.kv_blocks_free) / snap.kv_blocks_total
         _family(lines, "vllm:kv_cache_usage_perc", "gauge",
