@@ -384,12 +384,10 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
             "Count of successfully processed requests.",
             [({**base, "finished_reason": r}, finished.get(r, 0)) for r in reasons])
     if num_speculative_tokens > 0:  # as vLLM, which registers no spec-decoding series without a speculative config
-        _family(lines, "vllm:spec_decode_num_drafts_total", "counter",
-                "Number of spec decoding drafts.", [(base, snap.num_drafts)])
-        _family(lines, "vllm:spec_decode_num_draft_tokens_total", "counter",
-                "Number of draft tokens.", [(base, snap.num_draft_tokens)])
-        _family(lines, "vllm:spec_decode_num_accepted_tokens_total", "counter",
-                "Number of accepted tokens.", [(base, snap.num_accepted_tokens)])
+        for name, doc, value in (("num_drafts", "Number of spec decoding drafts.", snap.num_drafts),
+                                 ("num_draft_tokens", "Number of draft tokens.", snap.num_draft_tokens),
+                                 ("num_accepted_tokens", "Number of accepted tokens.", snap.num_accepted_tokens)):
+            _family(lines, f"vllm:spec_decode_{name}_total", "counter", doc, [(base, value)])
         per_pos = list(snap.accepted_per_pos)
         per_pos += [0] * max(0, num_speculative_tokens - len(per_pos))
         _family(lines, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
