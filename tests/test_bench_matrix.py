@@ -828,8 +828,8 @@ def test_a_resumed_interleaved_concurrency_is_measured_again_whole_and_its_done_
     interruption in a concurrency's last round left some of its cells written: resumed, the missing one was
     measured alone on servers started anew, and tabled against round-mates of another time (its paired table
     then read "-" everywhere, with no word why). Its whole concurrency is measured again now, the done cells set
-    aside, not lost; concurrencies already whole stay."""
-    from dspark_cli.bench.matrix import Hooks, set_aside_superseded, superseded_cell_path
+    aside as each is measured again, not lost; concurrencies already whole stay."""
+    from dspark_cli.bench.matrix import Hooks, _write_cell, superseded_cell_path
 
     def served(name: str, c: int) -> None:
         atomic_write_json(cell_path(tmp_path, name, c), {
@@ -844,8 +844,11 @@ def test_a_resumed_interleaved_concurrency_is_measured_again_whole_and_its_done_
     todo = pending_cells(spec)
     assert [(k.name, c) for k, c in todo] == [("none", 4), ("mask", 4)]
     logged: list[str] = []
-    set_aside_superseded(spec, todo, Hooks(log=logged.append))
-    assert not cell_path(tmp_path, "none", 4).exists() and superseded_cell_path(tmp_path, "none", 4).is_file()
+    again = {**load_cell(cell_path(tmp_path, "none", 4)), "metrics": {"failed": 0, "completed": 1, "errors": []},
+             "started_at": "later"}
+    _write_cell(spec, again, Hooks(log=logged.append))
+    assert load_cell(cell_path(tmp_path, "none", 4))["started_at"] == "later"
+    assert superseded_cell_path(tmp_path, "none", 4).is_file()
     assert cell_path(tmp_path, "none", 1).is_file() and cell_path(tmp_path, "mask", 1).is_file()
     assert any("none c=4: measured again with the rest of its concurrency" in line for line in logged)
     assert [(k.name, c) for k, c in pending_cells(spec)] == [("none", 4), ("mask", 4)]
@@ -853,6 +856,31 @@ def test_a_resumed_interleaved_concurrency_is_measured_again_whole_and_its_done_
     served("none", 4)
     sequential = MatrixSpec(**{**spec.__dict__, "interleave": False})
     assert [(k.name, c) for k, c in pending_cells(sequential)] == [("mask", 4)]
+
+
+def test_an_interleaved_resume_that_fails_keeps_the_finished_cells(tmp_path: Path) -> None:
+    """The finished cells of a concurrency to be measured again were moved aside before any server started: a
+    resume that then failed (here a server that exits at once) or was interrupted left them out of the folder, and
+    the same command measured them again."""
+    from dspark_cli.bench.matrix import ServerStartError, parse_configs, run_matrix, served_args
+
+    common = ["--model", "tiny"]
+    cfgs = parse_configs("none,mask", "auto", common)
+    spec = MatrixSpec(configs=cfgs, concurrencies=[1], prompts=[Prompt(text="x")] * 2, load=LoadConfig(base_url=""),
+                      results_dir=tmp_path, workload={"num_prompts": 2}, serve=True, serve_args=common,
+                      interleave=True, server_timeout_s=10,
+                      serve_command=(sys.executable, "-c", "import sys; sys.exit(3)"))
+    done = cell_path(tmp_path, "none", 1)
+    atomic_write_json(done, {
+        "dspark_bench_cell": CELL_FORMAT, "config": "none", "concurrency": 1,
+        "metrics": {"failed": 0, "completed": 2}, "workload": spec.workload,
+        "prompts_sha256": spec.cell_prompts_sha256(1),
+        "server": {"mode": "serve", "serve_args": served_args(spec, cfgs[0]), "common_args": common,
+                   "files_sha256": {}}})
+    with pytest.raises(ServerStartError):
+        run_matrix(spec)
+    assert done.is_file()
+    assert pending_cells(MatrixSpec(**{**spec.__dict__, "configs": [cfgs[0]]})) == []
 
 
 def test_a_configs_column_takes_only_cells_of_its_own_server_setup_and_prompts(tmp_path: Path) -> None:

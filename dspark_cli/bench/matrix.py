@@ -435,8 +435,8 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
     if spec.serve and spec.interleave:
         # Interleaved cells of one concurrency are measured side by side (and paired round by round): a cell
         # measured alone on resume, on servers started anew, would be tabled against round-mates of another
-        # time. A concurrency with any cell to measure is measured again whole (run_matrix sets the done ones
-        # aside).
+        # time. A concurrency with any cell to measure is measured again whole (a done cell is set aside as its
+        # replacement is written: set_aside_superseded).
         partial = {c for _, c in todo}
         todo = [(cfg, c) for cfg in spec.configs for c in spec.concurrencies if c in partial]
     return todo
@@ -456,20 +456,21 @@ def check_resumed_model(spec: MatrixSpec, current: str) -> None:
                     "--force to remeasure")
 
 
-def set_aside_superseded(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]], hooks: Hooks) -> None:
-    """Finished cells that ``todo`` measures again (an interleaved concurrency resumed whole) move to
-    ``cells/superseded/``: kept, not tabled. ``--force`` asked for every cell anew: overwritten as measured."""
+def set_aside_superseded(spec: MatrixSpec, config: str, concurrency: int, hooks: Hooks) -> None:
+    """A finished cell that an interleaved concurrency resumed whole is about to replace moves to
+    ``cells/superseded/``: kept, not tabled. Only as its replacement is written: set aside before the servers
+    started, the finished cells of a resume that failed or was interrupted were gone from the folder, and the
+    same command measured them again. ``--force`` asked for every cell anew: overwritten as measured."""
     if not (spec.serve and spec.interleave) or spec.force:
         return
-    for cfg, c in todo:
-        path = cell_path(spec.results_dir, cfg.name, c)
-        if load_cell(path) is None:
-            continue
-        aside = superseded_cell_path(spec.results_dir, cfg.name, c)
-        aside.parent.mkdir(parents=True, exist_ok=True)
-        path.replace(aside)
-        hooks.log(f"{cfg.name} c={c}: measured again with the rest of its concurrency, so its cells stay side by "
-                  f"side; the earlier cell is kept as {aside}")
+    path = cell_path(spec.results_dir, config, concurrency)
+    if load_cell(path) is None:
+        return
+    aside = superseded_cell_path(spec.results_dir, config, concurrency)
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    path.replace(aside)
+    hooks.log(f"{config} c={concurrency}: measured again with the rest of its concurrency, so its cells stay side "
+              f"by side; the earlier cell is kept as {aside}")
 
 
 def workload_difference(was: dict[str, Any], now: dict[str, Any]) -> str:
@@ -821,6 +822,7 @@ def _write_cell(spec: MatrixSpec, cell: dict[str, Any], hooks: Hooks) -> None:
         raise DsparkError(f"{m['failed']} of {m['failed'] + m['completed']} requests of cell {cell['config']} "
                           f"c={cell['concurrency']} failed ({first}); the cell was not counted (its record: "
                           f"{aside}); fix the cause and rerun the same command to resume")
+    set_aside_superseded(spec, cell["config"], cell["concurrency"], hooks)
     atomic_write_json(cell_path(spec.results_dir, cell["config"], cell["concurrency"]), cell)
     for note in measurement_notes(cell):
         hooks.log(f"{cell['config']} c={cell['concurrency']}: {note}")
@@ -904,7 +906,6 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
     total = len(spec.configs) * len(spec.concurrencies)
     if len(todo) < total:
         hooks.log(f"resuming: {total - len(todo)} of {total} cells already in {spec.results_dir}")
-    set_aside_superseded(spec, todo, hooks)
     if not spec.serve and not spec.force and 0 < len(todo) < total:  # new cells beside old ones
         check_resumed_model(spec, spec.load.model or asyncio.run(_served_model(replace(spec.load, base_url=base_url))))
     try:
