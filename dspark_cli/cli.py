@@ -495,7 +495,7 @@ def bench(
                                        help="Before a server's first cell, one untimed wave of short requests at "
                                             "each of its concurrencies (JIT compiles land outside the cells)."),
     sts_warmup_prompts: int = typer.Option(None, "--sts-warmup-prompts",
-                                           help="STS warm-up requests (default: --num-prompts)."),
+                                           help="STS warm-up requests (default: --num-prompts; 0 skips it)."),
     server_timeout: float = typer.Option(600.0, "--server-timeout", help="Seconds to wait for /health."),
     host: str = typer.Option("127.0.0.1", "--host", help="With --serve: where servers listen."),
     port: int = typer.Option(None, "--port", help="With --serve: fixed port (default: a free one)."),
@@ -600,6 +600,8 @@ def bench(
         raise DsparkError("--interleave starts the configs' servers itself; it needs --serve")
     if interleave and port is not None:  # before any folder or progress bar
         raise DsparkError("--interleave runs every config's server at once, each on a free port; drop --port")
+    if port is not None and not 1 <= port <= 65535:  # 70000 was served on 4464, -1 blamed on --host
+        raise DsparkError(f"--port must be in 1..65535, got {port}")
     if base_url is not None and sps_curve is not None:
         served_only.append("--sps-curve")  # a running server prices with the curve it was started with
     if base_url is not None and served_only:
@@ -658,11 +660,21 @@ def bench(
         if waves < 1:
             raise DsparkError(f"--waves must be >= 1, got {waves}")
         num_prompts = waves * max(concs)
+    dataset_only = [flag for flag, given, needs in (
+        ("--dataset-path", dataset_path is not None, "speed-bench"),
+        ("--speed-bench-subset", speed_bench_subset != "qualitative", "speed-bench"),
+        ("--speed-bench-category", speed_bench_category is not None, "speed-bench"),
+        ("--input-len", input_len != 128, "random"), ("--tokenizer", tokenizer is not None, "random")) if given
+        and dataset != needs]
+    if dataset_only:
+        # said, and kept out of the workload: recorded, a flag that did nothing split the results folder
+        _warn(f"{', '.join(dataset_only)}: not used by --dataset {dataset}")
     prompts = load_prompts(dataset, num_prompts, dataset_path=dataset_path, speed_bench_subset=speed_bench_subset,
                            speed_bench_category=speed_bench_category, input_len=input_len, seed=seed,
                            tokenizer=tokenizer)
     workload = {"dataset": dataset, "speed_bench_subset": speed_bench_subset if dataset == "speed-bench" else None,
-                "speed_bench_category": speed_bench_category, "input_len": input_len if dataset == "random" else None,
+                "speed_bench_category": speed_bench_category if dataset == "speed-bench" else None,
+                "input_len": input_len if dataset == "random" else None,
                 "num_prompts": num_prompts, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
                 "temperature": temperature, "seed": seed, "endpoint": endpoint}
     if waves is not None:

@@ -453,6 +453,9 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
                                       ("--record-traces", s.record_traces is not None)) if on]
         if moot:
             out.append(f"{', '.join(moot)}: no effect without speculation (-k 0 or --draft none)")
+        if s.draft is None and s.num_speculative_tokens:
+            out.append(f"-k {s.num_speculative_tokens}: no effect with --draft none, which serves without speculation "
+                       "(pass a draft model for it to act)")
     elif s.capacity_mode == "none":
         # Traces are left out: the embedded engine records them in mode none (the vLLM launcher refuses them).
         default = ServeSettings()
@@ -469,7 +472,11 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
                            *VLLM_ONLY_FIELDS))) if on]
         if moot:
             out.append(capacity_mode_none_warning(moot))
-    elif s.capacity_mode == "mask" and s.probe_scout:
+    elif s.capacity_policy != "threshold" and s.confidence_threshold > 0:
+        out.append(f"--confidence-threshold {s.confidence_threshold:g}: no effect with --capacity-policy "
+                   f"{s.capacity_policy}, which budgets from the SPS curve; pass --capacity-policy threshold for it "
+                   "to act")
+    if s.speculative and s.capacity_mode == "mask" and s.probe_scout:
         # a warning, as for the other settings a mode cannot use: a bench matrix's columns share one --speculative-config
         out.append("dspark_probe_scout: no effect with --capacity-mode mask, whose uniform batch computes every draft "
                    "row whatever is verified (a scout would cost a whole probe step); it acts in varlen")

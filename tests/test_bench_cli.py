@@ -53,3 +53,32 @@ def test_interleave_with_a_port_is_refused_before_any_folder_is_made(tmp_path: P
     assert isinstance(result.exception, DsparkError)
     assert str(result.exception).startswith("--interleave runs every config's server at once")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_port_out_of_range_is_one_clear_line(tmp_path: Path) -> None:
+    # 70000 was served on port 4464 (70000 - 65536), and -1 was blamed on --host 127.0.0.1
+    for port in ("70000", "-1", "0"):
+        result = _bench("--serve", "--serve-args", "--model tiny", "--port", port, "-o", str(tmp_path / "r"))
+        assert isinstance(result.exception, DsparkError), result.output
+        assert str(result.exception) == f"--port must be in 1..65535, got {port}"
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_dataset_flag_another_dataset_does_not_use_is_said_and_kept_out_of_the_workload(
+        tmp_path: Path, monkeypatch: object) -> None:
+    # --speed-bench-category with gsm8k did nothing, was not said, and was recorded in the workload: the same
+    # command without it was then refused the folder ("different workload")
+    from dspark_cli.bench import matrix as mx
+
+    seen = []
+
+    def stop(spec: mx.MatrixSpec, *args: object, **kwargs: object) -> None:
+        seen.append(spec.workload)
+        raise DsparkError("stopped here")
+
+    monkeypatch.setattr(mx, "run_matrix", stop)  # type: ignore[attr-defined]
+    result = _bench("--base-url", "http://127.0.0.1:9", "--speed-bench-category", "coding", "--input-len", "64",
+                    "-c", "1", "-n", "1", "-o", str(tmp_path / "r"))
+    said = " ".join(result.stderr.split())
+    assert "warning: --speed-bench-category, --input-len: not used by --dataset gsm8k" in said
+    assert seen and seen[0]["speed_bench_category"] is None and seen[0]["input_len"] is None

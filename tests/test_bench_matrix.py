@@ -469,6 +469,9 @@ def test_warmup_sends_one_short_wave_at_every_concurrency_a_server_is_measured_a
     # the single short pass of before, and none at all
     assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none"), warmup_shapes=False) == [(4, 4, 16)]
     assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("none"), warmup_prompts=0) == []
+    # --sts-warmup-prompts 0 skips the calibration pass (0 once read as unset, and every prompt was sent)
+    assert _recorded_warmup(tmp_path, monkeypatch, BenchConfig("varlen+sts", sts=True), sts_warmup_prompts=0,
+                            warmup_prompts=0) == []
 
 
 def test_interleaved_order_goes_by_concurrency_and_moves_every_config_through_the_slots() -> None:

@@ -386,3 +386,18 @@ def test_a_flag_that_overrides_the_json_is_said() -> None:
     assert "--num-speculative-tokens 3 overrides 5 from --speculative-config (flags win)" in ineffective_settings(s)
     same = build_settings(_flags(num_speculative_tokens=5), json.dumps({"num_speculative_tokens": 5}))
     assert not any("overrides" in w for w in ineffective_settings(same))
+
+
+def test_a_draft_length_without_a_draft_and_a_threshold_under_another_policy_are_said() -> None:
+    # `--draft none -k 4` served k=0, and `--capacity-policy paper --confidence-threshold 0.5` dropped the threshold,
+    # both without a word
+    s = build_settings(_flags(draft="none", num_speculative_tokens=4))
+    assert "-k 4: no effect with --draft none, which serves without speculation (pass a draft model for it to act)" \
+        in ineffective_settings(s)
+    assert not ineffective_settings(build_settings(_flags(draft="none", num_speculative_tokens=0)))
+    s = build_settings(_flags(capacity_mode="varlen", sps_curve="auto", capacity_policy="paper",
+                              confidence_threshold=0.5))
+    assert any(w.startswith("--confidence-threshold 0.5: no effect with --capacity-policy paper")
+               for w in ineffective_settings(s))
+    alone = build_settings(_flags(capacity_mode="varlen", confidence_threshold=0.5))
+    assert alone.capacity_policy == "threshold" and not ineffective_settings(alone)

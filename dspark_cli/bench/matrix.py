@@ -774,8 +774,8 @@ async def _warmup(spec: MatrixSpec, cfg: BenchConfig, base_url: str, hooks: Hook
     concurrency about to be measured (``warmup_shapes``), so every batch shape those cells run has been
     compiled before the clock starts -- else at least ``warmup_prompts`` requests for lazy initialisation."""
     top = max(spec.concurrencies)
-    if cfg.sts:
-        n = spec.sts_warmup_prompts or len(spec.prompts)
+    n = len(spec.prompts) if spec.sts_warmup_prompts is None else spec.sts_warmup_prompts
+    if cfg.sts and n > 0:  # --sts-warmup-prompts 0 skips it (0 once read as "unset": the default was sent)
         max_tokens = spec.sts_warmup_max_tokens or max(1, spec.load.max_tokens // 4)
         hooks.log(f"{cfg.name}: STS warm-up, {n} requests x {max_tokens} tokens at c={min(32, top)}")
         load = replace(spec.load, base_url=base_url, concurrency=min(32, top), max_tokens=max_tokens)
