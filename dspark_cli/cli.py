@@ -341,6 +341,8 @@ def serve(
     speculative_config: str | None = typer.Option(None, "--speculative-config",
                                                   help="JSON, as for vllm serve; dspark_* keys are understood."),
     dry_run: bool = typer.Option(False, "--dry-run", help="With --engine vllm: print the vllm serve command only."),
+    check: bool = typer.Option(False, "--check", help="Check the settings and exit; nothing is loaded "
+                                                      "(`dspark bench --serve` checks every config's so)."),
 ) -> None:
     """Start an OpenAI-compatible server with confidence-scheduled verification.
 
@@ -397,6 +399,8 @@ def serve(
                               "(CUDA_VISIBLE_DEVICES, --tensor-parallel-size)")
         if importlib.util.find_spec("dspark_cli.engines.vllm.launcher") is None:
             raise DsparkError("--engine vllm is not available in this build (no vLLM launcher); use --engine embedded")
+        if check:
+            return
         from dspark_cli.engines.vllm.launcher import run_vllm_serve
 
         if dry_run:
@@ -407,6 +411,8 @@ def serve(
                           "(only --engine vllm passes options through); see dspark serve --help")
     if dry_run:
         raise DsparkError("--dry-run prints the vllm serve command; it needs --engine vllm")
+    if check:
+        return
 
     from rich.table import Table
 

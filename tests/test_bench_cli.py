@@ -82,3 +82,19 @@ def test_a_dataset_flag_another_dataset_does_not_use_is_said_and_kept_out_of_the
     said = " ".join(result.stderr.split())
     assert "warning: --speed-bench-category, --input-len: not used by --dataset gsm8k" in said
     assert seen and seen[0]["speed_bench_category"] is None and seen[0]["input_len"] is None
+
+
+def test_a_config_whose_server_would_refuse_its_settings_is_refused_before_any_server_starts(tmp_path: Path) -> None:
+    # --draft none in the shared flags: the mask server refuses to start ("needs speculation"), which was found only
+    # after the whole none column had been measured
+    import subprocess
+    import sys
+
+    res = tmp_path / "r"
+    proc = subprocess.run([sys.executable, "-m", "dspark_cli.cli", "bench", "--serve", "--configs", "none,mask",
+                           "--sps-curve", "auto", "--serve-args", "--model tiny --device cpu --draft none", "-c", "1",
+                           "-n", "1", "--max-tokens", "4", "-o", str(res)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    said = " ".join(proc.stderr.split())
+    assert "config mask: its server would refuse its settings (error: --capacity-mode mask needs speculation" in said
+    assert not (res / "logs").exists() or not any((res / "logs").iterdir())

@@ -158,3 +158,16 @@ def test_words_after_the_double_dash_still_reach_vllm() -> None:
     assert result.exit_code == 0, result.output
     cmd = result.stdout.strip().splitlines()[-1].split()
     assert cmd[:3] == ["vllm", "serve", "org/target"] and cmd[-3:] == ["4", "--enforce-eager", "extra-word"]
+
+
+def test_check_says_whether_a_server_would_start_and_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dspark_cli.serve_config as sc
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("--check loaded the engine")
+
+    monkeypatch.setattr(sc, "prepare_embedded", no_load)
+    assert _invoke(["--model", "tiny", "--check"]).exit_code == 0
+    assert _invoke(["--engine", "vllm", "--model", "m", "--check"]).exit_code == 0
+    refused = _invoke(["--model", "tiny", "--draft", "none", "--capacity-mode", "mask", "--check"])
+    assert "needs speculation" in str(refused.exception)

@@ -518,6 +518,26 @@ def before_passthrough(args: list[str], extra: Sequence[str]) -> list[str]:
     return [*args[:cut], *extra, *args[cut:]]
 
 
+def check_served_configs(spec: MatrixSpec, todo: Sequence[tuple[BenchConfig, int]]) -> None:
+    """Check every config still to measure as its server would read its command line (``dspark serve --check``),
+    before any server starts: a config whose server refuses its settings was found only once the configs before
+    it had been measured, a whole column each. Only the bench's own server command is checked so."""
+    if not spec.serve or tuple(spec.serve_command) != SERVE_COMMAND:
+        return
+    seen: set[str] = set()
+    for cfg, _ in todo:
+        if cfg.name in seen:
+            continue
+        seen.add(cfg.name)
+        command = [*spec.serve_command, *before_passthrough(served_args(spec, cfg), ["--check"])]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            said = [line for line in proc.stderr.splitlines() if line.strip()]
+            raise DsparkError(f"config {cfg.name}: its server would refuse its settings "
+                              f"({said[-1] if said else f'exit status {proc.returncode}'}); fix --configs or "
+                              "--serve-args")
+
+
 def setup_args(args: Sequence[str]) -> list[str]:
     """A started server's recorded command line without its --host and --port (a free port per start)."""
     out, skip = [], False
@@ -906,6 +926,7 @@ def run_matrix(spec: MatrixSpec, base_url: str | None = None, label: str = "serv
     total = len(spec.configs) * len(spec.concurrencies)
     if len(todo) < total:
         hooks.log(f"resuming: {total - len(todo)} of {total} cells already in {spec.results_dir}")
+    check_served_configs(spec, todo)
     if not spec.serve and not spec.force and 0 < len(todo) < total:  # new cells beside old ones
         check_resumed_model(spec, spec.load.model or asyncio.run(_served_model(replace(spec.load, base_url=base_url))))
     try:
