@@ -341,8 +341,9 @@ def serve(
     speculative_config: str | None = typer.Option(None, "--speculative-config",
                                                   help="JSON, as for vllm serve; dspark_* keys are understood."),
     dry_run: bool = typer.Option(False, "--dry-run", help="With --engine vllm: print the vllm serve command only."),
-    check: bool = typer.Option(False, "--check", help="Check the settings and exit; nothing is loaded "
-                                                      "(`dspark bench --serve` checks every config's so)."),
+    check: bool = typer.Option(False, "--check", help="Check the settings (models, files, curve, STS) and exit "
+                                                      "without loading weights; `dspark bench --serve` checks "
+                                                      "every config's so."),
 ) -> None:
     """Start an OpenAI-compatible server with confidence-scheduled verification.
 
@@ -411,8 +412,6 @@ def serve(
                           "(only --engine vllm passes options through); see dspark serve --help")
     if dry_run:
         raise DsparkError("--dry-run prints the vllm serve command; it needs --engine vllm")
-    if check:
-        return
 
     from rich.table import Table
 
@@ -420,7 +419,10 @@ def serve(
     from dspark_cli.serve_config import prepare_embedded
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    launch = prepare_embedded(settings)
+    launch = prepare_embedded(settings)  # everything that can be checked without loading weights
+    if check:
+        launch.cleanup()
+        return
     banner = Table.grid(padding=(0, 2))
     banner.add_column(style="bold cyan")
     banner.add_column()
@@ -723,18 +725,22 @@ def bench(
         table_of = BenchTable(spec, workload, title=_bench_title(dataset, waves, num_prompts, max_tokens, temperature),
                               plots=plots)
         cells: list[dict[str, Any]] | None = None
+        stopped = "stopped by an error"  # what the summary of a run that ends early says of it
         try:
             cells = mx.run_matrix(spec, base_url=base_url, label=label, hooks=hooks)
         except mx.ServerStartError as exc:
             if exc.log_tail:
                 err_console.print(exc.log_tail, markup=False, highlight=False, style="dim")
             raise
+        except (mx.BenchInterrupted, KeyboardInterrupt):
+            stopped = "interrupted"
+            raise
         finally:
             if cells is None and measured_here:
                 # A run stopped after some cells: the summary and plots said the folder's older state.
                 progress.stop()
                 try:
-                    table_of.write(mx.finished_cells(spec), interrupted=True)
+                    table_of.write(mx.finished_cells(spec), stopped=stopped)
                 except (OSError, ValueError) as exc:  # the stop's own message must still be said
                     err_console.print(f"warning: the summary of the finished cells was not written: {exc}")
     assert cells is not None
@@ -755,9 +761,10 @@ class BenchTable:
     title: str
     plots: bool
 
-    def write(self, cells: list[dict[str, Any]], interrupted: bool = False) -> None:
-        """Table ``cells`` (this run's matrix) with the folder's cells that compare with them. ``interrupted``: the
-        run stopped early, so the table holds what was finished (the run resumes it), said beside it."""
+    def write(self, cells: list[dict[str, Any]], stopped: str | None = None) -> None:
+        """Table ``cells`` (this run's matrix) with the folder's cells that compare with them. ``stopped``: how the
+        run ended early ("interrupted", "stopped by an error"), said beside the table of what was finished (the
+        same command resumes it)."""
         from dspark_cli.bench import matrix as mx
         from dspark_cli.bench import report
 
@@ -778,7 +785,7 @@ class BenchTable:
         if left_out:
             err_console.print(f"note: {left_out} other cells in {spec.results_dir} were measured with another "
                               "workload, model, --serve-args or curve and are not in this table", highlight=False)
-        title = f"{self.title}, interrupted: finished cells only" if interrupted else self.title
+        title = f"{self.title}, {stopped}: finished cells only" if stopped else self.title
         json_path, md_path = report.write_summary(spec.results_dir, cells, names, concs, title)
         table = report.build_table(cells, names, concs)
         console.print(report.to_rich(table, title))

@@ -98,3 +98,26 @@ def test_a_config_whose_server_would_refuse_its_settings_is_refused_before_any_s
     said = " ".join(proc.stderr.split())
     assert "config mask: its server would refuse its settings (error: --capacity-mode mask needs speculation" in said
     assert not (res / "logs").exists() or not any((res / "logs").iterdir())
+
+
+def test_a_run_stopped_by_an_error_titles_its_summary_so_not_interrupted(
+        tmp_path: Path, monkeypatch: object) -> None:
+    # a server that failed to start after a column was measured left a summary titled "interrupted"
+    from dspark_cli.bench import matrix as mx
+    from dspark_cli.fileio import atomic_write_json
+
+    def one_cell_then_an_error(spec: mx.MatrixSpec, *args: object, hooks: mx.Hooks, **kwargs: object) -> None:
+        c = spec.concurrencies[0]
+        cell = {"dspark_bench_cell": mx.CELL_FORMAT, "config": spec.configs[0].name, "concurrency": c,
+                "metrics": {"output_tok_s": 10.0, "itl_ms": {"mean": 5.0}, "per_user_tok_s": 10.0, "failed": 0,
+                            "completed": 1},
+                "spec_decode": None, "workload": spec.workload, "prompts_sha256": spec.cell_prompts_sha256(c)}
+        atomic_write_json(mx.cell_path(spec.results_dir, spec.configs[0].name, c), cell)
+        hooks.cell_done(cell)
+        raise DsparkError("the next server would not start")
+
+    monkeypatch.setattr(mx, "run_matrix", one_cell_then_an_error)  # type: ignore[attr-defined]
+    result = _bench("--base-url", "http://127.0.0.1:9", "-c", "1", "-n", "1", "--no-plots", "-o", str(tmp_path / "r"))
+    assert str(result.exception) == "the next server would not start"
+    md = (tmp_path / "r" / "summary.md").read_text()
+    assert "stopped by an error: finished cells only" in md and "interrupted" not in md

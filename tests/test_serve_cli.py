@@ -161,13 +161,16 @@ def test_words_after_the_double_dash_still_reach_vllm() -> None:
 
 
 def test_check_says_whether_a_server_would_start_and_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dspark_cli.serve_config as sc
+    import dspark_cli.engines.embedded.server as server
 
-    def no_load(*args: object, **kwargs: object) -> None:
-        raise AssertionError("--check loaded the engine")
+    def no_serve(*args: object, **kwargs: object) -> None:
+        raise AssertionError("--check started the server")
 
-    monkeypatch.setattr(sc, "prepare_embedded", no_load)
+    monkeypatch.setattr(server, "run_server", no_serve)
     assert _invoke(["--model", "tiny", "--check"]).exit_code == 0
     assert _invoke(["--engine", "vllm", "--model", "m", "--check"]).exit_code == 0
     refused = _invoke(["--model", "tiny", "--draft", "none", "--capacity-mode", "mask", "--check"])
     assert "needs speculation" in str(refused.exception)
+    # what only the launch's own checks find (a draft that names no model), before any weight loads
+    missing = _invoke(["--model", "tiny", "--draft", "/nonexistent/d", "--check"])
+    assert "neither a known model" in str(missing.exception)
