@@ -644,6 +644,10 @@ def bench(
             raise DsparkError(f"--model names the model in requests; to serve {model}, pass --serve-args "
                               f"'--model {model}'")
     cfgs = mx.parse_configs(configs, sps_curve, common) if serve else [mx.BenchConfig(label)]
+    if serve and label != "server":
+        _warn("--label: names the --base-url server's column; with --serve each column is its config's name")
+    if serve and sps_curve is not None and not any("--sps-curve" in cfg.serve_args for cfg in cfgs):
+        _warn(f"--sps-curve: no config of --configs {configs} reads it (only mask and varlen ones do)")
     if serve and sps_curve not in (None, "auto") and any("--sps-curve" in cfg.serve_args for cfg in cfgs):
         from dspark_cli.core.sps import SpsCurve
 

@@ -121,3 +121,17 @@ def test_a_run_stopped_by_an_error_titles_its_summary_so_not_interrupted(
     assert str(result.exception) == "the next server would not start"
     md = (tmp_path / "r" / "summary.md").read_text()
     assert "stopped by an error: finished cells only" in md and "interrupted" not in md
+
+
+def test_a_label_and_a_curve_that_no_served_config_reads_are_said(tmp_path: Path, monkeypatch: object) -> None:
+    from dspark_cli.bench import matrix as mx
+
+    def stop(*args: object, **kwargs: object) -> None:
+        raise DsparkError("stopped here")
+
+    monkeypatch.setattr(mx, "run_matrix", stop)  # type: ignore[attr-defined]
+    result = _bench("--serve", "--configs", "nospec,none", "--sps-curve", str(tmp_path / "missing.json"), "--label",
+                    "mine", "--serve-args", "--model tiny", "-c", "1", "-n", "1", "-o", str(tmp_path / "r"))
+    said = " ".join(result.stderr.split())
+    assert "warning: --label: names the --base-url server's column" in said
+    assert "warning: --sps-curve: no config of --configs nospec,none reads it (only mask and varlen ones do)" in said
