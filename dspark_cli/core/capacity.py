@@ -30,7 +30,7 @@ the draft pass when verification stops paying; ``CapacityManager`` ties the piec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -247,6 +247,7 @@ def choose_budget(
     sampling: bool = False,
     max_budget: int | None = None,
     batch_drafts: int | None = None,
+    scout: bool = False,
 ) -> BudgetDecision:
     """Pick this step's verify budget on the host from stale survival; see the module docstring.
 
@@ -262,6 +263,9 @@ def choose_budget(
     ``batch_drafts``: the draft rows the batch computes whatever is verified, where it holds drafts that
     ``num_drafts`` does not admit (vLLM's placeholder drafts of a slot the draft skipped): mask mode's uniform
     batch is priced with them (default: the admitted drafts).
+    ``scout``: the step begins a probe that may scout (``SaturationPolicy.scouting``). In varlen, where the chosen
+    budget is priced above ``SCOUT_PRICE`` times verifying nothing, the step verifies nothing and its decision says
+    ``scout`` (not judged); else it is chosen as any other.
     """
     surv = np.asarray(stale_survival, dtype=np.float64)
     if surv.ndim != 2:
@@ -305,6 +309,9 @@ def choose_budget(
             # The predicted win is within the model's error: keep the full draft -- unless the trim pays where the
             # full draft would not (kept, the step would count as losing and push the saturation policy to pause).
             budget = cap
+    is_scout = scout and cfg.mode == "varlen" and budget > 0 and cost[budget] > SCOUT_PRICE * cost[0]
+    if is_scout:
+        budget = 0
     return BudgetDecision(
         budget=budget,
         theta_best=float(theta[budget]),
@@ -313,16 +320,8 @@ def choose_budget(
         step_ms=float(cost[budget]),
         total_drafts=total,
         plain_ms=no_draft_cost,
+        scout=is_scout,
     )
-
-
-def scout_or_probe(probe: BudgetDecision, scout: BudgetDecision) -> BudgetDecision:
-    """A probe's first step where its policy may scout: ``scout`` (the same batch with budget 0), marked as a scout,
-    where ``probe`` (the plan it would run) is priced above ``SCOUT_PRICE`` times it; else ``probe``, judged as
-    probes are."""
-    if scout.budget == 0 and probe.step_ms > SCOUT_PRICE * scout.step_ms:
-        return replace(scout, scout=True)
-    return probe
 
 
 # ---------------------------------------------------------------------------------------------- allocation
@@ -429,7 +428,7 @@ class CapacityManager:
        produced, not only by what the confidences predicted (see :meth:`record_outcome`).
 
     With ``probe_scout`` the step that begins a probe may plan a budget of 0 (``BudgetDecision.scout``; where the
-    curve prices its plan above ``SCOUT_PRICE`` such steps, :func:`scout_or_probe`), and the probe's next step
+    curve prices its plan above ``SCOUT_PRICE`` such steps, :func:`choose_budget`), and the probe's next step
     plans on the scout's confidences -- the previous record when ``plan`` follows this step's
     own, as above; an engine that plans before recording would read the snapshot from before the pause.
 
@@ -564,14 +563,12 @@ class CapacityManager:
         defer_saturation: bool = False,
         sampling: bool = False,
     ) -> BudgetDecision:
-        survival = _np_survival(self.stale_confidences(slots_np))
-        decision = choose_budget(survival, num_drafts_np, num_nondraft_tokens, num_sampling, self.curve, self.cfg,
-                                 sampling)
-        if self.cfg.mode != "none" and self.saturation.scouting:
-            # The scout verifies nothing; the probe's next step plans on the confidences this one records.
-            decision = scout_or_probe(decision, choose_budget(survival, num_drafts_np, num_nondraft_tokens,
-                                                              num_sampling, self.curve, self.cfg, sampling,
-                                                              max_budget=0))
+        stale = self.stale_confidences(slots_np)
+        # A scout verifies nothing; the probe's next step plans on the confidences this one records.
+        decision = choose_budget(
+            _np_survival(stale), num_drafts_np, num_nondraft_tokens, num_sampling, self.curve, self.cfg, sampling,
+            scout=self.saturation.scouting,
+        )
         self.last_decision = decision
         self._pending_running = len(slots_np)
         if self.cfg.mode != "none" and not defer_saturation:

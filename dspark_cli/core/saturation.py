@@ -621,7 +621,7 @@ class SaturationPolicy:
     @property
     def scouting(self) -> bool:
         """The step begun last begins a probe that may scout: where the plan's price says so
-        (``core.capacity.scout_or_probe``), it drafts and verifies nothing, and its decision (``scout``) is not
+        (``core.capacity.choose_budget``), it drafts and verifies nothing, and its decision (``scout``) is not
         judged (class docstring)."""
         return self._scout
 

@@ -557,7 +557,6 @@ def build_manager_class(base: type) -> type:
         allocate,
         choose_budget,
         prefix_survival,
-        scout_or_probe,
         warm_up_allocate,
     )
     from dspark_cli.core.saturation import (
@@ -815,15 +814,12 @@ def build_manager_class(base: type) -> type:
                 ))
                 # The cap (vLLM's one chunk of logit rows) bounds the search itself, so the decision the saturation
                 # policy judges is priced at the budget that runs.
+                # With probe_scout, the drafting decision begun last may have begun a probe, and this batch
+                # verifies its drafts: a scout verifies none, and the probe's next batch plans on the confidences
+                # it recorded, the stale snapshot by then.
                 decision = choose_budget(survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg,
-                                         max_budget=cap, batch_drafts=total)
-                if self.saturation.scouting and self.saturation.probing:
-                    # The drafting decision begun last began a probe that may scout (probe_scout), and this batch
-                    # verifies its drafts: a scout verifies none, and the probe's next batch plans on the
-                    # confidences it recorded, the stale snapshot by then.
-                    decision = scout_or_probe(decision, choose_budget(
-                        survival, admissible, int(nondraft.sum()), num_sampling, self.curve, self.cfg, max_budget=0,
-                        batch_drafts=total))
+                                         max_budget=cap, batch_drafts=total,
+                                         scout=self.saturation.scouting and self.saturation.probing)
                 budget = decision.budget
                 self._step_decision = decision
                 if self._pause_supported:
