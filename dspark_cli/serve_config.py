@@ -71,6 +71,7 @@ DSPARK_KEYS = (
     "dspark_resume_every",
     "dspark_probe_tax",
     "dspark_probe_scout",
+    "dspark_probe_sample",
     "dspark_sts_refit_interval",
     *(f"dspark_{name}" for name in ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps",
                                     "draft_defer_prompts")),
@@ -78,6 +79,9 @@ DSPARK_KEYS = (
 # Settings of the vLLM plugin alone: how a paused vLLM server keeps its draft and schedules its steps
 # (engines.vllm.config says what each does). The embedded engine's paused step is a plain step already.
 VLLM_ONLY_FIELDS = ("draft_catchup_tokens", "mask_paused_compact", "plain_paused_steps", "draft_defer_prompts")
+# Settings of the embedded engine's saturation probes alone: its paused draft feeds nothing, so a probe catches it
+# up over the whole pause (core.capacity.CapacityManager.probe_sample_size); vLLM's paused draft is kept current.
+EMBEDDED_ONLY_FIELDS = ("probe_sample",)
 # Keys of vLLM's own SpeculativeConfig that this module reads; the rest are vLLM engine details that the
 # embedded engine has no use for (attention_backend, draft_sample_method, ...).
 _SPEC_KEYS_READ = ("model", "num_speculative_tokens", "method")
@@ -114,6 +118,7 @@ class ServeSettings:
     resume_every: int | None = None
     probe_tax: float | None = None  # None: the core's default (CapacityConfig.probe_tax)
     probe_scout: bool | None = None  # None: the core's default (CapacityConfig.probe_scout, off)
+    probe_sample: int | None = None  # embedded engine only (EMBEDDED_ONLY_FIELDS); None: the core's default
     sts_refit_interval: int | None = None
     draft_catchup_tokens: int | None = None  # vLLM engine only (VLLM_ONLY_FIELDS)
     mask_paused_compact: bool | None = None  # vLLM engine only
@@ -169,7 +174,7 @@ class ServeSettings:
         if self.record_traces is not None:
             out["dspark_record_traces"] = self.record_traces
         for key in ("saturation_patience", "resume_every", "probe_tax", "probe_scout", "sts_refit_interval",
-                    *VLLM_ONLY_FIELDS):
+                    *EMBEDDED_ONLY_FIELDS, *VLLM_ONLY_FIELDS):
             if getattr(self, key) is not None:
                 out[f"dspark_{key}"] = getattr(self, key)
         return out
@@ -332,6 +337,8 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
     if "dspark_sts_refit_interval" in obj:
         out["sts_refit_interval"] = as_int(f"{w} dspark_sts_refit_interval", obj["dspark_sts_refit_interval"],
                                             minimum=1)
+    if "dspark_probe_sample" in obj:
+        out["probe_sample"] = as_int(f"{w} dspark_probe_sample", obj["dspark_probe_sample"], minimum=0)
     if "dspark_draft_catchup_tokens" in obj:
         out["draft_catchup_tokens"] = as_int(f"{w} dspark_draft_catchup_tokens", obj["dspark_draft_catchup_tokens"],
                                               minimum=0)
@@ -469,7 +476,7 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
             ("dspark_confidence_temperature", s.confidence_temperature is not None),
             *((f"dspark_{name}", getattr(s, name) is not None)
               for name in ("saturation_patience", "resume_every", "probe_tax", "probe_scout", "sts_refit_interval",
-                           *VLLM_ONLY_FIELDS))) if on]
+                           *EMBEDDED_ONLY_FIELDS, *VLLM_ONLY_FIELDS))) if on]
         if moot:
             out.append(capacity_mode_none_warning(moot))
     elif s.capacity_policy != "threshold" and s.confidence_threshold > 0:
@@ -515,6 +522,11 @@ def _check_consistency(s: ServeSettings) -> None:
         raise DsparkError(f"--speculative-config {', '.join(vllm_only)}: a setting of the vLLM plugin (how a paused "
                           "vLLM server drafts and schedules); the embedded engine's paused steps are plain steps "
                           "already: drop it, or serve with --engine vllm")
+    embedded_only = [f"dspark_{name}" for name in EMBEDDED_ONLY_FIELDS if getattr(s, name) is not None]
+    if s.engine == "vllm" and embedded_only:
+        raise DsparkError(f"--speculative-config {', '.join(embedded_only)}: a setting of the embedded engine's probes "
+                          "(whose paused draft catches up only when a probe drafts); a paused vLLM server keeps its "
+                          "draft current (dspark_draft_catchup_tokens): drop it, or serve with --engine embedded")
     vllm_own = [k for k in VLLM_DSPARK_FIELDS if k in s.vllm_speculative_config]
     if s.engine == "embedded" and vllm_own:
         raise DsparkError(f"--speculative-config {', '.join(vllm_own)}: an option of vLLM's own DSpark speculator, "
@@ -688,6 +700,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
                                                    ("probe_tax", s.probe_tax),
                                                    ("probe_scout", s.probe_scout if s.capacity_mode == "varlen"
                                                     else None),
+                                                   ("probe_sample", s.probe_sample),
                                                    ("min_predicted_gain", s.min_predicted_gain)) if v is not None}
         capacity = CapacityConfig(mode=s.capacity_mode, policy=s.capacity_policy, budget_frac=s.budget_frac,
                                   threshold=s.confidence_threshold if s.capacity_policy == "threshold" else 0.0,

@@ -86,6 +86,10 @@ class CapacityConfig:
     probe_tax: float = PROBE_TAX  # timed engines: probes may spend this share of paused time (SaturationPolicy)
     mask_pruning_saves: bool = False  # mask mode: padding rows are skipped (MoE with skip-padding), not computed
     probe_scout: bool = False  # varlen: a probe's first step verifies nothing (SaturationPolicy, "Scouts")
+    # Engines whose probe catches the draft up over the pause (the embedded engine): a probe drafts for at most this
+    # many requests, those the draft is least behind, and is judged as the full batch (``choose_budget``'s
+    # ``stands_for``); 0 drafts for every request. Why: ``CapacityManager.probe_sample_size``.
+    probe_sample: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -103,6 +107,7 @@ class CapacityConfig:
             raise DsparkError(f"capacity setting mask_pruning_saves must be true or false, got {self.mask_pruning_saves!r}")
         if not isinstance(self.probe_scout, bool):
             raise DsparkError(f"capacity setting probe_scout must be true or false, got {self.probe_scout!r}")
+        check_int("probe_sample", self.probe_sample, 0)
         if self.probe_scout and self.mode == "mask":
             # mask's uniform batch computes every draft row whatever is verified: a scout would cost a whole probe
             # step and judge nothing (with no capacity manager the saturation policy never runs: no probe to scout)
@@ -230,6 +235,9 @@ class BudgetDecision:
     total_drafts: int  # drafts available this step
     plain_ms: float = 0.0  # predicted cost of the same step decoded plainly (0: not priced)
     scout: bool = False  # a probe's scout step: verifies nothing, is not judged (SaturationPolicy)
+    # A sampled probe's (choose_budget's ``stands_for``): each drafting request stands for this many of the batch,
+    # and the Θ values and price above are the whole batch's, drafting as the sample did.
+    stands_for: float = 1.0
 
     @property
     def pays(self) -> bool:
@@ -248,6 +256,7 @@ def choose_budget(
     max_budget: int | None = None,
     batch_drafts: int | None = None,
     scout: bool = False,
+    stands_for: float = 1.0,
 ) -> BudgetDecision:
     """Pick this step's verify budget on the host from stale survival; see the module docstring.
 
@@ -266,6 +275,12 @@ def choose_budget(
     ``scout``: the step begins a probe that may scout (``SaturationPolicy.scouting``). In varlen, where the chosen
     budget is priced above ``SCOUT_PRICE`` times verifying nothing, the step verifies nothing and its decision says
     ``scout`` (not judged); else it is chosen as any other.
+    ``stands_for``: only a sample of the batch drafts (a sampled probe, ``CapacityManager.probe_sample_size``), the
+    rows of ``num_drafts`` that carry drafts, and each stands for this many requests. The budget is chosen for the
+    sample, priced and valued as the whole batch drafting alike: ``n`` of the sample's slots stand for
+    ``stands_for x n`` verified slots and their survival for ``stands_for`` times as many accepted tokens, and the
+    draft pass is priced for all ``R`` requests. The question a probe answers is whether drafting pays at this
+    load, not whether drafting for the sample does.
     """
     surv = np.asarray(stale_survival, dtype=np.float64)
     if surv.ndim != 2:
@@ -276,12 +291,16 @@ def choose_budget(
     # NaN survival (a head that overflowed) counts as 0, as in the allocation: sorted, a NaN would lead the
     # order and make every Θ(n) NaN, so one NaN slot cut the whole batch's budget to 1
     vals = np.sort(np.clip(np.nan_to_num(surv[valid], nan=0.0), 0.0, 1.0))[::-1]
-    tau = float(num_sampling) + np.concatenate(([0.0], np.cumsum(vals)))
+    if not (math.isfinite(stands_for) and stands_for >= 1.0):
+        raise ValueError(f"stands_for must be a finite number >= 1, got {stands_for!r}")
+    tau = float(num_sampling) + stands_for * np.concatenate(([0.0], np.cumsum(vals)))
     n = np.arange(total + 1)
+    verified = n if stands_for == 1.0 else stands_for * n
     if cfg.mode == "mask" and not cfg.mask_pruning_saves:
-        # every draft row is in the batch, verified or padding
-        n = np.full(total + 1, total if batch_drafts is None else max(total, int(batch_drafts)))
-    cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + n, sampling=sampling), dtype=np.float64)
+        # every draft row is in the batch, verified or padding (a sample's batch, the whole batch's drafts)
+        every = total if stands_for == 1.0 else stands_for * total
+        verified = np.full(total + 1, every if batch_drafts is None else max(every, int(batch_drafts)))
+    cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + verified, sampling=sampling), dtype=np.float64)
     theta = tau / cost
     no_draft_cost = float(sps.step_cost_ms(r, num_nondraft_tokens, drafting=False))
     theta_no_draft = float(num_sampling) / no_draft_cost
@@ -321,6 +340,7 @@ def choose_budget(
         total_drafts=total,
         plain_ms=no_draft_cost,
         scout=is_scout,
+        stands_for=float(stands_for),
     )
 
 
@@ -485,6 +505,25 @@ class CapacityManager:
     def drafting_enabled(self) -> bool:
         return self.cfg.mode == "none" or self.saturation.drafting_enabled
 
+    def probe_sample_size(self, num_running: int) -> int:
+        """How many of ``num_running`` requests the step begun last drafts for: all, except in a probe step under
+        ``probe_sample`` (``CapacityConfig``), where at most that many draft and the step is planned with
+        ``stands_for = num_running / sample`` (:func:`choose_budget`).
+
+        Why: a paused draft feeds nothing (the embedded engine's paused step is plain decoding), so a probe's draft
+        pass first catches every request up over the whole pause -- its prompt too, for a request admitted during
+        it. That work grows with the pause, so probing less often does not make it cheaper: on an H100 (Llama-3-8B
+        shape, 256 requests; docs/PERFORMANCE.md section 41) a probe cost ~12x a paused step, mostly that catch-up,
+        and probes took 3.4% of the cell where drafting never paid. Whether drafting pays at a load is a question
+        of the load's step price and of how many drafts survive; a sample answers the second, the curve the first.
+        The engine picks the requests the draft is least behind, so the catch-up is the sample's smallest. The
+        other requests catch up only if the probe resumes drafting, on its first step, which a resume pays for
+        as it did inside the probe before (and the engine keeps out of the step-time calibration)."""
+        n = self.cfg.probe_sample
+        if n <= 0 or num_running <= n or not self.probe_step or self.cfg.mode == "none":
+            return num_running
+        return n
+
     def begin_step(self, num_running: int) -> bool:
         """Whether this step drafts (:meth:`StepTimer.begin_step`: an engine that times its steps with
         :meth:`record_step_time` also gets a plain step now and then while drafting is on)."""
@@ -495,13 +534,16 @@ class CapacityManager:
             self._records_at_pause = self._num_records
         return drafting
 
-    def record_step_time(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float | None = None) -> None:
+    def record_step_time(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float | None = None,
+                         calibrate: bool = True) -> None:
         """Report a decode step's measured wall time (host clock, the step's own sync included).
 
         ``priced_ms``: what the curve charged; defaults to the last decision's ``step_ms`` for a drafting
         step and to the curve's plain-decoding cost of ``num_reqs`` requests for a plain one. Probe steps
         are skipped: their catch-up over the pause is the price of probing, not of drafting. Every step's
         time also goes to the saturation policy's probe tax (:meth:`SaturationPolicy.record_step_ms`).
+        ``calibrate=False``: the step did work that is not what drafting costs (the catch-up a sampled probe left
+        to the resume, :meth:`probe_sample_size`); it counts for the probe tax only (:meth:`StepTimer.record`).
         """
         if self.cfg.mode == "none":
             return
@@ -513,7 +555,7 @@ class CapacityManager:
             else:
                 self.saturation.record_step_ms(drafting, measured_ms, num_running=num_reqs)
                 return
-        self.timer.record(drafting, num_reqs, measured_ms, priced_ms)
+        self.timer.record(drafting, num_reqs, measured_ms, priced_ms, calibrate=calibrate)
 
     # -- confidences
     def add_request(self, slot: int) -> None:
@@ -562,12 +604,16 @@ class CapacityManager:
         num_sampling: int,
         defer_saturation: bool = False,
         sampling: bool = False,
+        stands_for: float = 1.0,
     ) -> BudgetDecision:
+        """Choose this step's budget (:func:`choose_budget`, on the stale confidences of ``slots_np``).
+        ``stands_for``: a sampled probe's (:meth:`probe_sample_size`): the rows of ``num_drafts_np`` that carry
+        drafts stand for the whole batch, each for this many requests; :meth:`record_outcome` judges the step so."""
         stale = self.stale_confidences(slots_np)
         # A scout verifies nothing; the probe's next step plans on the confidences this one records.
         decision = choose_budget(
             _np_survival(stale), num_drafts_np, num_nondraft_tokens, num_sampling, self.curve, self.cfg, sampling,
-            scout=self.saturation.scouting,
+            scout=self.saturation.scouting, stands_for=stands_for,
         )
         self.last_decision = decision
         self._pending_running = len(slots_np)
@@ -575,18 +621,24 @@ class CapacityManager:
             self.saturation.observe(decision, num_running=len(slots_np))
         return decision
 
-    def record_outcome(self, emitted_tokens: int) -> bool:
+    def record_outcome(self, emitted_tokens: float) -> bool:
         """Judge the last planned step by what it produced (``SaturationPolicy.observe_outcome``).
 
-        ``emitted_tokens``: accepted drafts plus one per sampling request. Use with
-        ``plan(..., defer_saturation=True)``; returns whether the step paid.
+        ``emitted_tokens``: accepted drafts plus one per sampling request (every running request). Use with
+        ``plan(..., defer_saturation=True)``; returns whether the step paid. A sampled probe's accepted drafts
+        count ``stands_for`` times: the step is judged as the whole batch drafting as its sample did, on the
+        price its decision put on that.
         """
-        if self.last_decision is None:
+        decision = self.last_decision
+        if decision is None:
             return False
         if self.cfg.mode == "none":
-            return self.last_decision.pays
-        return self.saturation.observe_outcome(self.last_decision, emitted_tokens, self._pending_running,
-                                               self.timer.cost_scale(self._pending_running, self.last_decision))
+            return decision.pays
+        running = self._pending_running
+        if decision.stands_for != 1.0:
+            emitted_tokens = running + decision.stands_for * (emitted_tokens - running)
+        return self.saturation.observe_outcome(decision, emitted_tokens, running,
+                                               self.timer.cost_scale(running, decision))
 
     @property
     def realized_gain(self) -> float | None:

@@ -876,7 +876,7 @@ class SaturationPolicy:
         return self._realized.value
 
     def observe_outcome(
-        self, decision: BudgetDecision, emitted_tokens: int, num_running: int, cost_scale: float = 1.0
+        self, decision: BudgetDecision, emitted_tokens: float, num_running: int, cost_scale: float = 1.0
     ) -> bool:
         """Judge a drafting step by what it produced, then :meth:`observe` the verdict; returns it.
 

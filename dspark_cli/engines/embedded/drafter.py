@@ -105,6 +105,23 @@ class DraftOutput:
     latent: Tensor | None = None  # [R, K] float32
     accept: Tensor | None = None  # [R, K] bool
 
+    def spread(self, rows: Tensor, num_reqs: int) -> DraftOutput:
+        """This proposal for a sample of a batch (its row i is the batch's row ``rows[i]``) as the whole batch's:
+        the other rows hold zeros -- token 0, confidence 0, acceptance False -- and are given no draft to verify.
+        Draft distributions stay zero there too: the rejection sampler reads a row's only where it verifies one."""
+
+        def full(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            out = torch.zeros((num_reqs, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            return out.index_copy_(0, rows, t)
+
+        spread = full(self.tokens)
+        assert spread is not None
+        conf = full(self.confidence)
+        assert conf is not None
+        return DraftOutput(spread, conf, full(self.draft_probs), full(self.latent), full(self.accept))
+
 
 class Drafter:
     def __init__(

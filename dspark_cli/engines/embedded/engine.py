@@ -258,6 +258,7 @@ class LLMEngine:
         self.sps_curve: SpsCurve | None = None
         # pauses, resumes, the last judged probe: _log_saturation logs each change
         self._saturation_seen: tuple[int, int, ProbeVerdict | None] = (0, 0, None)
+        self._draft_behind = False  # the last drafting step was a sampled probe: others' drafts wait on a resume
         if self.num_spec > 0 and config.capacity.mode != "none":
             self.sps_curve = file_curve or self._profile_curve()
             self.capacity = CapacityManager(
@@ -468,16 +469,39 @@ class LLMEngine:
         clock.mark("prepare")
 
         u_draft = self._uniforms(seqs, k) if temperature is not None else None
-        draft = runner.propose(seqs, tables, temperature, u_draft)
+        # A sampled probe drafts for the requests its draft is least behind (CapacityManager.probe_sample_size).
+        sample = self._probe_sample(seqs) if probe else None
+        # The first full drafting step after a sampled probe catches the others up over the pause: the probe's
+        # deferred cost, not what drafting costs (kept out of the step-time calibration).
+        catching_up = sample is None and self._draft_behind
+        self._draft_behind = sample is not None
+        if sample is None:
+            drafted, draft = seqs, runner.propose(seqs, tables, temperature, u_draft)
+        else:
+            sample_np, rows = sample
+            drafted = [seqs[i] for i in sample_np.tolist()]
+            draft = runner.propose(drafted, tables.index_select(0, rows),
+                                   None if temperature is None else temperature.index_select(0, rows),
+                                   None if u_draft is None else u_draft.index_select(0, rows))
         conf_raw = draft.confidence
         offsets = None if self.online_sts is None else self.online_sts.offsets
         conf = conf_raw if self.sts_temperatures is None else apply_temperatures(conf_raw, self.sts_temperatures, offsets)
         clock.mark("draft")
         if self.capacity is not None:
-            num_drafts = torch.full((num_reqs,), k, dtype=torch.int64, device=dev)
-            self.capacity.record_confidences(slots, conf)
-            decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs, defer_saturation=True,
-                                          sampling=temperature is not None)
+            sampling = temperature is not None
+            if sample is None:
+                num_drafts = torch.full((num_reqs,), k, dtype=torch.int64, device=dev)
+                self.capacity.record_confidences(slots, conf)
+                decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs,
+                                              defer_saturation=True, sampling=sampling)
+            else:
+                drafts_np = np.zeros(num_reqs, dtype=np.int64)
+                drafts_np[sample_np] = k
+                num_drafts = torch.zeros(num_reqs, dtype=torch.int64, device=dev).index_fill_(0, rows, k)
+                self.capacity.record_confidences(slots.index_select(0, rows), conf)
+                decision = self.capacity.plan(slots_np, drafts_np, num_reqs, num_reqs, defer_saturation=True,
+                                              sampling=sampling, stands_for=num_reqs / len(sample_np))
+                draft = draft.spread(rows, num_reqs)
             budget = decision.budget
             admitted = self.capacity.allocate(slots, num_drafts, budget)
         else:
@@ -511,7 +535,10 @@ class LLMEngine:
                 logits, layout, draft.tokens, admitted, temperature, top_p, draft.draft_probs, uniforms
             )
         if self.online_sts is not None:
-            self.online_sts.record(conf_raw, admitted, out.num_accepted)
+            if sample is None:
+                self.online_sts.record(conf_raw, admitted, out.num_accepted)
+            else:
+                self.online_sts.record(conf_raw, admitted.index_select(0, rows), out.num_accepted.index_select(0, rows))
             self.online_sts.step()
         # The step's one device -> host transfer: emitted tokens, accepted and admitted counts together.
         packed = torch.cat(
@@ -522,37 +549,44 @@ class LLMEngine:
         clock.mark("sync")
         accepted_np = host[:, k + 1]
         admitted_np = host[:, k + 2]
+        # What the draft proposed for: every request, or a sampled probe's sample (the rest accepted nothing).
+        drafted_acc, drafted_adm = (accepted_np, admitted_np) if sample is None else (
+            accepted_np[sample[0]], admitted_np[sample[0]])
         if self.capacity is not None:
             # The saturation policy judges the step by what it produced (robust to a miscalibrated head).
             self.capacity.record_outcome(num_reqs + int(accepted_np.sum()))
             self._log_saturation(num_reqs)
         if self.traces is not None:
             self.traces.write_batch(
-                conf_raw.cpu(), admitted_np, accepted_np,
-                requests=[s.request_id for s in seqs], step=[s.num_verify_steps for s in seqs],
+                conf_raw.cpu(), drafted_adm, drafted_acc,
+                requests=[s.request_id for s in drafted], step=[s.num_verify_steps for s in drafted],
             )
         stats = self.stats
-        stats.num_drafts += num_reqs
-        stats.num_draft_tokens += num_reqs * k
-        stats.num_verified_draft_tokens += int(admitted_np.sum())
-        stats.num_accepted_tokens += int(accepted_np.sum())
-        per_pos = np.bincount(accepted_np, minlength=k + 1)  # requests that accepted exactly a drafts
+        stats.num_drafts += len(drafted)
+        stats.num_draft_tokens += len(drafted) * k
+        stats.num_verified_draft_tokens += int(drafted_adm.sum())
+        stats.num_accepted_tokens += int(drafted_acc.sum())
+        per_pos = np.bincount(drafted_acc, minlength=k + 1)  # requests that accepted exactly a drafts
         at_least = np.cumsum(per_pos[::-1])[::-1]  # at_least[i] = requests that accepted >= i drafts
         for i in range(k):
             stats.accepted_per_pos[i] += int(at_least[i + 1])
 
         outputs = []
-        rows = host[:, : k + 1].tolist()
-        for seq, row, a in zip(seqs, rows, accepted_np.tolist(), strict=True):
+        emitted = host[:, : k + 1].tolist()
+        fed = None if sample is None else set(sample[0].tolist())
+        for i, (seq, row, a) in enumerate(zip(seqs, emitted, accepted_np.tolist(), strict=True)):
             old_len = seq.num_tokens
             seq.num_verify_steps += 1
-            # Target KV is valid through the accepted drafts; the draft never fed its own K-th draft.
+            # Target KV is valid through the accepted drafts; the draft never fed its own K-th draft (and a
+            # request a sampled probe left out fed nothing: its draft stays where the pause left it).
             seq.num_computed_tokens = old_len + a
-            seq.num_draft_computed = old_len + min(a, k - 1)
+            if fed is None or i in fed:
+                seq.num_draft_computed = old_len + min(a, k - 1)
             outputs.append(self._emit(seq, row[: a + 1]))
         clock.mark("emit")
         if self.capacity is not None:
-            self.capacity.record_step_time(True, num_reqs, (time.perf_counter() - start) * 1e3)
+            self.capacity.record_step_time(True, num_reqs, (time.perf_counter() - start) * 1e3,
+                                           calibrate=not catching_up)
             self.stats.drafting_cost_scale = self.capacity.step_times.quotients()
             self.stats.realized_gain = self.capacity.realized_gain
         return outputs
@@ -617,6 +651,18 @@ class LLMEngine:
             outputs.append(self._emit(seq, [tok]))
         clock.mark("emit")
         return outputs
+
+    def _probe_sample(self, seqs: list[Sequence]) -> tuple[np.ndarray, Tensor] | None:
+        """A sampled probe's requests (CapacityManager.probe_sample_size): the ones the draft is least behind, as
+        sorted batch indices on the host and the device; None where the probe drafts for every request."""
+        assert self.capacity is not None
+        num_reqs = len(seqs)
+        size = self.capacity.probe_sample_size(num_reqs)
+        if size >= num_reqs:
+            return None
+        behind = np.fromiter((s.num_tokens - s.num_draft_computed for s in seqs), dtype=np.int64, count=num_reqs)
+        picked = np.sort(np.argsort(behind, kind="stable")[:size])
+        return picked, self.runner._to_device(torch.from_numpy(picked))
 
     def _full_drafts(self, num_reqs: int) -> Tensor:
         """``[R]`` int32 (the allocation's dtype) filled with K (capacity "none": every draft admitted), cached

@@ -46,6 +46,10 @@ SEED_KEYS: dict[str, str] = {
 }
 
 
+# dspark keys of the embedded engine alone (serve_config.EMBEDDED_ONLY_FIELDS), refused here by name.
+EMBEDDED_ONLY_KEYS = ("dspark_probe_sample",)
+
+
 @dataclass(frozen=True)
 class DsparkVllmSettings:
     """What the plugin does inside vLLM. ``sps_curve`` is a file path, an inline seed list
@@ -209,6 +213,11 @@ def settings_from_seed_keys(spec: dict[str, Any], base: dict[str, Any] | None = 
     means "profile at start-up".
     """
     out = dict(base or {})
+    embedded_only = sorted(k for k in spec if k in EMBEDDED_ONLY_KEYS)
+    if embedded_only:
+        raise DsparkError(f"--speculative-config {', '.join(embedded_only)}: a setting of dspark's embedded engine, "
+                          "whose paused draft catches up only when a probe drafts; this plugin keeps a paused draft "
+                          "current (dspark_draft_catchup_tokens): drop it")
     unknown = sorted(k for k in spec if is_seed_key(k) and k not in SEED_KEYS)
     if unknown:
         raise DsparkError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
