@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from dspark_cli.engines.vllm.config import SEED_KEYS, DsparkVllmSettings, settings_from_seed_keys
+from dspark_cli.engines.vllm.config import (
+    EMBEDDED_ONLY_KEYS,
+    SEED_KEYS,
+    DsparkVllmSettings,
+    settings_from_seed_keys,
+)
 from dspark_cli.engines.vllm.launcher import build_vllm_serve_command, plan_vllm_serve, run_vllm_serve
 from dspark_cli.errors import DsparkError
 
@@ -120,9 +125,11 @@ def test_dry_run_prints_the_exact_shell_line(capsys: pytest.CaptureFixture[str])
 
 
 def test_seed_translation_covers_every_key_the_cli_knows() -> None:
-    """serve_config (the embedded engine's reader) and the vLLM launcher must accept the same dspark_* keys."""
+    """serve_config (the embedded engine's reader) and the vLLM launcher must know the same dspark_* keys: each
+    reads every key but the other engine's alone, which it refuses by name."""
     serve_config = pytest.importorskip("dspark_cli.serve_config")
-    assert set(serve_config.DSPARK_KEYS) == set(SEED_KEYS)
+    assert set(serve_config.DSPARK_KEYS) == set(SEED_KEYS) | set(EMBEDDED_ONLY_KEYS)
+    assert {f"dspark_{name}" for name in serve_config.EMBEDDED_ONLY_FIELDS} == set(EMBEDDED_ONLY_KEYS)
     out = settings_from_seed_keys({"dspark_sps_curve": "auto", "dspark_confidence_threshold": 0.0})
     assert out["sps_curve"] is None and "policy" not in out
 
