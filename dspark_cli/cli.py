@@ -708,10 +708,14 @@ def bench(
     total = len(cfgs) * len(concs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
-        cells_task = progress.add_task("cells", total=total, completed=total - len(mx.pending_cells(spec)))
+        # Shown from the first cell on: the settings checks before it may still refuse the run (a bar above the
+        # error read as a run begun).
+        cells_task = progress.add_task("cells", total=total, completed=total - len(mx.pending_cells(spec)),
+                                       visible=False)
         req_task = progress.add_task("requests", total=num_prompts, visible=False)
 
         def cell_started(config: str, c: int, n: int) -> None:
+            progress.update(cells_task, visible=True)
             progress.reset(req_task, total=n, visible=True, description=f"{config} c={c}")
 
         measured_here: list[dict[str, Any]] = []

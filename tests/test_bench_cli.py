@@ -98,6 +98,7 @@ def test_a_config_whose_server_would_refuse_its_settings_is_refused_before_any_s
     said = " ".join(proc.stderr.split())
     assert "config mask: its server would refuse its settings (error: --capacity-mode mask needs speculation" in said
     assert not (res / "logs").exists() or not any((res / "logs").iterdir())
+    assert "cells" not in proc.stdout + proc.stderr  # no progress bar above the error: no run began
 
 
 def test_a_run_stopped_by_an_error_titles_its_summary_so_not_interrupted(
