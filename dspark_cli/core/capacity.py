@@ -50,6 +50,12 @@ from dspark_cli.errors import DsparkError
 # threshold policy prunes as its threshold says unless a gain is asked for: its user chose the slots to keep.
 MIN_PREDICTED_GAIN = 0.03
 
+# CapacityConfig.probe_sample's default (CapacityManager.probe_sample_size says why probes are sampled). On an H100
+# (Llama-3-8B shape, 256 requests; docs/PERFORMANCE.md section 42) a probe drafting for 32 or for 64 requests cost
+# the same, ~2.4x a paused step against ~12x for all 256; 64 halves the noise of a verdict near break-even, which
+# 32 requests of 64 let through once (a probe at 1.04x, then 250 drafting steps at a loss).
+PROBE_SAMPLE = 64
+
 # A probe whose policy may scout (``probe_scout``; core.saturation, "Scouts") scouts where the plan it would run
 # instead -- every draft verified, on confidences it cannot know -- is priced above this many steps that verify
 # nothing: the scout, and where drafting still loses the judged step after it, which then verifies ~nothing. At a
@@ -88,8 +94,8 @@ class CapacityConfig:
     probe_scout: bool = False  # varlen: a probe's first step verifies nothing (SaturationPolicy, "Scouts")
     # Engines whose probe catches the draft up over the pause (the embedded engine): a probe drafts for at most this
     # many requests, those the draft is least behind, and is judged as the full batch (``choose_budget``'s
-    # ``stands_for``); 0 drafts for every request. Why: ``CapacityManager.probe_sample_size``.
-    probe_sample: int = 0
+    # ``stands_for``); 0 drafts for every request. Why, and why 64: ``PROBE_SAMPLE``.
+    probe_sample: int = PROBE_SAMPLE
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
