@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-PROBE = re.compile(r"saturation: (\w+) probe at (\d+) requests (paid|failed): realized ([\d.]+)x plain decoding "
-                   r"at cost scale ([\d.]+), predicted (to pay|no gain)")
+PROBE = re.compile(r"saturation: (\w+) probe at (\d+) requests (?:\((\d+) drafting\) )?(paid|failed): realized "
+                   r"([\d.]+)x plain decoding at cost scale ([\d.]+), predicted (to pay|no gain)")
 STATE = re.compile(r"saturation: drafting (paused|resumed) at (\d+) requests, (\d+) decode steps in; "
                    r"realized gain ([\d.]+|n/a)x")
 
@@ -32,6 +32,7 @@ class Probe:
     realized: float
     cost_scale: float
     predicted: bool
+    drafted: int | None = None  # a sampled probe's drafting requests (None: all of them)
     resumed_at_step: int | None = None
     drafted_steps: int | None = None  # decode steps from the resume to the next pause
     pause_load: int | None = None
@@ -43,7 +44,8 @@ def parse(path: Path) -> list[Probe]:
     probes: list[Probe] = []
     for line in path.read_text(errors="replace").splitlines():
         if m := PROBE.search(line):
-            probes.append(Probe(path.stem, m[1], int(m[2]), m[3], float(m[4]), float(m[5]), m[6] == "to pay"))
+            probes.append(Probe(path.stem, m[1], int(m[2]), m[4], float(m[5]), float(m[6]), m[7] == "to pay",
+                                None if m[3] is None else int(m[3])))
         elif (m := STATE.search(line)) and probes:
             last, step = probes[-1], int(m[3])
             gain = None if m[4] == "n/a" else float(m[4])
@@ -63,7 +65,8 @@ def main() -> None:
     probes = [p for path in args.logs for p in parse(path)]
     for p in probes:
         follow = ("-", "-", "-") if p.drafted_steps is None else (p.drafted_steps, p.pause_load, p.pause_gain)
-        print(f"| {p.log} | {p.trigger} | {p.load} | {p.verdict} | {p.realized:.2f} | {p.cost_scale:.2f} | "
+        load = p.load if p.drafted is None else f"{p.load} ({p.drafted} drafting)"
+        print(f"| {p.log} | {p.trigger} | {load} | {p.verdict} | {p.realized:.2f} | {p.cost_scale:.2f} | "
               f"{'yes' if p.predicted else 'no'} | {follow[0]} | {follow[1]} | {follow[2]} |")
     for verdict in ("paid", "failed"):
         scales = sorted(p.cost_scale for p in probes if p.verdict == verdict)

@@ -4,6 +4,7 @@ judged as the whole batch drafting as they did (core.capacity.CapacityManager.pr
 from __future__ import annotations
 
 import json
+import runpy
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +100,13 @@ def test_a_sampled_probe_is_judged_as_the_whole_batch() -> None:
     assert decision.step_ms == pytest.approx(CURVE.step_cost_ms(r, r + r * k))
     mgr.record_outcome(r + n * 3)
     verdict = mgr.saturation.counters.last_probe
-    assert verdict is not None and verdict.num_running == r
+    assert verdict is not None and verdict.num_running == r and verdict.drafted == n
+    line = verdict.describe()
+    assert line.startswith("timer probe at 256 requests (32 drafting) paid: realized")
+    # benchmarks/saturation_log.py reads these lines from served logs
+    reader = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "saturation_log.py"))
+    m = reader["PROBE"].search(f"saturation: {line}")
+    assert m is not None and (m[2], m[3], m[4]) == ("256", "32", "paid")
     expected = (r + r * 3) / decision.step_ms / decision.theta_no_draft / PROBE_MARGIN
     assert verdict.realized == pytest.approx(expected)
     assert mgr.drafting_enabled  # 4x the tokens for ~1.4x the price: drafting resumes

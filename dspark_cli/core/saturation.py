@@ -415,11 +415,14 @@ class ProbeVerdict:
     realized: float
     predicted: bool
     cost_scale: float
+    drafted: int | None = None  # a sampled probe's drafting requests (CapacityManager.probe_sample_size); None: all
 
     def describe(self) -> str:
         verdict = "paid" if self.predicted and self.realized >= 1.0 else "failed"
-        return (f"{self.trigger} probe at {self.num_running} requests {verdict}: realized {self.realized:.2f}x plain "
-                f"decoding at cost scale {self.cost_scale:.2f}, predicted {'to pay' if self.predicted else 'no gain'}")
+        sample = "" if self.drafted is None else f" ({self.drafted} drafting)"
+        return (f"{self.trigger} probe at {self.num_running} requests{sample} {verdict}: realized {self.realized:.2f}x "
+                f"plain decoding at cost scale {self.cost_scale:.2f}, predicted "
+                f"{'to pay' if self.predicted else 'no gain'}")
 
 
 class SaturationPolicy:
@@ -915,8 +918,10 @@ class SaturationPolicy:
             running = self._probe_running or r
             self._clear_probe()
             realized = probe_ratio / PROBE_MARGIN
+            stands_for = getattr(decision, "stands_for", 1.0)
+            drafted = None if stands_for == 1.0 else round(r / stands_for)
             self.counters.last_probe = ProbeVerdict(self._probe_trigger, running, realized, decision.pays,
-                                                    cost_scale)
+                                                    cost_scale, drafted)
             paid = decision.pays and realized >= 1.0
             self.observe(paid, num_running=num_running)
             if paid:
