@@ -968,3 +968,26 @@ def test_a_label_resumed_against_a_server_now_serving_another_model_is_refused(t
     check_resumed_model(spec, "model-a")
     with pytest.raises(DsparkError, match="measured with model 'model-a', and the server now serves 'model-b'"):
         check_resumed_model(spec, "model-b")
+
+
+def test_a_cell_measured_alone_beside_interleaved_ones_is_refused(tmp_path: Path) -> None:
+    """A concurrency whose finished cells shared the device (``--interleave``) cannot take one measured alone."""
+    spec = MatrixSpec(configs=[BenchConfig("none", ("--capacity-mode", "none")), BenchConfig("nospec", ("-k", "0"))],
+                      concurrencies=[1, 4], prompts=[Prompt(text="x")], load=LoadConfig(base_url=""),
+                      results_dir=tmp_path, workload={"num_prompts": 1}, serve=True, serve_args=["--model", "tiny"])
+    for c in (1, 4):
+        atomic_write_json(cell_path(tmp_path, "none", c), {
+            "dspark_bench_cell": CELL_FORMAT, "config": "none", "concurrency": c, "metrics": {"failed": 0},
+            "workload": {"num_prompts": 1},
+            "server": {"mode": "serve", "interleaved": ["none", "nospec"],
+                       "serve_args": ["--model", "tiny", "--capacity-mode", "none"]}})
+    atomic_write_json(cell_path(tmp_path, "nospec", 4), {
+        "dspark_bench_cell": CELL_FORMAT, "config": "nospec", "concurrency": 4, "metrics": {"failed": 0},
+        "workload": {"num_prompts": 1},
+        "server": {"mode": "serve", "interleaved": ["none", "nospec"], "serve_args": ["--model", "tiny", "-k", "0"]}})
+    with pytest.raises(DsparkError, match=r"none__c1.json was measured with --interleave, beside the cells of c=1"):
+        pending_cells(spec)
+    spec.interleave = True  # resumed interleaved: c=1 is measured again whole, c=4 is done
+    assert [(k.name, c) for k, c in pending_cells(spec)] == [("none", 1), ("nospec", 1)]
+    spec.interleave, spec.force = False, True
+    assert len(pending_cells(spec)) == 4

@@ -439,7 +439,26 @@ def pending_cells(spec: MatrixSpec) -> list[tuple[BenchConfig, int]]:
         # replacement is written: set_aside_superseded).
         partial = {c for _, c in todo}
         todo = [(cfg, c) for cfg in spec.configs for c in spec.concurrencies if c in partial]
+    elif spec.serve and not spec.force:
+        _refuse_alone_beside_interleaved(spec, todo)
     return todo
+
+
+def _refuse_alone_beside_interleaved(spec: MatrixSpec, todo: list[tuple[BenchConfig, int]]) -> None:
+    """A concurrency whose finished cells were measured with ``--interleave`` (servers up together, rounds
+    paired) cannot take a cell measured alone: one row would compare a server that had the device to itself with
+    servers that shared it, and the paired-rounds table would pair nothing. Said before any server starts."""
+    pending = {(cfg.name, c) for cfg, c in todo}
+    for c in sorted({c for _, c in todo}):
+        for cfg in spec.configs:
+            if (cfg.name, c) in pending:
+                continue
+            cell = load_cell(cell_path(spec.results_dir, cfg.name, c))
+            if cell is not None and (cell.get("server") or {}).get("interleaved"):
+                raise DsparkError(
+                    f"{cell_path(spec.results_dir, cfg.name, c)} was measured with --interleave, beside the cells "
+                    f"of c={c} still to measure; resume with --interleave (its concurrency is measured again "
+                    "whole), use another --results-dir, or --force to remeasure")
 
 
 def check_resumed_model(spec: MatrixSpec, current: str) -> None:
