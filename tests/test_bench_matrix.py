@@ -991,3 +991,27 @@ def test_a_cell_measured_alone_beside_interleaved_ones_is_refused(tmp_path: Path
     assert [(k.name, c) for k, c in pending_cells(spec)] == [("none", 1), ("nospec", 1)]
     spec.interleave, spec.force = False, True
     assert len(pending_cells(spec)) == 4
+
+
+def test_a_column_measured_again_keeps_its_place_and_the_tables_reference(tmp_path: Path) -> None:
+    """Columns go by when their first cell was measured: a first label measured again with --force moved last, and
+    the table's Δ% reference with it. A replacing cell keeps the time of the one it replaced."""
+    from dspark_cli.bench.matrix import Hooks, _write_cell, same_workload_cells
+
+    spec = _spec(tmp_path)
+    hooks = Hooks()
+
+    def cell(config: str, started: str) -> dict:
+        return {"dspark_bench_cell": CELL_FORMAT, "config": config, "concurrency": 1, "workload": spec.workload,
+                "metrics": {"completed": 1, "failed": 0, "errors": []}, "started_at": started}
+
+    _write_cell(spec, cell("base", "2026-12-06T01:00:00"), hooks)
+    _write_cell(spec, cell("other", "2026-12-06T02:00:00"), hooks)
+    again = cell("base", "2026-12-06T03:00:00")  # base measured again (--force)
+    _write_cell(spec, again, hooks)
+    assert again["column_since"] == "2026-12-06T01:00:00"
+    assert load_cell(cell_path(tmp_path, "base", 1))["started_at"] == "2026-12-06T03:00:00"
+    _, names, _, _ = same_workload_cells(tmp_path, spec.workload, ["base"], [1], [again])
+    assert names == ["base", "other"]
+    _write_cell(spec, cell("base", "2026-12-06T04:00:00"), hooks)  # and again: still the first one's time
+    assert load_cell(cell_path(tmp_path, "base", 1))["column_since"] == "2026-12-06T01:00:00"

@@ -245,7 +245,7 @@ def same_workload_cells(
 
     ``cells`` are this run's (its configs are ``labels``); the folder's other cells join them, including this
     run's configs' cells at other concurrencies. Configs are ordered by when their first cell started (so
-    earlier runs keep their columns); with ``keep_label_order`` this run's configs follow the others in the
+    earlier runs keep their columns; a cell measured again keeps the time of the one it replaced, ``column_since``); with ``keep_label_order`` this run's configs follow the others in the
     order given (a ``--serve`` matrix's ``--configs``). The concurrencies are the union. A cell with another
     workload (other prompts, lengths or sampling) is left out: its numbers do not compare; so is, given
     ``model``, a cell another model served, and, given ``common_args`` (a ``--serve`` run's ``--serve-args``),
@@ -285,7 +285,7 @@ def same_workload_cells(
     merged = kept + list(cells)
     first: dict[str, str] = {}
     for c in merged:
-        name, at = c["config"], str(c.get("started_at") or "")
+        name, at = c["config"], str(c.get("column_since") or c.get("started_at") or "")
         first[name] = min(first.get(name, at), at)
     names = sorted(first, key=first.__getitem__)
     if keep_label_order:
@@ -861,8 +861,15 @@ def _write_cell(spec: MatrixSpec, cell: dict[str, Any], hooks: Hooks) -> None:
         raise DsparkError(f"{m['failed']} of {m['failed'] + m['completed']} requests of cell {cell['config']} "
                           f"c={cell['concurrency']} failed ({first}); the cell was not counted (its record: "
                           f"{aside}); fix the cause and rerun the same command to resume")
+    path = cell_path(spec.results_dir, cell["config"], cell["concurrency"])
+    replaced = load_cell(path)
+    if replaced is not None and replaced.get("config") == cell["config"]:
+        # A cell measured again (--force, an interleaved resume) keeps its column where it was: columns go by when
+        # their first cell was measured (same_workload_cells), and a re-measured first column moved last, taking
+        # the table's Δ% reference with it.
+        cell["column_since"] = replaced.get("column_since") or replaced.get("started_at")
     set_aside_superseded(spec, cell["config"], cell["concurrency"], hooks)
-    atomic_write_json(cell_path(spec.results_dir, cell["config"], cell["concurrency"]), cell)
+    atomic_write_json(path, cell)
     for note in measurement_notes(cell):
         hooks.log(f"{cell['config']} c={cell['concurrency']}: {note}")
     hooks.cell_done(cell)
