@@ -300,11 +300,10 @@ def choose_budget(
     if not (math.isfinite(stands_for) and stands_for >= 1.0):
         raise ValueError(f"stands_for must be a finite number >= 1, got {stands_for!r}")
     tau = float(num_sampling) + stands_for * np.concatenate(([0.0], np.cumsum(vals)))
-    n = np.arange(total + 1)
-    verified = n if stands_for == 1.0 else stands_for * n
+    verified = stands_for * np.arange(total + 1)
     if cfg.mode == "mask" and not cfg.mask_pruning_saves:
         # every draft row is in the batch, verified or padding (a sample's batch, the whole batch's drafts)
-        every = total if stands_for == 1.0 else stands_for * total
+        every = stands_for * total
         verified = np.full(total + 1, every if batch_drafts is None else max(every, int(batch_drafts)))
     cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + verified, sampling=sampling), dtype=np.float64)
     theta = tau / cost
@@ -627,13 +626,12 @@ class CapacityManager:
             self.saturation.observe(decision, num_running=len(slots_np))
         return decision
 
-    def record_outcome(self, emitted_tokens: float) -> bool:
+    def record_outcome(self, emitted_tokens: int) -> bool:
         """Judge the last planned step by what it produced (``SaturationPolicy.observe_outcome``).
 
         ``emitted_tokens``: accepted drafts plus one per sampling request (every running request). Use with
-        ``plan(..., defer_saturation=True)``; returns whether the step paid. A sampled probe's accepted drafts
-        count ``stands_for`` times: the step is judged as the whole batch drafting as its sample did, on the
-        price its decision put on that.
+        ``plan(..., defer_saturation=True)``; returns whether the step paid (a sampled probe's as the whole batch:
+        ``SaturationPolicy.observe_outcome``).
         """
         decision = self.last_decision
         if decision is None:
@@ -641,8 +639,6 @@ class CapacityManager:
         if self.cfg.mode == "none":
             return decision.pays
         running = self._pending_running
-        if decision.stands_for != 1.0:
-            emitted_tokens = running + decision.stands_for * (emitted_tokens - running)
         return self.saturation.observe_outcome(decision, emitted_tokens, running,
                                                self.timer.cost_scale(running, decision))
 

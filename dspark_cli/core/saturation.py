@@ -893,7 +893,8 @@ class SaturationPolicy:
         ``PROBE_REQUEST_STEPS`` request-steps (the history is what paused drafting; a probe that resumes
         drafting restarts the window from its own outcome). ``cost_scale`` is what
         a drafting step really costs relative to plain decoding over what the curve says
-        (:class:`StepTimeCalibration`); 1 trusts the curve.
+        (:class:`StepTimeCalibration`); 1 trusts the curve. A decision whose ``stands_for`` is above 1 (a sampled
+        probe) counts its accepted drafts that many times.
         """
         if getattr(decision, "scout", False):
             self.counters.scout_steps += 1
@@ -901,6 +902,11 @@ class SaturationPolicy:
         if not all(0 < x < math.inf for x in (decision.step_ms, decision.theta_no_draft, cost_scale)):
             return False  # NaN fails too: one NaN in the window would judge every later step by it
         r = max(1, num_running)
+        stands_for = getattr(decision, "stands_for", 1.0)
+        if stands_for != 1.0:
+            # A sampled probe (CapacityManager.probe_sample_size): its accepted drafts count for the whole batch, as
+            # its decision's price does; every running request emitted its own token.
+            emitted_tokens = r + stands_for * (emitted_tokens - r)
         step_ms = decision.step_ms * cost_scale
         ratio = (emitted_tokens / step_ms) / decision.theta_no_draft
         self._realized.add(ratio, r)
@@ -918,7 +924,6 @@ class SaturationPolicy:
             running = self._probe_running or r
             self._clear_probe()
             realized = probe_ratio / PROBE_MARGIN
-            stands_for = getattr(decision, "stands_for", 1.0)
             drafted = None if stands_for == 1.0 else round(r / stands_for)
             self.counters.last_probe = ProbeVerdict(self._probe_trigger, running, realized, decision.pays,
                                                     cost_scale, drafted)
