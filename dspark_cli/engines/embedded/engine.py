@@ -537,8 +537,8 @@ class LLMEngine:
         if self.online_sts is not None:
             if sample is None:
                 self.online_sts.record(conf_raw, admitted, out.num_accepted)
-            else:
-                self.online_sts.record(conf_raw, admitted.index_select(0, rows), out.num_accepted.index_select(0, rows))
+            else:  # what the sample drafted: conf_raw's rows
+                self.online_sts.record(conf_raw, admitted[rows], out.num_accepted[rows])
             self.online_sts.step()
         # The step's one device -> host transfer: emitted tokens, accepted and admitted counts together.
         packed = torch.cat(
@@ -550,8 +550,8 @@ class LLMEngine:
         accepted_np = host[:, k + 1]
         admitted_np = host[:, k + 2]
         # What the draft proposed for: every request, or a sampled probe's sample (the rest accepted nothing).
-        drafted_acc, drafted_adm = (accepted_np, admitted_np) if sample is None else (
-            accepted_np[sample[0]], admitted_np[sample[0]])
+        drafted_acc, drafted_adm = ((accepted_np, admitted_np) if sample is None
+                                    else (accepted_np[sample_np], admitted_np[sample_np]))
         if self.capacity is not None:
             # The saturation policy judges the step by what it produced (robust to a miscalibrated head).
             self.capacity.record_outcome(num_reqs + int(accepted_np.sum()))
@@ -572,17 +572,18 @@ class LLMEngine:
             stats.accepted_per_pos[i] += int(at_least[i + 1])
 
         outputs = []
-        emitted = host[:, : k + 1].tolist()
-        fed = None if sample is None else set(sample[0].tolist())
-        for i, (seq, row, a) in enumerate(zip(seqs, emitted, accepted_np.tolist(), strict=True)):
+        # A request a sampled probe left out fed its draft nothing: its frontier stays where it was.
+        left_out = [] if sample is None else [
+            (seqs[i], seqs[i].num_draft_computed) for i in np.setdiff1d(np.arange(num_reqs), sample_np).tolist()]
+        for seq, row, a in zip(seqs, host[:, : k + 1].tolist(), accepted_np.tolist(), strict=True):
             old_len = seq.num_tokens
             seq.num_verify_steps += 1
-            # Target KV is valid through the accepted drafts; the draft never fed its own K-th draft (and a
-            # request a sampled probe left out fed nothing: its draft stays where the pause left it).
+            # Target KV is valid through the accepted drafts; the draft never fed its own K-th draft.
             seq.num_computed_tokens = old_len + a
-            if fed is None or i in fed:
-                seq.num_draft_computed = old_len + min(a, k - 1)
+            seq.num_draft_computed = old_len + min(a, k - 1)
             outputs.append(self._emit(seq, row[: a + 1]))
+        for seq, frontier in left_out:
+            seq.num_draft_computed = frontier
         clock.mark("emit")
         if self.capacity is not None:
             self.capacity.record_step_time(True, num_reqs, (time.perf_counter() - start) * 1e3,
