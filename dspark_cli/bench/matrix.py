@@ -245,10 +245,10 @@ def same_workload_cells(
 
     ``cells`` are this run's (its configs are ``labels``); the folder's other cells join them, including this
     run's configs' cells at other concurrencies. Configs are ordered by when their first cell started (so
-    earlier runs keep their columns; a cell measured again keeps the time of the one it replaced, ``column_since``); with ``keep_label_order`` this run's configs follow the others in the
-    order given (a ``--serve`` matrix's ``--configs``). The concurrencies are the union. A cell with another
-    workload (other prompts, lengths or sampling) is left out: its numbers do not compare; so is, given
-    ``model``, a cell another model served, and, given ``common_args`` (a ``--serve`` run's ``--serve-args``),
+    earlier runs keep their columns; a cell measured again keeps the time of the one it replaced,
+    ``column_since``); with ``keep_label_order`` this run's configs follow the others in the order given (a
+    ``--serve`` matrix's ``--configs``). The concurrencies are the union. A cell with another workload (other
+    prompts, lengths or sampling) is left out: its numbers do not compare; so is, given ``model``, a cell another model served, and, given ``common_args`` (a ``--serve`` run's ``--serve-args``),
     a started server's cell served with others (another K or batch limit). Given ``config_args`` (this run's
     configs' own server arguments, ``served_args``), a cell of one of them at another concurrency joins only if
     its server was started so, and read the same ``--sps-curve`` and ``--sts`` files (a column is one server
@@ -476,15 +476,13 @@ def check_resumed_model(spec: MatrixSpec, current: str) -> None:
 
 
 def set_aside_superseded(spec: MatrixSpec, config: str, concurrency: int, hooks: Hooks) -> None:
-    """A finished cell that an interleaved concurrency resumed whole is about to replace moves to
-    ``cells/superseded/``: kept, not tabled. Only as its replacement is written: set aside before the servers
-    started, the finished cells of a resume that failed or was interrupted were gone from the folder, and the
-    same command measured them again. ``--force`` asked for every cell anew: overwritten as measured."""
+    """A finished cell (``_write_cell`` found one) that an interleaved concurrency resumed whole is about to
+    replace moves to ``cells/superseded/``: kept, not tabled. Only as its replacement is written: set aside before
+    the servers started, the finished cells of a resume that failed or was interrupted were gone from the folder,
+    and the same command measured them again. ``--force`` asked for every cell anew: overwritten as measured."""
     if not (spec.serve and spec.interleave) or spec.force:
         return
     path = cell_path(spec.results_dir, config, concurrency)
-    if load_cell(path) is None:
-        return
     aside = superseded_cell_path(spec.results_dir, config, concurrency)
     aside.parent.mkdir(parents=True, exist_ok=True)
     path.replace(aside)
@@ -863,12 +861,13 @@ def _write_cell(spec: MatrixSpec, cell: dict[str, Any], hooks: Hooks) -> None:
                           f"{aside}); fix the cause and rerun the same command to resume")
     path = cell_path(spec.results_dir, cell["config"], cell["concurrency"])
     replaced = load_cell(path)
-    if replaced is not None and replaced.get("config") == cell["config"]:
+    if replaced is not None:
         # A cell measured again (--force, an interleaved resume) keeps its column where it was: columns go by when
         # their first cell was measured (same_workload_cells), and a re-measured first column moved last, taking
         # the table's Δ% reference with it.
-        cell["column_since"] = replaced.get("column_since") or replaced.get("started_at")
-    set_aside_superseded(spec, cell["config"], cell["concurrency"], hooks)
+        if replaced.get("config") == cell["config"]:
+            cell["column_since"] = replaced.get("column_since") or replaced.get("started_at")
+        set_aside_superseded(spec, cell["config"], cell["concurrency"], hooks)
     atomic_write_json(path, cell)
     for note in measurement_notes(cell):
         hooks.log(f"{cell['config']} c={cell['concurrency']}: {note}")
