@@ -321,8 +321,8 @@ def serve(
              "triton or flashinfer."),
     mixed_prefill: bool | None = typer.Option(
         None, "--mixed-prefill/--no-mixed-prefill",
-        help="Embedded engine: on steps that do not draft (no speculation, or drafting paused), prefill "
-             "newcomers in the running requests' decode step instead of a step of their own (default off)."),
+        help="Embedded engine: prefill newcomers in a plain decode step of the running requests instead of a "
+             "step of their own that stalls them; the draft catches up on the next drafting step (default off)."),
     engine_process: bool | None = typer.Option(
         None, "--engine-process/--no-engine-process",
         help="Embedded engine: run the engine in a process of its own instead of a thread of the server, so "

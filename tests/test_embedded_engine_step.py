@@ -323,8 +323,8 @@ def test_mixed_prefills_decode_the_running_requests_in_the_prefill_forward(
     pair: TinyPair, never_pays: Path, device: str
 ) -> None:
     """A mixed step runs the prefill forward over newcomers and one-token decode rows (on CUDA: the ragged
-    prefill graphs, with decode rows reading their cached KV); with no speculation and with drafting paused,
-    greedy outputs are those of prefill steps of their own (float32)."""
+    prefill graphs, with decode rows reading their cached KV); with no speculation, with drafting paused and
+    with drafting on, greedy outputs are those of prefill steps of their own (float32)."""
     from test_embedded_engine import _staggered
 
     ps = prompts(5)
@@ -361,6 +361,13 @@ def test_mixed_prefills_decode_the_running_requests_in_the_prefill_forward(
     assert engine.stats.steps["mixed"] == 4 and engine.stats.steps["paused"] > 0
     reference = make_engine(pair, num_speculative_tokens=0, device=device, dtype="float32").generate(ps, GREEDY)
     assert outs == {f"r{i}": toks for i, toks in enumerate(reference)}
+    # Drafting on (verify-all): newcomers ride along all the same, and the drafting step after each mixed one
+    # feeds the draft the newcomer's prompt (on CUDA: the catch-up graphs, or their rounds).
+    drafting = make_engine(pair, max_num_seqs=8, device=device, dtype="float32", draft=str(pair.draft_head),
+                           mixed_prefill=True)
+    got = _staggered(drafting, ps, params)
+    assert drafting.stats.steps["mixed"] == 4 and drafting.stats.steps["spec"] > 0
+    assert got == {f"r{i}": toks for i, toks in enumerate(reference)}
 
 
 def test_saturation_state_changes_are_logged_once_each_with_their_evidence(

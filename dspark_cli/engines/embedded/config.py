@@ -78,9 +78,10 @@ class EngineConfig:
     # "gpu" (a CUDA event per phase, no sync: each phase's span of the device timeline) or "device" (a sync
     # per phase: every phase owns its device time, and the step is slower than a real one).
     phase_timing: str | None = None
-    # On steps that would not draft (K = 0, or drafting paused), a prefill also decodes one token for every
-    # running request in its forward, so newcomers stall nobody (scheduler.py, LLMEngine._mixed_step). Off by
-    # default until an H200 run has timed it against prefill steps of their own (docs/PERFORMANCE.md section 21).
+    # A prefill also decodes one token for every running request in its forward, so newcomers stall nobody
+    # (scheduler.py, LLMEngine._mixed_step); that step does not draft, and the draft catches up on the next
+    # drafting step. Off by default until a GPU run has timed it against prefill steps of their own
+    # (docs/PERFORMANCE.md sections 21, 22 and 43).
     mixed_prefill: bool = False
 
     def validate(self) -> None:

@@ -258,7 +258,9 @@ class LLMEngine:
         self.sps_curve: SpsCurve | None = None
         # pauses, resumes, the last judged probe: _log_saturation logs each change
         self._saturation_seen: tuple[int, int, ProbeVerdict | None] = (0, 0, None)
-        self._draft_behind = False  # the last drafting step was a sampled probe: others' drafts wait on a resume
+        # The draft is behind where the last drafting step was a sampled probe (others' drafts wait on a resume)
+        # or a mixed step admitted prompts: the next full drafting step's catch-up is not what drafting costs.
+        self._draft_behind = False
         if self.num_spec > 0 and config.capacity.mode != "none":
             self.sps_curve = file_curve or self._profile_curve()
             self.capacity = CapacityManager(
@@ -341,7 +343,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule(mixed=self._plain_steps())
+        batch = self.scheduler.schedule(mixed=self.config.mixed_prefill)
         if self.phase_timing is not None:
             self.stats.phase_ms["schedule"] = self.stats.phase_ms.get("schedule", 0.0) + (time.perf_counter() - t0) * 1e3
         self.stats.num_steps += 1
@@ -371,14 +373,6 @@ class LLMEngine:
             self.scheduler.prefill_delay_ms = self.config.scheduler_delay_factor * statistics.median(self._prefill_ms)
         self._refresh_counts()
         return outputs
-
-    def _plain_steps(self) -> bool:
-        """Whether the next decode step decodes one token per request without drafting (no speculation, or
-        the saturation policy has drafting paused): then a prefill may carry the running requests along
-        (EngineConfig.mixed_prefill)."""
-        if not self.config.mixed_prefill:
-            return False
-        return self.num_spec == 0 or (self.capacity is not None and not self.capacity.drafting_enabled)
 
     def _admit(self, seqs: list[Sequence], draft: bool) -> None:
         """Bookkeeping of prefilled newcomers: prompt counts, KV frontiers, capacity slots."""
@@ -426,17 +420,24 @@ class LLMEngine:
         of one wave arrive over many steps, each with its own prefill (mask + SPS at 128 requests ran 370
         prefill steps of a 1,024-request cell, no speculation 106). Riding along, the running requests lose
         no step to a prefill. A decoding request is a one-token prefill (its last token has no KV yet), so the
-        ragged prefill forward takes both; only plain steps mix, because a drafting step's draft and verify
-        passes are shaped for decode rows (and the draft would need the newcomers' prompts too)."""
+        ragged prefill forward takes both. The step itself never drafts, drafting on or not: a drafting step's
+        draft and verify passes are shaped for decode rows (and the draft would need the newcomers' prompts);
+        the next drafting step's catch-up feeds the draft what it missed here. It mixes while drafting too
+        because that is where split refills come from: what it replaces is a prefill step that stalls every
+        running request, and a drafting step follows either way (varlen + SPS + STS ran 79 prompt steps against
+        no speculation's 39 at 64 requests on an H100, docs/PERFORMANCE.md section 42)."""
         self.stats.num_prefill_steps += 1
         self.stalls.step_kind = "mixed"
         clock = self._clock("mixed")
         seqs = decoding + new
-        logits = self.runner.prefill(seqs, draft=False)  # drafting is off: the draft catches up when it resumes
+        logits = self.runner.prefill(seqs, draft=False)  # target only: the draft catches up when it next drafts
         clock.mark("forward")
         self._admit(new, draft=False)
         for seq in decoding:
             seq.num_computed_tokens = seq.num_tokens
+        # The next full drafting step feeds the draft these prompts: not what drafting costs (kept out of the
+        # step-time calibration, as a sampled probe's deferred catch-up is).
+        self._draft_behind = self._draft_behind or self.num_spec > 0
         return self._sample_and_emit(seqs, logits, clock)
 
     def _decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:

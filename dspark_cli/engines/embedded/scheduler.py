@@ -4,7 +4,7 @@ A step is either a **prefill** of newly admitted requests (their whole prompt, o
 tokens after a preemption) or a **decode** step of every running request. Prefill wins when something is
 waiting and fits, like nano-vllm: it adds requests to the batch as early as possible. A prefill may be
 **mixed** (``schedule(mixed=True)``): the running requests ride along and decode one token each in the same
-forward, so newcomers stall nobody (the engine asks for it on steps that would not draft). Optionally, while
+forward, so newcomers stall nobody (EngineConfig.mixed_prefill; that step does not draft). Optionally, while
 requests are decoding, newcomers wait up to ``prefill_delay_ms`` (the engine sets it to
 ``scheduler_delay_factor`` x the median of recent prefill steps' times, like vLLM's V0 scheduler delay)
 unless a full batch of them is waiting. Why: prefills are not chunked into decode steps, so every prefill
@@ -68,7 +68,7 @@ class Scheduler:
 
     def schedule(self, mixed: bool = False) -> ScheduledBatch | None:
         """The next step's batch. ``mixed``: a prefill batch also carries the requests already running, to
-        decode one token each in the prefill's forward (the engine asks for it when the step would not draft)."""
+        decode one token each in the prefill's forward (a plain step: it does not draft)."""
         # Mixed, the running requests' tokens share the step's token limit (and the ragged graphs' sizes).
         budget = self.max_num_batched_tokens - (len(self.running) if mixed else 0)
         batch = self._schedule_prefill(max(1, budget))
