@@ -952,6 +952,46 @@ def _steps_to_probe(pol: SaturationPolicy, load: int) -> int | None:
     return None
 
 
+def test_no_probe_begins_while_the_load_climbs_and_a_due_one_waits_for_it_to_stop() -> None:
+    """A closed loop's round: drafting paused at 256 requests, the batch drains to idle, then refills 14
+    requests a step. A load-fall probe is due from the drain's light loads and a timer probe comes due on the
+    way back up; on the ramp neither begins -- its light loads are ones the batch is leaving, and a resume
+    there drafts the ramp with requests advancing unevenly (docs/PERFORMANCE.md section 43). Once the load
+    stops climbing the due timer probe runs at the load the batch is at. A drain itself is no climb: its
+    light loads are probed as before."""
+    losing = _decision(0, 0.5, 1.0)
+    pol = SaturationPolicy(patience=1, resume_every=16, probe_tax=1.0)
+    pol.begin_step(256)
+    pol.observe(losing, num_running=256)
+    assert not pol.drafting_enabled and pol.floor == 256
+    assert not any(pol.begin_step(256) for _ in range(8))
+    # the drain: load-fall probes as before, each failing and lowering the floor to its load ...
+    probed = []
+    for n in (180, 120, 60, 30, 12, 4, 1):
+        if pol.begin_step(n):
+            probed.append(n)
+            pol.observe(losing, num_running=n)
+    assert probed[:2] == [180, 120] and not pol.drafting_enabled
+    # ... then idle (no decode steps), and the ramp: its light loads under 3/4 of the floor at first, the timer
+    # due on the way up
+    held = pol.counters.rising_probe_steps
+    ramp = list(range(14, 257, 14)) + [256]
+    assert not any(pol.begin_step(n) for n in ramp)
+    assert pol.counters.rising_probe_steps - held >= len(ramp) - ramp.index(next(n for n in ramp if n > 90))
+    steps = _steps_to_probe(pol, 256)  # settled at 256: the due timer probe, judged where the batch is
+    assert steps is not None and steps <= LOAD_SETTLE_STEPS and pol.probing and pol.probe_trigger == "timer"
+    # A light load that holds is probed once the climb to it has left the window: a ramp from idle to 12.
+    pol = SaturationPolicy(patience=1, resume_every=4, probe_tax=1.0)
+    pol.begin_step(256)
+    pol.observe(losing, num_running=256)
+    assert not any(pol.begin_step(256) for _ in range(3))
+    assert pol.begin_step(1)  # the drain's last load: a load-fall probe, which fails
+    pol.observe(losing, num_running=1)
+    assert not any(pol.begin_step(n) for n in (4, 8))  # the timer is due, the load climbing
+    steps = _steps_to_probe(pol, 12)
+    assert steps == LOAD_SETTLE_STEPS + 1 and pol.probing and pol.probe_trigger == "timer"
+
+
 def test_a_load_rise_past_the_top_probes_once_settled_and_a_failure_raises_the_top() -> None:
     pol = SaturationPolicy(patience=1, resume_every=1000)
     losing = _decision(0, 0.5, 1.0)
@@ -974,7 +1014,8 @@ def test_a_load_rise_past_the_top_probes_once_settled_and_a_failure_raises_the_t
     pol = SaturationPolicy(patience=1, resume_every=4)
     pol.begin_step(16)
     pol.observe(losing)
-    assert [pol.begin_step(64) for _ in range(4)] == [False, False, False, True]
+    # The timer is due on the 4th paused step; it waits one more, for the jump from 16 to leave the climbing window.
+    assert [pol.begin_step(64) for _ in range(5)] == [False, False, False, False, True]
 
 
 def test_drafting_that_pays_only_at_high_load_resumes_when_the_load_rises() -> None:

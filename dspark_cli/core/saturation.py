@@ -385,8 +385,9 @@ class SaturationCounters:
     ``probes`` holds every (trigger, verdict) pair from the start (``PROBE_TRIGGERS`` x ``PROBE_VERDICTS``), so
     a reader on another thread can copy it while the engine counts. ``deferred_probe_steps``: paused steps on
     which a probe was due but the probe tax held it back; ``unmeasured_probe_steps``: those on which it waited
-    for a paused step at its load to be timed; ``rising_probe_steps``: paused steps past the rise threshold on
-    which the load was still rising, so no probe was due yet.
+    for a paused step at its load to be timed; ``rising_probe_steps``: paused steps on which a probe would have
+    been due but the load was still rising (past the rise threshold, or climbing under a load-fall or timer
+    probe), so none was.
     """
 
     pauses: int = 0
@@ -467,6 +468,13 @@ class SaturationPolicy:
       earned -- and not the load the batch came back at, which was never judged: a rise probe may still
       find drafting paying there. A refill before a low-load probe has its evidence ends that probe
       unjudged.
+    * **climbing**: no load-fall or timer probe begins while the load climbs (it is more than
+      ``LOAD_SETTLE_RISE``, and more than one request, above the lowest of the last ``LOAD_SETTLE_STEPS``
+      steps); a due probe waits for it to stop. A ramp's light loads are ones the batch is leaving, and drafting resumed
+      there runs the ramp with requests advancing unevenly: on an H100 (embedded engine, Llama-3-8B shape,
+      256 requests, docs/PERFORMANCE.md section 43) timer probes that came due at 12-15 requests on a closed
+      loop's ramp paid, drafting ran 23-26 steps until the load was back at the ceiling, and the wave after
+      finished apart -- 226 prompt steps where no speculation ran 128, 11% of the cell.
     * **load rose**: when the number of running requests rises to >= 4/3 of the highest load at which
       drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs as
       soon as the load has settled (grown by less than ``LOAD_SETTLE_RISE`` over ``LOAD_SETTLE_STEPS``
@@ -724,6 +732,14 @@ class SaturationPolicy:
         loads = self._loads
         return len(loads) == loads.maxlen and loads[-1] < LOAD_SETTLE_RISE * loads[0]
 
+    def _climbing(self) -> bool:
+        """Whether this step's load is more than ``LOAD_SETTLE_RISE`` (and more than one request) above the
+        lowest of the last ``LOAD_SETTLE_STEPS`` steps'. The lowest, not the first: a ramp that follows a drain
+        (a V in the window) climbs from its bottom."""
+        loads = self._loads
+        low = min(loads)
+        return loads[-1] - low > max((LOAD_SETTLE_RISE - 1.0) * low, 1)
+
     def _begin(self, num_running: int, measured: bool) -> bool:
         if num_running < 1:
             return not self._paused  # an empty step: no load to probe at, nor one to remember
@@ -770,6 +786,11 @@ class SaturationPolicy:
             trigger = "timer"
         else:
             self._measure_wait = 0  # no probe due: a later one waits its own steps
+            return False
+        if trigger != "rise" and self._climbing():
+            # A ramp's light loads are ones the batch is leaving (class docstring, "climbing").
+            self.counters.rising_probe_steps += 1
+            self._measure_wait = 0
             return False
         if not measured and self._measure_wait < PROBE_MEASURE_WAIT:
             self._measure_wait += 1  # this paused step times the load, and the probe is judged by it
