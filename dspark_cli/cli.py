@@ -314,6 +314,11 @@ def serve(
         None, "--scheduler-delay-factor",
         help="Embedded engine: while requests decode, newcomers wait up to this many times a prefill step's "
              "time to share one prefill step (default 0: each arrival is prefilled at once)."),
+    gpu_memory_utilization: float | None = typer.Option(
+        None, "--gpu-memory-utilization",
+        help="Embedded engine (CUDA): the share of the GPU memory left free once the models are loaded that the "
+             "KV pool may take, never more than --max-num-seqs requests of --max-model-len need (default 0.5). "
+             "The start-up log says how many such requests the pool holds."),
     attention_backend: str | None = typer.Option(
         None, "--attention-backend",
         help="Embedded engine: auto (default: FlashInfer on CUDA when flashinfer-python is installed and the "
@@ -367,6 +372,7 @@ def serve(
         "sts": sts, "online_sts": online_sts, "budget_frac": budget_frac, "min_predicted_gain": min_predicted_gain,
         "record_traces": record_traces, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
         "scheduler_delay_factor": scheduler_delay_factor, "attention_backend": attention_backend,
+        "gpu_memory_utilization": gpu_memory_utilization,
         "phase_timing": phase_timing, "mixed_prefill": mixed_prefill, "engine_process": engine_process, "host": host,
         "port": port, "device": device, "seed": seed, "served_model_name": served_model_name,
     }
@@ -387,6 +393,9 @@ def serve(
         if settings.attention_backend is not None:
             raise DsparkError("--attention-backend is an embedded-engine setting; vLLM picks its own "
                               "(pass vLLM's --attention-backend after --)")
+        if settings.gpu_memory_utilization is not None:
+            raise DsparkError("--gpu-memory-utilization is an embedded-engine setting here; pass vLLM's own "
+                              "--gpu-memory-utilization after -- (a share of the whole GPU, not of what is free)")
         if settings.mixed_prefill is not None:
             raise DsparkError("--mixed-prefill is an embedded-engine setting; vLLM mixes prefills into decode "
                               "steps itself (chunked prefill)")

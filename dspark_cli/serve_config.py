@@ -127,6 +127,7 @@ class ServeSettings:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     scheduler_delay_factor: float | None = None  # embedded engine only (EngineConfig)
+    gpu_memory_utilization: float | None = None  # embedded engine only (EngineConfig: the KV pool's share)
     attention_backend: str | None = None  # embedded engine only (EngineConfig)
     phase_timing: str | None = None  # embedded engine only (EngineConfig)
     mixed_prefill: bool | None = None  # embedded engine only (EngineConfig; None: its default, off)
@@ -397,6 +398,11 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
             out[name] = as_int(where, value, minimum=2 if name == "max_model_len" else 1)
         elif name == "scheduler_delay_factor":
             out[name] = as_float(where, value, lo=0.0)
+        elif name == "gpu_memory_utilization":
+            share = as_float(where, value, lo=0.0)
+            if not 0.0 < share <= 1.0:
+                raise DsparkError(f"{where} must be in (0, 1], got {share:g}")
+            out[name] = share
         elif name == "attention_backend":
             out[name] = _as_choice(where, value, ATTENTION_BACKENDS)
         elif name == "phase_timing":
@@ -715,7 +721,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
             "sps_overhead_ms": s.sps_overhead_ms if curve_path == "auto" else None,
         }
         for name in ("max_num_seqs", "max_model_len", "seed", "scheduler_delay_factor", "attention_backend",
-                     "phase_timing", "mixed_prefill"):
+                     "phase_timing", "mixed_prefill", "gpu_memory_utilization"):
             if getattr(s, name) is not None:
                 kwargs[name] = getattr(s, name)
         cfg = EngineConfig(**kwargs)

@@ -600,6 +600,25 @@ def test_prompts_admitted_while_drafting_is_paused_skip_the_draft_and_outputs_st
     assert outs == {rid: list(toks) for rid, toks in expected.items()}
 
 
+def test_the_start_up_log_says_how_many_full_length_requests_the_kv_pool_holds(
+    tiny_pair: TinyPair, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool too small for --max-num-seqs requests of max_model_len is said at start-up, with the fixes: such a
+    server admits fewer requests than asked and reads slower for want of memory, not of speed."""
+    with caplog.at_level("INFO", logger="dspark.embedded"):
+        engine = make_engine(tiny_pair, max_num_seqs=4, max_model_len=64, block_size=4, num_kv_blocks=1 + 3 * 17)
+    per_request = engine.runner.max_blocks_per_seq
+    lines = [r.getMessage() for r in caplog.records if "KV pool" in r.getMessage()]
+    fits = 51 // per_request
+    assert lines and f"{fits} requests of max_model_len=64 at once" in lines[0]
+    assert fits < 4 and any("fewer than --max-num-seqs 4" in line and "--gpu-memory-utilization" in line
+                            for line in lines)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dspark.embedded"):
+        make_engine(tiny_pair, max_num_seqs=2, max_model_len=64, block_size=4, num_kv_blocks=1 + 2 * per_request)
+    assert not [r for r in caplog.records if "fewer than --max-num-seqs" in r.getMessage()]
+
+
 def test_traces_are_written_in_spec_format(tiny_pair: TinyPair, tmp_path: Path) -> None:
     path = tmp_path / "traces.jsonl"
     engine = make_engine(

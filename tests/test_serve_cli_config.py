@@ -127,6 +127,7 @@ def test_unknown_key_error_lists_known_keys() -> None:
         ({"min_predicted_gain": -0.1}, "--min-predicted-gain"),
         ({"max_num_seqs": 0}, "--max-num-seqs"),
         ({"scheduler_delay_factor": -0.5}, "--scheduler-delay-factor"),
+        ({"gpu_memory_utilization": 0.0}, "--gpu-memory-utilization"),
         ({"attention_backend": "flash"}, "--attention-backend"),
         ({"phase_timing": "cpu"}, "--phase-timing"),
         ({"device": "tpu"}, "--device"),
@@ -226,6 +227,15 @@ def test_scheduler_delay_factor_reaches_the_engine_config() -> None:
     launch = prepare_embedded(build_settings({}))
     launch.cleanup()
     assert launch.engine_config.scheduler_delay_factor == 0.0  # the engine's default: no hold
+
+
+def test_gpu_memory_utilization_reaches_the_engine_config() -> None:
+    launch = prepare_embedded(build_settings(_flags(gpu_memory_utilization=0.85)))
+    launch.cleanup()
+    assert launch.engine_config.gpu_memory_utilization == 0.85
+    launch = prepare_embedded(build_settings({}))
+    launch.cleanup()
+    assert launch.engine_config.gpu_memory_utilization == 0.5  # the engine's default
 
 
 def test_attention_backend_reaches_the_engine_config() -> None:
