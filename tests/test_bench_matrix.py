@@ -695,6 +695,12 @@ def test_a_cell_records_the_cpu_its_client_and_server_used_and_says_when_either_
         "its frontend may be what limits this cell (vLLM: more API servers, --api-server-count)"]
     # cells recorded before the CPU was kept read no note
     assert matrix.measurement_notes({**quiet, "cpu": None}) == []
+    # a server that held newcomers back for want of KV blocks on 1% of its steps or more: this cell measures memory
+    held = {**quiet, "cpu": None, "server_counters": {"kv_wait_steps": 20.0, "engine_steps": 1919.0}}
+    (note,) = matrix.measurement_notes(held)
+    assert note.startswith("on 20 of 1919 steps a waiting request had a free slot but not the KV blocks to start")
+    assert "--gpu-memory-utilization" in note
+    assert matrix.measurement_notes({**held, "server_counters": {"kv_wait_steps": 19.0, "engine_steps": 1919.0}}) == []
 
 
 def test_interleaved_vllm_servers_must_each_be_given_a_share_of_the_gpu() -> None:

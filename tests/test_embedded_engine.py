@@ -619,6 +619,23 @@ def test_the_start_up_log_says_how_many_full_length_requests_the_kv_pool_holds(
     assert not [r for r in caplog.records if "fewer than --max-num-seqs" in r.getMessage()]
 
 
+def test_steps_that_held_a_newcomer_back_for_want_of_kv_blocks_are_counted_and_exported(tiny_pair: TinyPair) -> None:
+    """A pool for two requests of this length under --max-num-seqs 4: the others wait with a slot free, each
+    such step counted (dspark:kv_wait_steps_total, which the bench turns into a note on the cell); a pool for
+    all four counts none."""
+    from dspark_cli.engines.embedded.metrics import MetricsSnapshot, render_metrics
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    small = make_engine(tiny_pair, max_num_seqs=4, max_model_len=32, block_size=4, num_kv_blocks=1 + 2 * 7)
+    small.generate(prompts(4), params)
+    assert small.stats.num_kv_wait_steps > 0
+    text = render_metrics(MetricsSnapshot.from_stats(small.stats), "tiny")
+    assert f'dspark:kv_wait_steps_total{{model_name="tiny",engine="0"}} {small.stats.num_kv_wait_steps}' in text
+    roomy = make_engine(tiny_pair, max_num_seqs=4, max_model_len=32, block_size=4)
+    roomy.generate(prompts(4), params)
+    assert roomy.stats.num_kv_wait_steps == 0
+
+
 def test_traces_are_written_in_spec_format(tiny_pair: TinyPair, tmp_path: Path) -> None:
     path = tmp_path / "traces.jsonl"
     engine = make_engine(

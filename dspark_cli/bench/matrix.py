@@ -74,6 +74,8 @@ PREFIX_HIT_WARN = 0.05
 # A cell whose stream chunks carried this many times more tokens than its steps emitted per request is logged
 # as one whose server merged outputs: its frontend fell behind the engine.
 MERGED_CHUNKS_WARN = 1.05
+# measurement_notes: a cell whose server held newcomers back for want of KV blocks on at least this share of its steps.
+KV_WAIT_WARN = 0.01
 CAPACITY_MODES = ("none", "mask", "varlen")
 # Serving suffixes, after the config (any order, each once): a flag of the embedded engine's server, and what
 # a table's column header says of it.
@@ -908,6 +910,16 @@ def measurement_notes(cell: dict[str, Any]) -> list[str]:
         notes.append(f"{per_chunk:.2f} tokens per stream chunk against {per_step:.2f} per request-step: the server "
                      "merged steps' outputs (its frontend fell behind the engine), so this cell may measure the "
                      "frontend")
+    counters = cell.get("server_counters") or {}
+    waits, steps = counters.get("kv_wait_steps", 0.0), counters.get("engine_steps", 0.0)
+    if steps and waits >= KV_WAIT_WARN * steps:
+        # A server whose KV pool cannot hold the load admits a wave's successors only as blocks free, and its
+        # steps run partly empty: two 8B-shaped servers sharing an 80 GB H100 gave the drafting one a pool of
+        # 226 of 256 requests, and it read 11-14% below its twin at 256 for want of memory (docs/PERFORMANCE.md
+        # section 43).
+        notes.append(f"on {waits:.0f} of {steps:.0f} steps a waiting request had a free slot but not the KV blocks "
+                     "to start: the server's KV pool is too small for this load, so this cell measures memory "
+                     "(raise --gpu-memory-utilization, lower --max-model-len, or serve the config alone)")
     return notes
 
 

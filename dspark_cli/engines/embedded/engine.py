@@ -92,6 +92,7 @@ class EngineStats:
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
     num_preemptions: int = 0
+    num_kv_wait_steps: int = 0  # Scheduler.kv_wait_steps: a free slot, but not the KV blocks to start a request
     num_verified_draft_tokens: int = 0  # drafts the capacity manager admitted to verification
     num_paused_steps: int = 0  # decode steps that skipped drafting (saturation policy)
     last_budget: int = 0
@@ -747,6 +748,7 @@ class LLMEngine:
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_blocks_free = self.block_manager.num_free_blocks
+        self.stats.num_kv_wait_steps = self.scheduler.kv_wait_steps
 
     # ------------------------------------------------------------------------------------------ helpers for tests
 

@@ -202,6 +202,7 @@ class MetricsSnapshot:
     num_waiting: int = 0
     num_steps: int = 0
     num_preemptions: int = 0
+    num_kv_wait_steps: int = 0
     num_verified_draft_tokens: int = 0
     num_paused_steps: int = 0
     kv_blocks_total: int = 0
@@ -237,6 +238,7 @@ class MetricsSnapshot:
             num_waiting=int(getattr(stats, "num_waiting", 0)),
             num_steps=int(getattr(stats, "num_steps", 0)),
             num_preemptions=int(getattr(stats, "num_preemptions", 0)),
+            num_kv_wait_steps=int(getattr(stats, "num_kv_wait_steps", 0)),
             num_verified_draft_tokens=int(getattr(stats, "num_verified_draft_tokens", 0)),
             num_paused_steps=int(getattr(stats, "num_paused_steps", 0)),
             kv_blocks_total=int(getattr(stats, "kv_blocks_total", 0)),
@@ -443,12 +445,15 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
                 "Paused steps on which a probe was due but waited for a paused step at its load to be timed.",
                 [(base, snap.saturation.get("unmeasured_probe_steps", 0))])
         _family(lines, "dspark:saturation_rising_probe_steps_total", "counter",
-                "Paused steps past the load-rise threshold on which the load was still climbing, so no probe yet.",
+                "Paused steps on which a probe would have been due but the load was still climbing.",
                 [(base, snap.saturation.get("rising_probe_steps", 0))])
         _family(lines, "dspark:saturation_probes_total", "counter",
                 "Saturation probes by what started them (timer, load fall, load rise) and their verdict.",
                 [({**base, "trigger": t, "verdict": v}, n) for (t, v), n in sorted(snap.saturation_probes.items())])
     _family(lines, "dspark:kv_blocks_free", "gauge", "Free KV-cache blocks.", [(base, snap.kv_blocks_free)])
+    _family(lines, "dspark:kv_wait_steps_total", "counter",
+            "Steps on which a waiting request had a free slot but the KV pool lacked the blocks to start it.",
+            [(base, snap.num_kv_wait_steps)])
     # What stalls steps beyond their own work (stalls.py): any compile in phase "serving" is a gap in the
     # start-up warm-ups, and a benchmark cell that saw one lost that much time.
     phases = sorted(set(snap.kernel_compiles) | {"startup", "serving"})

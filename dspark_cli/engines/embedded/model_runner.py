@@ -553,12 +553,11 @@ class ModelRunner:
         cfg = self.config
         per_request = self.max_blocks_per_seq  # a request of max_model_len tokens
         fits = (self.num_blocks - 1) // per_request  # block 0 is scratch
-        log.info("KV pool: %d blocks of %d tokens, %d requests of max_model_len=%d at once",
-                 self.num_blocks, self.block_size, fits, cfg.max_model_len)
+        held = f"{fits} request{'' if fits == 1 else 's'} of max_model_len={cfg.max_model_len}"
+        log.info("KV pool: %d blocks of %d tokens, %s at once", self.num_blocks, self.block_size, held)
         if fits < cfg.max_num_seqs:
-            log.warning("the KV pool holds %d requests of max_model_len=%d, fewer than --max-num-seqs %d: raise "
-                        "--gpu-memory-utilization, lower --max-model-len, or free GPU memory", fits,
-                        cfg.max_model_len, cfg.max_num_seqs)
+            log.warning("the KV pool holds %s, fewer than --max-num-seqs %d: raise --gpu-memory-utilization, lower "
+                        "--max-model-len, or free GPU memory", held, cfg.max_num_seqs)
 
     # ------------------------------------------------------------------------------------------ graphs
 

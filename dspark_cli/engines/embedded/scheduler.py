@@ -55,6 +55,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefill_delay_ms = 0.0  # newcomers wait this long while others decode (0 = prefill at once)
+        # Steps on which the first waiting request had a free slot but the pool lacked its blocks: a server
+        # whose KV pool cannot hold its load runs partly empty steps, and a benchmark cell then measures memory
+        # (bench.matrix.measurement_notes; docs/PERFORMANCE.md section 43).
+        self.kv_wait_steps = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -115,6 +119,7 @@ class Scheduler:
             # Admit only with room for the first decode step too, else it would be preempted at once.
             need = self.blocks.blocks_needed(seq, n + self.lookahead)
             if not self.blocks.can_allocate(need):
+                self.kv_wait_steps += 1
                 break
             self.blocks.ensure(seq, n + self.lookahead)
             self.waiting.popleft()
