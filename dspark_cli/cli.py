@@ -318,7 +318,8 @@ def serve(
         None, "--gpu-memory-utilization",
         help="Embedded engine (CUDA): the share of the GPU memory left free once the models are loaded that the "
              "KV pool may take, never more than --max-num-seqs requests of --max-model-len need (default 0.5). "
-             "The start-up log says how many such requests the pool holds."),
+             "The start-up log says how many such requests the pool holds. With --engine vllm: vLLM's own flag "
+             "(its share of the whole GPU), passed on."),
     attention_backend: str | None = typer.Option(
         None, "--attention-backend",
         help="Embedded engine: auto (default: FlashInfer on CUDA when flashinfer-python is installed and the "
@@ -394,8 +395,9 @@ def serve(
             raise DsparkError("--attention-backend is an embedded-engine setting; vLLM picks its own "
                               "(pass vLLM's --attention-backend after --)")
         if settings.gpu_memory_utilization is not None:
-            raise DsparkError("--gpu-memory-utilization is an embedded-engine setting here; pass vLLM's own "
-                              "--gpu-memory-utilization after -- (a share of the whole GPU, not of what is free)")
+            # vLLM's flag of the same name (its share of the whole GPU): a vllm serve command line copied over
+            # keeps its meaning.
+            extra = ["--gpu-memory-utilization", f"{settings.gpu_memory_utilization:g}", *extra]
         if settings.mixed_prefill is not None:
             raise DsparkError("--mixed-prefill is an embedded-engine setting; vLLM mixes prefills into decode "
                               "steps itself (chunked prefill)")

@@ -937,9 +937,10 @@ def test_a_failed_load_probe_lowers_the_floor_and_keeps_the_timer() -> None:
     assert not pol.begin_step(64)  # back to full load: stays paused
     assert pol.begin_step(30) and pol.probing  # 30 <= 0.75 * 40
     pol.observe(losing, num_running=30)
-    # The timer counts on: the 8th paused step since the pause probes, and backs off when it fails.
-    steps = [pol.begin_step(64) for _ in range(3)]
-    assert steps == [False, False, True]
+    # The timer counts on: due from the 8th paused step since the pause, it probes once the climb back from 30 has
+    # left the window, and backs off when it fails.
+    steps = [pol.begin_step(64) for _ in range(5)]
+    assert steps == [False, False, False, False, True]
     pol.observe(losing, num_running=64)
     assert pol.probe_wait == 16
 

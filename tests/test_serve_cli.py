@@ -50,7 +50,6 @@ def test_bad_flag_is_one_line_error_and_exit_1() -> None:
         (["--phase-timing", "wall"], "--phase-timing"),
         (["--engine", "vllm", "--phase-timing", "host"], "embedded-engine setting"),
         (["--engine", "vllm", "--mixed-prefill"], "embedded-engine setting"),
-        (["--engine", "vllm", "--gpu-memory-utilization", "0.9"], "embedded-engine setting here"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
         (["--engine", "vllm", "--device", "cuda"], "embedded-engine setting"),
         # checked before any weights load (a file where a folder should be)
@@ -152,6 +151,16 @@ def test_a_model_given_as_a_bare_word_is_refused(args: list[str]) -> None:
     assert isinstance(result.exception, DsparkError), result.output
     message = str(result.exception)
     assert "got 'org/target'" in message and "--model org/target" in message and "\n" not in message
+
+
+def test_gpu_memory_utilization_reaches_vllm_as_its_own_flag() -> None:
+    """A `vllm serve` command line copied over keeps --gpu-memory-utilization's meaning: vLLM's flag."""
+    result = _invoke(["--engine", "vllm", "--dry-run", "--model", "org/target", "--gpu-memory-utilization", "0.5",
+                      "-k", "0", "--", "--enforce-eager"])
+    assert result.exit_code == 0, result.output
+    cmd = result.stdout.strip().splitlines()[-1].split()
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.5" and cmd.count("--gpu-memory-utilization") == 1
+    assert cmd[-1] == "--enforce-eager"
 
 
 def test_words_after_the_double_dash_still_reach_vllm() -> None:
