@@ -399,10 +399,7 @@ def _validate_flags(flags: dict[str, Any]) -> dict[str, Any]:
         elif name == "scheduler_delay_factor":
             out[name] = as_float(where, value, lo=0.0)
         elif name == "gpu_memory_utilization":
-            share = as_float(where, value, lo=0.0)
-            if not 0.0 < share <= 1.0:
-                raise DsparkError(f"{where} must be in (0, 1], got {share:g}")
-            out[name] = share
+            out[name] = as_float(where, value, lo=0.0, lo_open=True, hi=1.0)
         elif name == "attention_backend":
             out[name] = _as_choice(where, value, ATTENTION_BACKENDS)
         elif name == "phase_timing":

@@ -50,7 +50,7 @@ def test_bad_flag_is_one_line_error_and_exit_1() -> None:
         (["--phase-timing", "wall"], "--phase-timing"),
         (["--engine", "vllm", "--phase-timing", "host"], "embedded-engine setting"),
         (["--engine", "vllm", "--mixed-prefill"], "embedded-engine setting"),
-        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: must be <= 1"),
         (["--engine", "vllm", "--device", "cuda"], "embedded-engine setting"),
         # checked before any weights load (a file where a folder should be)
         (["--record-traces", "/proc/version/t.jsonl"], "--record-traces /proc/version/t.jsonl: cannot write there"),

@@ -220,22 +220,17 @@ def test_probe_scout_reaches_both_engines_and_is_moot_in_mask_mode() -> None:
         build_settings({}, json.dumps({**spec, "dspark_probe_scout": 1}))
 
 
-def test_scheduler_delay_factor_reaches_the_engine_config() -> None:
-    launch = prepare_embedded(build_settings(_flags(scheduler_delay_factor=1.5)))
+@pytest.mark.parametrize(("name", "given", "default"), [
+    ("scheduler_delay_factor", 1.5, 0.0),  # the engine's default: no hold
+    ("gpu_memory_utilization", 0.85, 0.5),  # the engine's default share of free memory
+])
+def test_an_embedded_setting_reaches_the_engine_config(name: str, given: float, default: float) -> None:
+    launch = prepare_embedded(build_settings(_flags(**{name: given})))
     launch.cleanup()
-    assert launch.engine_config.scheduler_delay_factor == 1.5
+    assert getattr(launch.engine_config, name) == given
     launch = prepare_embedded(build_settings({}))
     launch.cleanup()
-    assert launch.engine_config.scheduler_delay_factor == 0.0  # the engine's default: no hold
-
-
-def test_gpu_memory_utilization_reaches_the_engine_config() -> None:
-    launch = prepare_embedded(build_settings(_flags(gpu_memory_utilization=0.85)))
-    launch.cleanup()
-    assert launch.engine_config.gpu_memory_utilization == 0.85
-    launch = prepare_embedded(build_settings({}))
-    launch.cleanup()
-    assert launch.engine_config.gpu_memory_utilization == 0.5  # the engine's default
+    assert getattr(launch.engine_config, name) == default
 
 
 def test_attention_backend_reaches_the_engine_config() -> None:

@@ -470,11 +470,11 @@ class SaturationPolicy:
       unjudged.
     * **climbing**: no load-fall or timer probe begins while the load climbs (it is more than
       ``LOAD_SETTLE_RISE``, and more than one request, above the lowest of the last ``LOAD_SETTLE_STEPS``
-      steps); a due probe waits for it to stop. A ramp's light loads are ones the batch is leaving, and drafting resumed
-      there runs the ramp with requests advancing unevenly: on an H100 (embedded engine, Llama-3-8B shape,
-      256 requests, docs/PERFORMANCE.md section 43) timer probes that came due at 12-15 requests on a closed
-      loop's ramp paid, drafting ran 23-26 steps until the load was back at the ceiling, and the wave after
-      finished apart -- 226 prompt steps where no speculation ran 128, 11% of the cell.
+      steps); a due probe waits for it to stop. A ramp's light loads are ones the batch is leaving, and
+      drafting resumed there runs the ramp with requests advancing unevenly: on an H100 (embedded engine,
+      Llama-3-8B shape, 256 requests, docs/PERFORMANCE.md section 43) timer probes that came due at 12-15
+      requests on a closed loop's ramp paid, and drafting ran 23-26 steps until the load was back at the
+      ceiling.
     * **load rose**: when the number of running requests rises to >= 4/3 of the highest load at which
       drafting has been found not to pay (the load that paused it, or a failed probe's), a probe runs as
       soon as the load has settled (grown by less than ``LOAD_SETTLE_RISE`` over ``LOAD_SETTLE_STEPS``
