@@ -98,6 +98,9 @@ class EngineStats:
     last_budget: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    # The steps' peak working memory on CUDA: what the allocator handed out beyond the weights and the KV pool
+    # (graph pools included), against ModelRunner.step_reserve; read every PEAK_MEMORY_EVERY steps.
+    step_memory_peak_bytes: int = 0
     # Per-phase wall time (ms, cumulative) keyed "<step kind>.<phase>", and steps per kind; filled only while
     # ``LLMEngine.phase_timing`` is set (see there). Kinds: prefill, spec (drafting decode), probe (a drafting
     # step probing a saturation pause), paused (K > 0 without drafting: saturation), nospec (K == 0).
@@ -169,6 +172,7 @@ class _NoClock:
 
 
 _NO_CLOCK = _NoClock()
+PEAK_MEMORY_EVERY = 64  # steps between reads of the allocator's peak (EngineStats.step_memory_peak_bytes)
 
 
 @dataclass
@@ -749,6 +753,8 @@ class LLMEngine:
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_blocks_free = self.block_manager.num_free_blocks
         self.stats.num_kv_wait_steps = self.scheduler.kv_wait_steps
+        if self.device.type == "cuda" and self.stats.num_steps % PEAK_MEMORY_EVERY == 1:
+            self.stats.step_memory_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.runner.memory_with_pool
 
     # ------------------------------------------------------------------------------------------ helpers for tests
 

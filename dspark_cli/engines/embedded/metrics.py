@@ -207,6 +207,7 @@ class MetricsSnapshot:
     num_paused_steps: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    step_memory_peak_bytes: int = 0
     kernel_compiles: Mapping[str, int] = field(default_factory=dict)  # phase (startup / serving) -> count
     kernel_compile_s: Mapping[str, float] = field(default_factory=dict)
     full_gcs: int = 0
@@ -243,6 +244,7 @@ class MetricsSnapshot:
             num_paused_steps=int(getattr(stats, "num_paused_steps", 0)),
             kv_blocks_total=int(getattr(stats, "kv_blocks_total", 0)),
             kv_blocks_free=int(getattr(stats, "kv_blocks_free", 0)),
+            step_memory_peak_bytes=int(getattr(stats, "step_memory_peak_bytes", 0)),
             **_stall_fields(getattr(stats, "stalls", None)),
             drafting_cost_scale={int(b): float(v) for b, v in (getattr(stats, "drafting_cost_scale", {}) or {}).items()},
             realized_gain=_optional_float(getattr(stats, "realized_gain", None)),
@@ -451,6 +453,9 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
                 "Saturation probes by what started them (timer, load fall, load rise) and their verdict.",
                 [({**base, "trigger": t, "verdict": v}, n) for (t, v), n in sorted(snap.saturation_probes.items())])
     _family(lines, "dspark:kv_blocks_free", "gauge", "Free KV-cache blocks.", [(base, snap.kv_blocks_free)])
+    _family(lines, "dspark:step_memory_peak_bytes", "gauge",
+            "Peak device memory the steps held beyond the weights and the KV pool, graph pools included (CUDA; 0 "
+            "elsewhere): the start-up log says how much the pool left free for it.", [(base, snap.step_memory_peak_bytes)])
     _family(lines, "dspark:kv_wait_steps_total", "counter",
             "Steps on which a waiting request had a free slot but the KV pool lacked the blocks to start it.",
             [(base, snap.num_kv_wait_steps)])

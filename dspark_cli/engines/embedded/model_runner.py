@@ -71,11 +71,18 @@ from dspark_cli.engines.embedded.shapes import random_init_spec
 from dspark_cli.engines.embedded.synthetic import SyntheticDrafter
 from dspark_cli.errors import DsparkError
 
-__all__ = ["ModelRunner", "capture_sizes_for"]
+__all__ = ["ModelRunner", "capture_sizes_for", "kv_pool_budget", "step_reserve_bytes"]
 
 log = logging.getLogger("dspark.embedded")
 
 CPU_KV_BUDGET_BYTES = 1 << 30  # KV pools on CPU default to at most 1 GiB (both models together)
+# Bytes the sampler holds per vocabulary entry of a row it samples from, at its peak: float32 scaled logits and
+# probabilities, a float64 CDF and the int64 column scan beside it (core/rejection.py: sample, inverse_cdf_sample).
+SAMPLER_BYTES_PER_LOGIT = 30
+# Over the estimate: the caching allocator's fragmentation and whatever it leaves out. The served peaks on an H100
+# were 4% above the estimate without it (docs/PERFORMANCE.md section 44).
+STEP_RESERVE_MARGIN = 1.5
+GIB = 1 << 30
 
 
 @contextmanager
@@ -384,6 +391,35 @@ class _DraftLoopGraphs:
         return self.tokens_out[:num_reqs], self.conf_out[:num_reqs], probs
 
 
+def kv_pool_budget(free: int, share: float, step_reserve: int) -> int:
+    """Bytes the KV pool may take: ``share`` of the ``free`` device memory, but never what the largest step
+    needs beside it (``step_reserve``); negative where even that does not fit."""
+    return min(int(free * share), free - step_reserve)
+
+
+def step_reserve_bytes(
+    *, max_num_seqs: int, num_spec: int, vocab_size: int, batched_tokens: int, hidden_size: int,
+    intermediate_size: int, dtype_bytes: int, cuda_graphs: bool, drafts: bool,
+) -> int:
+    """Device memory the largest step may hold beside the weights and the KV pool, in bytes.
+
+    Vocabulary-wide buffers dominate: a verify step's logits over ``max_num_seqs * (K + 1)`` rows (the lm_head's
+    16-bit output and its float32 copy), the sampler's buffers over one row per request (the rejection kernels
+    keep theirs per tile), a drafting step's float32 draft distributions ``[R, K, V]`` and one draft step's
+    log-softmax beside them; then a prefill's activations over ``batched_tokens`` (the residual, attention and MLP
+    projections), once more for the CUDA graphs' pool. Times ``STEP_RESERVE_MARGIN``. Served on an H100 with an
+    8B-shaped target at 256 requests (docs/PERFORMANCE.md section 44): 4.07 GiB at K=7 against 3.95 before the
+    margin, 1.60 GiB without drafting against 1.56.
+    """
+    rows = max_num_seqs * (num_spec + 1)
+    reserve = rows * vocab_size * (dtype_bytes + 4) + max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
+    if drafts and num_spec > 0:
+        reserve += max_num_seqs * vocab_size * 4 * num_spec + max_num_seqs * vocab_size * 8
+    activations = batched_tokens * (4 * hidden_size + 3 * intermediate_size) * dtype_bytes
+    reserve += activations * (2 if cuda_graphs else 1)
+    return int(reserve * STEP_RESERVE_MARGIN)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, target_path: Path, draft_path: Path | None,
                  device: torch.device, dtype: torch.dtype) -> None:
@@ -421,6 +457,7 @@ class ModelRunner:
             conf_head = load_confidence_head(draft_tensors, draft_model.args.hidden_size, device, str(draft_path))
             del draft_tensors
 
+        self.step_reserve = 0  # bytes kept free for the largest step (CUDA pools sized by a share only)
         self.num_blocks = self._num_kv_blocks(draft_model)
         self._log_kv_pool()
         self.target_fwd = _Forward(
@@ -432,6 +469,8 @@ class ModelRunner:
                 draft_model, draft_model.allocate_kv_cache(self.num_blocks, self.block_size, dtype, device),
                 self.block_size,
             )
+        # What the steps allocate beyond this is their working memory (the GPU test of step_reserve_bytes).
+        self.memory_with_pool = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
         self._warm_up_attention()
         self.use_graphs = device.type == "cuda" and config.cuda_graphs
@@ -532,7 +571,11 @@ class ModelRunner:
             wanted = cfg.max_num_seqs * self.max_blocks_per_seq + 1
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * cfg.gpu_memory_utilization)
+                # The share never takes what the largest step needs beside the pool: a server given 0.9 of an
+                # 80 GB card's free memory ran out of it in its first step at 256 requests (PERFORMANCE.md
+                # section 43), where vLLM's profiling run would have kept that memory back.
+                self.step_reserve = self._step_reserve_bytes(draft_model)
+                budget = kv_pool_budget(free, cfg.gpu_memory_utilization, self.step_reserve)
             else:
                 budget = CPU_KV_BUDGET_BYTES
             blocks = max(min(wanted, budget // per_block), min(min_blocks, wanted))
@@ -540,9 +583,23 @@ class ModelRunner:
             raise DsparkError(
                 f"KV pool of {blocks} blocks cannot hold one request of max_model_len={cfg.max_model_len} "
                 f"(needs {min_blocks}); lower --max-model-len"
-                + (" or free GPU memory (the pool takes a share of what is free)" if self.device.type == "cuda" else "")
+                + (" or --max-num-seqs, or free GPU memory (the pool takes a share of what is free, less "
+                   f"{self.step_reserve / GIB:.1f} GiB kept for the largest step)" if self.device.type == "cuda" else "")
             )
         return blocks
+
+    def _step_reserve_bytes(self, draft_model: LlamaForCausalLM | None) -> int:
+        """What the largest step may allocate beside the pool (weights are already loaded). See
+        ``step_reserve_bytes``; an estimate from the shapes, since the pool must be sized before any step can
+        run (the graphs capture its tensors)."""
+        cfg = self.config
+        args = self.target.args
+        return step_reserve_bytes(
+            max_num_seqs=cfg.max_num_seqs, num_spec=self.num_spec, vocab_size=self.vocab_size,
+            batched_tokens=cfg.batched_token_limit, hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size, dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            cuda_graphs=cfg.cuda_graphs, drafts=draft_model is not None,
+        )
 
     def _log_kv_pool(self) -> None:
         """Say how many full-length requests the pool holds, and warn where that is fewer than
@@ -554,7 +611,8 @@ class ModelRunner:
         per_request = self.max_blocks_per_seq  # a request of max_model_len tokens
         fits = (self.num_blocks - 1) // per_request  # block 0 is scratch
         held = f"{fits} request{'' if fits == 1 else 's'} of max_model_len={cfg.max_model_len}"
-        log.info("KV pool: %d blocks of %d tokens, %s at once", self.num_blocks, self.block_size, held)
+        kept = f"; {self.step_reserve / GIB:.1f} GiB kept free for the largest step" if self.step_reserve else ""
+        log.info("KV pool: %d blocks of %d tokens, %s at once%s", self.num_blocks, self.block_size, held, kept)
         if fits < cfg.max_num_seqs:
             log.warning("the KV pool holds %s, fewer than --max-num-seqs %d: raise --gpu-memory-utilization, lower "
                         "--max-model-len, or free GPU memory", held, cfg.max_num_seqs)
