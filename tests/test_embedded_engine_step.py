@@ -80,6 +80,44 @@ CPU_AND_CUDA = [
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
+def test_paused_steps_replay_graphs_of_one_query_row_and_drafting_steps_the_verify_graphs(
+    pair: TinyPair, reference: list[list[int]], never_pays: Path, device: str
+) -> None:
+    """A drafting server's paused steps feed one token a request: they replay the target's family captured for
+    one query row, as a server without a draft does, not the verify family's K + 1 rows a request (K of them
+    empty: a slower attention launch). Drafting steps still replay the verify family. Greedy outputs are plain
+    decoding's."""
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(never_pays), device=device,
+                         dtype="float32", capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=3))
+    runner = engine.runner
+    if device == "cpu":
+        runner.emulate_graphs()  # CUDA captures real graphs
+    plain, verify = runner._plain_graphs, runner._verify_graphs
+    assert plain is not None and verify is not None and plain.qlen == 1 and verify.qlen == runner.num_spec + 1
+    picks: list[tuple[str, bool]] = []
+    for name, family in (("plain", plain), ("verify", verify)):
+        def pick(n: int, q: int, real=family.pick, name=name) -> int | None:  # type: ignore[no-untyped-def]
+            size = real(n, q)
+            picks.append((name, size is not None))
+            return size
+        family.pick = pick  # type: ignore[method-assign]
+    ids = [f"r{i}" for i in range(5)]
+    for rid, prompt in zip(ids, prompts(5), strict=True):
+        engine.add_request(rid, prompt, GREEDY)
+    results: dict[str, list[int]] = {rid: [] for rid in ids}
+    by_kind: dict[str, set[tuple[tuple[str, bool], ...]]] = {}
+    while engine.has_unfinished_requests():
+        picks.clear()
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+        by_kind.setdefault(engine.stalls.step_kind, set()).add(tuple(picks))
+    assert by_kind["paused"] == {(("plain", True),)}
+    drafting = by_kind.get("spec", set()) | by_kind.get("probe", set())
+    assert drafting == {(("plain", False), ("verify", True))}
+    assert [results[rid] for rid in ids] == reference
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("sampling", [False, True])
 def test_graphed_draft_loop_matches_the_eager_loop(pair: TinyPair, sampling: bool, device: str) -> None:
     engine = make_engine(pair, draft=str(pair.draft_head), max_num_seqs=8, device=device, dtype="float32")
@@ -135,7 +173,8 @@ def test_graph_outputs_survive_replays_of_every_other_graph(pair: TinyPair) -> N
     seqs = _running_seqs(engine)
     runner.propose(seqs, runner.block_tables(seqs), None, None)  # fills the static buffers with a real batch
     loop = runner._loop_graphs
-    forwards = {"verify": runner._verify_graphs, "catch-up": runner._catchup_graphs, "step": runner._step_graphs}
+    forwards = {"verify": runner._verify_graphs, "plain": runner._plain_graphs, "catch-up": runner._catchup_graphs,
+                "step": runner._step_graphs}
     families: dict[str, tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor]]] = {
         name: (list(fam._captured.values()), [fam.out]) for name, fam in forwards.items()
     }

@@ -10,8 +10,10 @@ kinds of forward:
 * **draft** -- the drafter's catch-up pass and its K - 1 one-token steps.
 
 On CUDA (``cuda_graphs=True``) each of the decode-time forwards is captured per padded size: the verify
-forward per token count (powers of two up to ``(K + 1) * max_num_seqs``), the draft catch-up pass the same
-way, the draft step per request count, and -- for all-greedy batches -- the *whole* K-token draft loop
+forward per token count (powers of two up to ``(K + 1) * max_num_seqs``), the target once more per request
+count for steps of one token a request (a drafting server's paused steps, which on the verify family would
+launch attention over K + 1 rows a request), the draft catch-up pass the same way as verify, the draft step per
+request count, and -- for all-greedy batches -- the *whole* K-token draft loop
 (K LM heads, argmaxes and confidences, K - 1 draft steps) as one graph per request count, so a proposal is
 two replays instead of ~25 launches per draft token. Replays copy the step's tensors into static buffers
 with ``copy_``; nothing reads device values on the host, so the only host knowledge a replay needs is
@@ -476,6 +478,7 @@ class ModelRunner:
         self.use_graphs = device.type == "cuda" and config.cuda_graphs
         self.capture_sizes: list[int] = []
         self._verify_graphs: _GraphedForward | None = None
+        self._plain_graphs: _GraphedForward | None = None  # drafting servers: one query row a request
         self._catchup_graphs: _GraphedForward | None = None
         self._step_graphs: _GraphedForward | None = None
         self._prefill_graphs: _GraphedForward | None = None  # ragged: the target's prefills
@@ -630,6 +633,21 @@ class ModelRunner:
         )
         self._verify_graphs.capture(emulate)
         pool = self._verify_graphs.pool
+        verify_fn: ForwardFn = self._verify_graphs.run
+        if k > 0:
+            # Paused and plain steps feed one token a request. On the verify family they would run attention over
+            # K + 1 query rows a request, K of them empty: at 256 requests of an 8B-shaped target a paused step
+            # waited 0.2 ms longer on the device than a no-speculation server's step (docs/PERFORMANCE.md section
+            # 44). A family of one query row serves them as a server without a draft does; batches with drafts
+            # fall back to the verify family (pick refuses a longer query).
+            self._plain_graphs = _GraphedForward(
+                self.target_fwd, capture_sizes_for(cfg.max_num_seqs), cfg.max_num_seqs, 1, self.max_blocks_per_seq,
+                self.device, pool,
+            )
+            self._plain_graphs.capture(emulate)
+            self._plain_graphs.fallback = self._verify_graphs.run
+            pool = self._plain_graphs.pool
+            verify_fn = self._plain_graphs.run
         catchup_fn = step_fn = None
         if self.draft_fwd is not None:
             self._catchup_graphs = _GraphedForward(
@@ -650,7 +668,7 @@ class ModelRunner:
             self._capture_ragged_graphs(pool, emulate)
         if not emulate:
             log.info("captured CUDA graphs for verify sizes %s", self.capture_sizes)
-        return self._verify_graphs.run, catchup_fn, step_fn
+        return verify_fn, catchup_fn, step_fn
 
     def _capture_ragged_graphs(self, pool: object | None, emulate: bool) -> None:
         """The ragged families (module docstring): the target's prefills, and the draft's prefills and long
