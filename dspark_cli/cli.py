@@ -328,7 +328,7 @@ def serve(
     mixed_prefill: bool | None = typer.Option(
         None, "--mixed-prefill/--no-mixed-prefill",
         help="Embedded engine: prefill newcomers in a plain decode step of the running requests instead of a "
-             "step of their own that stalls them; the draft catches up on the next drafting step (default off)."),
+             "step of their own that stalls them; the draft catches up on the next drafting step (default on)."),
     engine_process: bool | None = typer.Option(
         None, "--engine-process/--no-engine-process",
         help="Embedded engine: run the engine in a process of its own instead of a thread of the server, so "

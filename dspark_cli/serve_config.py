@@ -130,7 +130,7 @@ class ServeSettings:
     gpu_memory_utilization: float | None = None  # embedded engine only (EngineConfig: the KV pool's share)
     attention_backend: str | None = None  # embedded engine only (EngineConfig)
     phase_timing: str | None = None  # embedded engine only (EngineConfig)
-    mixed_prefill: bool | None = None  # embedded engine only (EngineConfig; None: its default, off)
+    mixed_prefill: bool | None = None  # embedded engine only (EngineConfig; None: its default, on)
     engine_process: bool | None = None  # embedded engine only (ServerOptions; None: default_engine_process)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
@@ -748,8 +748,8 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         ]
         if s.record_traces:
             banner.insert(6, ("traces", s.record_traces))
-        if s.mixed_prefill:
-            banner.append(("prefills", "mixed into plain decode steps"))
+        if s.mixed_prefill is False:
+            banner.append(("prefills", "steps of their own (--no-mixed-prefill)"))
         banner.append(("engine front", "its own process" if options.engine_process else "a thread of the server"))
         if s.phase_timing:
             banner.append(("phase timing", f"{s.phase_timing} (dspark:step_phase_seconds_total)"))

@@ -60,6 +60,12 @@ def test_config_names_map_to_serve_flags() -> None:
     (thread,) = parse_configs("nospec+mixed+thread")
     assert thread.serve_args == ("-k", "0", "--mixed-prefill", "--no-engine-process")
     assert header("nospec+thread") == "No spec + engine thread"
+    # "+unmixed": every prefill a step of its own, since mixing became the embedded engine's default
+    (unmixed,) = parse_configs("varlen+sts+unmixed", "curve.json")
+    assert unmixed.serve_args == (*mixed["varlen+sts+mixed"].serve_args[:-1], "--no-mixed-prefill")
+    assert header("nospec+unmixed") == "No spec + prefill steps"
+    with pytest.raises(DsparkError, match="contradict"):
+        parse_configs("nospec+mixed+unmixed")
     # "#N", very last: a replica on a server of its own (an A/A column), named apart in files and tables.
     replicas = {c.name: c for c in parse_configs("nospec,nospec#2,varlen+sts+mixed#3", "curve.json")}
     assert replicas["nospec#2"].serve_args == replicas["nospec"].serve_args

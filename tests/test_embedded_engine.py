@@ -427,7 +427,7 @@ def test_newcomers_ride_along_in_the_running_requests_decode_step_and_outputs_do
     ps = prompts(4)
     params = [SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=100 + i) for i in range(4)]
     mixed = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=4, mixed_prefill=True)
-    alone = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=4)  # the default: off
+    alone = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=4, mixed_prefill=False)
     done_mixed: dict[str, int] = {}
     done_alone: dict[str, int] = {}
     got, want = _staggered(mixed, ps, params, done_mixed), _staggered(alone, ps, params, done_alone)

@@ -374,7 +374,7 @@ def test_mixed_prefills_decode_the_running_requests_in_the_prefill_forward(
         outs = _staggered(engine, ps, params)
         return outs, engine.stats.steps
 
-    want, alone = run(num_speculative_tokens=0)  # the default: prefills alone
+    want, alone = run(num_speculative_tokens=0, mixed_prefill=False)  # prefills alone
     got, mixed = run(num_speculative_tokens=0, mixed_prefill=True)
     assert alone["mixed"] == 0 and mixed["mixed"] == 4
     assert got == want

@@ -264,14 +264,15 @@ def test_phase_timing_reaches_the_engine_config_and_the_banner() -> None:
 
 
 def test_mixed_prefill_reaches_the_engine_config_and_the_banner() -> None:
-    launch = prepare_embedded(build_settings(_flags(mixed_prefill=True)))
+    launch = prepare_embedded(build_settings(_flags(mixed_prefill=False)))
     launch.cleanup()
-    assert launch.engine_config.mixed_prefill is True
-    assert ("prefills", "mixed into plain decode steps") in launch.banner
-    launch = prepare_embedded(build_settings({}))
-    launch.cleanup()
-    assert launch.engine_config.mixed_prefill is False  # the engine's default
-    assert all(key != "prefills" for key, _ in launch.banner)
+    assert launch.engine_config.mixed_prefill is False
+    assert ("prefills", "steps of their own (--no-mixed-prefill)") in launch.banner
+    for flags in ({}, _flags(mixed_prefill=True)):
+        launch = prepare_embedded(build_settings(flags))
+        launch.cleanup()
+        assert launch.engine_config.mixed_prefill is True  # the engine's default
+        assert all(key != "prefills" for key, _ in launch.banner)
 
 
 def test_prepare_embedded_writes_inline_curve_with_overhead(tmp_path: Path) -> None:

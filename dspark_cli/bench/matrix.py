@@ -14,7 +14,8 @@ other engine flag comes from ``--serve-args`` and is identical across columns:
     mask         --capacity-mode mask   --sps-curve C
     varlen       --capacity-mode varlen --sps-curve C
     <mode>+sts   ... --online-sts             (online STS; gets a warm-up pass first so it has calibrated)
-    <any>+mixed  ... --mixed-prefill          (embedded engine: prefills ride in plain decode steps)
+    <any>+mixed  ... --mixed-prefill          (embedded engine: prefills ride in plain decode steps; the default)
+    <any>+unmixed ... --no-mixed-prefill      (embedded engine: every prefill a step of its own)
     <any>+proc   ... --engine-process         (embedded engine: the engine in a process of its own)
     <any>+thread ... --no-engine-process      (embedded engine: the engine on a thread of the server)
     <any>#N      the same flags, a server of its own (an A/A column: e.g. nospec,nospec#2 measures how much
@@ -81,6 +82,7 @@ CAPACITY_MODES = ("none", "mask", "varlen")
 # a table's column header says of it.
 SERVING_SUFFIXES: dict[str, tuple[str, str]] = {
     "+mixed": ("--mixed-prefill", "mixed prefill"),
+    "+unmixed": ("--no-mixed-prefill", "prefill steps"),
     "+proc": ("--engine-process", "engine process"),
     "+thread": ("--no-engine-process", "engine thread"),
 }
@@ -124,7 +126,8 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
             (base_cfg,) = parse_configs(flags_of, sps_curve, common_args)
             out.append(replace(base_cfg, name=name))
             continue
-        # Serving suffixes (any config, last, each once): "+mixed" mixes prefills into plain decode steps,
+        # Serving suffixes (any config, last, each once): "+mixed" / "+unmixed" mix prefills into decode steps (the
+        # default) / give each a step of its own,
         # "+proc" / "+thread" put the engine in a process of its own / on a thread of the server.
         base, extra = name, ()
         while (suffix := next((sfx for sfx in SERVING_SUFFIXES if base.endswith(sfx)), None)) is not None:
@@ -134,13 +137,16 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
             base, extra = base[: -len(suffix)], (flag, *extra)
         if {"--engine-process", "--no-engine-process"} <= set(extra):
             raise DsparkError(f"config {name!r}: +proc and +thread contradict each other; keep one")
+        if {"--mixed-prefill", "--no-mixed-prefill"} <= set(extra):
+            raise DsparkError(f"config {name!r}: +mixed and +unmixed contradict each other; keep one")
         if base == "nospec":
             out.append(BenchConfig(name, ("-k", "0", *extra)))
             continue
         mode, plus, suffix = base.partition("+")
         if mode not in CAPACITY_MODES or (plus and suffix != "sts"):
             raise DsparkError(f"unknown config {name!r}: use nospec, none, mask, varlen, optionally +sts "
-                              "(e.g. varlen+sts), then optionally +mixed and +proc or +thread (e.g. nospec+mixed, varlen+sts+thread), "
+                              "(e.g. varlen+sts), then optionally +mixed or +unmixed and +proc or +thread (e.g. nospec+unmixed, "
+                              "varlen+sts+thread), "
                               "then optionally #N for a replica (e.g. nospec#2)")
         args: list[str] = ["--capacity-mode", mode]
         if mode != "none":
