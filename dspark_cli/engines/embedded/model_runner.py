@@ -82,7 +82,7 @@ CPU_KV_BUDGET_BYTES = 1 << 30  # KV pools on CPU default to at most 1 GiB (both 
 # probabilities, a float64 CDF and the int64 column scan beside it (core/rejection.py: sample, inverse_cdf_sample).
 SAMPLER_BYTES_PER_LOGIT = 30
 # Over the estimate: the caching allocator's fragmentation and whatever it leaves out. The served peaks on an H100
-# were 4% above the estimate without it (docs/PERFORMANCE.md section 44).
+# were 3% above the estimate without it (docs/PERFORMANCE.md section 44).
 STEP_RESERVE_MARGIN = 1.5
 GIB = 1 << 30
 
@@ -637,7 +637,7 @@ class ModelRunner:
         if k > 0:
             # Paused and plain steps feed one token a request. On the verify family they would run attention over
             # K + 1 query rows a request, K of them empty: at 256 requests of an 8B-shaped target a paused step
-            # waited 0.2 ms longer on the device than a no-speculation server's step (docs/PERFORMANCE.md section
+            # waited 0.2-0.3 ms longer on the device than a no-speculation server's step (docs/PERFORMANCE.md section
             # 44). A family of one query row serves them as a server without a draft does; batches with drafts
             # fall back to the verify family (pick refuses a longer query).
             self._plain_graphs = _GraphedForward(
