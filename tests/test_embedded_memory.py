@@ -1,8 +1,8 @@
 """The KV pool leaves the largest step its working memory (model_runner.step_reserve_bytes, kv_pool_budget).
 
-A server given most of a card's free memory (``--gpu-memory-utilization 0.9``, as vLLM users pass) ran out of
-it in its first step at 256 requests (docs/PERFORMANCE.md section 43): the pool had taken what the step's
-vocabulary-wide buffers needed. The estimate is checked against the allocator on a GPU.
+A pool not capped by ``--max-num-seqs`` x ``--max-model-len`` took its whole share of the free memory, and with
+a share near 1 (``--gpu-memory-utilization 0.9`` and up, as vLLM users pass) the first full step had nothing
+left for its vocabulary-wide buffers. The estimate is checked against the allocator on a GPU.
 """
 
 from __future__ import annotations

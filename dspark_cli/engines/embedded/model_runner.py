@@ -574,9 +574,10 @@ class ModelRunner:
             wanted = cfg.max_num_seqs * self.max_blocks_per_seq + 1
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                # The share never takes what the largest step needs beside the pool: a server given 0.9 of an
-                # 80 GB card's free memory ran out of it in its first step at 256 requests (PERFORMANCE.md
-                # section 43), where vLLM's profiling run would have kept that memory back.
+                # The share never takes what the largest step needs beside the pool: where the pool is not capped
+                # by --max-num-seqs x --max-model-len, a share near 1 left the first full step nothing to run in
+                # (vLLM's profiling run keeps that memory back). Another process's later steps it cannot see: two
+                # servers on one card must leave room for each other (PERFORMANCE.md section 43).
                 self.step_reserve = self._step_reserve_bytes(draft_model)
                 budget = kv_pool_budget(free, cfg.gpu_memory_utilization, self.step_reserve)
             else:
