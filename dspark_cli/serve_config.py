@@ -458,9 +458,8 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
     out = [f"--{name.replace('_', '-')} {flag!r} overrides {given!r} from --speculative-config (flags win)"
            for name, flag, given in s.overridden]
     if not s.speculative:
-        moot = [flag for flag, on in (("--sps-curve", s.sps_curve is not None or s.sps_curve_points is not None),
-                                      ("--sts", s.sts is not None), ("--online-sts", s.online_sts),
-                                      ("--record-traces", s.record_traces is not None)) if on]
+        # Traces and the capacity manager's settings alike: with nothing drafted there is nothing to record or judge.
+        moot = [flag for flag, on in (*_capacity_settings(s), ("--record-traces", s.record_traces is not None)) if on]
         if moot:
             out.append(f"{', '.join(moot)}: no effect without speculation (-k 0 or --draft none)")
         if s.draft is None and s.num_speculative_tokens:
@@ -468,18 +467,7 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
                        "(pass a draft model for it to act)")
     elif s.capacity_mode == "none":
         # Traces are left out: the embedded engine records them in mode none (the vLLM launcher refuses them).
-        default = ServeSettings()
-        moot = [flag for flag, on in (
-            ("--sts", s.sts is not None), ("--online-sts", s.online_sts),
-            ("--sps-curve", s.sps_curve is not None or s.sps_curve_points is not None),
-            ("--sps-overhead-ms", s.sps_overhead_ms is not None),
-            ("--capacity-policy", s.capacity_policy != default.capacity_policy),
-            ("--budget-frac", s.budget_frac != default.budget_frac),
-            ("--min-predicted-gain", s.min_predicted_gain is not None),
-            ("dspark_confidence_temperature", s.confidence_temperature is not None),
-            *((f"dspark_{name}", getattr(s, name) is not None)
-              for name in ("saturation_patience", "resume_every", "probe_tax", "probe_scout", "sts_refit_interval",
-                           *EMBEDDED_ONLY_FIELDS, *VLLM_ONLY_FIELDS))) if on]
+        moot = [flag for flag, on in _capacity_settings(s) if on]
         if moot:
             out.append(capacity_mode_none_warning(moot))
     elif s.capacity_policy != "threshold" and s.confidence_threshold > 0:
@@ -496,6 +484,24 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
         out.append("--sps-overhead-ms: no effect without an SPS curve (the threshold policy prices nothing); "
                    "pass --sps-curve FILE or auto for it to act")
     return out
+
+
+def _capacity_settings(s: ServeSettings) -> list[tuple[str, bool]]:
+    """Each setting only the capacity manager reads (STS included), and whether it was given: what neither a
+    server without speculation nor one verifying every draft can use."""
+    default = ServeSettings()
+    return [
+        ("--sts", s.sts is not None), ("--online-sts", s.online_sts),
+        ("--sps-curve", s.sps_curve is not None or s.sps_curve_points is not None),
+        ("--sps-overhead-ms", s.sps_overhead_ms is not None),
+        ("--capacity-policy", s.capacity_policy != default.capacity_policy),
+        ("--budget-frac", s.budget_frac != default.budget_frac),
+        ("--min-predicted-gain", s.min_predicted_gain is not None),
+        ("dspark_confidence_temperature", s.confidence_temperature is not None),
+        *((f"dspark_{name}", getattr(s, name) is not None)
+          for name in ("saturation_patience", "resume_every", "probe_tax", "probe_scout", "sts_refit_interval",
+                       *EMBEDDED_ONLY_FIELDS, *VLLM_ONLY_FIELDS)),
+    ]
 
 
 def capacity_mode_none_warning(names: Sequence[str]) -> str:

@@ -340,6 +340,10 @@ def test_without_speculation_capacity_settings_are_moot_not_an_error(tmp_path: P
     assert s.capacity_mode == "none"
     assert ineffective_settings(s) == ["--sps-curve, --record-traces: no effect without speculation "
                                        "(-k 0 or --draft none)"]
+    # the saturation policy's keys too: with -k 0 they were dropped without a word
+    keys = {"dspark_saturation_patience": 3, "dspark_probe_sample": 8}
+    assert ineffective_settings(build_settings(_flags(num_speculative_tokens=0), json.dumps(keys))) == [
+        "dspark_saturation_patience, dspark_probe_sample: no effect without speculation (-k 0 or --draft none)"]
     with pytest.raises(DsparkError, match="--capacity-mode varlen needs speculation"):
         build_settings(_flags(num_speculative_tokens=0, capacity_mode="varlen"))
     sts = tmp_path / "sts.json"
