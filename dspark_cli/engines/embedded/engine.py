@@ -376,6 +376,9 @@ class LLMEngine:
             # time, the median of the last few, so one prefill that waited on a compile does not hold them long.
             self._prefill_ms.append(elapsed_ms)
             self.scheduler.prefill_delay_ms = self.config.scheduler_delay_factor * statistics.median(self._prefill_ms)
+        if self.device.type == "cuda" and self.stats.num_steps % PEAK_MEMORY_EVERY == 1:
+            # Here, once a step: _refresh_counts also runs per arriving request.
+            self.stats.step_memory_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.runner.memory_with_pool
         self._refresh_counts()
         return outputs
 
@@ -753,8 +756,6 @@ class LLMEngine:
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_blocks_free = self.block_manager.num_free_blocks
         self.stats.num_kv_wait_steps = self.scheduler.kv_wait_steps
-        if self.device.type == "cuda" and self.stats.num_steps % PEAK_MEMORY_EVERY == 1:
-            self.stats.step_memory_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.runner.memory_with_pool
 
     # ------------------------------------------------------------------------------------------ helpers for tests
 

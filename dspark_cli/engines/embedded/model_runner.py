@@ -601,7 +601,7 @@ class ModelRunner:
         return step_reserve_bytes(
             max_num_seqs=cfg.max_num_seqs, num_spec=self.num_spec, vocab_size=self.vocab_size,
             batched_tokens=cfg.batched_token_limit, hidden_size=args.hidden_size,
-            intermediate_size=args.intermediate_size, dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            intermediate_size=args.intermediate_size, dtype_bytes=self.dtype.itemsize,
             cuda_graphs=cfg.cuda_graphs, drafts=draft_model is not None,
         )
 
