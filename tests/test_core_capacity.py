@@ -2176,13 +2176,17 @@ def test_a_heavy_loads_timer_probe_debt_does_not_hold_a_light_loads_timer_probe(
     pol.observe_outcome(_LOSING, 2, 17)
     assert not pol.drafting_enabled and pol.floor == 17
     # the warm-up's last waves: a rise probe at 256 requests (untaxed), then timer probes there that fail until
-    # the allowance is in debt
-    while pol.probe_allowance_ms >= 0:  # at the load of the step begun last
+    # the allowance is in debt. 300 ms a probe: once the timer's wait is at its cap (512 paused steps of 25 ms, 256
+    # ms saved at 2%), a probe of 250 ms no longer runs a debt up, since far-failing probes back off fast.
+    for _ in range(64):
         while not pol.begin_step(256):
             pol.record_step_ms(False, 25.0)
-        pol.record_step_ms(True, 250.0)
+        pol.record_step_ms(True, 300.0)
         pol.observe_outcome(_LOSING, 2, 256)
         assert not pol.drafting_enabled
+        if pol.probe_allowance_ms < 0:  # at the load of the step begun last
+            break
+    assert pol.probe_allowance_ms < 0
     assert pol.counters.probes["rise", "failed"] == 1 and pol.counters.probes["timer", "failed"] >= 1
     paying = BudgetDecision(budget=48, theta_best=2.0, theta_all=2.0, theta_no_draft=1.5, step_ms=1.0,
                             total_drafts=112)
@@ -2248,7 +2252,7 @@ def test_the_backoff_reset_waits_for_a_lighter_load_that_holds() -> None:
     _fail_timer_probes(pol, 16, 3)
     wait_at_16 = pol.probe_wait
     _fail_timer_probes(pol, 256, 1)
-    assert pol.probe_wait == 2 * wait_at_16
+    assert pol.probe_wait > wait_at_16  # grown by the failure at 256
     for _ in range(16):
         assert not pol.begin_step(16)
     assert pol.probe_wait == wait_at_16 > 16
@@ -2425,3 +2429,43 @@ def test_an_engine_limit_bounds_the_budget_search_and_its_price() -> None:
     assert limited.theta_all == free.theta_all  # every draft's Θ is still what "all" means
     assert choose_budget(surv, nd, 4, 4, STAIR, CapacityConfig(mode="none"), max_budget=5).budget == 5
     assert choose_budget(surv, nd, 4, 4, STAIR, ARGMAX, max_budget=-3).budget == 0
+
+
+def test_a_timer_probe_that_falls_far_short_backs_the_timer_off_further() -> None:
+    """Each failed timer probe judged on its outcome grows the wait by 2 / realized, between 2 and
+    PROBE_BACKOFF_MAX_GROWTH: a probe at half of plain decoding's rate waits four times as long as the last, one
+    just short of break-even about twice (SmolLM2-135M at 16 requests realized 0.40-0.66x, and doubling spent
+    the load's first 500 paused steps on five probes)."""
+    pol = SaturationPolicy(patience=1, resume_every=8)
+    r, plain = 16, 16.0  # plain decoding: 16 tokens per ms for the batch, so a 1 ms step realizes tokens / 16
+    priced = BudgetDecision(budget=5, theta_best=20.0, theta_all=20.0, theta_no_draft=plain, step_ms=1.0,
+                            total_drafts=10)
+    pol.begin_step(r)
+    pol.observe_outcome(priced, 0.5 * plain, r)  # drafting at half of plain decoding: paused
+    assert not pol.drafting_enabled and pol.probe_wait == 8
+
+    def failed_probe(realized: float, decision: BudgetDecision = priced) -> None:
+        waited = 0
+        while not pol.begin_step(r):
+            waited += 1
+        assert pol.probing and pol.probe_trigger == "timer" and waited + 1 == pol.probe_wait  # the due step probes
+        pol.observe_outcome(decision, realized * PROBE_MARGIN * plain, r)  # 16 request-steps: judged at once
+        assert not pol.probing and not pol.drafting_enabled
+        assert pol.counters.last_probe is not None and pol.counters.last_probe.realized == pytest.approx(realized)
+
+    failed_probe(0.5)
+    assert pol.probe_wait == 32  # four times
+    failed_probe(0.25)
+    assert pol.probe_wait == 128  # at most four times
+    failed_probe(0.95)
+    assert pol.probe_wait == SaturationPolicy.MAX_PROBE_BACKOFF * 8  # 2.1 x 128 = 269, capped at 256
+    # Just short of break-even from a fresh pause: about twice, as before.
+    pol = SaturationPolicy(patience=1, resume_every=8)
+    pol.begin_step(r)
+    pol.observe_outcome(priced, 0.5 * plain, r)
+    failed_probe(0.95)
+    assert pol.probe_wait == round(8 * 2 / 0.95)  # 17
+    unpriced = BudgetDecision(budget=0, theta_best=plain, theta_all=20.0, theta_no_draft=plain, step_ms=1.0,
+                              total_drafts=10)
+    failed_probe(1.2, unpriced)  # cleared the margin, but its budget said drafting does not pay: doubled
+    assert pol.probe_wait == 34

@@ -75,6 +75,13 @@ PROBE_VERDICTS: tuple[str, ...] = ("paid", "failed", "unjudged")
 # below break-even cleared 1.0 about one probe in five (a CPU replay of the real H200 setup); drafting that
 # pays by less than the margin is not worth that risk.
 PROBE_MARGIN = 1.05
+# A failed timer probe backs the timer off by 2 / realized (realized: its Θ over plain decoding's, after the
+# margin), between 2 and PROBE_BACKOFF_MAX_GROWTH: one just short of break-even waits twice as long, one that
+# realized half of plain decoding four times. Drafting that realizes half of what plain decoding does needs its
+# acceptance to nearly double before it pays, which a few dozen paused steps rarely bring; doubling after every
+# such probe spent the first ~500 paused steps at a load on five probes (an H100, SmolLM2-135M at 16 requests:
+# 0.40-0.66x each, 14 ms against a paused step's 3.4 ms, 3% of the cell; docs/PERFORMANCE.md section 45).
+PROBE_BACKOFF_MAX_GROWTH = 4.0
 
 
 class RequestWeightedMean:
@@ -438,8 +445,9 @@ class SaturationPolicy:
     ``PROBE_MAX_STEPS`` steps), judged on their own outcome, which must beat plain decoding by
     ``PROBE_MARGIN``; if it pays, drafting resumes, otherwise the pause continues.
 
-    * **timer**: after ``probe_wait`` paused steps (``resume_every``, doubled by every failed timer probe,
-      up to ``MAX_PROBE_BACKOFF x resume_every``; a resume that pauses again within ``2 x patience``
+    * **timer**: after ``probe_wait`` paused steps (``resume_every``, grown by every failed timer probe --
+      doubled, or up to quadrupled for a probe judged on its outcome that fell far short of break-even
+      (``PROBE_BACKOFF_MAX_GROWTH``) -- up to ``MAX_PROBE_BACKOFF x resume_every``; a resume that pauses again within ``2 x patience``
       drafting steps was a false positive and doubles it too, instead of starting over). A probe costs a
       whole speculative step plus the draft's catch-up over the pause, so under sustained saturation
       fixed-rate probes would tax throughput by ~1/resume_every forever; the backoff bounds that tax at
@@ -584,6 +592,7 @@ class SaturationPolicy:
         self._ceiling_earned: tuple[int, dict[int, int]] = (0, {})
         self._paused_steps = 0
         self._probe_wait = resume_every
+        self._failed_probe_realized: float | None = None  # the probe being judged (observe_outcome): _backoff_growth
         # The backoff's reset (class docstring): the load of this pause's last failed timer probe (0: none), the
         # wait failures left at each load bucket, and the paused steps the load has held since within
         # LOAD_SETTLE_RISE (between the lowest and highest of them) and at or below LOAD_FALL of that load.
@@ -949,7 +958,11 @@ class SaturationPolicy:
             self.counters.last_probe = ProbeVerdict(self._probe_trigger, running, realized, decision.pays,
                                                     cost_scale, drafted)
             paid = decision.pays and realized >= 1.0
-            self.observe(paid, num_running=num_running)
+            self._failed_probe_realized = realized
+            try:
+                self.observe(paid, num_running=num_running)
+            finally:
+                self._failed_probe_realized = None
             if paid:
                 # The window still holds the steps that paused drafting (at another load, or before acceptance
                 # changed): judged by them, a resume that pays lost again within ``patience`` steps, backed off,
@@ -965,8 +978,9 @@ class SaturationPolicy:
 
     @property
     def probe_wait(self) -> int:
-        """Paused steps before the next probe (``resume_every``, doubled by every failed timer probe and every
-        resume that pauses again within ``2 x patience`` steps; failed load probes leave it)."""
+        """Paused steps before the next probe (``resume_every``, grown by every failed timer probe -- two to four
+        times, by how far short it fell -- and doubled by every resume that pauses again within ``2 x patience``
+        steps; failed load probes leave it)."""
         return self._probe_wait
 
     def observe(self, pays: bool | BudgetDecision, num_running: int = 0) -> None:
@@ -997,7 +1011,8 @@ class SaturationPolicy:
                 self._top = max(self._top, self._probe_running)
                 if trigger == "timer":
                     self._paused_steps = 0
-                    self._probe_wait = min(2 * self._probe_wait, self.MAX_PROBE_BACKOFF * self.resume_every)
+                    self._probe_wait = min(round(self._backoff_growth() * self._probe_wait),
+                                           self.MAX_PROBE_BACKOFF * self.resume_every)
                     self._backed_off_at(self._probe_running)
             self._probing = False
             return
@@ -1017,6 +1032,14 @@ class SaturationPolicy:
             if self._wait_at_resume is not None and self._drafting_since_resume <= 2 * self.patience:
                 wait = min(2 * self._wait_at_resume, self.MAX_PROBE_BACKOFF * self.resume_every)
             self._pause(num_running, wait)
+
+    def _backoff_growth(self) -> float:
+        """How much a failed timer probe grows the wait: 2, or 2 / realized (at most ``PROBE_BACKOFF_MAX_GROWTH``)
+        for a probe judged on its outcome (:meth:`observe_outcome`); a verdict given as a bool carries no distance."""
+        realized = self._failed_probe_realized
+        if realized is None or not realized > 0:
+            return 2.0
+        return min(PROBE_BACKOFF_MAX_GROWTH, max(2.0, 2.0 / realized))
 
     def _clear_probe(self) -> None:
         self._probe_tokens = self._probe_ms = self._probe_plain = 0.0
