@@ -76,8 +76,9 @@ def test_where_fresh_confidences_say_nothing_pays_the_probe_fails_without_verify
         assert c.scout_steps == (c.probe_steps // 2 if scout else 0)
     assert verified[False] and all(b == R * K for b in verified[False])
     assert verified[True] and all(b == 0 for b in verified[True])
-    # The same waits (each failed probe doubles it alike): the scouts' probes are as many, and as often
-    assert len(verified[True]) == 2 * len(verified[False])
+    # A failed probe backs the timer off by how far short it fell: one that verified all 64 drafts at ~3.6x a plain
+    # step fell further than a scout's judged step, which verified none, so the scouts' probes are at least as many
+    assert len(verified[True]) >= 2 * len(verified[False])
 
 
 def test_where_verifying_every_draft_is_nearly_free_a_probe_does_not_scout() -> None:

@@ -278,7 +278,9 @@ def test_probe_scouts_replay_as_served_and_verify_nothing_where_drafting_loses()
     without scouts each probe verified all 256."""
     k, r = 4, 64
     conf = np.full((3000, k), 0.05)
-    data = trace_data(conf, np.full(3000, k), np.zeros(3000, dtype=np.int64), 50)
+    # Requests that outlast the run: a whole batch renewed between a scout and its judged step (50-step requests
+    # renew all 64 slots at once) has no confidences to plan on, and that step verifies every draft by design.
+    data = trace_data(conf, np.full(3000, k), np.zeros(3000, dtype=np.int64), 3000)
     res = {}
     for scout in (False, True):
         opts = sim.SimOptions(families=("nospec", "manager"), num_steps=600, resume_every=4, probe_scout=scout)

@@ -589,7 +589,9 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
     untimed = run(False)
     with caplog.at_level(logging.INFO, logger="vllm.dspark"):
         timed = run(True)
-    assert untimed[-20:].count(K) < 5  # priced by the curve alone: paused, failed probes only
+    # priced by the curve alone: paused, with failed probes only (a few steps each, none resumed drafting)
+    runs = [len(run) for run in "".join("d" if n == K else "." for n in untimed[1:]).split(".") if run]
+    assert runs and max(runs) <= 5 and untimed[-20:].count(K) <= 5
     assert timed[-20:] == [K] * 20  # measured: drafting resumed and stays on
     # the server log says so (every 10 s of serving; here 0.6 s, and 60 steps of 15-30 ms make one line) ...
     lines = [r.getMessage() for r in caplog.records if "dspark: saturation:" in r.getMessage()]
