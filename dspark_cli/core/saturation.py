@@ -447,10 +447,10 @@ class SaturationPolicy:
 
     * **timer**: after ``probe_wait`` paused steps (``resume_every``, grown by every failed timer probe --
       doubled, or up to quadrupled for a probe judged on its outcome that fell far short of break-even
-      (``PROBE_BACKOFF_MAX_GROWTH``) -- up to ``MAX_PROBE_BACKOFF x resume_every``; a resume that pauses again within ``2 x patience``
-      drafting steps was a false positive and doubles it too, instead of starting over). A probe costs a
-      whole speculative step plus the draft's catch-up over the pause, so under sustained saturation
-      fixed-rate probes would tax throughput by ~1/resume_every forever; the backoff bounds that tax at
+      (``PROBE_BACKOFF_MAX_GROWTH``) -- up to ``MAX_PROBE_BACKOFF x resume_every``; a resume that pauses again
+      within ``2 x patience`` drafting steps was a false positive and doubles it too, instead of starting
+      over). A probe costs a whole speculative step plus the draft's catch-up over the pause, so under
+      sustained saturation fixed-rate probes would tax throughput by ~1/resume_every forever; the backoff bounds that tax at
       1/(MAX_PROBE_BACKOFF x resume_every). The backoff is what timer probes failed at their load: once the
       load has held within ``LOAD_SETTLE_RISE`` (or one request) for ``resume_every`` paused steps, at or below
       ``LOAD_FALL`` of the load where the last timer probe failed, the wait goes back to ``resume_every``, or
