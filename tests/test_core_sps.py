@@ -521,3 +521,18 @@ def test_an_sps_edit_of_half_a_percent_is_refused() -> None:
     edited = {"verify_curve_ms": verify, "dspark_sps_curve": [[8, 100.5], [16, 83.33]]}
     with pytest.raises(SpsCurveError, match="disagree"):
         SpsCurve.from_dict(edited)
+
+
+def test_budget_cost_tables_are_the_step_costs_cached_and_read_only() -> None:
+    """choose_budget's price of every budget: step_cost_ms over base + per_slot x arange(n + 1), computed once per
+    argument set (a steady load repeats them every drafting step) and never writable by a caller."""
+    curve = SpsCurve.from_points([(8, 10.0), (64, 20.0), (256, 60.0)], draft_ms=[(1, 1.0), (16, 3.0)],
+                                 draft_sampling_ms=[(1, 2.0), (16, 6.0)], capture_sizes=[8, 16, 32, 64])
+    for per_slot, sampling in ((1.0, False), (2.5, True)):
+        table = curve.budget_costs_ms(16, 16, 112, per_slot, sampling)
+        expected = curve.step_cost_ms(16, 16 + per_slot * np.arange(113), sampling=sampling)
+        assert table.shape == (113,) and np.array_equal(table, expected)
+        assert curve.budget_costs_ms(16, 16, 112, per_slot, sampling) is table  # cached
+        with pytest.raises(ValueError):
+            table[0] = 0.0
+    assert not np.array_equal(curve.budget_costs_ms(16, 16, 112, 1.0, True), curve.budget_costs_ms(16, 16, 112))

@@ -152,8 +152,14 @@ def prefix_survival(conf: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(torch.nan_to_num(conf.float(), nan=0.0).clamp(0.0, 1.0), dim=-1)
 
 
+def _unit_clamp(x: np.ndarray) -> np.ndarray:
+    """``x`` clamped to [0, 1] with NaN read as 0 (fmax takes the number over a NaN): what ``nan_to_num`` then
+    ``clip`` give, in two ufuncs instead of a Python-level function run on every drafting step."""
+    return np.fmin(np.fmax(x, 0.0), 1.0)
+
+
 def _np_survival(conf: np.ndarray) -> np.ndarray:
-    return np.cumprod(np.clip(np.nan_to_num(np.asarray(conf, dtype=np.float64), nan=0.0), 0.0, 1.0), axis=-1)
+    return np.cumprod(_unit_clamp(np.asarray(conf, dtype=np.float64)), axis=-1)
 
 
 def _valid_mask(shape: tuple[int, int], num_drafts: np.ndarray | None) -> np.ndarray:
@@ -296,16 +302,17 @@ def choose_budget(
     total = int(valid.sum())
     # NaN survival (a head that overflowed) counts as 0, as in the allocation: sorted, a NaN would lead the
     # order and make every Θ(n) NaN, so one NaN slot cut the whole batch's budget to 1
-    vals = np.sort(np.clip(np.nan_to_num(surv[valid], nan=0.0), 0.0, 1.0))[::-1]
+    vals = np.sort(_unit_clamp(surv[valid]))[::-1]
     if not (math.isfinite(stands_for) and stands_for >= 1.0):
         raise ValueError(f"stands_for must be a finite number >= 1, got {stands_for!r}")
     tau = float(num_sampling) + stands_for * np.concatenate(([0.0], np.cumsum(vals)))
-    verified = stands_for * np.arange(total + 1)
     if cfg.mode == "mask" and not cfg.mask_pruning_saves:
         # every draft row is in the batch, verified or padding (a sample's batch, the whole batch's drafts)
         every = stands_for * total
         verified = np.full(total + 1, every if batch_drafts is None else max(every, int(batch_drafts)))
-    cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + verified, sampling=sampling), dtype=np.float64)
+        cost = np.asarray(sps.step_cost_ms(r, num_nondraft_tokens + verified, sampling=sampling), dtype=np.float64)
+    else:
+        cost = sps.budget_costs_ms(r, num_nondraft_tokens, total, stands_for, sampling)
     theta = tau / cost
     no_draft_cost = float(sps.step_cost_ms(r, num_nondraft_tokens, drafting=False))
     theta_no_draft = float(num_sampling) / no_draft_cost

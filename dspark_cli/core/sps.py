@@ -46,6 +46,8 @@ MIN_VERIFY_MS = 1e-6
 # Integer step prices kept by a curve (SpsCurve.step_cost_ms): a batch's (requests, tokens) pairs recur, and
 # a bound keeps a long-lived server's cache small.
 STEP_COST_CACHE = 1 << 14
+# SpsCurve.budget_costs_ms: cached cost tables (one float per budget, at most ~2,000 each), bounded in entries.
+BUDGET_COST_CACHE = 512
 
 # dspark_sps_curve must equal 1000 / (verify_curve_ms + overhead_ms) point by point when a file has both. Loose
 # enough for a writer that rounds steps/s to four significant digits, tight enough that any edit that moves a
@@ -264,6 +266,9 @@ class SpsCurve:
     _sy: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
     # step_cost_ms of integer arguments, by (num_reqs, tokens, drafting, sampling): see step_cost_ms.
     _step_costs: dict[tuple[int, int, bool, bool], float] = field(init=False, repr=False, compare=False, hash=False)
+    # budget_costs_ms's tables, by (num_reqs, base_tokens, num_slots, per_slot, sampling).
+    _budget_costs: dict[tuple[int, int, int, float, bool], np.ndarray] = field(
+        init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         source = "SpsCurve"
@@ -318,6 +323,7 @@ class SpsCurve:
         set_(self, "_eager_x", ex)
         set_(self, "_eager_y", ey)
         set_(self, "_step_costs", {})
+        set_(self, "_budget_costs", {})
         set_(self, "_dx", np.array([x for x, _ in draft], dtype=np.float64))
         set_(self, "_dy", np.array([y for _, y in draft], dtype=np.float64))
         set_(self, "_sx", np.array([x for x, _ in draft_sampling], dtype=np.float64))
@@ -486,6 +492,26 @@ class SpsCurve:
                 cost = self._step_costs[key] = float(self._step_cost_ms(num_reqs, tokens, drafting, sampling))
             return cost
         return self._step_cost_ms(num_reqs, tokens, drafting, sampling)
+
+    def budget_costs_ms(self, num_reqs: int, base_tokens: int, num_slots: int, per_slot: float = 1.0,
+                        sampling: bool = False) -> np.ndarray:
+        """Cost of a drafting step verifying 0, 1, ..., ``num_slots`` draft slots beside ``base_tokens`` other
+        batch tokens, each slot ``per_slot`` tokens (a sampled probe's stand for several): ``step_cost_ms(num_reqs,
+        base_tokens + per_slot * arange(num_slots + 1), sampling=sampling)``, read-only, cached per argument set.
+
+        :func:`~dspark_cli.core.capacity.choose_budget` prices every budget of every drafting step, and at a steady
+        load its arguments repeat: evaluated afresh, the table was the larger share of the plan's host time.
+        """
+        key = (int(num_reqs), int(base_tokens), int(num_slots), float(per_slot), bool(sampling))
+        table = self._budget_costs.get(key)
+        if table is None:
+            if len(self._budget_costs) >= BUDGET_COST_CACHE:
+                self._budget_costs.clear()
+            tokens = key[1] + key[3] * np.arange(key[2] + 1)
+            table = np.asarray(self._step_cost_ms(key[0], tokens, True, key[4]), dtype=np.float64)
+            table.setflags(write=False)
+            self._budget_costs[key] = table
+        return table
 
     def _step_cost_ms(self, num_reqs: Any, tokens: Any, drafting: bool, sampling: bool) -> Any:
         cost = self.verify_cost_ms(tokens) + self.overhead_ms
