@@ -84,6 +84,14 @@ PROBE_MARGIN = 1.05
 PROBE_BACKOFF_MAX_GROWTH = 4.0
 
 
+def _backoff_growth(realized: float | None) -> float:
+    """How much a failed timer probe grows the wait: 2 / realized, between 2 and ``PROBE_BACKOFF_MAX_GROWTH``; 2
+    where no distance is known (a verdict given as a bool)."""
+    if realized is None or not realized > 0:
+        return 2.0
+    return min(PROBE_BACKOFF_MAX_GROWTH, max(2.0, 2.0 / realized))
+
+
 class RequestWeightedMean:
     """Mean of recent per-step values, each weighted by its step's requests, forgetting by request-steps.
 
@@ -592,7 +600,6 @@ class SaturationPolicy:
         self._ceiling_earned: tuple[int, dict[int, int]] = (0, {})
         self._paused_steps = 0
         self._probe_wait = resume_every
-        self._failed_probe_realized: float | None = None  # the probe being judged (observe_outcome): _backoff_growth
         # The backoff's reset (class docstring): the load of this pause's last failed timer probe (0: none), the
         # wait failures left at each load bucket, and the paused steps the load has held since within
         # LOAD_SETTLE_RISE (between the lowest and highest of them) and at or below LOAD_FALL of that load.
@@ -958,11 +965,7 @@ class SaturationPolicy:
             self.counters.last_probe = ProbeVerdict(self._probe_trigger, running, realized, decision.pays,
                                                     cost_scale, drafted)
             paid = decision.pays and realized >= 1.0
-            self._failed_probe_realized = realized
-            try:
-                self.observe(paid, num_running=num_running)
-            finally:
-                self._failed_probe_realized = None
+            self.observe(paid, num_running=num_running, realized=realized)
             if paid:
                 # The window still holds the steps that paused drafting (at another load, or before acceptance
                 # changed): judged by them, a resume that pays lost again within ``patience`` steps, backed off,
@@ -983,9 +986,11 @@ class SaturationPolicy:
         steps; failed load probes leave it)."""
         return self._probe_wait
 
-    def observe(self, pays: bool | BudgetDecision, num_running: int = 0) -> None:
+    def observe(self, pays: bool | BudgetDecision, num_running: int = 0, realized: float | None = None) -> None:
         """Report whether a drafting step paid (a bool, or a :class:`BudgetDecision`'s ``pays``); ``num_running`` is
-        remembered if this pauses drafting."""
+        remembered if this pauses drafting. ``realized``: a judged probe's Θ over plain decoding's, after the margin
+        (:meth:`observe_outcome`), by which a failed timer probe backs the timer off (``PROBE_BACKOFF_MAX_GROWTH``);
+        None doubles the wait."""
         # BudgetDecision is imported for types only (capacity.py imports this module), so read its fields by name
         if getattr(pays, "scout", False):
             self.counters.scout_steps += 1
@@ -1011,7 +1016,7 @@ class SaturationPolicy:
                 self._top = max(self._top, self._probe_running)
                 if trigger == "timer":
                     self._paused_steps = 0
-                    self._probe_wait = min(round(self._backoff_growth() * self._probe_wait),
+                    self._probe_wait = min(round(_backoff_growth(realized) * self._probe_wait),
                                            self.MAX_PROBE_BACKOFF * self.resume_every)
                     self._backed_off_at(self._probe_running)
             self._probing = False
@@ -1032,14 +1037,6 @@ class SaturationPolicy:
             if self._wait_at_resume is not None and self._drafting_since_resume <= 2 * self.patience:
                 wait = min(2 * self._wait_at_resume, self.MAX_PROBE_BACKOFF * self.resume_every)
             self._pause(num_running, wait)
-
-    def _backoff_growth(self) -> float:
-        """How much a failed timer probe grows the wait: 2, or 2 / realized (at most ``PROBE_BACKOFF_MAX_GROWTH``)
-        for a probe judged on its outcome (:meth:`observe_outcome`); a verdict given as a bool carries no distance."""
-        realized = self._failed_probe_realized
-        if realized is None or not realized > 0:
-            return 2.0
-        return min(PROBE_BACKOFF_MAX_GROWTH, max(2.0, 2.0 / realized))
 
     def _clear_probe(self) -> None:
         self._probe_tokens = self._probe_ms = self._probe_plain = 0.0
