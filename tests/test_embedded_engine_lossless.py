@@ -63,6 +63,33 @@ def test_greedy_identical_for_other_draft_lengths(pair: TinyPair, reference: lis
     assert engine.generate(prompts(6), GREEDY) == reference
 
 
+@pytest.mark.parametrize("mode", ["mask", "varlen"])
+def test_a_budget_of_every_draft_admits_them_all_without_the_allocation(
+    pair: TinyPair, reference: list[list[int]], mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Verification priced as nearly free: every plan verifies every draft, which the engine admits as capacity "none"
+    # does, without the allocation's launches; the staircase curve trims, and there the allocation runs.
+    flat = SpsCurve.from_points([(1, 1.0), (256, 1.1)], [(1, 0.1), (64, 0.1)]).save(tmp_path / "flat.json")
+    calls = {"allocate": 0}
+    for curve, trims in ((flat, False), (pair.curve, mode == "varlen")):
+        engine = make_engine(pair, capacity=CapacityConfig(mode=mode, saturation_patience=0), sps_curve=str(curve))
+        real = engine.capacity.allocate
+
+        def counted(*args, _real=real, **kwargs):  # type: ignore[no-untyped-def]
+            calls["allocate"] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(engine.capacity, "allocate", counted)
+        calls["allocate"] = 0
+        assert engine.generate(prompts(6), GREEDY) == reference
+        s = engine.stats
+        assert s.num_drafts > 0
+        if trims:
+            assert calls["allocate"] > 0 and s.num_verified_draft_tokens < s.num_draft_tokens
+        else:
+            assert calls["allocate"] == 0 and s.num_verified_draft_tokens == s.num_draft_tokens
+
+
 def test_greedy_identical_with_sts_and_saturation(pair: TinyPair, reference: list[list[int]], tmp_path: Path) -> None:
     sts_path = tmp_path / "sts.json"
     atomic_write_json(sts_path, {"version": 1, "temperatures": [0.5, 2.0, 3.0], "sts_temperatures": [0.5, 2.0, 3.0]})

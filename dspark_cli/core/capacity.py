@@ -256,6 +256,13 @@ class BudgetDecision:
         """Whether drafting is worth its cost this step (budget > 0 and beats plain decoding)."""
         return self.budget > 0 and self.theta_best > self.theta_no_draft
 
+    @property
+    def verifies_every_draft(self) -> bool:
+        """The budget covers every draft of the step: the allocation has nothing to choose, and an engine may
+        admit every draft as capacity ``none`` does instead of launching it (``allocate`` would also leave out a
+        draft whose fresh survival is 0 or NaN; verifying one anyway is as lossless as verifying any draft)."""
+        return self.budget >= self.total_drafts
+
 
 def choose_budget(
     stale_survival: np.ndarray,

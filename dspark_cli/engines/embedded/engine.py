@@ -5,7 +5,8 @@ running request::
 
     draft (skipped when K == 0 or the saturation policy paused drafting)
       -> STS temperatures applied to the raw confidences
-      -> CapacityManager.record_confidences / plan (host, stale) / allocate (device, fresh)
+      -> CapacityManager.record_confidences / plan (host, stale) / allocate (device, fresh; skipped where
+         the plan verifies every draft, which are then admitted as in capacity none)
       -> verify layout (varlen: compacted, padded to a captured size; mask: uniform, pruned = padding;
          none: every draft admitted)
       -> target forward -> core.rejection.rejection_sample
@@ -503,10 +504,11 @@ class LLMEngine:
         if self.capacity is not None:
             sampling = temperature is not None
             if sample is None:
-                num_drafts = torch.full((num_reqs,), k, dtype=torch.int64, device=dev)
                 self.capacity.record_confidences(slots, conf)
                 decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs,
                                               defer_saturation=True, sampling=sampling)
+                num_drafts = None if decision.verifies_every_draft else torch.full(
+                    (num_reqs,), k, dtype=torch.int64, device=dev)
             else:
                 drafts_np = np.zeros(num_reqs, dtype=np.int64)
                 drafts_np[sample_np] = k
@@ -516,7 +518,11 @@ class LLMEngine:
                                               sampling=sampling, stands_for=num_reqs / len(sample_np))
                 draft = draft.spread(rows, num_reqs)
             budget = decision.budget
-            admitted = self.capacity.allocate(slots, num_drafts, budget)
+            # A budget of every draft leaves the allocation nothing to choose: its launches (the fresh survival's
+            # gather and product, the allocation kernel) are host time between the draft pass and the verify
+            # forward, which at light loads the device does not hide (docs/PERFORMANCE.md section 46).
+            admitted = (self._full_drafts(num_reqs) if num_drafts is None
+                        else self.capacity.allocate(slots, num_drafts, budget))
         else:
             budget = num_reqs * k
             admitted = self._full_drafts(num_reqs)
