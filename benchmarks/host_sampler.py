@@ -2,9 +2,11 @@
 
 `ps`'s %CPU is a process's share over its whole life, so it cannot tell a server that is idle now from one that
 was busy a minute ago. This reads ``/proc/PID/stat`` every ``--every`` seconds and prints, per interval, the
-load average and the processes that used the most CPU *in that interval* (percent of one core), with their
-command lines -- e.g. whether idle servers of an interleaved matrix (``dspark bench --interleave``) take host
-time from the one being measured. Linux only; runs until killed.
+load average and the processes that used the most CPU *in that interval* (percent of one core), with the CPU each
+last ran on, that CPU's NUMA node and their command lines -- e.g. whether idle servers of an interleaved matrix
+(``dspark bench --interleave``) take host time from the one being measured, or whether the server whose every host
+phase ran 5-15% slower than its twin's ran on the other node from the GPU (docs/PERFORMANCE.md section 46). Linux
+only; runs until killed.
 
     python3 benchmarks/host_sampler.py --every 10 --top 6 > host_sampler.log &
 """
@@ -32,6 +34,31 @@ def cpu_ticks() -> dict[int, tuple[int, str]]:
     return out
 
 
+def last_cpu(pid: int) -> int | None:
+    """The CPU ``pid`` last ran on (``/proc/PID/stat``'s ``processor``), or None once it has ended."""
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_node(cpu: int) -> int | None:
+    """The NUMA node of ``cpu`` (sysfs), or None where the kernel does not say."""
+    for entry in Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node*"):
+        if entry.name[4:].isdigit():
+            return int(entry.name[4:])
+    return None
+
+
+def where(pid: int) -> str:
+    """``cpu N/node M`` for a listing: where a process ran last (``-`` for what is not known)."""
+    cpu = last_cpu(pid)
+    if cpu is None:
+        return "cpu -/node -"
+    node = cpu_node(cpu)
+    return f"cpu {cpu}/node {'-' if node is None else node}"
+
+
 def busiest(before: dict[int, tuple[int, str]], after: dict[int, tuple[int, str]], seconds: float,
             top: int) -> list[tuple[float, int, str]]:
     """``(percent of one core, pid, command)`` of the ``top`` processes that used the most CPU between two
@@ -55,7 +82,7 @@ def main() -> None:
         load = Path("/proc/loadavg").read_text().split()[0]
         print(f"{time.strftime('%H:%M:%S')} load {load}", flush=True)
         for pct, pid, cmd in busiest(before, after, t1 - t0, args.top):
-            print(f"  {pct:6.1f}% {pid:>7} {cmd[: args.width]}", flush=True)
+            print(f"  {pct:6.1f}% {pid:>7} {where(pid):>14} {cmd[: args.width]}", flush=True)
         before, t0 = after, t1
 
 

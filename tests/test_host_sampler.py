@@ -40,3 +40,14 @@ def test_a_busy_child_shows_near_one_core_and_its_command_line() -> None:
     pct, cmd = rows[child.pid]
     assert 30.0 < pct < 110.0  # about one core (a loaded machine may give it less)
     assert "while time.time() < end: pass" in cmd and "\n" not in cmd
+
+
+def test_a_process_is_placed_on_a_cpu_it_may_run_on_and_an_ended_one_nowhere() -> None:
+    cpu = sampler.last_cpu(os.getpid())
+    assert cpu in os.sched_getaffinity(0)
+    node = sampler.cpu_node(cpu)
+    assert node is None or node >= 0
+    assert sampler.where(os.getpid()).startswith(f"cpu {cpu}/node ")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert sampler.last_cpu(child.pid) is None and sampler.where(child.pid) == "cpu -/node -"
