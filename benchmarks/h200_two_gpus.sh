@@ -502,9 +502,11 @@ case $ACTION in
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dspark-site .whl/*.whl >/dev/null 2>&1
     fi
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$ROOT/machine.txt"
-    # Where the host's CPUs sit against the GPU: servers of one code path ran every host phase 5-15% apart
-    # (section 46), and host_sampler.log names the CPU and node each busy process ran on.
-    { lscpu | grep -Ei '^(model name|cpu\(s\)|numa)'; nvidia-smi topo -m; } >>"$ROOT/machine.txt" 2>&1
+    # Where the host's CPUs sit against each other and the GPU: servers of one code path ran every host phase
+    # 15-18% apart (section 46), and host_sampler.log names the CPU and node each busy process ran on, which this
+    # table maps to cores (two processes on one core's hyperthreads slow each other) and nodes.
+    { lscpu | grep -Ei '^(model name|cpu\(s\)|thread|core|socket|numa)'; lscpu -e=CPU,CORE,SOCKET,NODE
+      nvidia-smi topo -m; } >>"$ROOT/machine.txt" 2>&1
     for q in "${QUEUES[@]}"; do
       # GPU q, its own model cache (two processes building the same cache entry would race). Every function of
       # this script goes to the queue's shell: a list of them lost vllm_anatomy, added after it (the anatomy

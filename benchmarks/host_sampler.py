@@ -5,8 +5,9 @@ was busy a minute ago. This reads ``/proc/PID/stat`` every ``--every`` seconds a
 load average and the processes that used the most CPU *in that interval* (percent of one core), with the CPU each
 last ran on, that CPU's NUMA node and their command lines -- e.g. whether idle servers of an interleaved matrix
 (``dspark bench --interleave``) take host time from the one being measured, or whether the server whose every host
-phase ran 5-15% slower than its twin's ran on the other node from the GPU (docs/PERFORMANCE.md section 46). Linux
-only; runs until killed.
+phase ran 15-18% slower than its twin's ran on the other node from the GPU, or on a core another busy process
+shared (docs/PERFORMANCE.md section 46; the queue's ``machine.txt`` maps CPUs to cores and nodes). Linux only;
+runs until killed.
 
     python3 benchmarks/host_sampler.py --every 10 --top 6 > host_sampler.log &
 """
