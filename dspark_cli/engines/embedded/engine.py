@@ -520,7 +520,7 @@ class LLMEngine:
             budget = decision.budget
             # A budget of every draft leaves the allocation nothing to choose: its launches (the fresh survival's
             # gather and product, the allocation kernel) are host time between the draft pass and the verify
-            # forward, which at light loads the device does not hide (docs/PERFORMANCE.md section 46).
+            # forward, which at light loads the device may not hide (docs/PERFORMANCE.md section 46).
             admitted = (self._full_drafts(num_reqs) if num_drafts is None
                         else self.capacity.allocate(slots, num_drafts, budget))
         else:
