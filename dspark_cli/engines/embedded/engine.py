@@ -507,8 +507,11 @@ class LLMEngine:
                 self.capacity.record_confidences(slots, conf)
                 decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs,
                                               defer_saturation=True, sampling=sampling)
-                num_drafts = None if decision.verifies_every_draft else torch.full(
-                    (num_reqs,), k, dtype=torch.int64, device=dev)
+                # A budget of every draft leaves the allocation nothing to choose: its launches (the fresh
+                # survival's gather and product, the allocation kernel) are host time between the draft pass and
+                # the verify forward, which at light loads the device may not hide (docs/PERFORMANCE.md section 46).
+                admitted = (self._full_drafts(num_reqs) if decision.verifies_every_draft else self.capacity.allocate(
+                    slots, torch.full((num_reqs,), k, dtype=torch.int64, device=dev), decision.budget))
             else:
                 drafts_np = np.zeros(num_reqs, dtype=np.int64)
                 drafts_np[sample_np] = k
@@ -517,12 +520,8 @@ class LLMEngine:
                 decision = self.capacity.plan(slots_np, drafts_np, num_reqs, num_reqs, defer_saturation=True,
                                               sampling=sampling, stands_for=num_reqs / len(sample_np))
                 draft = draft.spread(rows, num_reqs)
+                admitted = self.capacity.allocate(slots, num_drafts, decision.budget)
             budget = decision.budget
-            # A budget of every draft leaves the allocation nothing to choose: its launches (the fresh survival's
-            # gather and product, the allocation kernel) are host time between the draft pass and the verify
-            # forward, which at light loads the device may not hide (docs/PERFORMANCE.md section 46).
-            admitted = (self._full_drafts(num_reqs) if num_drafts is None
-                        else self.capacity.allocate(slots, num_drafts, budget))
         else:
             budget = num_reqs * k
             admitted = self._full_drafts(num_reqs)
