@@ -413,6 +413,12 @@ gated_rounds() {
 # scaled ~12 with their profiles (sections 20 and 22), GSM8K 1.5, plus the SmolLM2 parts' calls.
 queue_issue8() {
   [[ ${GPU_TESTS:-0} == 1 ]] && stage "GPU tests" bash benchmarks/h200_suite.sh "$ROOT/core" gputests
+  # GPU_TEST_FILES="tests/a.py tests/b.py": only those files' GPU tests (a change's own proof, a minute instead of
+  # the whole suite's ~4); a failure is said and the matrices go on, as they measure speed, not outputs.
+  # shellcheck disable=SC2086
+  [[ -n ${GPU_TEST_FILES-} ]] && { stage "GPU tests ($GPU_TEST_FILES)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
+    python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TEST_FILES >"$ROOT/gpu_tests.log" 2>&1 ||
+    echo "WARNING: a GPU test failed (gpu_tests.log)"; tail -3 "$ROOT/gpu_tests.log"; }
   # shellcheck disable=SC2086
   [[ ${OVERHEAD:-1} == 1 ]] && stage "scheduling overhead at T=1 (llama-3-8b)" env PYTHONPATH="/tmp/dspark-site:$PWD" \
     python3 benchmarks/embedded_engine.py ${OVERHEAD_ARGS:---shape llama-3-8b --max-model-len 4096} \

@@ -63,16 +63,27 @@ def test_greedy_identical_for_other_draft_lengths(pair: TinyPair, reference: lis
     assert engine.generate(prompts(6), GREEDY) == reference
 
 
+CPU_AND_CUDA = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+]
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("mode", ["mask", "varlen"])
 def test_a_budget_of_every_draft_admits_them_all_without_the_allocation(
-    pair: TinyPair, reference: list[list[int]], mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pair: TinyPair, reference: list[list[int]], mode: str, device: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Verification priced as nearly free: every plan verifies every draft, which the engine admits as capacity "none"
-    # does, without the allocation's launches; the staircase curve trims, and there the allocation runs.
+    # does, without the allocation's launches; the staircase curve trims, and there the allocation runs. On CUDA
+    # the steps replay captured graphs, where the admitted counts come from the cached tensor instead.
     flat = SpsCurve.from_points([(1, 1.0), (256, 1.1)], [(1, 0.1), (64, 0.1)]).save(tmp_path / "flat.json")
     calls = {"allocate": 0}
     for curve, trims in ((flat, False), (pair.curve, mode == "varlen")):
-        engine = make_engine(pair, capacity=CapacityConfig(mode=mode, saturation_patience=0), sps_curve=str(curve))
+        engine = make_engine(pair, capacity=CapacityConfig(mode=mode, saturation_patience=0), sps_curve=str(curve),
+                             device=device, dtype="float32")
         real = engine.capacity.allocate
 
         def counted(*args, _real=real, **kwargs):  # type: ignore[no-untyped-def]
