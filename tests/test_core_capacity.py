@@ -1862,6 +1862,25 @@ def test_manager_on_cuda_hot_path_has_no_sync() -> None:
     assert int(out.sum()) == 20
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_stale_confidences_trail_the_records_by_one_over_many_steps(device: str) -> None:
+    """The two host snapshots alternate, each with one event re-recorded per snapshot: the plan reads the record
+    before the latest one at every step, never a half-copied or newer one."""
+    mgr = CapacityManager(CapacityConfig(mode="varlen"), STAIR, num_spec_tokens=3, max_slots=8, device=device)
+    slots = torch.arange(8, device=device)
+    slots_np = np.arange(8)
+    assert (mgr.stale_confidences(slots_np) == 1.0).all()  # nothing recorded yet: no event waited on
+    for step in range(1, 12):
+        # a large device tensor written just before the record, so an unfinished copy would read older values
+        conf = torch.full((8, 3), step / 16, device=device) + torch.zeros(1 << 20, device=device)[:1].sum()
+        mgr.record_confidences(slots, conf)
+        expected = 1.0 if step == 1 else (step - 1) / 16
+        assert mgr.stale_confidences(slots_np) == pytest.approx(np.full((8, 3), expected))
+
+
 def test_warm_up_allocate_is_a_noop_where_the_torch_path_runs() -> None:
     from dspark_cli.core.capacity import warm_up_allocate
 

@@ -497,7 +497,8 @@ class CapacityManager:
         self._host = [
             torch.ones(max_slots, num_spec_tokens, dtype=torch.float32, pin_memory=pin) for _ in range(2)
         ]
-        self._events: list[Any] = [None, None]
+        # One event per host buffer, re-recorded with each snapshot: a fresh event per step costs a driver call.
+        self._events: list[Any] = [torch.cuda.Event(), torch.cuda.Event()] if pin else [None, None]
         self._host_record_id = [0, 0]  # which record_confidences call each host buffer holds
         self._num_records = 0
         self._write = 0  # host buffer the next record fills
@@ -590,9 +591,7 @@ class CapacityManager:
         self._num_records += 1
         if self.device.type == "cuda":
             self._host[w].copy_(self.conf, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._events[w] = event
+            self._events[w].record()
         else:
             self._host[w].copy_(self.conf)
         self._host_record_id[w] = self._num_records
@@ -603,10 +602,10 @@ class CapacityManager:
         every slot when that snapshot predates a pause)."""
         slots_np = np.asarray(slots_np, dtype=np.int64)
         read = self._write  # the buffer the next record will overwrite holds the older snapshot
-        event = self._events[read]
-        if event is not None:
-            event.synchronize()  # issued a step ago: already complete in practice
         snap_id = self._host_record_id[read]
+        event = self._events[read]
+        if event is not None and snap_id:
+            event.synchronize()  # issued a step ago: already complete in practice
         rows = self._host[read].numpy()[slots_np].copy()
         if snap_id <= self._records_at_pause:
             rows[:] = 1.0
