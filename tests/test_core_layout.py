@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark_cli.core.layout import build_mask_layout, build_varlen_layout, pick_padded_tokens
+from dspark_cli.core.layout import PlainLayouts, build_mask_layout, build_varlen_layout, pick_padded_tokens
 from dspark_cli.core.rejection import rejection_sample
 
 
@@ -236,6 +236,28 @@ class _LaunchRecorder:
             self.keys.add(key + tuple(sorted((k, v) for k, v in kwargs.items())))
 
         return launch
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches())
+def test_a_plain_layout_is_the_varlen_layout_of_no_drafts_without_its_padding(b: dict) -> None:
+    """Steps that verify no draft (no speculation, paused drafting) take their layout from PlainLayouts: row r is
+    request r's last token at its position, every other field what the varlen builder gives with no drafts."""
+    num_reqs = b["drafts"].shape[0]
+    none = torch.zeros(num_reqs, 0, dtype=torch.int64)
+    want = build_varlen_layout(b["last_tokens"], none, torch.zeros(num_reqs, dtype=torch.int64), b["start_pos"],
+                               b["padded"])
+    layouts = PlainLayouts("cpu")
+    for _ in range(2):  # the second build reads the kept per-R tensors
+        got = layouts.build(b["last_tokens"], b["start_pos"])
+        assert got.num_rows == num_reqs and got.num_reqs == num_reqs and got.num_spec == 0
+        for name in ("input_ids", "positions", "req_index", "pos_in_req", "is_padding"):
+            assert torch.equal(getattr(got, name), getattr(want, name)[:num_reqs]), name
+        for name in ("query_start_loc", "seq_lens", "num_tokens", "num_logits_per_req"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert got.invalid_drafts is None
+    with pytest.raises(ValueError, match="R >= 1"):
+        layouts.build(b["last_tokens"], b["start_pos"][:0])
 
 
 def test_every_serving_layout_launch_is_a_variant_the_warm_up_compiled(monkeypatch: pytest.MonkeyPatch) -> None:

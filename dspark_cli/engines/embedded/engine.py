@@ -35,7 +35,13 @@ import torch
 from torch import Tensor
 
 from dspark_cli.core.capacity import CapacityManager, warm_up_allocate
-from dspark_cli.core.layout import VerifyLayout, build_mask_layout, build_varlen_layout, warm_up_varlen_layout
+from dspark_cli.core.layout import (
+    PlainLayouts,
+    VerifyLayout,
+    build_mask_layout,
+    build_varlen_layout,
+    warm_up_varlen_layout,
+)
 from dspark_cli.core.rejection import rejection_sample, sample, warm_up_rejection_sample
 from dspark_cli.core.saturation import ProbeVerdict, SaturationCounters
 from dspark_cli.core.sps import SpsCurve
@@ -249,7 +255,7 @@ class LLMEngine:
         # An attribute as well, so a benchmark can switch it off for its warm-up and on for what it times.
         self.phase_timing: str | None = config.phase_timing
         self._full_cache: dict[int, Tensor] = {}
-        self._empty_cache: dict[int, Tensor] = {}
+        self._plain_layouts = PlainLayouts(self.device)
 
         # Offline temperatures seed the online fit; either way one persistent device tensor holds them.
         self.online_sts: OnlineSTS | None = None
@@ -281,7 +287,8 @@ class LLMEngine:
             # Verify batches are padded to the captured sizes; admitted counts are int32 in every mode.
             warm_up_rejection_sample(self.num_spec, self.vocab_size, self.runner.capture_sizes, config.max_num_seqs,
                                      self.device, torch.int32)
-        warm_up_varlen_layout({self.num_spec, 0}, self.device)  # drafting steps; paused and plain steps
+        if self.num_spec > 0:
+            warm_up_varlen_layout({self.num_spec}, self.device)  # drafting steps (plain ones use PlainLayouts)
         self.stalls.start_serving()
 
     # ------------------------------------------------------------------------------------------ setup
@@ -647,15 +654,11 @@ class LLMEngine:
         paused = self.num_spec > 0
         clock = self._clock("paused" if paused else "nospec")
         runner = self.runner
-        dev = self.device
         tables, (start_pos, last_tokens) = runner.decode_inputs(seqs)
         max_len = max(seq.num_tokens for seq in seqs)
         temperature, top_p = self._sampling_tensors(seqs)
         clock.mark("prepare")
-        layout = build_varlen_layout(
-            last_tokens, self._no_drafts(num_reqs), torch.zeros(num_reqs, dtype=torch.int64, device=dev), start_pos,
-            runner.padded_size(num_reqs),
-        )
+        layout = self._plain_layouts.build(last_tokens, start_pos)
         clock.mark("layout")
         logits = runner.verify(layout, tables, start_pos, max_len - 1)
         clock.mark("verify")
@@ -690,13 +693,6 @@ class LLMEngine:
         if cached is None:
             cached = torch.full((num_reqs,), self.num_spec, dtype=torch.int32, device=self.device)
             self._full_cache[num_reqs] = cached
-        return cached
-
-    def _no_drafts(self, num_reqs: int) -> Tensor:
-        cached = self._empty_cache.get(num_reqs)
-        if cached is None:
-            cached = torch.zeros(num_reqs, 0, dtype=torch.int64, device=self.device)
-            self._empty_cache[num_reqs] = cached
         return cached
 
     # ------------------------------------------------------------------------------------------ helpers
