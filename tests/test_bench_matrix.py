@@ -66,6 +66,21 @@ def test_config_names_map_to_serve_flags() -> None:
     assert header("nospec+unmixed") == "No spec + prefill steps"
     with pytest.raises(DsparkError, match="contradict"):
         parse_configs("nospec+mixed+unmixed")
+    # "+taxP", last before any "#N": a drafting config's probe tax in percent, through --speculative-config
+    taxed = {c.name: c for c in parse_configs("varlen+sts+tax0.5,mask+proc+tax1,varlen+sts+tax0.5#2", "curve.json")}
+    assert taxed["varlen+sts+tax0.5"].serve_args == (*mixed["varlen+sts+mixed"].serve_args[:-1], "--speculative-config",
+                                                    '{"dspark_probe_tax":0.005}')
+    assert taxed["varlen+sts+tax0.5"].sts and taxed["varlen+sts+tax0.5#2"].serve_args == taxed["varlen+sts+tax0.5"].serve_args
+    assert taxed["mask+proc+tax1"].serve_args[-3:] == ("--engine-process", "--speculative-config",
+                                                      '{"dspark_probe_tax":0.01}')
+    assert header("varlen+sts+tax0.5") == "Varlen + SPS + STS + probe tax 0.5%"
+    assert header("mask+proc+tax1#2") == "Mask + SPS + engine process + probe tax 1% #2"
+    for bad, says in (("nospec+tax1", "pause drafting"), ("none+sts+tax1", "pause drafting"), ("varlen+tax0", "percent"),
+                      ("varlen+tax100", "percent"), ("varlen+tax0.5+proc", "unknown config")):
+        with pytest.raises(DsparkError, match=says):
+            parse_configs(bad, "curve.json")
+    with pytest.raises(DsparkError, match="already sets"):
+        parse_configs("varlen+tax1", "curve.json", ["--speculative-config", '{"dspark_probe_scout": true}'])
     # "#N", very last: a replica on a server of its own (an A/A column), named apart in files and tables.
     replicas = {c.name: c for c in parse_configs("nospec,nospec#2,varlen+sts+mixed#3", "curve.json")}
     assert replicas["nospec#2"].serve_args == replicas["nospec"].serve_args

@@ -86,6 +86,9 @@ SERVING_SUFFIXES: dict[str, tuple[str, str]] = {
     "+proc": ("--engine-process", "engine process"),
     "+thread": ("--no-engine-process", "engine thread"),
 }
+# "+taxP" (a drafting config, last before any "#N"): the server's probe tax at P percent (`dspark_probe_tax` in
+# `--speculative-config`), so one matrix can read a tax against the default in paired rounds.
+PROBE_TAX_SUFFIX = re.compile(r"\+tax(\d+(?:\.\d+)?)$")
 SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "dspark_cli.cli", "serve")
 
 
@@ -130,6 +133,17 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
         # default) / give each a step of its own,
         # "+proc" / "+thread" put the engine in a process of its own / on a thread of the server.
         base, extra = name, ()
+        if (tax := PROBE_TAX_SUFFIX.search(base)) is not None:
+            percent = float(tax.group(1))
+            if not 0 < percent < 100:
+                raise DsparkError(f"config {name!r}: +taxP takes the probe tax in percent, above 0 and below 100")
+            base = base[: tax.start()]
+            extra = ("--speculative-config", orjson.dumps({"dspark_probe_tax": percent / 100}).decode())
+            if base.split("+")[0] in ("nospec", "none"):
+                raise DsparkError(f"config {name!r}: +taxP is for configs that pause drafting (mask, varlen)")
+            if "--speculative-config" in common_args:
+                raise DsparkError(f"config {name!r}: +taxP sets the server's --speculative-config, which --serve-args "
+                                  "already sets; put dspark_probe_tax in that JSON instead")
         while (suffix := next((sfx for sfx in SERVING_SUFFIXES if base.endswith(sfx)), None)) is not None:
             flag = SERVING_SUFFIXES[suffix][0]
             if flag in extra:
@@ -147,6 +161,7 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
             raise DsparkError(f"unknown config {name!r}: use nospec, none, mask, varlen, optionally +sts "
                               "(e.g. varlen+sts), then optionally +mixed or +unmixed and +proc or +thread (e.g. nospec+unmixed, "
                               "varlen+sts+thread), "
+                              "then optionally +taxP for a probe tax of P percent, "
                               "then optionally #N for a replica (e.g. nospec#2)")
         args: list[str] = ["--capacity-mode", mode]
         if mode != "none":
