@@ -440,3 +440,41 @@ def test_saturation_state_changes_are_logged_once_each_with_their_evidence(
     parsed = reader.parse(log_file)
     assert len(parsed) == judged and all(p.verdict == "failed" and p.cost_scale > 0 for p in parsed)
     assert sum(bool(reader.STATE.search(line)) for line in lines) == c.pauses + c.resumes
+
+
+def test_a_paused_steps_time_is_reported_by_the_next_step_with_the_charge_it_began_with(
+    pair: TinyPair, never_pays: Path
+) -> None:
+    """The capacity manager's bookkeeping of a paused step runs in the next step, after its forward is launched and
+    before it waits for the device (on CUDA the device works meanwhile): each paused step's time arrives one step
+    late, carrying the probe-tax charge it began with, and none is lost while steps follow."""
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(never_pays), dtype="float32",
+                         capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=3))
+    capacity = engine.capacity
+    assert capacity is not None
+    reports: list[tuple[bool, int, object]] = []
+    real = capacity.record_step_time
+
+    def spy(drafting, num_reqs, measured_ms, priced_ms=None, calibrate=True, charge=None):  # type: ignore[no-untyped-def]
+        reports.append((drafting, engine.stats.num_paused_steps, charge))
+        return real(drafting, num_reqs, measured_ms, priced_ms, calibrate, charge)
+
+    capacity.record_step_time = spy  # type: ignore[method-assign]
+    for rid, prompt in zip("abcd", prompts(4), strict=True):
+        engine.add_request(rid, prompt, GREEDY)
+    paused_seen = 0
+    while engine.has_unfinished_requests():
+        pending_before = engine._paused_step_time
+        paused_before = engine.stats.num_paused_steps
+        engine.step()
+        if engine.stats.num_paused_steps > paused_before:
+            paused_seen += 1
+            # reported by a later step, not by itself: what is pending now is this step's own time
+            assert engine._paused_step_time is not None
+            assert engine._paused_step_time[2].kind == "paused"
+        if pending_before is not None and engine.stats.num_decode_steps:
+            # the previous paused step's time went out during this step, with the charge it began with
+            assert any(c is pending_before[2] for d, _, c in reports if not d)
+    paused_reports = [r for r in reports if not r[0]]
+    assert paused_seen > 2 and all(c is not None and c.kind == "paused" for _, _, c in paused_reports)
+    assert len(paused_reports) in (paused_seen - 1, paused_seen)  # the last may still be pending at the end

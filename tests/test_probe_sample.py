@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_embedded_engine import TinyPair, make_engine, prompts
 
 from dspark_cli.core.capacity import CapacityConfig, CapacityManager, choose_budget
-from dspark_cli.core.saturation import PROBE_MARGIN
+from dspark_cli.core.saturation import PROBE_MARGIN, StepCharge
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.engines.embedded.sequence import SamplingParams
 from dspark_cli.engines.vllm.config import settings_from_seed_keys
@@ -153,10 +153,10 @@ def test_a_sampled_probe_drafts_for_the_least_behind_and_the_resume_catches_the_
     record = engine.capacity.record_step_time
 
     def spy(drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float | None = None,
-            calibrate: bool = True) -> None:
+            calibrate: bool = True, charge: StepCharge | None = None) -> None:
         if drafting:
             calibrated.append(calibrate)
-        record(drafting, num_reqs, measured_ms, priced_ms, calibrate)
+        record(drafting, num_reqs, measured_ms, priced_ms, calibrate, charge)
 
     engine.capacity.record_step_time = spy  # type: ignore[method-assign]
     engine.capacity.saturation.observe(False, num_running=5)  # pause now

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from dspark_cli.core.checks import check_float, check_int, check_probe_tax
-from dspark_cli.core.saturation import PROBE_TAX, SaturationPolicy, StepTimeCalibration, StepTimer
+from dspark_cli.core.saturation import PROBE_TAX, SaturationPolicy, StepCharge, StepTimeCalibration, StepTimer
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.errors import DsparkError
 
@@ -555,7 +555,7 @@ class CapacityManager:
         return drafting
 
     def record_step_time(self, drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float | None = None,
-                         calibrate: bool = True) -> None:
+                         calibrate: bool = True, charge: StepCharge | None = None) -> None:
         """Report a decode step's measured wall time (host clock, the step's own sync included).
 
         ``priced_ms``: what the curve charged; defaults to the last decision's ``step_ms`` for a drafting
@@ -564,6 +564,8 @@ class CapacityManager:
         time also goes to the saturation policy's probe tax (:meth:`SaturationPolicy.record_step_ms`).
         ``calibrate=False``: the step did work that is not what drafting costs (the catch-up a sampled probe left
         to the resume, :meth:`probe_sample_size`); it counts for the probe tax only (:meth:`StepTimer.record`).
+        ``charge``: :attr:`SaturationPolicy.step_charge` as the step began, for a time reported after a later step
+        began (None: the step begun last).
         """
         if self.cfg.mode == "none":
             return
@@ -573,9 +575,10 @@ class CapacityManager:
             elif self.last_decision is not None:
                 priced_ms = self.last_decision.step_ms
             else:
-                self.saturation.record_step_ms(drafting, measured_ms, num_running=num_reqs)
+                kind, trigger, bucket = charge if charge is not None else (None, None, None)
+                self.saturation.record_step_ms(drafting, measured_ms, kind, num_reqs, trigger, bucket)
                 return
-        self.timer.record(drafting, num_reqs, measured_ms, priced_ms, calibrate=calibrate)
+        self.timer.record(drafting, num_reqs, measured_ms, priced_ms, calibrate=calibrate, charge=charge)
 
     # -- confidences
     def add_request(self, slot: int) -> None:
