@@ -442,13 +442,14 @@ def test_saturation_state_changes_are_logged_once_each_with_their_evidence(
     assert sum(bool(reader.STATE.search(line)) for line in lines) == c.pauses + c.resumes
 
 
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_a_paused_steps_time_is_reported_by_the_next_step_with_the_charge_it_began_with(
-    pair: TinyPair, never_pays: Path
+    pair: TinyPair, never_pays: Path, reference: list[list[int]], device: str
 ) -> None:
     """The capacity manager's bookkeeping of a paused step runs in the next step, after its forward is launched and
     before it waits for the device (on CUDA the device works meanwhile): each paused step's time arrives one step
     late, carrying the probe-tax charge it began with, and none is lost while steps follow."""
-    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(never_pays), dtype="float32",
+    engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(never_pays), dtype="float32", device=device,
                          capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=3))
     capacity = engine.capacity
     assert capacity is not None
@@ -460,13 +461,16 @@ def test_a_paused_steps_time_is_reported_by_the_next_step_with_the_charge_it_beg
         return real(drafting, num_reqs, measured_ms, priced_ms, calibrate, charge)
 
     capacity.record_step_time = spy  # type: ignore[method-assign]
-    for rid, prompt in zip("abcd", prompts(4), strict=True):
+    ids = [f"r{i}" for i in range(5)]
+    for rid, prompt in zip(ids, prompts(5), strict=True):
         engine.add_request(rid, prompt, GREEDY)
+    results: dict[str, list[int]] = {rid: [] for rid in ids}
     paused_seen = 0
     while engine.has_unfinished_requests():
         pending_before = engine._paused_step_time
         paused_before = engine.stats.num_paused_steps
-        engine.step()
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
         if engine.stats.num_paused_steps > paused_before:
             paused_seen += 1
             # reported by a later step, not by itself: what is pending now is this step's own time
@@ -478,3 +482,4 @@ def test_a_paused_steps_time_is_reported_by_the_next_step_with_the_charge_it_beg
     paused_reports = [r for r in reports if not r[0]]
     assert paused_seen > 2 and all(c is not None and c.kind == "paused" for _, _, c in paused_reports)
     assert len(paused_reports) in (paused_seen - 1, paused_seen)  # the last may still be pending at the end
+    assert [results[rid] for rid in ids] == reference
