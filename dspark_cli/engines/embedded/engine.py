@@ -478,7 +478,7 @@ class LLMEngine:
         if not drafting:
             outputs = self._plain_decode_step(seqs)
             if self.capacity is not None:
-                self._report_paused_step_time()  # a step path that had none to hide it in
+                # _plain_decode_step reported the paused step before this one; this one's goes out with the next
                 self._paused_step_time = (num_reqs, (time.perf_counter() - start) * 1e3,
                                           self.capacity.saturation.step_charge)
                 if self.stats.num_paused_steps % COST_SCALE_GAUGE_EVERY == 1:
