@@ -142,7 +142,7 @@ def check_syncs(root: Path, device: str) -> dict[str, Any]:
     return {"steps": steps, "sync_sites": dict(sites), "syncs_per_step": sum(sites.values()) / steps}
 
 
-PHASES = ("prepare", "draft", "plan", "layout", "verify", "reject", "sync", "emit")
+PHASES = ("prepare", "draft", "plan", "layout", "verify", "reject", "lookahead", "sync", "emit")
 CURVES = Path(__file__).resolve().parent / "results" / "h200" / "profile_sps"
 # --shape: the served SmolLM2 pair (random weights, acceptance ~0), or the scaled setup of the H200 matrix
 # (a Llama-3-8B-shaped target with the synthetic drafter: realistic acceptance, so the capacity manager
@@ -314,7 +314,7 @@ def _print_phases(console: Any, steps: dict[str, Any]) -> None:
     console.print("ms/step* = generate() wall / decode steps (prefill steps included in the wall). Phases: prepare "
                   "(block tables, H2D), draft (catch-up + K drafts; paused: the 1-token draft catch-up), plan "
                   "(capacity record/plan/allocate), layout, verify (target forward + logits), reject (rejection "
-                  "sampler / sampling, STS), sync (the one D2H copy: waits for the device in host timing), emit "
+                  "sampler / sampling, STS), lookahead (the next step's plan, while the device verifies), sync (the one D2H copy: waits for the device in host timing), emit "
                   "(counters, traces, token emission); outside = the engine's own step time less the phases' sum (a paused "
                   "step's capacity bookkeeping); prefill rows: draft column = prefill forward. stalls = "
                   "kernel compiles while serving / their ms (by step kind), and ms of full garbage collections.")

@@ -1822,6 +1822,93 @@ def test_manager_reused_slot_does_not_inherit_the_old_request() -> None:
     assert np.allclose(mgr.stale_confidences(np.array([1])), 0.3)
 
 
+# A step records its confidences and plans; a lookahead may follow it, and anything may come between.
+_LOOKAHEAD_OP = st.sampled_from(["step", "step", "step", "ahead", "ahead", "add", "pause", "batch", "drafts",
+                                  "sampling", "record", "nothing"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_LOOKAHEAD_OP, st.integers(0, 2**31 - 1)), min_size=1, max_size=40),
+       st.sampled_from(["varlen", "mask"]))
+def test_a_plan_that_takes_a_lookahead_decides_what_a_plan_without_one_does(ops: list[tuple[str, int]],
+                                                                            mode: str) -> None:
+    """Two managers fed the same steps, one also planning ahead: every plan decides alike, whatever came between
+    the lookahead and the plan (a refilled slot, a pause, another batch or drafts or sampling, a record that no plan
+    followed, as a sampled probe's)."""
+    k, slots_max = 3, 6
+    cfg = CapacityConfig(mode=mode, policy="argmax", min_predicted_gain=0.0)
+    # Every verified token costs a tenth of a step: the budget follows how many survivals clear that.
+    # A sampling draft pass costs more.
+    curve = SpsCurve.from_points([(1, 1.0), (4, 1.3), (8, 1.7), (16, 2.5), (32, 4.1)], draft_ms=[(1, 0.2)],
+                                 draft_sampling_ms=[(1, 0.6)])
+    ahead_mgr, plain_mgr = (CapacityManager(cfg, curve, num_spec_tokens=k, max_slots=slots_max) for _ in range(2))
+    for mgr in (ahead_mgr, plain_mgr):
+        for slot in range(slots_max):
+            mgr.add_request(slot)
+    batch = (np.arange(4), np.full(4, k), 4, True)  # slots, drafts per slot, non-draft tokens, sampling
+    for op, seed in ops:
+        rng = np.random.default_rng(seed)
+        slots, drafts, nondraft, sampling = batch
+        if op == "batch":
+            size = int(rng.integers(1, slots_max + 1))
+            slots = np.sort(rng.choice(slots_max, size=size, replace=False))
+            batch = (slots, rng.integers(0, k + 1, size=size), size + int(rng.integers(0, 3)), bool(rng.integers(2)))
+        elif op == "drafts":
+            batch = (slots, rng.integers(0, k + 1, size=len(slots)), nondraft, sampling)
+        elif op == "sampling":
+            batch = (slots, drafts, nondraft, not sampling)
+        elif op == "add":
+            slot = int(rng.integers(slots_max))
+            for mgr in (ahead_mgr, plain_mgr):
+                mgr.add_request(slot)
+        elif op == "ahead":
+            ahead_mgr.plan_ahead(slots, drafts, nondraft, len(slots), sampling=sampling)
+        elif op == "pause":  # what begin_step notes on a paused step: snapshots from before it read as unknown
+            for mgr in (ahead_mgr, plain_mgr):
+                mgr._records_at_pause = mgr._num_records
+        elif op in ("step", "record"):
+            conf = torch.from_numpy(rng.choice([0.0, 0.1, 0.5, 0.9, 1.0], size=(len(slots), k))).float()
+            decided = []
+            for mgr in (ahead_mgr, plain_mgr):
+                mgr.record_confidences(torch.from_numpy(slots), conf)
+                if op == "step":
+                        decided.append(mgr.plan(slots, drafts, nondraft, len(slots), defer_saturation=True,
+                                            sampling=sampling))
+            assert op == "record" or decided[0] == decided[1]
+
+
+def test_a_steady_batch_plans_from_the_lookahead_and_a_changed_one_does_not() -> None:
+    k, r = 3, 4
+    mgr = CapacityManager(CapacityConfig(mode="varlen"), STAIR, num_spec_tokens=k, max_slots=8)
+    slots_np = np.arange(r)
+    for slot in slots_np:
+        mgr.add_request(int(slot))
+    drafts = np.full(r, k)
+
+    def step(conf: float, batch: np.ndarray = slots_np) -> BudgetDecision:
+        mgr.record_confidences(torch.from_numpy(batch), torch.full((len(batch), k), conf))
+        decision = mgr.plan(batch, drafts[: len(batch)], len(batch), len(batch), defer_saturation=True)
+        mgr.plan_ahead(batch, drafts[: len(batch)], len(batch), len(batch))
+        return decision
+
+    step(0.9)
+    assert (mgr.lookahead_plans, mgr.lookahead_hits) == (1, 0)
+    step(0.1)
+    step(0.1)
+    assert (mgr.lookahead_plans, mgr.lookahead_hits) == (3, 2)
+    step(0.1, slots_np[:3])  # a request finished: the lookahead was for a batch of four
+    assert mgr.lookahead_hits == 2
+    mgr.add_request(5)  # a slot the lookahead did not read was refilled; the plan cannot know which, so it chooses
+    step(0.1, slots_np[:3])
+    assert (mgr.lookahead_plans, mgr.lookahead_hits) == (5, 2)
+    step(0.1, slots_np[:3])
+    assert mgr.lookahead_hits == 3
+    # A record no plan followed (a sampled probe's): the next plan reads it, not the snapshot looked ahead from.
+    mgr.record_confidences(torch.from_numpy(slots_np[:3]), torch.full((3, k), 0.9))
+    step(0.1, slots_np[:3])
+    assert (mgr.lookahead_plans, mgr.lookahead_hits) == (7, 3)
+
+
 def test_manager_pauses_drafting_when_verification_stops_paying() -> None:
     cfg = CapacityConfig(mode="varlen", saturation_patience=2, resume_every=3)
     mgr = CapacityManager(cfg, STAIR, num_spec_tokens=3, max_slots=64)

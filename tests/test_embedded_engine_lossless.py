@@ -101,6 +101,43 @@ def test_a_budget_of_every_draft_admits_them_all_without_the_allocation(
             assert calls["allocate"] == 0 and s.num_verified_draft_tokens == s.num_draft_tokens
 
 
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_planning_ahead_decides_every_budget_as_planning_in_the_step(
+    pair: TinyPair, reference: list[list[int]], device: str, temperature: float
+) -> None:
+    """The next step's plan made while the device verifies (CapacityManager.plan_ahead) decides what the step's own
+    plan would: the same budgets, step by step, and the same outputs (greedy: plain decoding's; seeded sampling: the
+    same tokens), with most plans of a steady batch taken from the lookahead. On by default on CUDA only."""
+    runs = []
+    for ahead in (False, True):
+        engine = make_engine(pair, draft=str(pair.draft_head), capacity=_capacity("varlen"), sps_curve=str(pair.curve),
+                             online_sts=True, device=device, dtype="float32")
+        assert engine.plan_ahead is (device == "cuda")
+        engine.plan_ahead = ahead
+        capacity = engine.capacity
+        budgets: list[int] = []
+        real = capacity.plan
+
+        def spy(*args, _real=real, _budgets=budgets, **kwargs):  # type: ignore[no-untyped-def]
+            decision = _real(*args, **kwargs)
+            _budgets.append(decision.budget)
+            return decision
+
+        capacity.plan = spy  # type: ignore[method-assign]
+        params = [SamplingParams(temperature=temperature, max_tokens=GREEDY.max_tokens, ignore_eos=True, seed=i)
+                  for i in range(6)]
+        runs.append((engine.generate(prompts(6), params), budgets, capacity.lookahead_plans, capacity.lookahead_hits,
+                     engine.stats))
+    (out_in_step, budgets_in_step, plans_in_step, _, _), (out_ahead, budgets_ahead, plans, hits, stats) = runs
+    assert out_ahead == out_in_step and budgets_ahead == budgets_in_step
+    if temperature == 0.0:
+        assert out_ahead == reference
+    assert plans_in_step == 0 and plans == len(budgets_ahead)
+    assert hits >= len(budgets_ahead) // 2, (hits, len(budgets_ahead))
+    assert stats.num_verified_draft_tokens < stats.num_draft_tokens  # the curve trims: the budgets mattered
+
+
 def test_greedy_identical_with_sts_and_saturation(pair: TinyPair, reference: list[list[int]], tmp_path: Path) -> None:
     sts_path = tmp_path / "sts.json"
     atomic_write_json(sts_path, {"version": 1, "temperatures": [0.5, 2.0, 3.0], "sts_temperatures": [0.5, 2.0, 3.0]})

@@ -137,7 +137,8 @@ def step_kinds(counters: dict[str, Any]) -> dict[str, tuple[int, float]]:
 _PHASE_KEY = re.compile(r"^step_phase_seconds\{kind=(\w+),phase=(\w+)\}$")
 DECODE_KINDS = ("nospec", "paused", "spec")  # the kinds whose phases the summary compares
 # The phases of the engine's steps (engines/embedded/engine.py marks them) in the order a step runs them.
-PHASE_ORDER = ("prepare", "draft", "plan", "layout", "forward", "verify", "reject", "sync", "emit")
+PHASE_ORDER = ("prepare", "draft", "plan", "layout", "forward", "verify", "reject", "lookahead", "sync",
+               "emit")
 
 
 def step_phases(counters: dict[str, Any]) -> dict[str, dict[str, float]]:

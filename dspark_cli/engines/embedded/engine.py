@@ -258,6 +258,9 @@ class LLMEngine:
         self._plain_layouts = PlainLayouts(self.device)
         # A paused step's time, reported by the next step while its forward runs (_report_paused_step_time).
         self._paused_step_time: tuple[int, float, StepCharge] | None = None
+        # Plan the next step while the device verifies this one (CapacityManager.plan_ahead): on the CPU nothing
+        # runs while the host plans, so a lookahead the next batch cannot use would only add its time.
+        self.plan_ahead = self.device.type == "cuda"
 
         # Offline temperatures seed the online fit; either way one persistent device tensor holds them.
         self.online_sts: OnlineSTS | None = None
@@ -518,7 +521,8 @@ class LLMEngine:
             sampling = temperature is not None
             if sample is None:
                 self.capacity.record_confidences(slots, conf)
-                decision = self.capacity.plan(slots_np, np.full(num_reqs, k), num_reqs, num_reqs,
+                drafts_np = np.full(num_reqs, k, dtype=np.int64)
+                decision = self.capacity.plan(slots_np, drafts_np, num_reqs, num_reqs,
                                               defer_saturation=True, sampling=sampling)
                 # A budget of every draft leaves the allocation nothing to choose: its launches (the fresh
                 # survival's gather and product, the allocation kernel) are host time between the draft pass and
@@ -577,6 +581,10 @@ class LLMEngine:
         )
         clock.mark("reject")
         self._report_paused_step_time()
+        if self.plan_ahead and self.capacity is not None and sample is None:
+            # The next step's plan, for this batch, while the device verifies (CapacityManager.plan_ahead).
+            self.capacity.plan_ahead(slots_np, drafts_np, num_reqs, num_reqs, sampling=sampling)
+            clock.mark("lookahead")
         host = packed.cpu().numpy()
         clock.mark("sync")
         accepted_np = host[:, k + 1]
