@@ -1601,6 +1601,48 @@ def _timed_closed_loop(pol: SaturationPolicy, generations: int, paused_ms: float
     return paused, spent, drafted_after
 
 
+def _failing_timer_probes(tax: float, steps: int, paused_ms: float = 3.2, probe_ms: float = 15.0) -> list[int]:
+    """The steps at which timer probes ran over ``steps`` steps of 16 requests where drafting never pays (~0.8x
+    plain decoding; a probe costs ``probe_ms``, its catch-up included, a paused step ``paused_ms``)."""
+    curve = SpsCurve.from_points([(1, 3.0), (64, 3.2), (512, 6.0)], [(1, 3.0), (64, 3.1)], 0.1)
+    r, k = 16, 7
+    mgr = CapacityManager(CapacityConfig(mode="varlen", probe_tax=tax), curve, k, r, "cpu")
+    slots = np.arange(r)
+    for slot in slots:
+        mgr.add_request(int(slot))
+    probes = []
+    for i in range(steps):
+        if not mgr.begin_step(r):
+            mgr.record_step_time(False, r, paused_ms)
+            continue
+        probe = mgr.probe_step
+        mgr.record_confidences(torch.from_numpy(slots), torch.full((r, k), 0.5))
+        mgr.plan(slots, np.full(r, k), r, r, defer_saturation=True, sampling=True)
+        mgr.record_outcome(r + int(0.6 * r))
+        mgr.record_step_time(True, r, probe_ms if probe else 6.5)
+        if probe:
+            probes.append(i)
+    assert mgr.saturation.counters.pauses == 1 and mgr.saturation.counters.resumes == 0
+    return probes
+
+
+def test_a_lower_probe_tax_spaces_failing_timer_probes_only_once_its_bank_is_spent() -> None:
+    """Where drafting never pays, the backoff's cap (``MAX_PROBE_BACKOFF`` x ``resume_every`` paused steps) spaces
+    the timer's probes at the default tax; a lower tax spaces them further, but only once the load's allowance,
+    which starts at ``PROBE_BANK`` probes' worth, is spent. On an H100 (SmolLM2-135M at 16 requests,
+    docs/PERFORMANCE.md section 47) a cell was ~1,500 steps, all of which the bank covers: a tax of 0.5% beside
+    the default in such a cell cannot read. In steady state the cap costs ~0.9% of paused time here, 0.5% the tax."""
+    default, low = _failing_timer_probes(PROBE_TAX, 6000), _failing_timer_probes(0.005, 6000)
+    cap = SaturationPolicy.MAX_PROBE_BACKOFF * CapacityConfig().resume_every
+    shared = [p for p in default if p < 2000]
+    assert len(shared) == 6 and low[: len(shared)] == shared  # the bank: both ran the same probes, at the same steps
+    assert [b - a for a, b in zip(default[4:], default[5:], strict=False)] == [cap] * (len(default) - 5)
+    # then 15 ms a probe over 0.5% of 3.2 ms a paused step: one every ~938 paused steps (and the probe's own)
+    later = [b - a for a, b in zip(low[-4:], low[-3:], strict=False)]
+    assert all(abs(gap - (15.0 / (0.005 * 3.2) + 1)) <= 2 for gap in later), later
+    assert len(low) < len(default)
+
+
 def test_a_step_left_out_of_the_calibration_still_counts_for_the_probe_tax() -> None:
     policy = SaturationPolicy(patience=2, resume_every=4)
     seen: list[tuple[bool, float]] = []
