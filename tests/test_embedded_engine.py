@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_cli.core.capacity import CapacityConfig
+from dspark_cli.core.saturation import StepCharge
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.core.traces import read_traces
 from dspark_cli.engines.embedded.config import EngineConfig
@@ -519,10 +520,10 @@ def test_newcomers_ride_along_while_drafting_and_the_next_drafting_step_catches_
         record = engine.capacity.record_step_time
 
         def spy(drafting: bool, num_reqs: int, measured_ms: float, priced_ms: float | None = None,
-                calibrate: bool = True) -> None:
-            if drafting:
-                calibrated.append((len(kinds), calibrate))
-            record(drafting, num_reqs, measured_ms, priced_ms, calibrate)
+                calibrate: bool = True, charge: StepCharge | None = None) -> None:
+            if drafting:  # reported by the step after it (LLMEngine._report_step_time)
+                calibrated.append((len(kinds) - 1, calibrate))
+            record(drafting, num_reqs, measured_ms, priced_ms, calibrate, charge)
 
         engine.capacity.record_step_time = spy  # type: ignore[method-assign]
     outs: dict[str, list[int]] = {}

@@ -443,21 +443,22 @@ def test_saturation_state_changes_are_logged_once_each_with_their_evidence(
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
-def test_a_paused_steps_time_is_reported_by_the_next_step_with_the_charge_it_began_with(
+def test_a_decode_steps_time_is_reported_by_the_next_step_with_its_charge_and_price(
     pair: TinyPair, never_pays: Path, reference: list[list[int]], device: str
 ) -> None:
-    """The capacity manager's bookkeeping of a paused step runs in the next step, after its forward is launched and
-    before it waits for the device (on CUDA the device works meanwhile): each paused step's time arrives one step
-    late, carrying the probe-tax charge it began with, and none is lost while steps follow."""
+    """The capacity manager's bookkeeping of a decode step -- paused, probing or drafting -- runs in the next step,
+    after its forward is launched and before it waits for the device (on CUDA the device works meanwhile): each
+    step's time arrives one step late, with the probe-tax charge it began with and, for a drafting step, the price
+    its own plan put on it, and none is lost while steps follow."""
     engine = make_engine(pair, draft=str(pair.draft_head), sps_curve=str(never_pays), dtype="float32", device=device,
                          capacity=CapacityConfig(mode="varlen", saturation_patience=1, resume_every=3))
     capacity = engine.capacity
     assert capacity is not None
-    reports: list[tuple[bool, int, object]] = []
+    reports: list[tuple[bool, float | None, object]] = []
     real = capacity.record_step_time
 
     def spy(drafting, num_reqs, measured_ms, priced_ms=None, calibrate=True, charge=None):  # type: ignore[no-untyped-def]
-        reports.append((drafting, engine.stats.num_paused_steps, charge))
+        reports.append((drafting, priced_ms, charge))
         return real(drafting, num_reqs, measured_ms, priced_ms, calibrate, charge)
 
     capacity.record_step_time = spy  # type: ignore[method-assign]
@@ -465,21 +466,29 @@ def test_a_paused_steps_time_is_reported_by_the_next_step_with_the_charge_it_beg
     for rid, prompt in zip(ids, prompts(5), strict=True):
         engine.add_request(rid, prompt, GREEDY)
     results: dict[str, list[int]] = {rid: [] for rid in ids}
-    paused_seen = 0
+    kinds_of = {"paused": {"paused"}, "probe": {"probe"}, "spec": {"drafting", "probation"}}
+    seen = {kind: 0 for kind in kinds_of}
     while engine.has_unfinished_requests():
-        pending_before = engine._paused_step_time
-        paused_before = engine.stats.num_paused_steps
+        pending_before = engine._pending_step_time
+        decode_before = engine.stats.num_decode_steps
+        reported_before = len(reports)
         for out in engine.step():
             results[out.request_id].extend(out.new_token_ids)
-        if engine.stats.num_paused_steps > paused_before:
-            paused_seen += 1
+        if pending_before is not None:
+            # the previous decode step's time went out during this step, as it was left
+            assert (pending_before.drafting, pending_before.priced_ms, pending_before.charge) in reports[reported_before:]
+        if engine.stats.num_decode_steps > decode_before:
+            kind = engine.stalls.step_kind
+            seen[kind] += 1
+            pending = engine._pending_step_time
             # reported by a later step, not by itself: what is pending now is this step's own time
-            assert engine._paused_step_time is not None
-            assert engine._paused_step_time[2].kind == "paused"
-        if pending_before is not None and engine.stats.num_decode_steps:
-            # the previous paused step's time went out during this step, with the charge it began with
-            assert any(c is pending_before[2] for d, _, c in reports if not d)
-    paused_reports = [r for r in reports if not r[0]]
-    assert paused_seen > 2 and all(c is not None and c.kind == "paused" for _, _, c in paused_reports)
-    assert len(paused_reports) in (paused_seen - 1, paused_seen)  # the last may still be pending at the end
+            assert pending is not None and pending.charge.kind in kinds_of[kind]
+            assert pending.drafting is (kind != "paused")
+            if pending.drafting:
+                assert pending.priced_ms == capacity.last_decision.step_ms
+            else:
+                assert pending.priced_ms is None
+            assert len(reports) == reported_before + (pending_before is not None)
+    assert all(seen.values()), seen  # every kind of decode step was exercised
+    assert len(reports) == sum(seen.values()) - 1  # the last is still pending at the end
     assert [results[rid] for rid in ids] == reference

@@ -63,6 +63,19 @@ __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "resolve_checkpoints"]
 log = logging.getLogger("dspark.embedded")
 
 
+@dataclass(frozen=True)
+class PendingStepTime:
+    """A decode step's wall time on its way to the capacity manager (``CapacityManager.record_step_time``'s
+    arguments), reported by the next step (``LLMEngine._report_step_time``)."""
+
+    drafting: bool
+    num_reqs: int
+    measured_ms: float
+    priced_ms: float | None  # a drafting step's: what its plan priced it at; None: the curve's plain price
+    calibrate: bool  # False: the step did work that is not what drafting costs (a deferred catch-up)
+    charge: StepCharge  # what the step was to the probe tax as it began
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -256,8 +269,11 @@ class LLMEngine:
         self.phase_timing: str | None = config.phase_timing
         self._full_cache: dict[int, Tensor] = {}
         self._plain_layouts = PlainLayouts(self.device)
-        # A paused step's time, reported by the next step while its forward runs (_report_paused_step_time).
-        self._paused_step_time: tuple[int, float, StepCharge] | None = None
+        # A decode step's time, reported by the next step while its forward runs (_report_step_time).
+        self._pending_step_time: PendingStepTime | None = None
+        # Pinned host buffers and an event for a drafting step's one device -> host copy (_start_host_copy).
+        self._host_buffers: dict[int, Tensor] = {}
+        self._host_copy_event = torch.cuda.Event() if self.device.type == "cuda" else None
         # Plan the next step while the device verifies this one (CapacityManager.plan_ahead): on the CPU nothing
         # runs while the host plans, so a lookahead the next batch cannot use would only add its time.
         self.plan_ahead = self.device.type == "cuda"
@@ -429,7 +445,7 @@ class LLMEngine:
         temperature, top_p = self._sampling_tensors(seqs)
         u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
         sampled = sample(logits, temperature, top_p, u)
-        self._report_paused_step_time()
+        self._report_step_time()
         tokens = sampled.tolist()
         clock.mark("sync")
         outputs = [self._emit(seq, [tok]) for seq, tok in zip(seqs, tokens, strict=True)]
@@ -481,9 +497,9 @@ class LLMEngine:
         if not drafting:
             outputs = self._plain_decode_step(seqs)
             if self.capacity is not None:
-                # _plain_decode_step reported the paused step before this one; this one's goes out with the next
-                self._paused_step_time = (num_reqs, (time.perf_counter() - start) * 1e3,
-                                          self.capacity.saturation.step_charge)
+                # _plain_decode_step reported the step before this one; this one's goes out with the next
+                self._pending_step_time = PendingStepTime(False, num_reqs, (time.perf_counter() - start) * 1e3,
+                                                          None, True, self.capacity.saturation.step_charge)
                 if self.stats.num_paused_steps % COST_SCALE_GAUGE_EVERY == 1:
                     self.stats.drafting_cost_scale = self.capacity.step_times.quotients()
                 self._log_saturation(num_reqs)  # a pause begin_step made (back at a ceiling's load)
@@ -569,23 +585,25 @@ class LLMEngine:
             out = rejection_sample(
                 logits, layout, draft.tokens, admitted, temperature, top_p, draft.draft_probs, uniforms
             )
+        # The step's one device -> host transfer: emitted tokens, accepted and admitted counts together. Issued
+        # before the online STS fold, whose kernels then run while the host emits and prepares the next step.
+        packed = torch.cat(
+            [out.tokens, out.num_accepted.view(-1, 1).to(torch.int64), admitted.view(-1, 1).to(torch.int64)], dim=1
+        )
+        copied = self._start_host_copy(packed)
         if self.online_sts is not None:
             if sample is None:
                 self.online_sts.record(conf_raw, admitted, out.num_accepted)
             else:  # what the sample drafted: conf_raw's rows
                 self.online_sts.record(conf_raw, admitted[rows], out.num_accepted[rows])
             self.online_sts.step()
-        # The step's one device -> host transfer: emitted tokens, accepted and admitted counts together.
-        packed = torch.cat(
-            [out.tokens, out.num_accepted.view(-1, 1).to(torch.int64), admitted.view(-1, 1).to(torch.int64)], dim=1
-        )
         clock.mark("reject")
-        self._report_paused_step_time()
+        self._report_step_time()
         if self.plan_ahead and self.capacity is not None and sample is None:
             # The next step's plan, for this batch, while the device verifies (CapacityManager.plan_ahead).
             self.capacity.plan_ahead(slots_np, drafts_np, num_reqs, num_reqs, sampling=sampling)
             clock.mark("lookahead")
-        host = packed.cpu().numpy()
+        host = self._finish_host_copy(copied)
         clock.mark("sync")
         accepted_np = host[:, k + 1]
         admitted_np = host[:, k + 2]
@@ -626,29 +644,65 @@ class LLMEngine:
             seq.num_draft_computed = frontier
         clock.mark("emit")
         if self.capacity is not None:
-            self.capacity.record_step_time(True, num_reqs, (time.perf_counter() - start) * 1e3,
-                                           calibrate=not catching_up)
-            self.stats.drafting_cost_scale = self.capacity.step_times.quotients()
-            self.stats.realized_gain = self.capacity.realized_gain
+            # Reported by the next step, as a paused step's is, at the price this step's plan put on it.
+            self._pending_step_time = PendingStepTime(True, num_reqs, (time.perf_counter() - start) * 1e3,
+                                                      decision.step_ms, not catching_up,
+                                                      self.capacity.saturation.step_charge)
         return outputs
 
-    def _report_paused_step_time(self) -> None:
-        """Report the last paused step's wall time to the capacity manager (step-time calibration, probe tax).
+    def _report_step_time(self) -> None:
+        """Report the last decode step's wall time to the capacity manager (step-time calibration, probe tax).
 
         Called by the next step once its forward is launched and before it waits for the device: the manager's
         bookkeeping then runs while the device works instead of between two steps, where the device has nothing
-        queued. On an H100 (SmolLM2-135M, 16 requests, docs/PERFORMANCE.md section 47) a paused step spent 0.036 ms
-        more than a no-speculation step outside its phases, most of it in this report. The report carries the
-        charge the paused step began with, as vLLM's late step times do, so a probe begun in between does not take
-        it; the policy's next decision sees it one step late.
+        queued. On an H100 (SmolLM2-135M, 16 requests) a paused step spent 0.036 ms more than a no-speculation step
+        outside its phases, most of it in this report (docs/PERFORMANCE.md section 47); reported by the next step,
+        0.018-0.021 ms (section 48). Drafting steps report the same way since section 48, where the scaled setup's
+        spent 0.157 ms outside their phases against no capacity's 0.077, and so do the gauges read from the
+        calibration after a drafting step's report. The report carries the charge the step began with and the
+        price its plan put on it, as vLLM's late step times do, so a probe begun in between does not take it; the
+        policy's next decision sees it one step late.
         """
-        pending = self._paused_step_time
+        pending = self._pending_step_time
         if pending is None:
             return
-        self._paused_step_time = None
-        num_reqs, measured_ms, charge = pending
-        assert self.capacity is not None
-        self.capacity.record_step_time(False, num_reqs, measured_ms, charge=charge)
+        self._pending_step_time = None
+        capacity = self.capacity
+        assert capacity is not None
+        capacity.record_step_time(pending.drafting, pending.num_reqs, pending.measured_ms, pending.priced_ms,
+                                  calibrate=pending.calibrate, charge=pending.charge)
+        if pending.drafting:
+            self.stats.drafting_cost_scale = capacity.step_times.quotients()
+            self.stats.realized_gain = capacity.realized_gain
+
+    def _start_host_copy(self, packed: Tensor) -> Tensor:
+        """Start copying a drafting step's ``packed`` outputs to the host (CUDA: into a pinned buffer, with an event
+        behind it; on the CPU the tensor is already there). :meth:`_finish_host_copy` waits for it.
+
+        Why not ``packed.cpu()`` where the step waits: that waits for everything queued before it, and the online
+        STS fold (some thirty small kernels, and its periodic refit) follows the rejection sampler. Issued first,
+        the copy waits only for the outputs, and the fold runs while the host emits the tokens and prepares the
+        next step -- a window in which the device otherwise idles.
+        """
+        if self._host_copy_event is None:
+            return packed
+        rows, cols = packed.shape
+        buf = self._host_buffers.get(cols)
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((max(rows, self.config.max_num_seqs), cols), dtype=packed.dtype, pin_memory=True)
+            self._host_buffers[cols] = buf
+        view = buf[:rows]
+        view.copy_(packed, non_blocking=True)
+        self._host_copy_event.record()
+        return view
+
+    def _finish_host_copy(self, copied: Tensor) -> np.ndarray:
+        """The outputs :meth:`_start_host_copy` began copying, once on the host; a copy of their own, since the pinned
+        buffer is the next step's."""
+        if self._host_copy_event is None:
+            return copied.cpu().numpy()
+        self._host_copy_event.synchronize()
+        return copied.numpy().copy()
 
     def _log_saturation(self, num_reqs: int) -> None:
         """One log line per change of the saturation policy's state (a pause, a resume, a probe's verdict): a
@@ -697,7 +751,7 @@ class LLMEngine:
         clock.mark("verify")
         u = self._uniforms(seqs, 1)[:, 0] if temperature is not None else None
         sampled = sample(logits[:num_reqs], temperature, top_p, u)
-        self._report_paused_step_time()
+        self._report_step_time()
         clock.mark("reject")
         tokens = sampled.tolist()
         clock.mark("sync")
