@@ -664,12 +664,14 @@ class CapacityManager:
         """Choose the next step's budget now, for a next step with this step's batch: :meth:`plan` takes it instead
         of choosing one where nothing it reads has changed, and chooses as before where anything has.
 
-        Why: a plan is host work between the draft pass and the verify forward, and where the draft pass is
-        short (the scaled setup's synthetic drafter, a small draft at light load) the device waits for it. On an
-        H100 (Llama-3-8B shape, 16 requests, docs/PERFORMANCE.md section 47) it took 0.36 ms of a 22 ms step that
-        verified every draft, and varlen + SPS + STS read -1.9% against verifying everything without a plan. The
-        plan reads only the snapshot before its step's own, which is this step's: an engine calls this once that
-        snapshot is recorded and its step's verify is launched, and the host's wait for the device hides it.
+        Why: a plan is host work between the draft pass and the verify forward, and where the draft pass takes the
+        device less time than the plan takes the host (a host-bound step: a small model, a light load) the device
+        waits for it. The plan reads only the snapshot before its step's own, which is this step's: an engine calls
+        this once that snapshot is recorded and its step's verify is launched, and the host's wait for the device
+        hides it. Where the draft pass is long the plan was hidden already: on an H100 (Llama-3-8B shape, synthetic
+        drafter with a 2-layer draft, 16 requests; docs/PERFORMANCE.md section 48) the step's own plan went from
+        0.36 to 0.13-0.21 ms of host time and its step did not get shorter, the device still running the draft
+        pass when the host looked ahead (the lookahead waited 5.5-7 ms for the snapshot).
 
         Nothing here changes what a plan decides: the lookahead is keyed on all that the choice reads -- the
         snapshot (its record, whether a pause came since, whether a slot was refilled), the slots and their
