@@ -642,16 +642,15 @@ class CapacityManager:
         num_drafts_np = np.asarray(num_drafts_np, dtype=np.int64)
         # A scout verifies nothing; the probe's next step plans on the confidences this one records.
         scout = self.saturation.scouting
-        key = self._plan_key(self._write, slots_np, num_drafts_np, num_nondraft_tokens, num_sampling, sampling,
-                             scout, stands_for)
         ahead, self._lookahead = self._lookahead, None
-        if ahead is not None and ahead[0] == key:
+        if ahead is not None and ahead[0] == self._plan_key(self._write, slots_np, num_drafts_np, num_nondraft_tokens,
+                                                            num_sampling, sampling, scout, stands_for):
             decision = ahead[1]
             self.lookahead_hits += 1
         else:
             decision = choose_budget(
-                _np_survival(self._snapshot_rows(self._write, slots_np)), num_drafts_np, num_nondraft_tokens,
-                num_sampling, self.curve, self.cfg, sampling, scout=scout, stands_for=stands_for,
+                _np_survival(self.stale_confidences(slots_np)), num_drafts_np, num_nondraft_tokens, num_sampling,
+                self.curve, self.cfg, sampling, scout=scout, stands_for=stands_for,
             )
         self.last_decision = decision
         self._pending_running = len(slots_np)

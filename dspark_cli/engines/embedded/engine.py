@@ -700,7 +700,7 @@ class LLMEngine:
         """The outputs :meth:`_start_host_copy` began copying, once on the host; a copy of their own, since the pinned
         buffer is the next step's."""
         if self._host_copy_event is None:
-            return copied.cpu().numpy()
+            return copied.numpy()
         self._host_copy_event.synchronize()
         return copied.numpy().copy()
 
