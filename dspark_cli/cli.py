@@ -480,7 +480,8 @@ def bench(
     configs: str = typer.Option(BENCH_CONFIGS, "--configs",
                                 help="With --serve: nospec, none, mask, varlen, each mode optionally +sts (mask and "
                                      "varlen need --sps-curve); +mixed, +proc or +thread change one serving flag, "
-                                     "+taxP gives a drafting config a probe tax of P percent, "
+                                     "+taxP gives a drafting config a probe tax of P percent and +sustainP a sustain margin of P "
+                                     "percent, "
                                      "CONFIG#N adds a replica (an A/A column)."),
     serve_args: str = typer.Option("", "--serve-args", help="Flags every `dspark serve` gets, e.g. '--model tiny'."),
     sps_curve: str = typer.Option(None, "--sps-curve", help="SPS curve FILE or 'auto' for mask/varlen configs."),

@@ -70,6 +70,7 @@ DSPARK_KEYS = (
     "dspark_saturation_patience",
     "dspark_resume_every",
     "dspark_probe_tax",
+    "dspark_sustain_margin",
     "dspark_probe_scout",
     "dspark_probe_sample",
     "dspark_sts_refit_interval",
@@ -117,6 +118,7 @@ class ServeSettings:
     saturation_patience: int | None = None
     resume_every: int | None = None
     probe_tax: float | None = None  # None: the core's default (CapacityConfig.probe_tax)
+    sustain_margin: float | None = None  # None: the core's default (CapacityConfig.sustain_margin)
     probe_scout: bool | None = None  # None: the core's default (CapacityConfig.probe_scout, off)
     probe_sample: int | None = None  # embedded engine only (EMBEDDED_ONLY_FIELDS); None: the core's default
     sts_refit_interval: int | None = None
@@ -174,7 +176,7 @@ class ServeSettings:
             out["dspark_confidence_temperature"] = self.confidence_temperature
         if self.record_traces is not None:
             out["dspark_record_traces"] = self.record_traces
-        for key in ("saturation_patience", "resume_every", "probe_tax", "probe_scout", "sts_refit_interval",
+        for key in ("saturation_patience", "resume_every", "probe_tax", "sustain_margin", "probe_scout", "sts_refit_interval",
                     *EMBEDDED_ONLY_FIELDS, *VLLM_ONLY_FIELDS):
             if getattr(self, key) is not None:
                 out[f"dspark_{key}"] = getattr(self, key)
@@ -335,6 +337,8 @@ def _settings_from_json(obj: dict[str, Any]) -> dict[str, Any]:
         out["resume_every"] = as_int(f"{w} dspark_resume_every", obj["dspark_resume_every"], minimum=1)
     if "dspark_probe_tax" in obj:
         out["probe_tax"] = as_float(f"{w} dspark_probe_tax", obj["dspark_probe_tax"], lo=0.0, lo_open=True, hi=1.0)
+    if "dspark_sustain_margin" in obj:
+        out["sustain_margin"] = as_float(f"{w} dspark_sustain_margin", obj["dspark_sustain_margin"], lo=0.0, hi=1.0)
     if "dspark_sts_refit_interval" in obj:
         out["sts_refit_interval"] = as_int(f"{w} dspark_sts_refit_interval", obj["dspark_sts_refit_interval"],
                                             minimum=1)
@@ -499,7 +503,7 @@ def _capacity_settings(s: ServeSettings) -> list[tuple[str, bool]]:
         ("--min-predicted-gain", s.min_predicted_gain is not None),
         ("dspark_confidence_temperature", s.confidence_temperature is not None),
         *((f"dspark_{name}", getattr(s, name) is not None)
-          for name in ("saturation_patience", "resume_every", "probe_tax", "probe_scout", "sts_refit_interval",
+          for name in ("saturation_patience", "resume_every", "probe_tax", "sustain_margin", "probe_scout", "sts_refit_interval",
                        *EMBEDDED_ONLY_FIELDS, *VLLM_ONLY_FIELDS)),
     ]
 
@@ -707,6 +711,7 @@ def prepare_embedded(s: ServeSettings) -> EmbeddedLaunch:
         extra: dict[str, Any] = {k: v for k, v in (("saturation_patience", s.saturation_patience),
                                                    ("resume_every", s.resume_every),
                                                    ("probe_tax", s.probe_tax),
+                                                   ("sustain_margin", s.sustain_margin),
                                                    ("probe_scout", s.probe_scout if s.capacity_mode == "varlen"
                                                     else None),
                                                    ("probe_sample", s.probe_sample),

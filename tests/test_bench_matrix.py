@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 
 from dspark_cli.bench.client import LoadConfig
@@ -81,6 +82,16 @@ def test_config_names_map_to_serve_flags() -> None:
             parse_configs(bad, "curve.json")
     with pytest.raises(DsparkError, match="already sets"):
         parse_configs("varlen+tax1", "curve.json", ["--speculative-config", '{"dspark_probe_scout": true}'])
+    # "+sustainP" the same way, 0 allowed (the short window's verdict alone), and beside "+taxP" in one JSON
+    sustained = {c.name: c for c in parse_configs("varlen+sts+sustain0,mask+sustain5+tax1", "curve.json")}
+    assert sustained["varlen+sts+sustain0"].serve_args[-2:] == ("--speculative-config", '{"dspark_sustain_margin":0.0}')
+    assert orjson.loads(sustained["mask+sustain5+tax1"].serve_args[-1]) == {"dspark_sustain_margin": 0.05,
+                                                                          "dspark_probe_tax": 0.01}
+    assert header("varlen+sts+sustain0") == "Varlen + SPS + STS + sustain margin 0%"
+    assert header("mask+sustain5+tax1#2") == "Mask + SPS + sustain margin 5% + probe tax 1% #2"
+    for bad, says in (("varlen+sustain100", "percent"), ("varlen+tax1+tax2", "twice"), ("none+sustain3", "pause")):
+        with pytest.raises(DsparkError, match=says):
+            parse_configs(bad, "curve.json")
     # "#N", very last: a replica on a server of its own (an A/A column), named apart in files and tables.
     replicas = {c.name: c for c in parse_configs("nospec,nospec#2,varlen+sts+mixed#3", "curve.json")}
     assert replicas["nospec#2"].serve_args == replicas["nospec"].serve_args

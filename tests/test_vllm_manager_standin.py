@@ -598,7 +598,7 @@ def test_drafting_is_judged_against_what_a_paused_step_really_costs(manager_cls,
     summary = [x for x in lines if "decisions" in x]
     assert len(summary) == 1 and "pauses 1, resumes 1" in summary[0] and "2-3: 0.33" in summary[0]
     assert "due probes held 0 steps by the probe tax, 0 to time their load, 0 while the load climbed" in summary[0]
-    assert "], 0 scouts; due probes" in summary[0]
+    assert "], 0 scouts; sustained gain " in summary[0] and "(0 steps short of the sustain margin); due probes" in summary[0]
     assert "paused step time over priced, by load [2-3: 3.00]; " in summary[0]  # 30 ms priced at 10
     assert summary[0].endswith("prefill steps, time over priced, by load: none timed; outcome waits 0, 0.0 ms")
     # ... and every probe's verdict as it is judged, in the words benchmarks/saturation_log.py reads

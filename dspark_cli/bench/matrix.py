@@ -86,9 +86,14 @@ SERVING_SUFFIXES: dict[str, tuple[str, str]] = {
     "+proc": ("--engine-process", "engine process"),
     "+thread": ("--no-engine-process", "engine thread"),
 }
-# "+taxP" (a drafting config, last before any "#N"): the server's probe tax at P percent (`dspark_probe_tax` in
-# `--speculative-config`), so one matrix can read a tax against the default in paired rounds.
-PROBE_TAX_SUFFIX = re.compile(r"\+tax(\d+(?:\.\d+)?)$")
+# "+taxP" / "+sustainP" (a drafting config, last before any "#N", each once): the server's probe tax or sustain
+# margin at P percent (`dspark_probe_tax` / `dspark_sustain_margin` in `--speculative-config`), so one matrix can
+# read a setting against the default in paired rounds.
+SETTING_SUFFIX = re.compile(r"\+(tax|sustain)(\d+(?:\.\d+)?)$")
+SETTING_SUFFIXES: dict[str, tuple[str, bool]] = {  # suffix word: (speculative-config key, whether 0 is allowed)
+    "tax": ("dspark_probe_tax", False),
+    "sustain": ("dspark_sustain_margin", True),
+}
 SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "dspark_cli.cli", "serve")
 
 
@@ -133,17 +138,25 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
         # default) / give each a step of its own,
         # "+proc" / "+thread" put the engine in a process of its own / on a thread of the server.
         base, extra = name, ()
-        if (tax := PROBE_TAX_SUFFIX.search(base)) is not None:
-            percent = float(tax.group(1))
-            if not 0 < percent < 100:
-                raise DsparkError(f"config {name!r}: +taxP takes the probe tax in percent, above 0 and below 100")
-            base = base[: tax.start()]
-            extra = ("--speculative-config", orjson.dumps({"dspark_probe_tax": percent / 100}).decode())
+        settings: dict[str, float] = {}
+        while (match := SETTING_SUFFIX.search(base)) is not None:
+            word, percent = match.group(1), float(match.group(2))
+            key, zero_ok = SETTING_SUFFIXES[word]
+            if key in settings:
+                raise DsparkError(f"config {name!r} names +{word} twice")
+            if not (0 <= percent < 100 if zero_ok else 0 < percent < 100):
+                raise DsparkError(f"config {name!r}: +{word}P takes its setting in percent, "
+                                  f"{'from 0' if zero_ok else 'above 0'} and below 100")
+            settings[key] = percent / 100
+            base = base[: match.start()]
+        if settings:
+            flags = ", ".join(f"+{word}P" for word, (key, _) in SETTING_SUFFIXES.items() if key in settings)
             if base.split("+")[0] in ("nospec", "none"):
-                raise DsparkError(f"config {name!r}: +taxP is for configs that pause drafting (mask, varlen)")
+                raise DsparkError(f"config {name!r}: {flags} is for configs that pause drafting (mask, varlen)")
             if "--speculative-config" in common_args:
-                raise DsparkError(f"config {name!r}: +taxP sets the server's --speculative-config, which --serve-args "
-                                  "already sets; put dspark_probe_tax in that JSON instead")
+                raise DsparkError(f"config {name!r}: {flags} sets the server's --speculative-config, which --serve-args "
+                                  f"already sets; put {', '.join(settings)} in that JSON instead")
+            extra = ("--speculative-config", orjson.dumps(dict(reversed(settings.items()))).decode())
         while (suffix := next((sfx for sfx in SERVING_SUFFIXES if base.endswith(sfx)), None)) is not None:
             flag = SERVING_SUFFIXES[suffix][0]
             if flag in extra:
@@ -161,7 +174,8 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
             raise DsparkError(f"unknown config {name!r}: use nospec, none, mask, varlen, optionally +sts "
                               "(e.g. varlen+sts), then optionally +mixed or +unmixed and +proc or +thread (e.g. nospec+unmixed, "
                               "varlen+sts+thread), "
-                              "then optionally +taxP for a probe tax of P percent, "
+                              "then optionally +taxP for a probe tax of P percent and +sustainP for a sustain "
+                              "margin of P percent, "
                               "then optionally #N for a replica (e.g. nospec#2)")
         args: list[str] = ["--capacity-mode", mode]
         if mode != "none":

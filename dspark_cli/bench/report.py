@@ -21,7 +21,7 @@ from typing import Any
 from rich.table import Table
 
 from dspark_cli import __version__
-from dspark_cli.bench.matrix import PROBE_TAX_SUFFIX, SERVING_SUFFIXES, measurement_notes
+from dspark_cli.bench.matrix import SERVING_SUFFIXES, SETTING_SUFFIX, measurement_notes
 from dspark_cli.fileio import atomic_write_json, atomic_write_text
 
 BASELINE = "none"
@@ -83,8 +83,9 @@ def header(config: str) -> str:
     base, hash_, replica = config.rpartition("#")
     if hash_ and base and replica.isdigit():
         return f"{header(base)} #{replica}"
-    if (tax := PROBE_TAX_SUFFIX.search(config)) is not None and config not in PRETTY:
-        return f"{header(config[: tax.start()])} + probe tax {tax.group(1)}%"
+    if (setting := SETTING_SUFFIX.search(config)) is not None and config not in PRETTY:
+        words = {"tax": "probe tax", "sustain": "sustain margin"}[setting.group(1)]
+        return f"{header(config[: setting.start()])} + {words} {setting.group(2)}%"
     for suffix, (_, words) in SERVING_SUFFIXES.items():
         if config.endswith(suffix) and config not in PRETTY:
             return f"{header(config[: -len(suffix)])} + {words}"

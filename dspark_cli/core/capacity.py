@@ -37,7 +37,14 @@ import numpy as np
 import torch
 
 from dspark_cli.core.checks import check_float, check_int, check_probe_tax
-from dspark_cli.core.saturation import PROBE_TAX, SaturationPolicy, StepCharge, StepTimeCalibration, StepTimer
+from dspark_cli.core.saturation import (
+    PROBE_TAX,
+    SUSTAIN_MARGIN,
+    SaturationPolicy,
+    StepCharge,
+    StepTimeCalibration,
+    StepTimer,
+)
 from dspark_cli.core.sps import SpsCurve
 from dspark_cli.errors import DsparkError
 
@@ -92,6 +99,9 @@ class CapacityConfig:
     probe_tax: float = PROBE_TAX  # timed engines: probes may spend this share of paused time (SaturationPolicy)
     mask_pruning_saves: bool = False  # mask mode: padding rows are skipped (MoE with skip-padding), not computed
     probe_scout: bool = False  # varlen: a probe's first step verifies nothing (SaturationPolicy, "Scouts")
+    # drafting must clear plain decoding by this over a longer window to go on (SaturationPolicy, "Break-even
+    # drafting"); 0 judges by the short window alone
+    sustain_margin: float = SUSTAIN_MARGIN
     # Engines whose probe catches the draft up over the pause (the embedded engine): a probe drafts for at most this
     # many requests, those the draft is least behind, and is judged as the full batch (``choose_budget``'s
     # ``stands_for``); 0 drafts for every request. Why, and why 64: ``PROBE_SAMPLE``.
@@ -109,6 +119,7 @@ class CapacityConfig:
         check_int("saturation_patience", self.saturation_patience, 0)
         check_int("resume_every", self.resume_every, 1)
         check_probe_tax(self.probe_tax)
+        check_float("sustain_margin", self.sustain_margin, 0.0, 1.0)
         if not isinstance(self.mask_pruning_saves, bool):
             raise DsparkError(f"capacity setting mask_pruning_saves must be true or false, got {self.mask_pruning_saves!r}")
         if not isinstance(self.probe_scout, bool):

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from dspark_cli.core.checks import check_int, check_probe_tax
+from dspark_cli.core.checks import check_float, check_int, check_probe_tax
 
 if TYPE_CHECKING:
     from dspark_cli.core.capacity import BudgetDecision, CapacityConfig
@@ -75,6 +75,17 @@ PROBE_VERDICTS: tuple[str, ...] = ("paid", "failed", "unjudged")
 # below break-even cleared 1.0 about one probe in five (a CPU replay of the real H200 setup); drafting that
 # pays by less than the margin is not worth that risk.
 PROBE_MARGIN = 1.05
+# Drafting keeps going only while its realized gain over a longer window (SUSTAIN_MEMORY request-steps: 16 steps
+# at 64 requests, 64 at 16) clears plain decoding by SUSTAIN_MARGIN (SaturationPolicy, "Break-even drafting").
+# The short window judges each step against 1.0 and rides out noise; it cannot see drafting that sits at break-even,
+# whose losing and paying steps alternate so that no run of ``patience`` losing steps comes. What the step's
+# verdict does not price makes break-even drafting a loss: requests that advance unevenly finish apart, and their
+# successors arrive one by one, each admitted in a mixed step that drafts nothing, with a catch-up after it. On an
+# H100 (Llama-3-8B shape, 64 requests, docs/PERFORMANCE.md section 48) drafting judged at 1.0-1.02 ran the whole
+# cell, 144 mixed steps against no speculation's 45, and lost 7.4% to it. Below PROBE_MARGIN, so that a resume
+# has room before the rule can pause it again.
+SUSTAIN_MARGIN = 0.03
+SUSTAIN_MEMORY = 1024
 # A failed timer probe backs the timer off by 2 / realized (realized: its Θ over plain decoding's, after the
 # margin), between 2 and PROBE_BACKOFF_MAX_GROWTH: one just short of break-even waits twice as long, one that
 # realized half of plain decoding four times. Drafting that realizes half of what plain decoding does needs its
@@ -412,6 +423,7 @@ class SaturationCounters:
     unmeasured_probe_steps: int = 0
     rising_probe_steps: int = 0
     scout_steps: int = 0  # probe steps that scouted (probe_scout): counted in probe_steps too
+    unsustained_steps: int = 0  # drafting steps that paid on the short window but not on the sustained one
     probes: dict[tuple[str, str], int] = field(
         default_factory=lambda: {(t, v): 0 for t in PROBE_TRIGGERS for v in PROBE_VERDICTS})
     last_probe: ProbeVerdict | None = None  # the evidence of the latest judged probe
@@ -510,6 +522,18 @@ class SaturationPolicy:
       2% of ~40 ms paused steps back, about 0.8 ms a step -- a cell's length to repay one deficit of a few
       probes (docs/PERFORMANCE.md section 25: drafting paid 1.3-1.5x at 256 and never resumed).
 
+    **Break-even drafting** (``sustain_margin``, default ``SUSTAIN_MARGIN``). A step pays when the short window
+    (``REALIZED_MEMORY`` request-steps, about one step at 64 requests) clears plain decoding; drafting that sits at
+    break-even alternates paying and losing steps and never loses ``patience`` in a row. Beside it a sustained
+    window of ``SUSTAIN_MEMORY`` request-steps must clear plain decoding by the margin once it has seen that many
+    since drafting (re)started (a resume starts it from its probe's outcome, which cleared ``PROBE_MARGIN``); short
+    of it, every step counts as losing (``unsustained_steps``) and ``patience`` of them pause drafting. Its verdict
+    is slow by design: at 16 requests drafting that pays 1.08x with a step's acceptance noise of ~15% reads
+    1.08 +- 0.013 there, where the short window moves by ~5%. The margin covers what a step's verdict does not
+    price: in a closed loop requests that advance unevenly finish apart, and each successor is admitted in a mixed
+    step that drafts nothing, followed by the draft's catch-up (``SUSTAIN_MARGIN``). A margin of 0 keeps only the
+    short window's verdict.
+
     **A probe waits for its load to be timed** (engines that time their steps: ``begin_step(measured=...)``).
     Its verdict prices a drafting step by the load's own measurements (:class:`StepTimeCalibration`); a load no
     paused step was timed at borrows another load's quotient, and light loads' quotients (a host-bound draft
@@ -572,18 +596,20 @@ class SaturationPolicy:
 
     @classmethod
     def from_config(cls, cfg: CapacityConfig) -> SaturationPolicy:
-        """The policy a capacity configuration asks for (patience, probe wait, probe tax)."""
-        return cls(cfg.saturation_patience, cfg.resume_every, cfg.probe_tax, cfg.probe_scout)
+        """The policy a capacity configuration asks for (patience, probe wait, probe tax, sustain margin)."""
+        return cls(cfg.saturation_patience, cfg.resume_every, cfg.probe_tax, cfg.probe_scout, cfg.sustain_margin)
 
     def __init__(self, patience: int, resume_every: int, probe_tax: float = PROBE_TAX,
-                 probe_scout: bool = False) -> None:
+                 probe_scout: bool = False, sustain_margin: float = SUSTAIN_MARGIN) -> None:
         check_int("saturation_patience", patience, 0)
         check_int("resume_every", resume_every, 1)
         check_probe_tax(probe_tax)
+        check_float("sustain_margin", sustain_margin, 0.0, 1.0)
         self.patience = patience
         self.resume_every = resume_every
         self.probe_tax = probe_tax
         self.probe_scout = probe_scout
+        self.sustain_margin = sustain_margin
         self._scout = False  # the step begun last is a probe's scout (class docstring)
         self._probe_serial = 0  # probes begun so far (probe_serial)
         self._streak = 0
@@ -613,6 +639,9 @@ class SaturationPolicy:
         self._probe_trigger = "timer"  # what started the probe in progress (a PROBE_TRIGGERS name)
         self._probe_running = 0
         self._realized = RequestWeightedMean(REALIZED_MEMORY)  # realized Θ / Θ(plain decoding), judged steps
+        # The same over SUSTAIN_MEMORY request-steps, and the request-steps it has seen since drafting (re)started
+        self._sustained = RequestWeightedMean(SUSTAIN_MEMORY)
+        self._sustained_requests = 0
         self._probe_tokens = 0.0  # the probe in progress: emitted tokens, priced ms, plain-decoding ms, requests
         self._probe_ms = 0.0
         self._probe_plain = 0.0
@@ -973,11 +1002,35 @@ class SaturationPolicy:
                 # starts from what the probe showed.
                 self._realized = RequestWeightedMean(REALIZED_MEMORY)
                 self._realized.add(probe_ratio, probe_requests)
+                self._sustained = RequestWeightedMean(SUSTAIN_MEMORY)
+                self._sustained.add(probe_ratio, probe_requests)
+                self._sustained_requests = probe_requests
             return paid
+        self._sustained.add(ratio, r)
+        self._sustained_requests += r
         realized = self._realized.value
         paid = decision.pays and realized >= 1.0
+        if paid and not self.sustains:
+            self.counters.unsustained_steps += 1
+            paid = False
         self.observe(paid, num_running=num_running)
         return paid
+
+    @property
+    def sustained_gain(self) -> float | None:
+        """Realized Θ over plain decoding's across ``SUSTAIN_MEMORY`` request-steps of drafting since it last
+        (re)started; None before any outcome."""
+        return self._sustained.value
+
+    @property
+    def sustains(self) -> bool:
+        """Whether drafting clears plain decoding by ``sustain_margin`` over the sustained window (class docstring,
+        "Break-even drafting"); True until the window has seen ``SUSTAIN_MEMORY`` request-steps, and always with a
+        margin of 0."""
+        value = self._sustained.value
+        if self.sustain_margin <= 0 or value is None or self._sustained_requests < SUSTAIN_MEMORY:
+            return True
+        return value >= 1.0 + self.sustain_margin
 
     @property
     def probe_wait(self) -> int:

@@ -37,6 +37,7 @@ SEED_KEYS: dict[str, str] = {
     "dspark_saturation_patience": "saturation_patience",
     "dspark_resume_every": "resume_every",
     "dspark_probe_tax": "probe_tax",
+    "dspark_sustain_margin": "sustain_margin",
     "dspark_probe_scout": "probe_scout",
     "dspark_sts_refit_interval": "sts_refit_interval",
     "dspark_draft_catchup_tokens": "draft_catchup_tokens",
@@ -65,6 +66,9 @@ class DsparkVllmSettings:
     resume_every: int = 16
     # The share of paused time that probes may spend (core.saturation); None keeps the core's default.
     probe_tax: float | None = None
+    # How far drafting must clear plain decoding over a longer window to go on (core.saturation, "Break-even
+    # drafting"); None keeps the core's default, 0 judges by the short window alone.
+    sustain_margin: float | None = None
     # Varlen (no effect in mask mode): a dear probe's first step drafts and verifies nothing, and the probe is
     # judged from the step planned on the confidences it recorded, not on a plan that verifies every draft
     # (core.saturation, "Scouts").
@@ -117,6 +121,8 @@ class DsparkVllmSettings:
         _integer(f"{w}.resume_every", self.resume_every, 1)
         if self.probe_tax is not None:
             _number(f"{w}.probe_tax", self.probe_tax, 0.0, 1.0, lo_open=True)
+        if self.sustain_margin is not None:
+            _number(f"{w}.sustain_margin", self.sustain_margin, 0.0, 1.0)
         _integer(f"{w}.sts_refit_interval", self.sts_refit_interval, 1)
         _integer(f"{w}.draft_catchup_tokens", self.draft_catchup_tokens, 0)
         if self.overhead_ms is not None:
@@ -189,6 +195,7 @@ class DsparkVllmSettings:
             saturation_patience=self.saturation_patience,
             resume_every=self.resume_every,
             **({} if self.probe_tax is None else {"probe_tax": self.probe_tax}),
+            **({} if self.sustain_margin is None else {"sustain_margin": self.sustain_margin}),
             # varlen only: mask's uniform batch computes every draft row whatever is verified (a mask server,
             # or a varlen one fallen back to mask for its attention backend, runs without scouts)
             probe_scout=self.probe_scout and self.mode == "varlen",

@@ -1099,14 +1099,16 @@ def build_manager_class(base: type) -> type:
                       + (f" ({u.deferred_prompt_tokens} of prompts deferred)" if u.defer_prompts else "")
                       + (f", {u.truncated} truncated" if u.truncated else ""))
             last = "none" if c.last_probe is None else c.last_probe.describe()
+            sustained = self.saturation.sustained_gain
             logger.info("dspark: saturation: drafting %d / paused %d decisions (%d left the next step plain); "
-                        "pauses %d, resumes %d, probes [%s], %d scouts; "
+                        "pauses %d, resumes %d, probes [%s], %d scouts; sustained gain %s (%d steps short of the "
+                        "sustain margin); "
                         "due probes held %d steps by the probe tax, %d to time their load, %d while the load "
                         "climbed; last probe: %s; drafting/paused step time over priced, by load [%s]; draft K/V "
                         "while paused: %s; paused step time over priced, by load [%s]; prefill steps, time over "
                         "priced, by load: %s; outcome waits %d, %.1f ms", self._decisions[True],
                         self._decisions[False], self._plain_after_pause, c.pauses, c.resumes, probes or "none", c.scout_steps,
-                        c.deferred_probe_steps,
+                        "n/a" if sustained is None else f"{sustained:.2f}x", c.unsustained_steps, c.deferred_probe_steps,
                         c.unmeasured_probe_steps, c.rising_probe_steps, last, quotients or "not measured yet", upkeep,
                         plain or "not measured yet", prefills, self._outcome_waits, self._outcome_wait_ms)
 
