@@ -503,9 +503,10 @@ def test_newcomers_ride_along_while_drafting_and_the_next_drafting_step_catches_
 ) -> None:
     """While drafting runs, a newcomer's prefill mixes as well: that step decodes one token for every running
     request and drafts nothing, and the drafting step after it feeds the draft the newcomer's prompt and the
-    token each running request gained. Such a catch-up is not what drafting costs: that step's time stays out
-    of the step-time calibration, and the next one's counts. Greedy outputs are plain decoding's, with and
-    without a capacity manager (verify-all drafts every step)."""
+    token each running request gained. Such a catch-up is what drafting costs (a paused server never runs the draft
+    over a prompt, and a closed loop's refills bring one after every uneven finish): that step's time is
+    calibrated as every other drafting step's. Greedy outputs are plain decoding's, with and without a capacity
+    manager (verify-all drafts every step)."""
     ps = prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)] * 6
     overrides: dict[str, object] = {"max_num_seqs": 6, "mixed_prefill": True}
@@ -552,7 +553,7 @@ def test_newcomers_ride_along_while_drafting_and_the_next_drafting_step_catches_
             assert kinds[i + 1] == "spec"  # the draft caught up there: every request drafted
     if engine.capacity is not None:
         after_mix = {i for i, kind in enumerate(kinds) if kind == "spec" and kinds[i - 1] == "mixed"}
-        assert after_mix and all((not c) == (i in after_mix) for i, c in calibrated)
+        assert after_mix <= {i for i, _ in calibrated} and all(c for _, c in calibrated)
     reference = make_engine(tiny_pair, num_speculative_tokens=0, draft=None, max_num_seqs=6)
     assert outs == dict(zip([f"r{i}" for i in range(6)], reference.generate(ps, params[0]), strict=True))
 

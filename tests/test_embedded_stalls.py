@@ -293,8 +293,11 @@ def test_saturation_evidence_is_exported_as_gauges_and_kept_per_cell(pair: TinyP
         label = str(lo) if lo == hi else f"{lo}-{hi}"
         assert m[("dspark:drafting_cost_scale", (("engine", "0"), ("load", label), ("model_name", "tiny")))] == pytest.approx(value)
     assert m[("dspark:saturation_realized_gain", (("engine", "0"), ("model_name", "tiny")))] == pytest.approx(stats.realized_gain)
+    assert stats.sustained_gain is not None  # the saturation policy's long window, beside it
+    assert m[("dspark:saturation_sustained_gain", (("engine", "0"), ("model_name", "tiny")))] == pytest.approx(
+        stats.sustained_gain)
     gauges = dspark_gauges(parse_prometheus(text))
-    assert "saturation_realized_gain" in gauges and "kv_blocks_free" in gauges
+    assert {"saturation_realized_gain", "saturation_sustained_gain", "kv_blocks_free"} <= set(gauges)
     assert not any(k.startswith("kernel_compiles") for k in gauges)  # counters are deltas, not gauges
     engine.close()
 
@@ -322,6 +325,7 @@ def test_what_the_saturation_policy_did_reaches_metrics_as_counters(pair: TinyPa
     assert m[("dspark:saturation_resumes_total", base)] == sat.resumes
     assert m[("dspark:saturation_probe_steps_total", base)] == sat.probe_steps
     assert m[("dspark:saturation_scout_steps_total", base)] == sat.scout_steps
+    assert m[("dspark:saturation_unsustained_steps_total", base)] == sat.unsustained_steps
     assert m[("dspark:saturation_deferred_probe_steps_total", base)] == sat.deferred_probe_steps
     assert m[("dspark:saturation_unmeasured_probe_steps_total", base)] == sat.unmeasured_probe_steps
     assert m[("dspark:saturation_rising_probe_steps_total", base)] == sat.rising_probe_steps

@@ -132,6 +132,7 @@ class EngineStats:
     # curve per load bucket (StepTimeCalibration.quotients) and the windowed realized gain over plain decoding.
     drafting_cost_scale: dict[int, float] = field(default_factory=dict)
     realized_gain: float | None = None
+    sustained_gain: float | None = None
     # What the saturation policy did (pauses, resumes, probes by trigger and verdict): the policy's own record.
     saturation: SaturationCounters | None = None
     # Every step's wall time (ms, cumulative) and count by kind (STEP_KINDS), always on: what a step of each
@@ -295,7 +296,8 @@ class LLMEngine:
         # pauses, resumes, the last judged probe: _log_saturation logs each change
         self._saturation_seen: tuple[int, int, ProbeVerdict | None] = (0, 0, None)
         # The draft is behind where the last drafting step was a sampled probe (others' drafts wait on a resume)
-        # or a mixed step admitted prompts: the next full drafting step's catch-up is not what drafting costs.
+        # or a mixed step admitted prompts while drafting was paused: the next full drafting step's catch-up is not
+        # what drafting costs (a mixed step's while drafting runs is: _mixed_step).
         self._draft_behind = False
         if self.num_spec > 0 and config.capacity.mode != "none":
             self.sps_curve = file_curve or self._profile_curve()
@@ -477,9 +479,13 @@ class LLMEngine:
         self._admit(new, draft=False)
         for seq in decoding:
             seq.num_computed_tokens = seq.num_tokens
-        # The next full drafting step feeds the draft these prompts: not what drafting costs (kept out of the
-        # step-time calibration, as a sampled probe's deferred catch-up is).
-        self._draft_behind = self._draft_behind or self.num_spec > 0
+        # The next full drafting step feeds the draft these prompts. While drafting runs that catch-up is what
+        # drafting costs -- a paused server never runs the draft over them, and in a closed loop every refill
+        # after uneven progress brings one -- so that step is calibrated as any other: kept out, the catch-ups
+        # (144 of 845 drafting steps at 64 requests on an H100, docs/PERFORMANCE.md section 48) made drafting look
+        # cheaper than it was. While paused the probe that resumes pays it, and a probe's steps are kept out.
+        paused = self.capacity is not None and not self.capacity.drafting_enabled
+        self._draft_behind = self._draft_behind or (self.num_spec > 0 and paused)
         return self._sample_and_emit(seqs, logits, clock)
 
     def _decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
@@ -674,6 +680,7 @@ class LLMEngine:
         if pending.drafting:
             self.stats.drafting_cost_scale = capacity.step_times.quotients()
             self.stats.realized_gain = capacity.realized_gain
+            self.stats.sustained_gain = capacity.saturation.sustained_gain
 
     def _start_host_copy(self, packed: Tensor) -> Tensor:
         """Start copying a drafting step's ``packed`` outputs to the host (CUDA: into a pinned buffer, with an event
@@ -717,9 +724,11 @@ class LLMEngine:
         if c.pauses == pauses and c.resumes == resumes and c.last_probe is probe:
             return
         self._saturation_seen = (c.pauses, c.resumes, c.last_probe)
-        gain = sat.realized_gain
+        gain, sustained = sat.realized_gain, sat.sustained_gain
         state = (f"at {num_reqs} requests, {self.stats.num_decode_steps} decode steps in; realized gain "
-                 f"{'n/a' if gain is None else f'{gain:.2f}'}x plain decoding")
+                 f"{'n/a' if gain is None else f'{gain:.2f}'}x plain decoding "
+                 f"({'n/a' if sustained is None else f'{sustained:.2f}'}x sustained, "
+                 f"{c.unsustained_steps} steps short of the sustain margin)")
         if c.last_probe is not probe and c.last_probe is not None:
             log.info("saturation: %s", c.last_probe.describe())
         if c.pauses != pauses:

@@ -214,6 +214,7 @@ class MetricsSnapshot:
     full_gc_s: float = 0.0
     drafting_cost_scale: Mapping[int, float] = field(default_factory=dict)  # load bucket -> quotient
     realized_gain: float | None = None
+    sustained_gain: float | None = None  # the same over the saturation policy's longer window
     # Saturation policy (capacity modes only): pauses, resumes, probe steps, due probes the tax held back,
     # and probes by (trigger, verdict).
     saturation: Mapping[str, int] = field(default_factory=dict)
@@ -248,6 +249,7 @@ class MetricsSnapshot:
             **_stall_fields(getattr(stats, "stalls", None)),
             drafting_cost_scale={int(b): float(v) for b, v in (getattr(stats, "drafting_cost_scale", {}) or {}).items()},
             realized_gain=_optional_float(getattr(stats, "realized_gain", None)),
+            sustained_gain=_optional_float(getattr(stats, "sustained_gain", None)),
             step_s={str(k): float(v) / 1e3 for k, v in dict(getattr(stats, "step_ms", {}) or {}).items()},
             steps_by_kind={str(k): int(v) for k, v in dict(getattr(stats, "steps", {}) or {}).items()},
             phase_s=_phase_fields(getattr(stats, "phase_ms", None)),
@@ -284,7 +286,7 @@ def _saturation_fields(counters: object) -> dict[str, object]:
     return {
         "saturation": {name: int(getattr(counters, name, 0))
                        for name in ("pauses", "resumes", "probe_steps", "scout_steps", "deferred_probe_steps",
-                                    "unmeasured_probe_steps", "rising_probe_steps")},
+                                    "unmeasured_probe_steps", "rising_probe_steps", "unsustained_steps")},
         "saturation_probes": {(str(t), str(v)): int(n) for (t, v), n in dict(getattr(counters, "probes", {})).items()},
     }
 
@@ -440,6 +442,9 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
         _family(lines, "dspark:saturation_scout_steps_total", "counter",
                 "Probe steps that were scouts (dspark_probe_scout): drafted, verified nothing, judged no probe.",
                 [(base, snap.saturation.get("scout_steps", 0))])
+        _family(lines, "dspark:saturation_unsustained_steps_total", "counter",
+                "Drafting steps that paid on the short window but fell short of the sustain margin on the long one.",
+                [(base, snap.saturation.get("unsustained_steps", 0))])
         _family(lines, "dspark:saturation_deferred_probe_steps_total", "counter",
                 "Paused steps on which a probe was due but the probe tax held it back.",
                 [(base, snap.saturation.get("deferred_probe_steps", 0))])
@@ -483,6 +488,11 @@ def render_metrics(snap: MetricsSnapshot, model_name: str, num_speculative_token
         _family(lines, "dspark:saturation_realized_gain", "gauge",
                 "Windowed realized throughput of drafting steps over plain decoding's (> 1: drafting pays).",
                 [(base, snap.realized_gain)])
+    if snap.sustained_gain is not None:
+        _family(lines, "dspark:saturation_sustained_gain", "gauge",
+                "Realized throughput of drafting over plain decoding's across the saturation policy's long window "
+                "(drafting goes on while it clears the sustain margin).",
+                [(base, snap.sustained_gain)])
     return "\n".join(lines) + "\n"
 
 
