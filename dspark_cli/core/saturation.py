@@ -81,7 +81,7 @@ PROBE_MARGIN = 1.05
 # whose losing and paying steps alternate so that no run of ``patience`` losing steps comes. What the step's
 # verdict does not price makes break-even drafting a loss: requests that advance unevenly finish apart, and their
 # successors arrive one by one, each admitted in a mixed step that drafts nothing, with a catch-up after it. On an
-# H100 (Llama-3-8B shape, 64 requests, docs/PERFORMANCE.md section 48) drafting judged at 1.0-1.02 ran the whole
+# H100 (Llama-3-8B shape, 64 requests, docs/PERFORMANCE.md section 48) drafting judged at about 1.0 ran the whole
 # cell, 144 mixed steps against no speculation's 45, and lost 7.4% to it. Below PROBE_MARGIN, so that a resume
 # has room before the rule can pause it again.
 SUSTAIN_MARGIN = 0.03
