@@ -89,11 +89,12 @@ SERVING_SUFFIXES: dict[str, tuple[str, str]] = {
 # "+taxP" / "+sustainP" (a drafting config, last before any "#N", each once): the server's probe tax or sustain
 # margin at P percent (`dspark_probe_tax` / `dspark_sustain_margin` in `--speculative-config`), so one matrix can
 # read a setting against the default in paired rounds.
-SETTING_SUFFIX = re.compile(r"\+(tax|sustain)(\d+(?:\.\d+)?)$")
-SETTING_SUFFIXES: dict[str, tuple[str, bool]] = {  # suffix word: (speculative-config key, whether 0 is allowed)
-    "tax": ("dspark_probe_tax", False),
-    "sustain": ("dspark_sustain_margin", True),
+# suffix word: (speculative-config key, whether 0 is allowed, what a table's column header calls it)
+SETTING_SUFFIXES: dict[str, tuple[str, bool, str]] = {
+    "tax": ("dspark_probe_tax", False, "probe tax"),
+    "sustain": ("dspark_sustain_margin", True, "sustain margin"),
 }
+SETTING_SUFFIX = re.compile(rf"\+({'|'.join(SETTING_SUFFIXES)})(\d+(?:\.\d+)?)$")
 SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "dspark_cli.cli", "serve")
 
 
@@ -141,7 +142,7 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
         settings: dict[str, float] = {}
         while (match := SETTING_SUFFIX.search(base)) is not None:
             word, percent = match.group(1), float(match.group(2))
-            key, zero_ok = SETTING_SUFFIXES[word]
+            key, zero_ok, _ = SETTING_SUFFIXES[word]
             if key in settings:
                 raise DsparkError(f"config {name!r} names +{word} twice")
             if not (0 <= percent < 100 if zero_ok else 0 < percent < 100):
@@ -150,13 +151,13 @@ def parse_configs(spec: str, sps_curve: str | None = None, common_args: Sequence
             settings[key] = percent / 100
             base = base[: match.start()]
         if settings:
-            flags = ", ".join(f"+{word}P" for word, (key, _) in SETTING_SUFFIXES.items() if key in settings)
+            flags = ", ".join(f"+{word}P" for word, (key, _, _) in SETTING_SUFFIXES.items() if key in settings)
             if base.split("+")[0] in ("nospec", "none"):
                 raise DsparkError(f"config {name!r}: {flags} is for configs that pause drafting (mask, varlen)")
             if "--speculative-config" in common_args:
                 raise DsparkError(f"config {name!r}: {flags} sets the server's --speculative-config, which --serve-args "
                                   f"already sets; put {', '.join(settings)} in that JSON instead")
-            extra = ("--speculative-config", orjson.dumps(dict(reversed(settings.items()))).decode())
+            extra = ("--speculative-config", orjson.dumps(settings).decode())
         while (suffix := next((sfx for sfx in SERVING_SUFFIXES if base.endswith(sfx)), None)) is not None:
             flag = SERVING_SUFFIXES[suffix][0]
             if flag in extra:

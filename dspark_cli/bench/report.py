@@ -21,7 +21,7 @@ from typing import Any
 from rich.table import Table
 
 from dspark_cli import __version__
-from dspark_cli.bench.matrix import SERVING_SUFFIXES, SETTING_SUFFIX, measurement_notes
+from dspark_cli.bench.matrix import SERVING_SUFFIXES, SETTING_SUFFIX, SETTING_SUFFIXES, measurement_notes
 from dspark_cli.fileio import atomic_write_json, atomic_write_text
 
 BASELINE = "none"
@@ -84,7 +84,7 @@ def header(config: str) -> str:
     if hash_ and base and replica.isdigit():
         return f"{header(base)} #{replica}"
     if (setting := SETTING_SUFFIX.search(config)) is not None and config not in PRETTY:
-        words = {"tax": "probe tax", "sustain": "sustain margin"}[setting.group(1)]
+        words = SETTING_SUFFIXES[setting.group(1)][2]
         return f"{header(config[: setting.start()])} + {words} {setting.group(2)}%"
     for suffix, (_, words) in SERVING_SUFFIXES.items():
         if config.endswith(suffix) and config not in PRETTY:
